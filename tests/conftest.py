@@ -8,3 +8,48 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray workers import worker classes defined in test modules by name: put tests/ and the repo on their path
+_here = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (_here, os.path.dirname(_here), os.environ.get("PYTHONPATH", "")) if p
+)
+
+import pytest  # noqa: E402
+
+# logical hardware of the shared local Ray used by the cluster tests
+LOCAL_RESOURCES = {"H800": 6, "H20": 6, "CPU": 8}
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray (127.0.0.1) per test session, declaring logical H800/H20 devices."""
+    import ray
+
+    from rollart.resource_manager.launcher import ensure_ray
+
+    job = ensure_ray(LOCAL_RESOURCES, job_id="rollart-tests")
+    yield job
+    ray.shutdown()
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    return tmp_path / "metadata.sqlite"
+
+
+@pytest.fixture
+def make_rm(ray_local, store_path):
+    """Build ResourceManagers that release their placement groups after the test."""
+    from rollart.resource_manager import ResourceManager
+
+    made = []
+
+    def make(pools, **kw):
+        kw.setdefault("store", store_path)
+        rm = ResourceManager(pools, **kw)
+        made.append(rm)
+        return rm
+
+    yield make
+    for rm in made:
+        rm.shutdown()

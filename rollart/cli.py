@@ -1,0 +1,144 @@
+"""The ``rollart`` command: ``--version``, ``status``, ``run``, ``serve``, ``bench``.
+
+Subcommands live in the modules that own them; this file only mounts them, importing each lazily so
+``rollart --version`` and ``rollart status`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+import rollart
+
+# bench name -> module with add_arguments(parser) and run(args) -> dict
+BENCHES: dict[str, str] = {
+    "reward-service": "benchmarks.reward_service",
+    "engine": "benchmarks.engine_throughput",
+    "env-async": "benchmarks.env_async",
+    "redundant-env": "benchmarks.redundant_env",
+    "queue-scheduling": "benchmarks.queue_scheduling",
+    "prompt-replication": "benchmarks.prompt_replication",
+    "async-train": "benchmarks.async_train",
+    "weight-sync": "benchmarks.weight_sync",
+}
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print jobs, pools, worker bindings and endpoints from the metadata store."""
+    from rollart.resource_manager.store import MetadataStore
+
+    store = MetadataStore(args.store)
+    state = {
+        "store": str(store.path),
+        "jobs": store.jobs(args.job),
+        "pools": store.pools(args.job),
+        "bindings": store.bindings(args.job),
+        "endpoints": store.endpoints(args.job),
+    }
+    for job in state["jobs"]:
+        job["driver_alive"] = job["ended_at"] is None and _pid_alive(job["driver_pid"])
+    if args.json:
+        print(json.dumps(state, indent=2, default=str))
+        return 0
+    console = Console()
+    console.print(f"metadata store: {store.path}")
+    for title, rows, cols in (
+        ("jobs", state["jobs"], ["job_id", "driver_pid", "driver_alive", "ray_address", "ended_at"]),
+        ("pools", state["pools"], ["job_id", "pool", "group_index", "hardware", "devices", "cpus", "state"]),
+        ("workers", state["bindings"], ["job_id", "cluster", "rank", "pool", "hardware", "node_id", "device_ids", "state"]),
+        ("endpoints", state["endpoints"], ["job_id", "cluster", "method", "url", "timeout_s", "retries"]),
+    ):
+        table = Table(title=title)
+        for c in cols:
+            table.add_column(c)
+        for r in rows:
+            table.add_row(*[str(r.get(c))[:16] if c == "node_id" else str(r.get(c)) for c in cols])
+        console.print(table)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    result = args.bench_run(args)
+    if getattr(args, "json", False):
+        print(json.dumps(result, default=str))
+    return 0
+
+
+def _add_bench(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that reproduce the seed figures")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, module in BENCHES.items():
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue  # benches of parts that are not installed
+        p = bench_sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None)
+        mod.add_arguments(p)
+        if not any(a.dest == "json" for a in p._actions):
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+        p.set_defaults(func=cmd_bench, bench_run=mod.run)
+
+
+def _optional(module: str, attr: str) -> Callable[[Any], None] | None:
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollart", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"rollart {rollart.__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command")
+
+    status = sub.add_parser("status", help="pools, workers and endpoints from the metadata store")
+    status.add_argument("--store", default=None, help="metadata store file (default $ROLLART_METADATA_DB or ~/.rollart/metadata.sqlite)")
+    status.add_argument("--job", default=None, help="only this job id")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(func=cmd_status)
+
+    for module, attr in (("rollart.pipeline_cli", "add_run_parser"), ("rollart.reward.cli", "add_serve_parser")):
+        add = _optional(module, attr)
+        if add is not None:
+            add(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

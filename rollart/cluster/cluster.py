@@ -1,0 +1,468 @@
+"""``Cluster``: spawn a worker class on a pool and act as its invocation proxy (seed 004 §5.2).
+
+Every method decorated with ``@register``, ``@hw_mapping`` or ``@register_serverless`` is bound onto
+the Cluster instance under the same name:
+
+- ``@register``: the call is planned by its dispatch mode, run on the ranks, collected.
+- ``@hw_mapping``: the call's ``tag_name`` picks the ordered hardware preference; the first hardware
+  type with a live worker serves it, the least-loaded one (fewest calls in flight) within that type.
+  A worker found dead is marked so and the call is routed to the next candidate.
+- ``@register_serverless``: the arguments are POSTed as JSON to the URL; nothing runs on a worker.
+
+Sync worker methods block and return the collected value unless ``blocking=False`` is passed (then
+a :class:`ClusterFuture`); ``async def`` worker methods always return an awaitable ``ClusterFuture``.
+``blocking`` is therefore a reserved keyword for exposed methods.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rollart.cluster.dispatch import collect, plan_calls
+from rollart.cluster.errors import NoLiveWorkerError, WorkerDiedError
+from rollart.cluster.future import ACTOR_GONE, ClusterFuture
+from rollart.cluster.methods import ExposedMethod, exposed_methods
+from rollart.cluster.worker import Worker, WorkerContext, host_class
+from rollart.decorators.specs import HwMappingSpec, ServerlessSpec
+from rollart.resource_manager.manager import ReservedGroup, ResourceManager
+from rollart.resource_manager.specs import ResourceSpecError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    """One rank: its actor, where it sits, and the load counters routing reads."""
+
+    rank: int
+    hardware: str
+    group: ReservedGroup
+    bundle_index: int
+    device_ids: tuple[int, ...]
+    actor: Any = None
+    alive: bool = False
+    node_id: str = ""
+    actor_name: str = ""
+    inflight: int = 0
+    served: int = 0
+
+
+class Cluster:
+    """A set of workers of one class on one pool, addressed as one object.
+
+    ``Cluster(name, worker_cls, resource_manager, pool=..., devices_per_worker=1, colocate_with=None)``
+    spawns ``devices / devices_per_worker`` workers per hardware group of the pool (ranks run group by
+    group in the pool's order). ``pool=None`` is for classes whose methods are all serverless.
+    ``worker_args``/``worker_kwargs`` go to the worker's ``__init__``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        worker_cls: type[Worker],
+        resource_manager: ResourceManager,
+        pool: str | None = None,
+        devices_per_worker: int = 1,
+        colocate_with: "Cluster | None" = None,
+        *,
+        worker_args: tuple = (),
+        worker_kwargs: dict[str, Any] | None = None,
+        max_concurrency: int | None = None,
+        ready_timeout_s: float = 300.0,
+    ):
+        if not isinstance(name, str) or not name:
+            raise ValueError("Cluster(name=...) must be a non-empty string")
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+            raise TypeError(f"Cluster({name!r}): worker_cls must subclass rollart.Worker, got {worker_cls!r}")
+        self.name = name
+        self.worker_cls = worker_cls
+        self.resource_manager = resource_manager
+        self.pool = pool
+        self.devices_per_worker = devices_per_worker
+        self.methods: dict[str, ExposedMethod] = exposed_methods(worker_cls)
+        self._lock = threading.Lock()
+        self._slots: list[_Slot] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._worker_args = tuple(worker_args)
+        self._worker_kwargs = dict(worker_kwargs or {})
+        self._colocate_with = colocate_with
+        self._is_async = any(m.is_async for m in self.methods.values() if m.serverless is None)
+        self._max_concurrency = max_concurrency or (1000 if self._is_async else 1)
+
+        self._plan_slots()  # every check runs before any actor exists
+        if pool is not None:
+            resource_manager.bind(name, pool, colocate_with.name if colocate_with else None)
+            try:
+                self._spawn_all(ready_timeout_s)
+            except BaseException:
+                self.shutdown()
+                raise
+        for m in self.methods.values():
+            self._bind_method(m)
+            if m.serverless is not None:
+                resource_manager.store.record_endpoint(
+                    resource_manager.job_id, name, m.name, m.serverless.url, m.serverless.timeout_s,
+                    m.serverless.retries,
+                )
+
+    # ------------------------------------------------------------------ planning and validation
+    def _plan_slots(self) -> None:
+        worker_methods = [m.name for m in self.methods.values() if m.serverless is None]
+        if self.pool is None:
+            if worker_methods:
+                raise ResourceSpecError(
+                    f"Cluster({self.name!r}, pool=None): methods {worker_methods} run on workers and need a pool; "
+                    "give pool=<name> (pool=None is only for classes whose methods are all @register_serverless)"
+                )
+            return
+        if not isinstance(self.devices_per_worker, int) or self.devices_per_worker < 1:
+            raise ResourceSpecError(f"Cluster({self.name!r}): devices_per_worker must be an integer >= 1")
+        groups = self.resource_manager.pool_groups(self.pool)
+        d = self.devices_per_worker
+        rank = 0
+        for rg in groups:
+            amount = rg.group.amount
+            if amount % d != 0:
+                unit = "cpus" if rg.group.hardware == "CPU" else "devices"
+                raise ResourceSpecError(
+                    f"pools.{self.pool}[{rg.index}].{unit}: {amount} {rg.group.hardware} {unit} cannot be split "
+                    f"into workers of devices_per_worker={d}; use a divisor of {amount} or change the pool"
+                )
+            for k in range(amount // d):
+                devices = tuple(range(k * d, (k + 1) * d))
+                self._slots.append(_Slot(rank, rg.group.hardware, rg, k * d, devices))
+                rank += 1
+        pool_hw = {s.hardware for s in self._slots}
+        for m in self.methods.values():
+            if m.hw_mapping is None:
+                continue
+            for tag, prefs in m.hw_mapping.mapping.items():
+                if not pool_hw.intersection(prefs):
+                    raise ResourceSpecError(
+                        f"{self.worker_cls.__name__}.{m.name}: @hw_mapping tag {tag!r} prefers {list(prefs)} but pool "
+                        f"{self.pool!r} has only {sorted(pool_hw)}; add one of them to the pool or to the mapping"
+                    )
+        if self._colocate_with is not None:
+            other = self._colocate_with
+            if other.pool != self.pool or other.devices_per_worker != d:
+                raise ResourceSpecError(
+                    f"Cluster({self.name!r}): colocate_with={other.name!r} runs on pool {other.pool!r} with "
+                    f"devices_per_worker={other.devices_per_worker}; colocation needs the same pool and devices_per_worker"
+                )
+
+    @property
+    def world_size(self) -> int:
+        return len(self._slots)
+
+    @property
+    def job_id(self) -> str:
+        return self.resource_manager.job_id
+
+    # ------------------------------------------------------------------ actors
+    def _actor_options(self, slot: _Slot) -> dict[str, Any]:
+        opts: dict[str, Any] = {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=slot.group.placement_group, placement_group_bundle_index=slot.bundle_index
+            ),
+            "max_concurrency": self._max_concurrency,
+            "name": f"{self.name}:{slot.rank}:{uuid.uuid4().hex[:6]}",
+        }
+        if self._colocate_with is None:
+            opts.update(slot.group.capacity.actor_resources())
+        else:
+            opts["num_cpus"] = 0  # a colocated worker shares the owner's bundle and takes nothing of it
+        return opts
+
+    def _start_actor(self, slot: _Slot) -> ray.ObjectRef:
+        ctx = WorkerContext(
+            cluster=self.name, job_id=self.job_id, rank=slot.rank, world_size=self.world_size,
+            pool=self.pool, hardware=slot.hardware, device_ids=slot.device_ids,
+        )
+        opts = self._actor_options(slot)
+        actor_cls = ray.remote(host_class(self.worker_cls))
+        slot.actor = actor_cls.options(**opts).remote(ctx, self._worker_args, self._worker_kwargs)
+        slot.actor_name = opts["name"]
+        return slot.actor._rollart_info.remote()
+
+    def _mark_started(self, slot: _Slot, info: dict[str, Any]) -> None:
+        slot.alive = True
+        slot.node_id = info["node_id"]
+        slot.device_ids = tuple(info["device_ids"])
+        self.resource_manager.store.record_binding(
+            self.job_id, self.name, slot.rank, self.pool, slot.hardware, slot.node_id, list(slot.device_ids),
+            slot.actor_name,
+        )
+
+    def _spawn_all(self, timeout_s: float) -> None:
+        pending = {slot.rank: self._start_actor(slot) for slot in self._slots}
+        for rank, ref in pending.items():
+            slot = self._slots[rank]
+            try:
+                info = ray.get(ref, timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise WorkerDiedError(self.name, rank, slot.hardware) from None
+            except ray.exceptions.RayError as err:
+                raise RuntimeError(
+                    f"worker {self.name}[rank {rank}] on {slot.hardware} failed to start: {err}"
+                ) from err
+            self._mark_started(slot, info)
+        log.info("cluster %s: %d workers on pool %s (%s)", self.name, self.world_size, self.pool,
+                 ", ".join(f"{s.hardware}" for s in self._slots))
+
+    def restart_worker(self, rank: int, timeout_s: float = 300.0) -> None:
+        """Replace the actor of ``rank`` (dead or alive) with a fresh one in the same placement bundle."""
+        slot = self._slot(rank)
+        try:
+            ray.kill(slot.actor, no_restart=True)
+        except Exception as err:  # already dead
+            log.debug("kill %s[%d]: %s", self.name, rank, err)
+        slot.alive = False
+        info = ray.get(self._start_actor(slot), timeout=timeout_s)
+        with self._lock:
+            slot.inflight = 0
+        self._mark_started(slot, info)
+        log.info("cluster %s: rank %d restarted on %s", self.name, rank, slot.hardware)
+
+    def health_check(self, timeout_s: float = 10.0) -> dict[int, bool]:
+        """Ping every worker; mark the unreachable ones dead. Returns rank → alive."""
+        refs = {s.rank: s.actor._rollart_ping.remote() for s in self._slots if s.actor is not None}
+        for rank, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except (ray.exceptions.GetTimeoutError, *ACTOR_GONE):
+                self._mark_dead(rank)
+        return {s.rank: s.alive for s in self._slots}
+
+    def shutdown(self) -> None:
+        """Kill this cluster's workers and free its pool binding (the pool stays reserved)."""
+        for slot in self._slots:
+            if slot.actor is not None:
+                try:
+                    ray.kill(slot.actor, no_restart=True)
+                except Exception as err:
+                    log.debug("kill %s[%d]: %s", self.name, slot.rank, err)
+                slot.alive = False
+                self.resource_manager.store.set_binding_state(self.job_id, self.name, slot.rank, "stopped")
+        if self.pool is not None:
+            self.resource_manager.unbind(self.name, self.pool)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ introspection
+    def _slot(self, rank: int) -> _Slot:
+        if not 0 <= rank < len(self._slots):
+            raise IndexError(f"{self.name}: rank {rank} out of range (world_size {self.world_size})")
+        return self._slots[rank]
+
+    @property
+    def workers(self) -> list[Any]:
+        """The Ray actor handles, rank order."""
+        return [s.actor for s in self._slots]
+
+    def hardware_of(self, rank: int) -> str:
+        return self._slot(rank).hardware
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Rank, hardware, node id, device ids and liveness of every worker."""
+        return [
+            {"rank": s.rank, "hardware": s.hardware, "node_id": s.node_id, "device_ids": list(s.device_ids),
+             "alive": s.alive}
+            for s in self._slots
+        ]
+
+    def load(self) -> dict[int, dict[str, int]]:
+        """Per rank: calls in flight and calls routed so far."""
+        with self._lock:
+            return {s.rank: {"inflight": s.inflight, "served": s.served} for s in self._slots}
+
+    def __getattr__(self, item: str) -> Any:
+        if item.startswith("_"):
+            raise AttributeError(item)
+        exposed = sorted(self.__dict__.get("methods", {}))
+        raise AttributeError(
+            f"cluster {self.__dict__.get('name')!r} has no method {item!r}; exposed methods are {exposed} "
+            "(decorate a worker method with @register, @hw_mapping or @register_serverless to expose it)"
+        )
+
+    def __repr__(self) -> str:
+        return f"Cluster({self.name!r}, {self.worker_cls.__name__}, pool={self.pool!r}, world_size={self.world_size})"
+
+    # ------------------------------------------------------------------ liveness
+    def _mark_dead(self, rank: int) -> None:
+        slot = self._slots[rank]
+        if slot.alive:
+            slot.alive = False
+            log.warning("cluster %s: worker rank %d on %s is dead", self.name, rank, slot.hardware)
+            self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, "dead")
+
+    def _dead(self, rank: int, err: BaseException) -> ray.ObjectRef:
+        self._mark_dead(rank)
+        raise WorkerDiedError(self.name, rank, self._slots[rank].hardware, err) from err
+
+    # ------------------------------------------------------------------ binding the proxies
+    def _bind_method(self, m: ExposedMethod) -> None:
+        if m.serverless is not None:
+            proxy = self._serverless_proxy(m, m.serverless)
+        elif m.hw_mapping is not None:
+            proxy = self._routed_proxy(m, m.hw_mapping)
+        else:
+            proxy = self._dispatch_proxy(m)
+        proxy.__name__ = m.name
+        proxy.__qualname__ = f"Cluster[{self.worker_cls.__name__}].{m.name}"
+        proxy.__doc__ = m.fn.__doc__
+        try:
+            params = list(inspect.signature(m.fn).parameters.values())[1:]
+            proxy.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            pass
+        setattr(self, m.name, proxy)
+
+    def _dispatch_proxy(self, m: ExposedMethod) -> Callable[..., Any]:
+        spec = m.register
+        assert spec is not None
+        qual = f"{self.name}.{m.name}"
+
+        def call(*args: Any, blocking: bool = True, **kwargs: Any) -> Any:
+            plan = plan_calls(spec, qual, self.world_size, args, kwargs)
+            targets = [r for r, c in enumerate(plan) if c is not None]
+            if len(targets) > 1:  # put shared arguments into the object store once, not once per rank
+                plan = _share_common_args(plan)
+            calls = []
+            for rank in targets:
+                slot = self._slots[rank]
+                if not slot.alive:
+                    raise WorkerDiedError(self.name, rank, slot.hardware)
+                a, kw = plan[rank]  # type: ignore[misc]
+                calls.append((rank, getattr(slot.actor, m.name).remote(*a, **kw)))
+            fut: ClusterFuture[Any] = ClusterFuture(calls, lambda res: collect(spec, res), self._dead)
+            if m.is_async or not blocking:
+                return fut
+            return fut.result()
+
+        return call
+
+    def _route(self, spec: HwMappingSpec, tag: str) -> _Slot:
+        prefs = spec.preference(tag)
+        with self._lock:
+            for hw in prefs:
+                live = [s for s in self._slots if s.hardware == hw and s.alive]
+                if live:
+                    slot = min(live, key=lambda s: (s.inflight, s.served, s.rank))
+                    slot.inflight += 1
+                    slot.served += 1
+                    return slot
+        raise NoLiveWorkerError(
+            f"cluster {self.name}: no live worker of {list(prefs)} for tag {tag!r}; restart workers with restart_worker(rank)"
+        )
+
+    def _submit_routed(self, slot: _Slot, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
+        ref = getattr(slot.actor, method).remote(*args, **kwargs)
+
+        def done(_: Any) -> None:
+            with self._lock:
+                slot.inflight = max(0, slot.inflight - 1)
+
+        ref.future().add_done_callback(done)
+        return ref
+
+    def _routed_proxy(self, m: ExposedMethod, spec: HwMappingSpec) -> Callable[..., Any]:
+        sig = inspect.signature(m.fn)
+
+        def call(*args: Any, blocking: bool = True, **kwargs: Any) -> Any:
+            try:
+                bound = sig.bind(None, *args, **kwargs)
+            except TypeError as err:
+                raise TypeError(f"{self.name}.{m.name}: {err}") from None
+            tag = bound.arguments.get("tag_name")
+            if not isinstance(tag, str):
+                raise TypeError(f"{self.name}.{m.name}: tag_name must be a string, got {tag!r}")
+            slot = self._route(spec, tag)
+
+            def reroute(rank: int, err: BaseException) -> tuple[int, ray.ObjectRef]:
+                self._mark_dead(rank)
+                try:
+                    nxt = self._route(spec, tag)
+                except NoLiveWorkerError as none_left:
+                    raise WorkerDiedError(self.name, rank, self._slots[rank].hardware, err) from none_left
+                log.info("%s.%s: rank %d died, tag %r rerouted to rank %d (%s)", self.name, m.name, rank, tag,
+                         nxt.rank, nxt.hardware)
+                return nxt.rank, self._submit_routed(nxt, m.name, args, kwargs)
+
+            fut: ClusterFuture[Any] = ClusterFuture(
+                [(slot.rank, self._submit_routed(slot, m.name, args, kwargs))], lambda res: res[0], reroute
+            )
+            if m.is_async or not blocking:
+                return fut
+            return fut.result()
+
+        return call
+
+    def _serverless_proxy(self, m: ExposedMethod, spec: ServerlessSpec) -> Callable[..., Any]:
+        from rollart.cluster.serverless import RetryPolicy, acall_serverless, call_serverless
+
+        sig = inspect.signature(m.fn)
+        self_name = next(iter(sig.parameters))
+        retry = RetryPolicy(retries=spec.retries, backoff_base_s=spec.backoff_base_s,
+                            backoff_max_s=spec.backoff_max_s)
+
+        def payload_of(args: tuple, kwargs: dict) -> dict[str, Any]:
+            try:
+                bound = sig.bind(None, *args, **kwargs)
+            except TypeError as err:
+                raise TypeError(f"{self.name}.{m.name}: {err}") from None
+            bound.apply_defaults()
+            return {k: v for k, v in bound.arguments.items() if k != self_name}
+
+        opts = {"timeout_s": spec.timeout_s, "retry": retry, "token_env": spec.token_env, "tenant": self.job_id}
+
+        def call(*args: Any, blocking: bool = True, **kwargs: Any) -> Any:
+            payload = payload_of(args, kwargs)
+            if m.is_async:
+                return acall_serverless(spec.url, payload, **opts)
+            if not blocking:
+                return self._pool_executor().submit(call_serverless, spec.url, payload, **opts)
+            return call_serverless(spec.url, payload, **opts)
+
+        return call
+
+    def _pool_executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix=f"{self.name}-serverless")
+            return self._executor
+
+
+def _share_common_args(plan: list[Any]) -> list[Any]:
+    """Replace arguments that are the same object for every rank by one object-store reference."""
+    live = [p for p in plan if p is not None]
+    first_args, first_kwargs = live[0]
+    shared_pos = {
+        i: ray.put(a) for i, a in enumerate(first_args)
+        if all(len(p[0]) > i and p[0][i] is a for p in live) and not isinstance(a, (int, float, str, bool, type(None)))
+    }
+    shared_kw = {
+        k: ray.put(v) for k, v in first_kwargs.items()
+        if all(p[1].get(k) is v for p in live) and not isinstance(v, (int, float, str, bool, type(None)))
+    }
+    out: list[Any] = []
+    for p in plan:
+        if p is None:
+            out.append(None)
+            continue
+        a, kw = p
+        out.append((
+            tuple(shared_pos.get(i, x) for i, x in enumerate(a)),
+            {k: shared_kw.get(k, v) for k, v in kw.items()},
+        ))
+    return out
+
+

@@ -1,0 +1,23 @@
+"""Errors a Cluster call can raise, each naming the cluster, rank and hardware involved."""
+
+from __future__ import annotations
+
+
+class ClusterError(RuntimeError):
+    """Base of the errors raised by a Cluster."""
+
+
+class WorkerDiedError(ClusterError):
+    """A worker actor is dead or unreachable; ``Cluster.restart_worker(rank)`` brings it back."""
+
+    def __init__(self, cluster: str, rank: int, hardware: str, cause: BaseException | None = None):
+        self.cluster, self.rank, self.hardware, self.cause = cluster, rank, hardware, cause
+        detail = f": {type(cause).__name__}" if cause is not None else ""
+        super().__init__(
+            f"worker {cluster}[rank {rank}] on {hardware} died{detail}; "
+            f"call {cluster}.restart_worker({rank}) to bring it back"
+        )
+
+
+class NoLiveWorkerError(ClusterError):
+    """No live worker of any hardware type a tag prefers is left to serve a routed call."""

@@ -1,0 +1,73 @@
+"""``ClusterFuture``: the result of a ``blocking=False`` Cluster call (or of any async-method call).
+
+``.result(timeout)`` blocks; ``await future`` suspends the caller's event loop. Either way the
+per-rank results are gathered in rank order and passed through the call's collect function; a dead
+worker surfaces as :class:`WorkerDiedError` naming the cluster, rank and hardware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Generator, Generic, TypeVar
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+T = TypeVar("T")
+
+ACTOR_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+class ClusterFuture(Generic[T]):
+    """Pending per-rank calls. ``on_dead(rank, err)`` converts a dead-actor error (and may reroute:
+    returning a new ``ObjectRef`` retries the call there)."""
+
+    def __init__(
+        self,
+        calls: list[tuple[int, ray.ObjectRef]],
+        collect: Callable[[list[Any]], T],
+        on_dead: Callable[[int, BaseException], ray.ObjectRef | tuple[int, ray.ObjectRef]],
+    ):
+        self._calls = calls
+        self._collect = collect
+        self._on_dead = on_dead
+
+    @property
+    def refs(self) -> list[ray.ObjectRef]:
+        return [ref for _, ref in self._calls]
+
+    @property
+    def ranks(self) -> list[int]:
+        return [rank for rank, _ in self._calls]
+
+    def done(self) -> bool:
+        ready, _ = ray.wait(self.refs, num_returns=len(self._calls), timeout=0)
+        return len(ready) == len(self._calls)
+
+    def _get_one(self, rank: int, ref: ray.ObjectRef, timeout: float | None) -> Any:
+        while True:
+            try:
+                return ray.get(ref, timeout=timeout)
+            except ACTOR_GONE as err:
+                rank, ref = self._retry(rank, err)
+
+    def _retry(self, rank: int, err: BaseException) -> tuple[int, ray.ObjectRef]:
+        nxt = self._on_dead(rank, err)  # raises WorkerDiedError when it cannot reroute
+        return nxt if isinstance(nxt, tuple) else (rank, nxt)
+
+    def result(self, timeout: float | None = None) -> T:
+        return self._collect([self._get_one(rank, ref, timeout) for rank, ref in self._calls])
+
+    async def _await_one(self, rank: int, ref: ray.ObjectRef) -> Any:
+        while True:
+            try:
+                return await ref
+            except ACTOR_GONE as err:
+                rank, ref = self._retry(rank, err)
+
+    async def _await_all(self) -> T:
+        values = await asyncio.gather(*(self._await_one(rank, ref) for rank, ref in self._calls))
+        return self._collect(list(values))
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self._await_all().__await__()

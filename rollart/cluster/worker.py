@@ -1,0 +1,88 @@
+"""``Worker``: the base class of every rollart worker; one Ray actor per rank (seed 004 §5.2)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Where a worker sits: set by the Cluster before the user's ``__init__`` runs."""
+
+    cluster: str
+    job_id: str
+    rank: int
+    world_size: int
+    pool: str | None
+    hardware: str
+    device_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+class _TaggedLogger(logging.LoggerAdapter):
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[{self.extra['tag']}] {msg}", kwargs
+
+
+class Worker:
+    """Base class of user workers.
+
+    Attributes set before ``__init__`` runs: ``rank``, ``world_size``, ``pool``, ``hardware`` (e.g.
+    ``"H800"``), ``device_ids`` (GPU ids where Ray assigned GPUs, otherwise the worker's logical device
+    slots in its pool) and ``logger`` (tagged with cluster, rank and hardware). Subclasses may define
+    ``__init__`` with their own arguments; the Cluster passes ``worker_args``/``worker_kwargs``.
+    """
+
+    rank: int
+    world_size: int
+    pool: str | None
+    hardware: str
+    device_ids: tuple[int, ...]
+    cluster_name: str
+    job_id: str
+    logger: logging.LoggerAdapter
+
+    def _rollart_bind(self, ctx: WorkerContext) -> None:
+        self.cluster_name = ctx.cluster
+        self.job_id = ctx.job_id
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
+        self.pool = ctx.pool
+        self.hardware = ctx.hardware
+        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+        self.device_ids = tuple(int(g) for g in gpu_ids) if gpu_ids else tuple(ctx.device_ids)
+        tag = f"{ctx.cluster} rank={ctx.rank}/{ctx.world_size} hw={ctx.hardware} dev={list(self.device_ids)}"
+        self.logger = _TaggedLogger(logging.getLogger(f"rollart.worker.{ctx.cluster}"), {"tag": tag})
+
+    def _rollart_info(self) -> dict[str, Any]:
+        """Placement facts the Cluster records in the metadata store."""
+        return {
+            "rank": self.rank,
+            "hardware": self.hardware,
+            "device_ids": list(self.device_ids),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        }
+
+    def _rollart_ping(self) -> int:
+        return self.rank
+
+
+def host_class(worker_cls: type[Worker]) -> type:
+    """A subclass of ``worker_cls`` whose constructor binds the context before the user's ``__init__``."""
+
+    def __init__(self: Any, ctx: WorkerContext, args: tuple, kwargs: dict) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        Worker._rollart_bind(self, ctx)
+        worker_cls.__init__(self, *args, **kwargs)
+
+    # a distinct qualname makes cloudpickle ship this class by value instead of looking up the user's
+    return type(
+        worker_cls.__name__,
+        (worker_cls,),
+        {"__init__": __init__, "__module__": worker_cls.__module__, "__qualname__": f"{worker_cls.__qualname__}.hosted"},
+    )

@@ -1,0 +1,65 @@
+"""Local launcher: join ``RAY_ADDRESS`` or start a local Ray on 127.0.0.1 that declares logical hardware.
+
+With no ``RAY_ADDRESS`` and no initialised Ray, rollart starts Ray bound to 127.0.0.1 and declares
+every hardware type of the config as the logical resource ``accelerator_type:<TYPE>`` (one unit per
+device), so every placement and routing path runs on a CPU-only machine (DESIGN.md, "Dependencies").
+A Ray the user already initialised is used as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import Mapping
+
+import ray
+
+from rollart.resource_manager.specs import CPU
+
+log = logging.getLogger(__name__)
+
+ACCEL_PREFIX = "accelerator_type:"
+
+
+def accelerator_resource(hardware: str) -> str:
+    """Ray's resource name of a hardware type: ``accelerator_type:<TYPE>``."""
+    return f"{ACCEL_PREFIX}{hardware}"
+
+
+def new_job_id() -> str:
+    return f"rollart-{uuid.uuid4().hex[:10]}"
+
+
+def ensure_ray(local_resources: Mapping[str, float] | None = None, job_id: str | None = None) -> str:
+    """Make sure Ray is up; return the job id (the Ray namespace).
+
+    ``local_resources`` (``{"H800": 4, "H20": 4, "CPU": 16}``) is what a locally started Ray declares.
+    """
+    if ray.is_initialized():
+        return ray.get_runtime_context().namespace or job_id or new_job_id()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    job_id = job_id or new_job_id()
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        log.info("joining the Ray cluster at %s as job %s", address, job_id)
+        ray.init(address=address, namespace=job_id, log_to_driver=True)
+        return job_id
+    resources = dict(local_resources or {})
+    cpus = resources.pop(CPU, None)
+    num_cpus = int(max(cpus or 0, os.cpu_count() or 1, 2))
+    custom = {accelerator_resource(hw): float(n) for hw, n in resources.items() if n > 0}
+    log.info("starting a local Ray on 127.0.0.1 (CPU=%s, %s) as job %s", num_cpus, custom, job_id)
+    ray.init(
+        num_cpus=num_cpus,
+        num_gpus=0,
+        resources=custom,
+        namespace=job_id,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                  "TOKENIZERS_PARALLELISM": "false"}},
+    )
+    return job_id

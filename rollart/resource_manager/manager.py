@@ -1,0 +1,183 @@
+"""``ResourceManager``: validate pools against the Ray cluster, reserve them as placement groups, and
+keep pools, bindings and endpoints in the metadata store (seed 004 §6, "Resource Manager").
+
+Invariants:
+- every check (spec shape, unknown hardware, over-subscription) runs before any placement group or
+  actor exists, and its error names the pool and the field;
+- each hardware group of a pool is one placement group of one-device (or one-CPU) bundles, so one
+  job's pools never take another job's devices;
+- a pool hosts one Cluster unless a second one asks to colocate with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from rollart.resource_manager.capacity import HardwareCapacity, read_capacity
+from rollart.resource_manager.launcher import ensure_ray
+from rollart.resource_manager.specs import CPU, HardwareGroup, PoolSpec, ResourceSpecError, parse_pools
+from rollart.resource_manager.store import MetadataStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReservedGroup:
+    """One hardware group of a pool, reserved as a placement group of ``group.amount`` bundles."""
+
+    pool: str
+    index: int
+    group: HardwareGroup
+    capacity: HardwareCapacity
+    placement_group: PlacementGroup
+    name: str
+
+
+@dataclass
+class PoolBinding:
+    """The cluster that owns a pool and the clusters colocated with it."""
+
+    owner: str
+    colocated: list[str] = field(default_factory=list)
+
+
+class ResourceManager:
+    """Owns the job's pools.
+
+    ``ResourceManager({"train": {"hardware": "H800", "devices": 2}, ...})`` validates and reserves at
+    once. ``local_resources`` (``{"H800": 4, "H20": 4, "CPU": 16}``) is what a locally started Ray
+    declares; by default exactly what the pools ask for. ``store`` is the SQLite metadata file
+    (default ``$ROLLART_METADATA_DB`` or ``~/.rollart/metadata.sqlite``).
+    """
+
+    def __init__(
+        self,
+        pools: Mapping[str, Any],
+        *,
+        job_id: str | None = None,
+        store: MetadataStore | str | Path | None = None,
+        local_resources: Mapping[str, float] | None = None,
+        ready_timeout_s: float = 60.0,
+    ):
+        self.specs: dict[str, PoolSpec] = parse_pools(pools)
+        if local_resources is None:
+            local_resources = self._resources_asked()
+        self.job_id = ensure_ray(local_resources, job_id)
+        self.store = store if isinstance(store, MetadataStore) else MetadataStore(store)
+        self.capacity = read_capacity()
+        self._validate()
+        self.groups: dict[str, list[ReservedGroup]] = {}
+        self.bindings: dict[str, PoolBinding] = {}
+        self._reserve(ready_timeout_s)
+
+    # ------------------------------------------------------------------ validation
+    def _resources_asked(self) -> dict[str, float]:
+        asked: dict[str, float] = {}
+        for spec in self.specs.values():
+            for g in spec.groups:
+                asked[g.hardware] = asked.get(g.hardware, 0) + g.amount
+        return asked
+
+    def _validate(self) -> None:
+        known = ", ".join(sorted(self.capacity)) or "nothing"
+        for spec in self.specs.values():
+            for i, g in enumerate(spec.groups):
+                if g.hardware not in self.capacity:
+                    where = f"pools.{spec.name}[{i}]" if len(spec.groups) > 1 else f"pools.{spec.name}"
+                    raise ResourceSpecError(
+                        f"{where}.hardware: {g.hardware!r} is not in the Ray cluster (it has {known}); "
+                        f"fix the name, or declare it under cluster.local_resources for a local run"
+                    )
+        for hw, need in self._resources_asked().items():
+            cap = self.capacity[hw]
+            if need > cap.available + 1e-9:
+                users = [s.name for s in self.specs.values() for g in s.groups if g.hardware == hw]
+                field_name = "cpus" if hw == CPU else "devices"
+                raise ResourceSpecError(
+                    f"pools {users} ask for {need:g} {hw} {field_name} but the cluster has {cap.available:g} "
+                    f"free of {cap.total:g}; lower pools.<name>.{field_name} or add {hw} hardware"
+                )
+
+    # ------------------------------------------------------------------ reservation
+    def _reserve(self, ready_timeout_s: float) -> None:
+        self.store.record_job(self.job_id, ray.get_runtime_context().gcs_address)
+        created: list[PlacementGroup] = []
+        try:
+            for spec in self.specs.values():
+                reserved = []
+                for i, g in enumerate(spec.groups):
+                    cap = self.capacity[g.hardware]
+                    name = f"rollart/{self.job_id}/{spec.name}/{i}"
+                    pg = placement_group([cap.bundle() for _ in range(g.amount)], strategy="PACK", name=name)
+                    created.append(pg)
+                    reserved.append(ReservedGroup(spec.name, i, g, cap, pg, name))
+                self.groups[spec.name] = reserved
+            ready = [pg.ready() for pg in created]
+            done, pending = ray.wait(ready, num_returns=len(ready), timeout=ready_timeout_s)
+            if pending:
+                raise ResourceSpecError(
+                    f"{len(pending)} placement group(s) could not be placed within {ready_timeout_s:.0f}s "
+                    "(free devices are split across nodes or taken meanwhile); free hardware or lower devices"
+                )
+        except BaseException:
+            for pg in created:
+                remove_placement_group(pg)
+            raise
+        for spec in self.specs.values():
+            for rg in self.groups[spec.name]:
+                self.store.record_pool(
+                    self.job_id, spec.name, rg.index, rg.group.hardware, rg.group.devices, rg.group.cpus, rg.name
+                )
+        log.info("job %s reserved pools %s", self.job_id, {n: s.hardware_types for n, s in self.specs.items()})
+
+    # ------------------------------------------------------------------ binding (used by Cluster)
+    def pool_groups(self, pool: str) -> list[ReservedGroup]:
+        if pool not in self.groups:
+            raise ResourceSpecError(f"pool={pool!r} is not a pool of this ResourceManager (pools: {list(self.groups)})")
+        return self.groups[pool]
+
+    def bind(self, cluster: str, pool: str, colocate_with: str | None) -> None:
+        """Record that ``cluster`` uses ``pool``; a second cluster must ask to colocate."""
+        self.pool_groups(pool)
+        current = self.bindings.get(pool)
+        if colocate_with is None:
+            if current is not None:
+                raise ResourceSpecError(
+                    f"pool {pool!r} already hosts cluster {current.owner!r}; pass colocate_with="
+                    f"<the {current.owner} Cluster> to share its devices, or give {cluster!r} its own pool"
+                )
+            self.bindings[pool] = PoolBinding(owner=cluster)
+            return
+        if current is None or (colocate_with != current.owner and colocate_with not in current.colocated):
+            raise ResourceSpecError(
+                f"colocate_with: cluster {colocate_with!r} does not run on pool {pool!r}; colocate on its own pool"
+            )
+        current.colocated.append(cluster)
+
+    def unbind(self, cluster: str, pool: str) -> None:
+        binding = self.bindings.get(pool)
+        if binding is None:
+            return
+        if binding.owner == cluster:
+            del self.bindings[pool]
+        elif cluster in binding.colocated:
+            binding.colocated.remove(cluster)
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        """Release every placement group and mark the job ended in the store."""
+        for groups in self.groups.values():
+            for rg in groups:
+                try:
+                    remove_placement_group(rg.placement_group)
+                except Exception as err:  # already gone with a dead cluster
+                    log.debug("placement group %s: %s", rg.name, err)
+        self.groups.clear()
+        self.bindings.clear()
+        self.store.end_job(self.job_id)

@@ -1,0 +1,140 @@
+"""Persistent metadata store (SQLite) of jobs, pools, worker bindings and service endpoints (seed 004 §6).
+
+Several jobs and drivers share one file; every row belongs to a job id (the Ray namespace). A
+restarted driver and ``rollart status`` read the same state back. WAL mode and a busy timeout let
+concurrent drivers write safely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+  job_id TEXT PRIMARY KEY, ray_address TEXT, driver_pid INTEGER, started_at REAL, ended_at REAL
+);
+CREATE TABLE IF NOT EXISTS pools (
+  job_id TEXT, pool TEXT, group_index INTEGER, hardware TEXT, devices INTEGER, cpus REAL,
+  placement_group TEXT, state TEXT, updated_at REAL,
+  PRIMARY KEY (job_id, pool, group_index)
+);
+CREATE TABLE IF NOT EXISTS bindings (
+  job_id TEXT, cluster TEXT, rank INTEGER, pool TEXT, hardware TEXT, node_id TEXT, device_ids TEXT,
+  actor_name TEXT, state TEXT, updated_at REAL,
+  PRIMARY KEY (job_id, cluster, rank)
+);
+CREATE TABLE IF NOT EXISTS endpoints (
+  job_id TEXT, cluster TEXT, method TEXT, url TEXT, timeout_s REAL, retries INTEGER, updated_at REAL,
+  PRIMARY KEY (job_id, cluster, method)
+);
+"""
+
+
+def default_store_path() -> Path:
+    """``$ROLLART_METADATA_DB``, else ``~/.rollart/metadata.sqlite``."""
+    env = os.environ.get("ROLLART_METADATA_DB")
+    return Path(env) if env else Path.home() / ".rollart" / "metadata.sqlite"
+
+
+class MetadataStore:
+    """Thin, typed access to the SQLite file. Every method opens its own short transaction."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None):
+        self.path = Path(path) if path is not None else default_store_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._conn() as db:
+            db.executescript(_SCHEMA)
+
+    @contextmanager
+    def _conn(self) -> Iterator[sqlite3.Connection]:
+        db = sqlite3.connect(self.path, timeout=30.0)
+        db.row_factory = sqlite3.Row
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            yield db
+            db.commit()
+        finally:
+            db.close()
+
+    # writes ---------------------------------------------------------------------------------------
+    def record_job(self, job_id: str, ray_address: str | None) -> None:
+        with self._conn() as db:
+            db.execute(
+                "INSERT INTO jobs(job_id, ray_address, driver_pid, started_at, ended_at) VALUES (?,?,?,?,NULL) "
+                "ON CONFLICT(job_id) DO UPDATE SET ray_address=excluded.ray_address, "
+                "driver_pid=excluded.driver_pid, started_at=excluded.started_at, ended_at=NULL",
+                (job_id, ray_address, os.getpid(), time.time()),
+            )
+
+    def end_job(self, job_id: str) -> None:
+        with self._conn() as db:
+            db.execute("UPDATE jobs SET ended_at=? WHERE job_id=?", (time.time(), job_id))
+            db.execute("UPDATE pools SET state='released', updated_at=? WHERE job_id=?", (time.time(), job_id))
+            db.execute("UPDATE bindings SET state='stopped', updated_at=? WHERE job_id=?", (time.time(), job_id))
+
+    def record_pool(
+        self, job_id: str, pool: str, group_index: int, hardware: str, devices: int | None,
+        cpus: float | None, placement_group: str, state: str = "reserved",
+    ) -> None:
+        with self._conn() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO pools VALUES (?,?,?,?,?,?,?,?,?)",
+                (job_id, pool, group_index, hardware, devices, cpus, placement_group, state, time.time()),
+            )
+
+    def record_binding(
+        self, job_id: str, cluster: str, rank: int, pool: str | None, hardware: str, node_id: str,
+        device_ids: list[int], actor_name: str, state: str = "alive",
+    ) -> None:
+        with self._conn() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO bindings VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (job_id, cluster, rank, pool, hardware, node_id, json.dumps(device_ids), actor_name, state,
+                 time.time()),
+            )
+
+    def set_binding_state(self, job_id: str, cluster: str, rank: int, state: str) -> None:
+        with self._conn() as db:
+            db.execute(
+                "UPDATE bindings SET state=?, updated_at=? WHERE job_id=? AND cluster=? AND rank=?",
+                (state, time.time(), job_id, cluster, rank),
+            )
+
+    def record_endpoint(self, job_id: str, cluster: str, method: str, url: str, timeout_s: float,
+                        retries: int) -> None:
+        with self._conn() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO endpoints VALUES (?,?,?,?,?,?,?)",
+                (job_id, cluster, method, url, timeout_s, retries, time.time()),
+            )
+
+    # reads ----------------------------------------------------------------------------------------
+    def _select(self, table: str, job_id: str | None) -> list[dict[str, Any]]:
+        with self._conn() as db:
+            if job_id is None:
+                rows = db.execute(f"SELECT * FROM {table}").fetchall()  # noqa: S608 (fixed table names)
+            else:
+                rows = db.execute(f"SELECT * FROM {table} WHERE job_id=?", (job_id,)).fetchall()  # noqa: S608
+        out = [dict(r) for r in rows]
+        for r in out:
+            if "device_ids" in r and isinstance(r["device_ids"], str):
+                r["device_ids"] = json.loads(r["device_ids"])
+        return out
+
+    def jobs(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        return self._select("jobs", job_id)
+
+    def pools(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        return self._select("pools", job_id)
+
+    def bindings(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        return self._select("bindings", job_id)
+
+    def endpoints(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        return self._select("endpoints", job_id)

@@ -1,0 +1,207 @@
+"""Cluster on a real local Ray: dispatch modes, async workers, tag routing with fallback, dead workers,
+restarts, colocation, and validation that fails before any actor exists."""
+
+import asyncio
+import os
+
+import pytest
+import ray
+import torch
+
+import rollart as ra
+from rollart.cluster.errors import NoLiveWorkerError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Trainer(ra.Worker):
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    def whoami(self, suffix: str) -> tuple:
+        return (self.rank, self.world_size, self.hardware, list(self.device_ids), self.pool, suffix)
+
+    @ra.register(dispatch=ra.Dispatch.ALL_TO_ALL)
+    def add(self, x: int, y: int) -> int:
+        return x + y + 100 * self.rank
+
+    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
+    def double(self, batch: ra.Batch) -> ra.Batch:
+        return ra.Batch({"x": batch["x"] * 2 * self.scale, "rank": [self.rank] * len(batch)})
+
+    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
+    def stats(self, batch: ra.Batch) -> dict:
+        return {"rows": len(batch)}
+
+    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
+    def leader(self) -> int:
+        return self.rank
+
+    @ra.register(dispatch=(lambda n, a, k: [((r * 10,), {}) for r in range(n)], lambda rs: sum(rs)))
+    def custom(self, x: int) -> int:
+        return x
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+    def not_exposed(self) -> None:
+        return None
+
+
+class Gen(ra.Worker):
+    def __init__(self):
+        self.arrived = 0
+        self.both_here = asyncio.Event()
+
+    @ra.hw_mapping({"FrozenLake": ["H800", "H20"], "*": ["H20", "H800"]})
+    async def generate(self, request: dict, tag_name: str) -> dict:
+        return {"hardware": self.hardware, "rank": self.rank, "echo": request["i"]}
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    async def rendezvous(self) -> int:
+        # completes only if two calls run concurrently on the same actor
+        self.arrived += 1
+        if self.arrived >= 2:
+            self.both_here.set()
+        await asyncio.wait_for(self.both_here.wait(), timeout=30)
+        return self.arrived
+
+
+def test_dispatch_modes(make_rm):
+    rm = make_rm({"train": {"hardware": "H800", "devices": 3}})
+    c = ra.Cluster("trainer", Trainer, rm, pool="train", worker_kwargs={"scale": 1.0})
+    assert c.world_size == 3
+    assert c.whoami("s") == [(r, 3, "H800", [r], "train", "s") for r in range(3)]
+    assert c.add([1, 2, 3], y=[10, 20, 30]) == [11, 122, 233]
+    assert c.leader() == 0
+    assert c.custom(0) == 0 + 10 + 20
+    fut = c.whoami("later", blocking=False)
+    assert isinstance(fut, ra.ClusterFuture) and fut.result(timeout=60)[2][5] == "later"
+    with pytest.raises(AttributeError, match="exposed methods are"):
+        c.not_exposed()
+
+
+def test_uneven_dp_split_concatenates_in_rank_order_without_padding(make_rm):
+    rm = make_rm({"train": {"hardware": "H800", "devices": 3}})
+    c = ra.Cluster("trainer", Trainer, rm, pool="train")
+    out = c.double(ra.Batch({"x": torch.arange(7.0)}))
+    assert out["x"].tolist() == [2.0 * i for i in range(7)]
+    assert out["rank"] == [0, 0, 0, 1, 1, 2, 2]
+    assert c.stats(ra.Batch({"x": torch.arange(2.0)})) == {"rows": [1, 1]}  # rank 2 had no rows: not called
+
+
+async def test_async_methods_run_concurrently_and_routes_by_tag(make_rm):
+    rm = make_rm({"rollout": [{"hardware": "H800", "devices": 2}, {"hardware": "H20", "devices": 2}]})
+    g = ra.Cluster("gen", Gen, rm, pool="rollout")
+    futs = [g.rendezvous(), g.rendezvous()]
+    results = await asyncio.gather(*futs)
+    assert all(r == [2, 2, 2, 2] for r in results)
+
+    outs = await asyncio.gather(*[g.generate({"i": i}, tag_name="FrozenLake") for i in range(8)])
+    assert {o["hardware"] for o in outs} == {"H800"} and [o["echo"] for o in outs] == list(range(8))
+    other = await g.generate({"i": 0}, tag_name="Sokoban")
+    assert other["hardware"] == "H20"
+    with pytest.raises(LookupError):
+        Gen_only_frozen = ra.hw_mapping({"FrozenLake": ["H800"]})(lambda self, r, tag_name: None)  # noqa: N806
+        Gen_only_frozen.__rollart_hw_mapping__.preference("Sokoban")
+
+
+async def test_least_loaded_worker_within_a_hardware_type(make_rm):
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 3}})
+    g = ra.Cluster("gen", Gen, rm, pool="rollout")
+    outs = await asyncio.gather(*[g.generate({"i": i}, tag_name="x") for i in range(9)])
+    counts = {r: sum(o["rank"] == r for o in outs) for r in range(3)}
+    assert counts == {0: 3, 1: 3, 2: 3}
+
+
+async def test_routing_falls_back_to_h20_when_h800_workers_are_killed(make_rm):
+    rm = make_rm({"rollout": [{"hardware": "H800", "devices": 2}, {"hardware": "H20", "devices": 2}]})
+    g = ra.Cluster("gen", Gen, rm, pool="rollout")
+    assert (await g.generate({"i": 0}, tag_name="FrozenLake"))["hardware"] == "H800"
+    for rank in (0, 1):
+        assert g.hardware_of(rank) == "H800"
+        ray.kill(g.workers[rank], no_restart=True)
+    outs = await asyncio.gather(*[g.generate({"i": i}, tag_name="FrozenLake") for i in range(4)])
+    assert {o["hardware"] for o in outs} == {"H20"} and [o["echo"] for o in outs] == [0, 1, 2, 3]
+    assert [p["alive"] for p in g.placement()] == [False, False, True, True]
+    g.restart_worker(0)
+    assert (await g.generate({"i": 9}, tag_name="FrozenLake")) == {"hardware": "H800", "rank": 0, "echo": 9}
+    for rank in (0, 2, 3):
+        ray.kill(g.workers[rank], no_restart=True)
+    g.health_check()
+    with pytest.raises(NoLiveWorkerError, match="no live worker"):
+        await g.generate({"i": 0}, tag_name="FrozenLake")
+
+
+def test_dead_worker_error_names_cluster_rank_and_hardware_and_restart(make_rm):
+    rm = make_rm({"train": {"hardware": "H20", "devices": 2}})
+    c = ra.Cluster("trainer", Trainer, rm, pool="train")
+    old = c.pid()
+    ray.kill(c.workers[1], no_restart=True)
+    with pytest.raises(ra.WorkerDiedError, match=r"trainer\[rank 1\] on H20 died") as info:
+        c.whoami("x")
+    assert (info.value.cluster, info.value.rank, info.value.hardware) == ("trainer", 1, "H20")
+    c.restart_worker(1)
+    new = c.pid()
+    assert new[0] == old[0] and new[1] != old[1]
+    assert c.whoami("y")[1] == (1, 2, "H20", [1], "train", "y")
+
+
+def test_colocation_shares_a_pool_only_when_asked(make_rm):
+    rm = make_rm({"train": {"hardware": "H800", "devices": 2}})
+    a = ra.Cluster("actor", Trainer, rm, pool="train")
+    with pytest.raises(ra.ResourceSpecError, match="already hosts cluster 'actor'; pass colocate_with"):
+        ra.Cluster("ref", Trainer, rm, pool="train")
+    b = ra.Cluster("ref", Trainer, rm, pool="train", colocate_with=a)
+    pa, pb = a.placement(), b.placement()
+    assert [(p["node_id"], p["device_ids"]) for p in pa] == [(p["node_id"], p["device_ids"]) for p in pb]
+    assert b.whoami("c")[1][3] == [1]
+
+
+def _rollart_actor_count() -> int:
+    return len(ray.util.list_named_actors(all_namespaces=True))
+
+
+def _placement_group_count() -> int:
+    return sum(1 for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED")
+
+
+@pytest.mark.parametrize(
+    "pools, message",
+    [
+        ({"train": {"hardware": "H100", "devices": 1}}, r"pools\.train\.hardware: 'H100' is not in the Ray cluster"),
+        ({"train": {"hardware": "H800", "devices": 99}}, r"ask for 99 H800 devices but the cluster has"),
+        ({"a": {"hardware": "H20", "devices": 4}, "b": {"hardware": "H20", "devices": 4}}, r"\['a', 'b'\] ask for 8 H20"),
+        ({"train": {"hardware": "H800"}}, r"pools\.train: hardware 'H800' needs \"devices\""),
+        ({"train": {"hardware": "H800", "devices": 0}}, r"pools\.train\.devices: Input should be greater than or equal to 1"),
+        ({"env": {"hardware": "CPU", "devices": 2}}, r"pools\.env: a CPU group takes \"cpus\""),
+        ({"r": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devcies": 1}]}, r"pools\.r\[1\]\.devcies: Extra inputs"),
+    ],
+)
+def test_resource_errors_are_raised_before_anything_is_created(ray_local, store_path, pools, message):
+    actors, pgs = _rollart_actor_count(), _placement_group_count()
+    with pytest.raises(ra.ResourceSpecError, match=message):
+        ra.ResourceManager(pools, store=store_path)
+    assert (_rollart_actor_count(), _placement_group_count()) == (actors, pgs)
+
+
+def test_cluster_errors_are_raised_before_any_actor(make_rm):
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 3}, "only800": {"hardware": "H800", "devices": 1}})
+    actors = _rollart_actor_count()
+    with pytest.raises(ra.ResourceSpecError, match=r"pools\.rollout\[0\]\.devices: 3 H20 devices cannot be split .*devices_per_worker=2"):
+        ra.Cluster("gen", Gen, rm, pool="rollout", devices_per_worker=2)
+
+    class Frozen(ra.Worker):
+        @ra.hw_mapping({"FrozenLake": ["H20"]})
+        async def generate(self, request: dict, tag_name: str) -> dict:
+            return {}
+
+    with pytest.raises(ra.ResourceSpecError, match=r"tag 'FrozenLake' prefers \['H20'\] but pool 'only800' has only \['H800'\]"):
+        ra.Cluster("gen", Frozen, rm, pool="only800")
+    with pytest.raises(ra.ResourceSpecError, match="need a pool"):
+        ra.Cluster("gen", Gen, rm, pool=None)
+    with pytest.raises(ra.ResourceSpecError, match="pool='nope' is not a pool"):
+        ra.Cluster("gen", Gen, rm, pool="nope")
+    assert _rollart_actor_count() == actors
