@@ -1,0 +1,186 @@
+"""HTTP transport of ``@register_serverless`` methods (seed 004 §4.3, §5.2).
+
+Wire protocol: the call POSTs a JSON object of the method's arguments by parameter name, with
+``Authorization: Bearer <token>`` when a token variable is configured, one ``Idempotency-Key`` reused
+by every retry of the call, and ``X-Rollart-Tenant: <job id>``. The answer is ``{"result": value, ...}``
+and the call returns ``value`` (a JSON object without ``"result"`` is returned whole).
+
+Retries: connection errors, timeouts, 5xx, 408 and 429 are retried with delay
+``min(backoff_max_s, backoff_base_s * 2**k) * (1 + U(-jitter, jitter))`` before attempt ``k + 1``;
+a ``Retry-After`` header (seconds or an HTTP date) replaces the computed delay, capped at
+``retry_after_max_s``. Any other 4xx fails at once with the server's message. When the retries run out
+:class:`ServerlessRetriesExhausted` is raised. No failure ever becomes a default value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import os
+import random
+import time
+import uuid
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUS = {408, 429}
+
+
+class ServerlessError(RuntimeError):
+    """A serverless call failed; ``status`` is the last HTTP status (None for transport errors)."""
+
+    def __init__(self, url: str, message: str, status: int | None = None, attempts: int = 1):
+        self.url, self.status, self.attempts, self.message = url, status, attempts, message
+        super().__init__(f"{url}: {message} (status {status}, {attempts} attempt(s))")
+
+
+class ServerlessRequestError(ServerlessError):
+    """The server refused the request (4xx other than 408/429): not retried."""
+
+
+class ServerlessRetriesExhausted(ServerlessError):
+    """Connection errors, timeouts, 5xx or 429 kept coming until the retries ran out."""
+
+
+class RetryPolicy(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    retries: int = Field(default=3, ge=0)
+    backoff_base_s: float = Field(default=0.2, ge=0)
+    backoff_max_s: float = Field(default=10.0, ge=0)
+    jitter: float = Field(default=0.5, ge=0, le=1)
+    retry_after_max_s: float = Field(default=60.0, ge=0)
+
+    def delay(self, attempt: int, retry_after: str | None = None) -> float:
+        """Seconds to wait before attempt ``attempt + 1`` (``attempt`` counts from 0)."""
+        if retry_after:
+            parsed = _parse_retry_after(retry_after)
+            if parsed is not None:
+                return min(parsed, self.retry_after_max_s)
+        base = min(self.backoff_max_s, self.backoff_base_s * (2**attempt))
+        return max(0.0, base * (1 + random.uniform(-self.jitter, self.jitter)))
+
+
+def _parse_retry_after(value: str) -> float | None:
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _headers(token_env: str | None, tenant: str | None, key: str) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+    if token_env:
+        token = os.environ.get(token_env)
+        if not token:
+            raise ServerlessRequestError(
+                "(not sent)", f"token_env={token_env!r} is not set in the environment; export it or drop token_env"
+            )
+        headers["Authorization"] = f"Bearer {token}"
+    if tenant:
+        headers["X-Rollart-Tenant"] = tenant
+    return headers
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+        if isinstance(body, dict) and "detail" in body:
+            return str(body["detail"])
+        return str(body)[:500]
+    except ValueError:
+        return resp.text[:500]
+
+
+def _decode(url: str, resp: httpx.Response, attempts: int) -> Any:
+    try:
+        body = resp.json()
+    except ValueError:
+        raise ServerlessError(url, f"answer is not JSON: {resp.text[:200]!r}", resp.status_code, attempts) from None
+    if isinstance(body, dict) and "result" in body:
+        return body["result"]
+    return body
+
+
+def _classify(url: str, resp: httpx.Response, attempt: int) -> str:
+    """'ok', 'retry' or raise for a final client error."""
+    if resp.status_code < 300:
+        return "ok"
+    if resp.status_code >= 500 or resp.status_code in RETRYABLE_STATUS:
+        return "retry"
+    raise ServerlessRequestError(url, _message(resp), resp.status_code, attempt + 1)
+
+
+def call_serverless(
+    url: str, payload: dict[str, Any], *, timeout_s: float, retry: RetryPolicy, token_env: str | None = None,
+    tenant: str | None = None, idempotency_key: str | None = None, client: httpx.Client | None = None,
+) -> Any:
+    """POST ``payload`` and return the decoded result, retrying as the module docstring says."""
+    headers = _headers(token_env, tenant, idempotency_key or uuid.uuid4().hex)
+    own = client is None
+    http = client or httpx.Client(timeout=timeout_s)
+    last_status: int | None = None
+    last_error = ""
+    try:
+        for attempt in range(retry.retries + 1):
+            retry_after = None
+            try:
+                resp = http.post(url, json=payload, headers=headers, timeout=timeout_s)
+                if _classify(url, resp, attempt) == "ok":
+                    return _decode(url, resp, attempt + 1)
+                last_status, last_error = resp.status_code, _message(resp)
+                retry_after = resp.headers.get("Retry-After")
+            except httpx.TransportError as err:  # connection refused/reset, timeouts
+                last_status, last_error = None, f"{type(err).__name__}: {err}"
+            if attempt < retry.retries:
+                delay = retry.delay(attempt, retry_after)
+                log.warning("serverless %s attempt %d failed (%s %s); retrying in %.2fs", url, attempt + 1,
+                            last_status, last_error, delay)
+                time.sleep(delay)
+    finally:
+        if own:
+            http.close()
+    raise ServerlessRetriesExhausted(url, last_error, last_status, retry.retries + 1)
+
+
+async def acall_serverless(
+    url: str, payload: dict[str, Any], *, timeout_s: float, retry: RetryPolicy, token_env: str | None = None,
+    tenant: str | None = None, idempotency_key: str | None = None, client: httpx.AsyncClient | None = None,
+) -> Any:
+    """The asyncio form of :func:`call_serverless`."""
+    headers = _headers(token_env, tenant, idempotency_key or uuid.uuid4().hex)
+    own = client is None
+    http = client or httpx.AsyncClient(timeout=timeout_s)
+    last_status: int | None = None
+    last_error = ""
+    try:
+        for attempt in range(retry.retries + 1):
+            retry_after = None
+            try:
+                resp = await http.post(url, json=payload, headers=headers, timeout=timeout_s)
+                if _classify(url, resp, attempt) == "ok":
+                    return _decode(url, resp, attempt + 1)
+                last_status, last_error = resp.status_code, _message(resp)
+                retry_after = resp.headers.get("Retry-After")
+            except httpx.TransportError as err:
+                last_status, last_error = None, f"{type(err).__name__}: {err}"
+            if attempt < retry.retries:
+                delay = retry.delay(attempt, retry_after)
+                log.warning("serverless %s attempt %d failed (%s %s); retrying in %.2fs", url, attempt + 1,
+                            last_status, last_error, delay)
+                await asyncio.sleep(delay)
+    finally:
+        if own:
+            await http.aclose()
+    raise ServerlessRetriesExhausted(url, last_error, last_status, retry.retries + 1)

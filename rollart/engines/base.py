@@ -1,0 +1,76 @@
+"""The inference engine interface every backend implements (seed 004 §5.3).
+
+The inference worker's loop drives an engine only through these calls, between which it applies
+ADD / ABORT / UPDATE commands: ``add_request`` queues a request, ``step`` runs one prefill or decode
+step for the running batch and returns the requests that finished in it, ``abort`` stops one and
+returns its partial output, ``update_weights`` swaps in a full state dict as a new version.
+
+Behaviour logprobs: ``output_logprobs[i]`` is ``log p(token_i)`` under the distribution the token was
+actually sampled from — the model's logits divided by the temperature, then restricted by top-k and
+top-p and renormalised (greedy decoding reports the log-softmax of the raw logits).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Literal, Mapping
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    """How to sample a continuation. ``temperature == 0`` is greedy; ``top_k <= 0`` disables top-k."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = -1
+    max_new_tokens: int = Field(default=32, ge=1)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = True
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    weight_version: int = 0
+
+
+class InferenceEngine(ABC):
+    """A step-driven generation backend."""
+
+    weight_version: int = 0
+
+    @abstractmethod
+    def add_request(self, request: EngineRequest) -> None: ...
+
+    @abstractmethod
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request; its partial output (tokens so far) or None if unknown."""
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the outputs of the requests that finished in it."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    @abstractmethod
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load a full state dict as ``version``; a bad one is refused and the old weights keep serving."""

@@ -1,0 +1,71 @@
+"""AsyncController: the rollout–train synchronisation protocol (seed 004 §5.3, Figure 8; seed 000 §4).
+
+Per training step the pipeline calls ``get_batch`` (blocking until ``batch_groups`` groups within the
+bound are in), trains, then ``suspend`` → ``model_update`` → ``resume``. Rollout keeps running while
+the trainer trains; only the weight swap pauses it. With ``alpha = 0`` generation of the next batch
+starts only after the new weights are in (synchronous training); with ``alpha = k`` it may run up to
+``k`` versions ahead, and every trajectory trained at version ``v`` began at a version ``>= v - k``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rollart.rollout.llm_proxy import LLMProxy
+from rollart.rollout.sample_buffer import Group
+from rollart.rollout.scheduler import RolloutScheduler
+
+
+class AsyncController:
+    def __init__(self, scheduler: RolloutScheduler, proxy: LLMProxy):
+        self.scheduler = scheduler
+        self.proxy = proxy
+        self.timings: dict[str, float] = {"rollout_wait_s": 0.0, "weight_sync_s": 0.0}
+
+    @property
+    def version(self) -> int:
+        return self.scheduler.version
+
+    @property
+    def alpha(self) -> int:
+        return self.scheduler.config.alpha
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    async def get_batch(self) -> list[Group]:
+        t0 = time.monotonic()
+        groups = await self.scheduler.get_batch()
+        self.timings["rollout_wait_s"] = time.monotonic() - t0
+        return groups
+
+    async def suspend(self) -> None:
+        await self.proxy.suspend()
+
+    async def resume(self) -> None:
+        await self.proxy.resume()
+
+    async def model_update(self, weights: Any, version: int) -> None:
+        """Push ``weights`` (a state dict or its ObjectRef) as ``version`` to every inference worker."""
+        await self.proxy.model_update(weights, version)
+        await self.scheduler.set_version(version)
+
+    async def model_update_from(self, channel: Any, version: int) -> None:
+        """Every inference worker fetches ``version`` from a weight channel (e.g. Mooncake)."""
+        await self.proxy.model_update_from(channel, version)
+        await self.scheduler.set_version(version)
+
+    async def sync_weights(self, weights: Any, version: int, channel: Any = None) -> None:
+        """``suspend → model_update → resume``, timed."""
+        t0 = time.monotonic()
+        await self.suspend()
+        if channel is None:
+            await self.model_update(weights, version)
+        else:
+            await self.model_update_from(channel, version)
+        await self.resume()
+        self.timings["weight_sync_s"] = time.monotonic() - t0
+
+    async def stop(self) -> None:
+        await self.scheduler.stop()

@@ -1,0 +1,234 @@
+"""EnvManager: one environment, one trajectory at a time (seed 004 §5.3, Figure 7; seed 000 §5.2).
+
+``reset → (generate → step)* → reward``, never waiting for other environments. Each action is sent
+to the shared LLMProxy with the whole history so far; the trajectory keeps every token with a loss
+mask (action tokens 1, observation tokens 0), per-token behaviour logprobs and policy versions,
+turn boundaries and the env's tag.
+
+Faults: ``reset`` is retried with exponential backoff; a ``step`` that keeps failing (an error or a
+timeout) ends the trajectory with ``status="failed"``; a reward that fails after its retries gives
+``status="reward_failed"``. Nothing is ever scored 0 in place of a failure, and the caller counts
+every status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import random
+import uuid
+from typing import Any, Awaitable, Callable, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from rollart.engines.base import SamplingParams
+from rollart.rollout.llm_proxy import LLMProxy
+from rollart.rollout.types import GenerateRequest, Trajectory
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[Trajectory], Awaitable[float] | float]
+
+
+class _Aborted(Exception):
+    """The episode was aborted by its owner."""
+
+
+class TextCodec(Protocol):
+    """Text ↔ token ids (a Hugging Face tokenizer satisfies it through :class:`HFCodec`)."""
+
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class HFCodec:
+    """Adapts a Hugging Face tokenizer: no special tokens added, eos stripped on decode."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class EnvManagerConfig(BaseModel):
+    """Fault handling of one EnvManager."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reset_retries: int = 3
+    reset_backoff_s: float = 0.05
+    reset_timeout_s: float = 60.0
+    step_retries: int = 1
+    step_timeout_s: float = 60.0
+    max_steps: int | None = None  # default: the env's own max_steps
+
+
+async def _call_env(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+    """Run an env method: awaited if it is a coroutine function, else in a worker thread; bounded."""
+    if inspect.iscoroutinefunction(fn):
+        return await asyncio.wait_for(fn(*args), timeout=timeout_s)
+    return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout=timeout_s)
+
+
+class EnvManager:
+    """Drives one env through the shared LLMProxy. ``version_fn()`` reads the current policy version
+    (stamped as the trajectory's ``start_version``)."""
+
+    def __init__(
+        self,
+        env: Any,
+        proxy: LLMProxy,
+        codec: TextCodec,
+        *,
+        sampling: SamplingParams | None = None,
+        reward_fn: RewardFn | None = None,
+        config: EnvManagerConfig | None = None,
+        version_fn: Callable[[], int] = lambda: 0,
+    ):
+        self.env = env
+        self.proxy = proxy
+        self.codec = codec
+        self.config = config or EnvManagerConfig()
+        base = sampling or SamplingParams()
+        max_new = getattr(env, "max_new_tokens", None) or base.max_new_tokens
+        stops = list(base.stop_token_ids)
+        if codec.eos_token_id is not None and codec.eos_token_id not in stops:
+            stops.append(codec.eos_token_id)
+        self.sampling = base.model_copy(update={"max_new_tokens": max_new, "stop_token_ids": stops})
+        self.reward_fn = reward_fn
+        self.version_fn = version_fn
+        self.tag: str = getattr(env, "tag", type(env).__name__)
+        self.current_request: str | None = None
+        self._env_call: asyncio.Task | None = None
+        self._aborting = False
+
+    async def _env(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+        """An env call that :meth:`abort` can cancel (a fail-slow env must not hold a finished round)."""
+        if self._aborting:
+            raise _Aborted()
+        self._env_call = asyncio.ensure_future(_call_env(fn, *args, timeout_s=timeout_s))
+        try:
+            return await self._env_call
+        except asyncio.CancelledError:
+            if self._aborting:
+                raise _Aborted() from None
+            raise
+        finally:
+            self._env_call = None
+
+    async def _reset(self, seed: int | None) -> tuple[str, dict]:
+        cfg = self.config
+        for attempt in range(cfg.reset_retries + 1):
+            try:
+                return await self._env(self.env.reset, seed, timeout_s=cfg.reset_timeout_s)
+            except _Aborted:
+                raise
+            except Exception as err:  # noqa: BLE001 — env faults of any kind are retried
+                if attempt == cfg.reset_retries:
+                    raise
+                delay = cfg.reset_backoff_s * (2**attempt) * (1 + random.random() * 0.5)
+                log.warning("%s reset failed (%s: %s); retry %d in %.2fs", self.tag, type(err).__name__, err,
+                            attempt + 1, delay)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def _step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        cfg = self.config
+        for attempt in range(cfg.step_retries + 1):
+            try:
+                return await self._env(self.env.step, action, timeout_s=cfg.step_timeout_s)
+            except _Aborted:
+                raise
+            except Exception:
+                if attempt == cfg.step_retries:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def run(self, seed: int | None = None, group_id: str = "", traj_id: str | None = None) -> Trajectory:
+        """One episode. Never raises for env or reward faults: they come back as the trajectory status."""
+        traj = Trajectory(traj_id=traj_id or uuid.uuid4().hex, group_id=group_id, tag=self.tag,
+                          start_version=self.version_fn())
+        self._aborting = False
+        try:
+            return await self._episode(traj, seed)
+        except _Aborted:
+            traj.status = "aborted"
+            return traj
+        finally:
+            self._aborting = False
+
+    async def _episode(self, traj: Trajectory, seed: int | None) -> Trajectory:
+        try:
+            obs, info = await self._reset(seed)
+        except _Aborted:
+            raise
+        except Exception as err:  # noqa: BLE001
+            traj.status, traj.error = "failed", f"reset: {type(err).__name__}: {err}"
+            return traj
+        traj.info["reset"] = info
+        self._append_observation(traj, obs)
+        traj.prompt_length = len(traj.token_ids)
+        max_steps = self.config.max_steps or getattr(self.env, "max_steps", 1)
+        for turn in range(max_steps):
+            if self._aborting:
+                raise _Aborted()
+            self.current_request = f"{traj.traj_id}:{turn}"
+            req = GenerateRequest(request_id=self.current_request, prompt_token_ids=list(traj.token_ids),
+                                  sampling=self.sampling)
+            out = await self.proxy.generate(req, self.tag)
+            self.current_request = None
+            traj.hardware.append(out.hardware)
+            start = len(traj.token_ids)
+            traj.token_ids += out.output_token_ids
+            traj.loss_mask += [1] * len(out.output_token_ids)
+            traj.logprobs += out.output_logprobs
+            traj.versions += out.token_versions
+            traj.turns.append((start, len(traj.token_ids)))
+            if out.finish_reason == "abort":
+                traj.status = "aborted"
+                return traj
+            action = self.codec.decode(out.output_token_ids)
+            try:
+                obs, reward, terminated, truncated, step_info = await self._step(action)
+            except _Aborted:
+                raise
+            except Exception as err:  # noqa: BLE001
+                traj.status, traj.error = "failed", f"step {turn}: {type(err).__name__}: {err}"
+                return traj
+            traj.env_return += float(reward)
+            traj.info.setdefault("steps", []).append(step_info)
+            if terminated or truncated:
+                break
+            self._append_observation(traj, obs)
+        traj.reward = traj.env_return
+        if self.reward_fn is not None:
+            try:
+                value = self.reward_fn(traj)
+                traj.reward = float(await value) if inspect.isawaitable(value) else float(value)
+            except Exception as err:  # noqa: BLE001 — a failed reward is never a silent 0
+                traj.reward, traj.status, traj.error = None, "reward_failed", f"{type(err).__name__}: {err}"
+        return traj
+
+    def _append_observation(self, traj: Trajectory, text: str) -> None:
+        ids = self.codec.encode(text)
+        traj.token_ids += ids
+        traj.loss_mask += [0] * len(ids)
+        traj.logprobs += [0.0] * len(ids)
+        traj.versions += [-1] * len(ids)
+
+    async def abort(self) -> None:
+        """End the episode in flight as ``aborted`` (redundant rollouts, staleness bound): its generation
+        is aborted (partial tokens kept) or its env call cancelled."""
+        self._aborting = True
+        if self._env_call is not None:
+            self._env_call.cancel()
+        if self.current_request is not None:
+            await self.proxy.abort([self.current_request])

@@ -1,0 +1,210 @@
+"""Inference worker: a command-driven loop over one engine (seed 004 §5.3, "LLMProxy").
+
+Between engine steps the loop applies the commands that arrived (ADD, ABORT, UPDATE of weights);
+when commands are pending none of them waits for a step, and a request that finishes in a step is
+answered at once (its caller's future resolves), without waiting for the rest of the batch.
+
+Invariants:
+- weights change only between steps and only with no request in the engine, so every token of one
+  engine segment comes from one weight version (an update preempts in-flight requests first);
+- a suspended worker answers in-flight requests with their partial tokens (``preempted=True``) and
+  holds new ones until ``resume``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import rollart as ra
+from rollart.engines.base import EngineRequest, RequestOutput
+from rollart.rollout.engine_config import EngineConfig, build_engine
+from rollart.rollout.types import GenerateOutput, GenerateRequest
+
+
+@dataclass
+class _Pending:
+    request: GenerateRequest
+    future: asyncio.Future
+    version: int
+    added_at: float = field(default_factory=time.monotonic)
+
+
+class InferenceWorker(ra.Worker):
+    """Serves ``generate`` calls routed by tag. Subclass with ``@hw_mapping`` on ``generate`` (or use
+    :func:`inference_worker_class`) to choose the hardware per tag."""
+
+    def __init__(self, engine: EngineConfig | dict[str, Any] | None = None):
+        self.engine = build_engine(engine or EngineConfig())
+        self._commands: asyncio.Queue | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._resumed: asyncio.Event | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self.stats = {"requests": 0, "finished": 0, "aborted": 0, "preempted": 0, "output_tokens": 0,
+                      "steps": 0, "step_time_s": 0.0, "weight_updates": 0}
+
+    # ------------------------------------------------------------------ the loop
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None:
+            self._commands = asyncio.Queue()
+            self._resumed = asyncio.Event()
+            self._resumed.set()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        assert self._commands is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._commands.empty():
+                await self._apply(self._commands.get_nowait())
+            if self.engine.has_unfinished():
+                t0 = time.monotonic()
+                try:
+                    finished = await loop.run_in_executor(self._executor, self.engine.step)
+                except Exception as err:  # the engine broke: fail every caller, never hang them
+                    self.logger.exception("engine step failed")
+                    for rid in list(self._pending):
+                        self._fail(rid, err)
+                    continue
+                self.stats["steps"] += 1
+                self.stats["step_time_s"] += time.monotonic() - t0
+                for out in finished:
+                    self._finish(out, preempted=False)
+            else:
+                await self._apply(await self._commands.get())
+
+    async def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, pending = cmd
+            req = pending.request
+            self.engine.add_request(EngineRequest(request_id=req.request_id,
+                                                  prompt_token_ids=list(req.prompt_token_ids),
+                                                  params=req.sampling))
+        elif kind == "abort":
+            _, rids, preempt, done = cmd
+            n = 0
+            for rid in rids:
+                if rid in self._pending:
+                    out = self.engine.abort(rid)
+                    self._finish(out, preempted=preempt, rid=rid)
+                    n += 1
+            done.set_result(n)
+        elif kind == "update":
+            _, weights, version, done = cmd
+            for rid in list(self._pending):  # no request may straddle two weight versions
+                self._finish(self.engine.abort(rid), preempted=True, rid=rid)
+            try:
+                self.engine.update_weights(weights, version)
+            except Exception as err:
+                done.set_exception(err)
+                return
+            self.stats["weight_updates"] += 1
+            done.set_result(version)
+
+    def _finish(self, out: RequestOutput | None, *, preempted: bool, rid: str | None = None) -> None:
+        rid = rid or (out.request_id if out is not None else None)
+        pending = self._pending.pop(rid, None) if rid else None
+        if pending is None or pending.future.done():
+            return
+        tokens = list(out.output_token_ids) if out is not None else []
+        logprobs = list(out.output_logprobs) if out is not None else []
+        reason = out.finish_reason if out is not None and not preempted else "abort"
+        if preempted:
+            self.stats["preempted"] += 1
+        elif reason == "abort":
+            self.stats["aborted"] += 1
+        else:
+            self.stats["finished"] += 1
+        self.stats["output_tokens"] += len(tokens)
+        pending.future.set_result(GenerateOutput(
+            request_id=rid, output_token_ids=tokens, output_logprobs=logprobs,
+            token_versions=[pending.version] * len(tokens), finish_reason=reason or "abort",
+            hardware=self.hardware, rank=self.rank, preempted=preempted,
+        ))
+
+    def _fail(self, rid: str, err: BaseException) -> None:
+        pending = self._pending.pop(rid, None)
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(err)
+
+    # ------------------------------------------------------------------ exposed methods
+    async def generate(self, request: GenerateRequest, tag_name: str) -> GenerateOutput:
+        """Generate one continuation; answered as soon as it finishes (or is preempted/aborted)."""
+        self._ensure_loop()
+        assert self._resumed is not None and self._commands is not None
+        await self._resumed.wait()
+        if request.request_id in self._pending:
+            raise ValueError(f"request_id {request.request_id!r} is already running on this worker")
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        pending = _Pending(request, fut, self.engine.weight_version)
+        self._pending[request.request_id] = pending
+        self.stats["requests"] += 1
+        await self._commands.put(("add", pending))
+        return await fut
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    async def abort(self, request_ids: Sequence[str]) -> int:
+        """Abort these requests if they run here; their callers get the partial tokens."""
+        return await self._command_abort(list(request_ids), preempt=False)
+
+    async def _command_abort(self, rids: list[str], preempt: bool) -> int:
+        self._ensure_loop()
+        assert self._commands is not None
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        await self._commands.put(("abort", rids, preempt, done))
+        return await done
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    async def suspend(self) -> int:
+        """Stop generating: in-flight requests return their partial tokens (preempted); new ones wait."""
+        self._ensure_loop()
+        assert self._resumed is not None
+        self._resumed.clear()
+        return await self._command_abort(list(self._pending), preempt=True)
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    async def resume(self) -> int:
+        """Serve again; returns the engine's weight version."""
+        self._ensure_loop()
+        assert self._resumed is not None
+        self._resumed.set()
+        return self.engine.weight_version
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    async def update_weights(self, weights: Mapping[str, Any], version: int) -> int:
+        """Load a full state dict as ``version`` between two steps (in-flight requests are preempted)."""
+        self._ensure_loop()
+        assert self._commands is not None
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        await self._commands.put(("update", weights, version, done))
+        return await done
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    async def load_weights_from(self, channel: Any, version: int) -> int:
+        """Fetch ``version`` from a weight channel (ray / mooncake) and load it."""
+        weights = await asyncio.get_running_loop().run_in_executor(None, channel.fetch, version)
+        return await self.update_weights(weights, version)
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    async def metrics(self) -> dict[str, Any]:
+        return {"rank": self.rank, "hardware": self.hardware, "weight_version": self.engine.weight_version,
+                "running": len(self._pending), **self.stats}
+
+
+def inference_worker_class(mapping: Mapping[str, Sequence[str]], base: type[InferenceWorker] = InferenceWorker
+                           ) -> type[InferenceWorker]:
+    """An ``InferenceWorker`` subclass whose ``generate`` carries ``@hw_mapping(mapping)`` — the mapping
+    comes from the pipeline config (``tags: {FrozenLake: [H800, H20], "*": [H20, H800]}``)."""
+
+    async def generate(self: InferenceWorker, request: GenerateRequest, tag_name: str) -> GenerateOutput:
+        return await base.generate(self, request, tag_name)
+
+    generate.__doc__ = base.generate.__doc__
+    ra.hw_mapping(mapping)(generate)
+    return type("InferenceWorker", (base,), {"generate": generate, "__module__": __name__,
+                                             "__qualname__": "InferenceWorker.mapped"})

@@ -1,0 +1,62 @@
+"""SampleBuffer: complete trajectory groups with their version stamps (seed 004 §5.3, seed 000 §4.3).
+
+A group is the unit of a batch (GRPO normalises within it). ``get_batch`` blocks until ``n`` groups
+that satisfy the asynchronous bound are in: a group begun under version ``s`` is usable at version
+``v`` while ``v - s <= alpha``. Older groups are evicted and handed to ``on_stale`` so their prompts
+go back to the queue — nothing is lost. The buffer's size is bounded by the scheduler's admission
+control (seed 001: ``accepted + running <= (alpha + version + 1) * batch``), not by dropping data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Callable
+
+from rollart.rollout.types import Trajectory
+
+Group = list[Trajectory]
+
+
+class SampleBuffer:
+    def __init__(self, on_stale: Callable[[Group], None] | None = None):
+        self._groups: deque[Group] = deque()
+        self._cond = asyncio.Condition()
+        self._on_stale = on_stale
+        self.evicted_stale = 0
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    @staticmethod
+    def start_version(group: Group) -> int:
+        return min(t.start_version for t in group)
+
+    async def put(self, group: Group) -> None:
+        async with self._cond:
+            self._groups.append(group)
+            self._cond.notify_all()
+
+    def _evict_stale(self, version: int, alpha: int) -> None:
+        keep: deque[Group] = deque()
+        for g in self._groups:
+            if version - self.start_version(g) > alpha:
+                self.evicted_stale += 1
+                if self._on_stale is not None:
+                    self._on_stale(g)
+            else:
+                keep.append(g)
+        self._groups = keep
+
+    async def get_batch(self, n: int, version: int, alpha: int) -> list[Group]:
+        """The ``n`` oldest usable groups (FIFO), waiting for them; stale ones are evicted first."""
+        async with self._cond:
+            while True:
+                self._evict_stale(version, alpha)
+                if len(self._groups) >= n:
+                    return [self._groups.popleft() for _ in range(n)]
+                await self._cond.wait()
+
+    async def notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()

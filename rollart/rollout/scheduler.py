@@ -1,0 +1,226 @@
+"""Rollout scheduling over EnvManager groups: env-level asynchrony, redundant env rollouts, dynamic
+filtering and the admission control of the asynchronous bound (seed 000 §4.3, §5.1–5.2; seed 001).
+
+``num_env_groups`` groups of ``group_size`` EnvManagers each run rounds on their own, never waiting
+for other groups. In a round every member of a group plays the same seed; the round completes as soon
+as ``group_keep`` members have finished successfully, and the rest of the round is aborted (redundant
+rollouts: ``group_size > group_keep`` tolerates fail-slow/fail-stop envs inside a group,
+``num_env_groups > batch_groups`` across groups). A complete group goes to the SampleBuffer unless
+dynamic filtering drops it (all rewards equal: no learning signal). A round whose members fail too
+often to reach ``group_keep`` is counted and retried with the same seed.
+
+Admission (seed 001, "capacity"): a new round starts only while
+``accepted + running < (alpha + version + 1) * batch_groups + extra_groups``, so generation never runs
+more than ``alpha`` policy versions ahead; ``extra_groups = num_env_groups - batch_groups`` is the
+redundancy slack. When the version advances, running rounds begun more than ``alpha`` versions ago
+are aborted and their seeds retried (nothing is lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, deque
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from rollart.rollout.env_manager import EnvManager
+from rollart.rollout.sample_buffer import Group, SampleBuffer
+from rollart.rollout.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_env_groups: int = 8
+    group_size: int = 8
+    group_keep: int | None = None  # trajectories a group needs (default: group_size)
+    batch_groups: int = 8  # groups per training batch
+    alpha: int = 0  # asynchronous bound; 0 is synchronous
+    filter_zero_variance: bool = False
+    max_round_failures: int = 3  # a seed whose rounds fail this often is given up (and counted)
+    seed_offset: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutConfig":
+        keep = self.group_keep if self.group_keep is not None else self.group_size
+        if not 1 <= keep <= self.group_size:
+            raise ValueError(f"rollout.group_keep={keep} must be between 1 and group_size={self.group_size}")
+        if self.batch_groups > self.num_env_groups:
+            raise ValueError(
+                f"rollout.batch_groups={self.batch_groups} exceeds num_env_groups={self.num_env_groups}; "
+                "raise num_env_groups (more groups than the batch needs is redundancy) or lower batch_groups"
+            )
+        if self.alpha < 0:
+            raise ValueError("rollout.alpha must be >= 0 (0 is synchronous training)")
+        return self
+
+    @property
+    def keep(self) -> int:
+        return self.group_keep if self.group_keep is not None else self.group_size
+
+
+class _Round:
+    def __init__(self, group: int, index: int, seed: int, version: int):
+        self.group, self.index, self.seed, self.start_version = group, index, seed, version
+        self.aborted = False
+
+
+class RolloutScheduler:
+    """Runs the groups in the background of the caller's event loop."""
+
+    def __init__(
+        self,
+        groups: list[list[EnvManager]],
+        config: RolloutConfig,
+        seed_fn: Callable[[int, int], int] | None = None,
+    ):
+        if len(groups) != config.num_env_groups or any(len(g) != config.group_size for g in groups):
+            raise ValueError("RolloutScheduler: groups must be num_env_groups lists of group_size EnvManagers")
+        self.groups = groups
+        self.config = config
+        self.seed_fn = seed_fn or (lambda g, r: config.seed_offset + g * 1_000_003 + r)
+        self.version = 0
+        self.buffer = SampleBuffer(on_stale=self._requeue_group)
+        self.counts: Counter[str] = Counter()
+        self.accepted = 0  # groups accepted (buffer + consumed) since the start, minus evicted ones
+        self.running: dict[int, _Round] = {}
+        self._retry: dict[int, deque[int]] = {g: deque() for g in range(config.num_env_groups)}
+        self._next_round = [0] * config.num_env_groups
+        self._failures: Counter[tuple[int, int]] = Counter()
+        self._cond: asyncio.Condition | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self.completed_trajectories: list[Trajectory] = []  # every trajectory that ended, for metrics
+        self.staleness: Counter[int] = Counter()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._cond = asyncio.Condition()
+        self._tasks = [asyncio.get_running_loop().create_task(self._group_loop(g))
+                       for g in range(self.config.num_env_groups)]
+
+    async def stop(self) -> None:
+        """Abort every running round and end the group loops."""
+        self._stopping = True
+        await self._abort_rounds(lambda r: True)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    # ------------------------------------------------------------------ admission
+    def _capacity(self) -> int:
+        c = self.config
+        return (c.alpha + self.version + 1) * c.batch_groups + (c.num_env_groups - c.batch_groups)
+
+    async def _admit(self, group: int) -> None:
+        assert self._cond is not None
+        async with self._cond:
+            while self.accepted + len(self.running) >= self._capacity():
+                await self._cond.wait()
+
+    async def _notify(self) -> None:
+        assert self._cond is not None
+        async with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ rounds
+    def _requeue_group(self, group: Group) -> None:
+        g, r = (int(x) for x in group[0].group_id.split(":"))
+        self.accepted -= 1
+        self.counts["groups_evicted_stale"] += 1
+        self._retry[g].appendleft(r)
+
+    async def _group_loop(self, g: int) -> None:
+        while not self._stopping:
+            await self._admit(g)
+            r = self._retry[g].popleft() if self._retry[g] else self._take_round(g)
+            rnd = _Round(g, r, self.seed_fn(g, r), self.version)
+            self.running[g] = rnd
+            try:
+                kept = await self._run_round(rnd)
+            finally:
+                self.running.pop(g, None)
+            if kept is None:  # aborted (stale or stop) or failed: the same seed again
+                if not self._stopping:
+                    self._retry[g].appendleft(r)
+                await self._notify()
+                continue
+            if not kept:  # a seed given up after repeated failures: counted, nothing to train on
+                await self._notify()
+                continue
+            if self.config.filter_zero_variance and len({t.reward for t in kept}) == 1 and len(kept) > 1:
+                self.counts["groups_filtered"] += 1
+            else:
+                self.accepted += 1
+                self.counts["groups_accepted"] += 1
+                await self.buffer.put(kept)
+            await self._notify()
+
+    def _take_round(self, g: int) -> int:
+        r = self._next_round[g]
+        self._next_round[g] += 1
+        return r
+
+    async def _run_round(self, rnd: _Round) -> list[Trajectory] | None:
+        members = self.groups[rnd.group]
+        gid = f"{rnd.group}:{rnd.index}"
+        tasks = {asyncio.ensure_future(m.run(rnd.seed, gid, f"{gid}:{i}:v{rnd.start_version}")): m
+                 for i, m in enumerate(members)}
+        kept: list[Trajectory] = []
+        pending = set(tasks)
+        try:
+            while pending and len(kept) < self.config.keep:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    traj = t.result()
+                    self.counts[f"trajectories_{traj.status}"] += 1
+                    self.completed_trajectories.append(traj)
+                    if traj.status == "ok" and not rnd.aborted:
+                        kept.append(traj)
+        finally:
+            if pending:  # redundant members of a complete round, or the round was aborted
+                await asyncio.gather(*(tasks[t].abort() for t in pending))
+                for traj in await asyncio.gather(*pending, return_exceptions=True):
+                    if isinstance(traj, Trajectory):
+                        self.counts[f"trajectories_{traj.status}"] += 1
+                        if traj.status == "ok" and len(kept) < self.config.keep and not rnd.aborted:
+                            kept.append(traj)
+        if rnd.aborted:
+            self.counts["rounds_aborted"] += 1
+            return None
+        if len(kept) < self.config.keep:
+            self.counts["rounds_failed"] += 1
+            self._failures[(rnd.group, rnd.index)] += 1
+            if self._failures[(rnd.group, rnd.index)] >= self.config.max_round_failures:
+                self.counts["seeds_given_up"] += 1
+                log.warning("group %d seed round %d failed %d times; moving on", rnd.group, rnd.index,
+                            self.config.max_round_failures)
+                return []  # counted, not retried again
+            return None
+        return kept[: self.config.keep]
+
+    async def _abort_rounds(self, which: Callable[[_Round], bool]) -> None:
+        victims = [r for r in list(self.running.values()) if which(r)]
+        for rnd in victims:
+            rnd.aborted = True
+        await asyncio.gather(*(m.abort() for rnd in victims for m in self.groups[rnd.group]))
+
+    # ------------------------------------------------------------------ controller side
+    async def get_batch(self) -> list[Group]:
+        """``batch_groups`` groups within the asynchronous bound (blocking)."""
+        groups = await self.buffer.get_batch(self.config.batch_groups, self.version, self.config.alpha)
+        for grp in groups:
+            self.staleness[self.version - SampleBuffer.start_version(grp)] += 1
+        return groups
+
+    async def set_version(self, version: int) -> None:
+        """The policy advanced: abort rounds that can no longer be trained on, admit new ones."""
+        self.version = version
+        await self._abort_rounds(lambda r: version - r.start_version > self.config.alpha)
+        await self.buffer.notify()
+        await self._notify()

@@ -1,0 +1,88 @@
+"""Requests, outputs and trajectories exchanged by EnvManagers, the LLMProxy and inference workers."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollart.engines.base import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class GenerateRequest(BaseModel):
+    """One generation: a prompt in token ids and how to sample its continuation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+
+
+class GenerateOutput(BaseModel):
+    """What came back for a request. ``token_versions[i]`` is the policy version that produced token i
+    (a suspended request resumed under new weights mixes versions); ``hardware``/``rank`` say where."""
+
+    request_id: str
+    output_token_ids: list[int] = Field(default_factory=list)
+    output_logprobs: list[float] = Field(default_factory=list)
+    token_versions: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    hardware: str = ""
+    rank: int = -1
+    preempted: bool = False  # aborted by a suspend or weight update, not by its owner: to be continued
+
+    def extend(self, more: "GenerateOutput") -> "GenerateOutput":
+        """This output followed by the continuation ``more`` (after a suspend/resume)."""
+        return GenerateOutput(
+            request_id=self.request_id,
+            output_token_ids=self.output_token_ids + more.output_token_ids,
+            output_logprobs=self.output_logprobs + more.output_logprobs,
+            token_versions=self.token_versions + more.token_versions,
+            finish_reason=more.finish_reason,
+            hardware=more.hardware,
+            rank=more.rank,
+            preempted=more.preempted,
+        )
+
+
+TrajectoryStatus = Literal["ok", "failed", "aborted", "reward_failed"]
+
+
+class Trajectory(BaseModel):
+    """One episode as the trainer sees it (seed 004 §5.3, seed 003 §3).
+
+    ``token_ids`` is the whole interaction (prompt, actions, observations) with ``loss_mask`` 1 on
+    action tokens and 0 elsewhere; ``logprobs`` and ``versions`` hold the behaviour log-probability and
+    the policy version of each action token (0.0 and -1 elsewhere). ``prompt_length`` is the length of
+    the first prompt; ``turns`` the ``(start, end)`` spans of each action in ``token_ids``.
+    """
+
+    traj_id: str
+    group_id: str
+    tag: str
+    token_ids: list[int] = Field(default_factory=list)
+    loss_mask: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    versions: list[int] = Field(default_factory=list)
+    prompt_length: int = 0
+    turns: list[tuple[int, int]] = Field(default_factory=list)
+    reward: float | None = None
+    env_return: float = 0.0
+    start_version: int = 0
+    status: TrajectoryStatus = "ok"
+    error: str | None = None
+    hardware: list[str] = Field(default_factory=list)
+    info: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def min_version(self) -> int:
+        """The oldest policy version that produced any action token (``start_version`` if none)."""
+        vs = [v for v in self.versions if v >= 0]
+        return min(vs) if vs else self.start_version

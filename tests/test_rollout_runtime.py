@@ -1,0 +1,127 @@
+"""LLMProxy, inference workers, EnvManagers and the rollout scheduler on a real local Ray, with the
+simulated engine (no model): routing, suspend/resume, aborts, env faults, redundant collection."""
+
+import asyncio
+import threading
+
+import pytest
+
+from rollart.engines.base import SamplingParams
+from rollart.rollout.env_manager import EnvManager, EnvManagerConfig
+from rollart.rollout.llm_proxy import LLMProxy
+from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
+from rollart.rollout.types import GenerateRequest
+from rollout_fixtures import BrokenStepEnv, CharCodec, CountEnv, FlakyResetEnv, GatedEnv, simulated_cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def request(rid, n=8, prompt=(5, 6, 7)):
+    return GenerateRequest(request_id=rid, prompt_token_ids=list(prompt), sampling=SamplingParams(max_new_tokens=n))
+
+
+async def test_trajectories_are_routed_to_the_hardware_of_their_tag(make_rm):
+    rm = make_rm({"rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 2}]})
+    proxy = LLMProxy(simulated_cluster(rm, "rollout", {"Count": ["H800", "H20"], "*": ["H20", "H800"]}))
+    codec = CharCodec()
+
+    class OtherEnv(CountEnv):
+        tag = "Other"
+
+    managers = [EnvManager(CountEnv(), proxy, codec) for _ in range(3)] + \
+               [EnvManager(OtherEnv(), proxy, codec) for _ in range(3)]
+    trajs = await asyncio.gather(*(m.run(seed=i, group_id="g") for i, m in enumerate(managers)))
+    for t in trajs:
+        assert t.status == "ok" and t.reward == 2.0
+        assert set(t.hardware) == ({"H800"} if t.tag == "Count" else {"H20"})
+        # loss mask covers exactly the generated tokens; observations are masked out
+        assert len(t.token_ids) == len(t.loss_mask) == len(t.logprobs) == len(t.versions)
+        assert sum(t.loss_mask) == sum(e - s for s, e in t.turns) and len(t.turns) == 2
+        assert all(t.loss_mask[i] == 1 for s, e in t.turns for i in range(s, e))
+        assert t.token_ids[: t.prompt_length] == codec.encode(f"start {t.info['reset']['seed']}:")
+    by_hw = proxy.metrics()
+    assert by_hw["H800"]["requests"] == 6 and by_hw["H20"]["requests"] == 6
+
+
+async def test_suspend_keeps_partial_tokens_and_resume_continues_under_new_version(make_rm):
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 1}})
+    cluster = simulated_cluster(rm, "rollout", decode_base_s=0.01)
+    proxy = LLMProxy(cluster)
+    reference = await proxy.generate(request("ref", n=40), "x")
+    assert len(reference.output_token_ids) == 40 and set(reference.token_versions) == {0}
+
+    task = asyncio.ensure_future(proxy.generate(request("r1", n=40), "x"))
+    while (await cluster.metrics())[0]["steps"] < 40 + 3:  # r1 produced a few tokens under version 0
+        await asyncio.sleep(0.005)
+    await proxy.suspend()
+    await proxy.model_update({}, 1)
+    await proxy.resume()
+    out = await task
+    assert out.finish_reason == "length" and len(out.output_token_ids) == 40
+    assert out.output_token_ids == reference.output_token_ids  # same continuation, prefix recomputed
+    versions = out.token_versions
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+    assert (await cluster.metrics())[0]["preempted"] >= 1
+
+
+async def test_abort_returns_partial_tokens_and_the_rest_keep_going(make_rm):
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 1}})
+    cluster = simulated_cluster(rm, "rollout", decode_base_s=0.005)
+    proxy = LLMProxy(cluster)
+    victim = asyncio.ensure_future(proxy.generate(request("victim", n=200), "x"))
+    other = asyncio.ensure_future(proxy.generate(request("other", n=30), "x"))
+    while (await cluster.metrics())[0]["running"] < 2:
+        await asyncio.sleep(0.005)
+    await proxy.abort(["victim"])
+    v, o = await victim, await other
+    assert v.finish_reason == "abort" and 0 < len(v.output_token_ids) < 200
+    assert o.finish_reason == "length" and len(o.output_token_ids) == 30
+
+
+async def test_env_faults_fail_one_trajectory_without_stalling_the_rest(make_rm):
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 1}})
+    proxy = LLMProxy(simulated_cluster(rm, "rollout"))
+    codec = CharCodec()
+    cfg = EnvManagerConfig(reset_retries=2, reset_backoff_s=0.001, step_retries=1)
+    good = [EnvManager(CountEnv(), proxy, codec, config=cfg) for _ in range(4)]
+    broken = EnvManager(BrokenStepEnv(), proxy, codec, config=cfg)
+    flaky = EnvManager(FlakyResetEnv(failures=2), proxy, codec, config=cfg)
+    dead = EnvManager(FlakyResetEnv(failures=10), proxy, codec, config=cfg)
+    trajs = await asyncio.gather(*(m.run(seed=1) for m in [*good, broken, flaky, dead]))
+    assert [t.status for t in trajs] == ["ok"] * 4 + ["failed", "ok", "failed"]
+    assert "env server unreachable" in trajs[4].error and trajs[4].reward is None
+    assert "reset" in trajs[6].error and trajs[6].reward is None
+
+
+async def test_reward_failure_is_marked_never_zero(make_rm):
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 1}})
+    proxy = LLMProxy(simulated_cluster(rm, "rollout"))
+
+    async def failing_reward(traj):
+        raise ConnectionError("reward service down")
+
+    t = await EnvManager(CountEnv(), proxy, CharCodec(), reward_fn=failing_reward).run(seed=0)
+    assert t.status == "reward_failed" and t.reward is None and "reward service down" in t.error
+
+
+async def test_redundant_collection_stops_early_and_keeps_complete_groups(make_rm):
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 2}})
+    proxy = LLMProxy(simulated_cluster(rm, "rollout"))
+    codec = CharCodec()
+    gate = threading.Event()  # the slow env of every group never finishes until the test ends
+    groups = [[EnvManager(CountEnv(turns=1), proxy, codec) for _ in range(3)] +
+              [EnvManager(GatedEnv(gate), proxy, codec)] for _ in range(3)]
+    cfg = RolloutConfig(num_env_groups=3, group_size=4, group_keep=3, batch_groups=2, alpha=0)
+    sched = RolloutScheduler(groups, cfg)
+    sched.start()
+    try:
+        batch = await asyncio.wait_for(sched.get_batch(), timeout=60)
+    finally:
+        await sched.stop()
+        gate.set()
+    assert len(batch) == 2
+    for grp in batch:
+        assert len(grp) == 3 and all(t.status == "ok" and t.tag == "Count" for t in grp)
+        assert len({t.group_id for t in grp}) == 1 and len({t.traj_id for t in grp}) == 3
+        assert len({t.info["reset"]["seed"] for t in grp}) == 1  # a group plays one seed
+    assert sched.counts["trajectories_aborted"] >= 2  # the gated members were aborted, not waited for
