@@ -6,7 +6,9 @@ The public API (DESIGN.md, "The public API"): three decorators, ``Worker``, ``Cl
 
 from rollart.cluster import Batch, Cluster, ClusterFuture, Worker, WorkerDiedError
 from rollart.decorators import Dispatch, Execute, hw_mapping, register, register_serverless
+from rollart.engines.base import SamplingParams
 from rollart.resource_manager import ResourceManager, ResourceSpecError
+from rollart.rollout.types import GenerateOutput, GenerateRequest, Trajectory
 
 __version__ = "0.1.0"
 
@@ -16,8 +18,12 @@ __all__ = [
     "ClusterFuture",
     "Dispatch",
     "Execute",
+    "GenerateOutput",
+    "GenerateRequest",
     "ResourceManager",
     "ResourceSpecError",
+    "SamplingParams",
+    "Trajectory",
     "Worker",
     "WorkerDiedError",
     "__version__",
