@@ -147,6 +147,13 @@ class InferenceWorker(ra.Worker):
         await self._commands.put(("add", pending))
         return await fut
 
+    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
+    async def generate_batch(self, batch: ra.Batch) -> list[GenerateOutput]:
+        """Batch-level generation (a ``Batch`` with a ``requests`` column): every request of this rank's
+        share is added at once and the call returns when the last one finishes — the batched baseline
+        the trajectory-level path is compared against."""
+        return list(await asyncio.gather(*(self.generate(r, "*") for r in batch["requests"])))
+
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     async def abort(self, request_ids: Sequence[str]) -> int:
         """Abort these requests if they run here; their callers get the partial tokens."""

@@ -1,0 +1,120 @@
+"""Shared pieces of the time-scaled benchmarks: a local Ray with logical devices, an inference
+cluster on the simulated engine, latency-injected envs, and the JSON + PNG report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger("rollart.bench")
+
+
+class ScaledClock:
+    """Simulated seconds → real seconds (``scale`` real seconds per simulated second)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    async def sleep(self, sim_seconds: float) -> None:
+        if sim_seconds > 0:
+            await asyncio.sleep(sim_seconds * self.scale)
+
+    def to_sim(self, real_seconds: float) -> float:
+        return real_seconds / self.scale
+
+
+class ScriptedLatencyEnv:
+    """A multi-turn text env whose reset/step latencies (simulated seconds) come from a fixed script,
+    so two scheduling modes can be compared on the very same sampled latencies. ``None`` in the script
+    is a fail-stop (the call never returns); the env is async so thousands run on one event loop."""
+
+    tag = "Sim"
+    max_new_tokens = 2
+
+    def __init__(self, step_latencies: Sequence[float | None], clock: ScaledClock, reset_latency: float = 0.0):
+        self.script = list(step_latencies)
+        self.max_steps = len(self.script)
+        self.clock = clock
+        self.reset_latency = reset_latency
+        self.t = 0
+
+    async def reset(self, seed: int | None = None) -> tuple[str, dict]:
+        self.t = 0
+        await self.clock.sleep(self.reset_latency)
+        return "go:", {"seed": seed}
+
+    async def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        lat = self.script[self.t]
+        self.t += 1
+        if lat is None:
+            await asyncio.Event().wait()  # fail-stop: never returns (the caller's timeout or abort ends it)
+        await self.clock.sleep(lat)
+        done = self.t >= self.max_steps
+        return "ok:", float(done), done, False, {}
+
+
+class TinyCodec:
+    eos_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [2 + (ord(c) % 60) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "a" * len(ids)
+
+
+def start_inference(pools: dict, mapping: dict, engine_options: dict, name: str = "infer") -> Any:
+    """A ResourceManager + inference Cluster on the simulated engine (local Ray started if needed)."""
+    import rollart as ra
+    from rollart.rollout.inference_worker import inference_worker_class
+
+    rm = ra.ResourceManager(pools)
+    cluster = ra.Cluster(name, inference_worker_class(mapping), rm, pool=next(iter(pools)),
+                         worker_kwargs={"engine": {"kind": "simulated", "options": engine_options}})
+    return rm, cluster
+
+
+def write_report(out_dir: str | Path, name: str, result: dict[str, Any], bars: dict[str, float],
+                 ylabel: str, title: str) -> dict[str, Any]:
+    """``<out>/<name>.json`` and a bar chart ``<out>/<name>.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=float))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(list(bars), list(bars.values()), color=["#999999", "#3b7dd8", "#58a55c", "#d8843b"][: len(bars)])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    for i, v in enumerate(bars.values()):
+        ax.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=120)
+    plt.close(fig)
+    result["files"] = [str(out / f"{name}.json"), str(out / f"{name}.png")]
+    return result
+
+
+def add_common_arguments(p: argparse.ArgumentParser, out: str, time_scale: float = 0.05) -> None:
+    p.add_argument("--time-scale", type=float, default=time_scale,
+                   help="real seconds per simulated second (larger: less Ray call overhead relative to latencies)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=out, help="output folder for JSON and PNG")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def timed(fn: Any) -> Any:
+    async def wrapper(*a: Any, **k: Any) -> tuple[Any, float]:
+        t0 = time.monotonic()
+        r = await fn(*a, **k)
+        return r, time.monotonic() - t0
+
+    return wrapper
