@@ -118,3 +118,36 @@ def timed(fn: Any) -> Any:
         return r, time.monotonic() - t0
 
     return wrapper
+
+
+class StochasticLatencyEnv:
+    """A multi-turn env under the latency and failure model of seed 000 §5.2.2: each step takes
+    ``N(mean, std)`` simulated seconds (clipped at 0); each episode is fail-slow with probability
+    ``p_slow`` (every step ``slow_factor`` times longer) and fail-stop with probability ``p_stop`` (one
+    step never returns; the EnvManager's step timeout ends it). Draws come from ``rng`` per episode."""
+
+    tag = "Sim"
+    max_new_tokens = 2
+
+    def __init__(self, rng: Any, clock: ScaledClock, *, mean: float, std: float, turns: int,
+                 p_slow: float, slow_factor: float, p_stop: float):
+        self.rng, self.clock = rng, clock
+        self.mean, self.std, self.max_steps = mean, std, turns
+        self.p_slow, self.slow_factor, self.p_stop = p_slow, slow_factor, p_stop
+        self.t = 0
+        self.factor = 1.0
+        self.stop_at = -1
+
+    async def reset(self, seed: int | None = None) -> tuple[str, dict]:
+        self.t = 0
+        self.factor = self.slow_factor if self.rng.random() < self.p_slow else 1.0
+        self.stop_at = int(self.rng.integers(self.max_steps)) if self.rng.random() < self.p_stop else -1
+        return "go:", {"seed": seed}
+
+    async def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        if self.t == self.stop_at:
+            await asyncio.Event().wait()
+        await self.clock.sleep(max(0.0, float(self.rng.normal(self.mean, self.std))) * self.factor)
+        self.t += 1
+        done = self.t >= self.max_steps
+        return "ok:", float(done), done, False, {}
