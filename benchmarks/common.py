@@ -151,3 +151,29 @@ class StochasticLatencyEnv:
         self.t += 1
         done = self.t >= self.max_steps
         return "ok:", float(done), done, False, {}
+
+
+class SimVerifiableEnv:
+    """A single-turn verifiable task: the response's reward is 1 with a per-prompt probability (drawn
+    from ``Beta(a, b)`` by the prompt seed) and arrives after ``N(reward_mean, reward_std)`` simulated
+    seconds — a reward model or sandbox answering as soon as the response ends."""
+
+    tag = "Sim"
+    max_steps = 1
+
+    def __init__(self, clock: ScaledClock, rng: Any, *, max_new_tokens: int, reward_mean: float,
+                 reward_std: float, beta: tuple[float, float]):
+        self.clock, self.rng = clock, rng
+        self.max_new_tokens = max_new_tokens
+        self.reward_mean, self.reward_std, self.beta = reward_mean, reward_std, beta
+        self.p = 0.5
+
+    async def reset(self, seed: int | None = None) -> tuple[str, dict]:
+        import numpy as np
+
+        self.p = float(np.random.default_rng(seed).beta(*self.beta))
+        return f"q{seed}:", {"seed": seed}
+
+    async def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        await self.clock.sleep(max(0.0, float(self.rng.normal(self.reward_mean, self.reward_std))))
+        return "", float(self.rng.random() < self.p), True, False, {}

@@ -4,7 +4,8 @@ bookkeeping, no model. Each step sleeps for a prefill/decode latency model
     t_step = (decode_base_s + decode_per_seq_s * running + prefill_per_token_s * new_prompt_tokens) * time_scale
 
 and emits one token per running request. A request's output length is drawn from ``length_sampler``
-(seeded by the request's sampling seed, else its id) capped at ``max_new_tokens``; each token is a
+(or ``length_lognormal=(median, sigma)``), seeded by the request's sampling seed, else its id, and
+capped at ``max_new_tokens``; each token is a
 deterministic function of the previous token and the position, so a resumed request continues the
 same sequence.
 """
@@ -32,11 +33,17 @@ class SimulatedEngine(InferenceEngine):
         stop_token_id: int = 0,
         length_sampler: Callable[[random.Random], int] | None = None,
         max_batch_size: int = 1024,
+        length_lognormal: tuple[float, float] | None = None,
+        difficulty_from_first_token: float | None = None,
     ):
         self.decode_base_s, self.decode_per_seq_s = decode_base_s, decode_per_seq_s
         self.prefill_per_token_s, self.time_scale = prefill_per_token_s, time_scale
         self.vocab_size, self.stop_token_id = vocab_size, stop_token_id
+        if length_sampler is None and length_lognormal is not None:
+            median, sigma = length_lognormal
+            length_sampler = lambda rng: int(round(median * rng.lognormvariate(0.0, sigma)))  # noqa: E731
         self.length_sampler = length_sampler
+        self.difficulty_from_first_token = difficulty_from_first_token
         self.max_batch_size = max_batch_size
         self.weight_version = 0
         self._running: dict[str, tuple[EngineRequest, RequestOutput, int]] = {}
@@ -50,7 +57,11 @@ class SimulatedEngine(InferenceEngine):
         rng = random.Random(seed)
         target = request.params.max_new_tokens
         if self.length_sampler is not None:
-            target = max(1, min(target, int(self.length_sampler(rng))))
+            length = float(self.length_sampler(rng))
+            if self.difficulty_from_first_token and request.prompt_token_ids:
+                # per-prompt difficulty: the first prompt token scales the expected length
+                length *= request.prompt_token_ids[0] * self.difficulty_from_first_token
+            target = max(1, min(target, int(length)))
         out = RequestOutput(request.request_id, list(request.prompt_token_ids), weight_version=self.weight_version)
         self._running[request.request_id] = (request, out, target)
         self._new_prompt_tokens += len(request.prompt_token_ids)

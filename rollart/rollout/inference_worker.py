@@ -147,6 +147,17 @@ class InferenceWorker(ra.Worker):
         await self._commands.put(("add", pending))
         return await fut
 
+    async def generate_n(self, request: GenerateRequest, n: int, tag_name: str) -> list[GenerateOutput]:
+        """``n`` samples of one prompt as one request pinned to this worker (no prompt replication:
+        the samples cannot spread over workers). Sample ``i`` uses seed ``seed + i`` when a seed is set."""
+        reqs = []
+        for i in range(n):
+            sampling = request.sampling
+            if sampling.seed is not None:
+                sampling = sampling.model_copy(update={"seed": sampling.seed + i})
+            reqs.append(request.model_copy(update={"request_id": f"{request.request_id}#{i}", "sampling": sampling}))
+        return list(await asyncio.gather(*(self.generate(r, tag_name) for r in reqs)))
+
     @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
     async def generate_batch(self, batch: ra.Batch) -> list[GenerateOutput]:
         """Batch-level generation (a ``Batch`` with a ``requests`` column): every request of this rank's
@@ -211,7 +222,13 @@ def inference_worker_class(mapping: Mapping[str, Sequence[str]], base: type[Infe
     async def generate(self: InferenceWorker, request: GenerateRequest, tag_name: str) -> GenerateOutput:
         return await base.generate(self, request, tag_name)
 
+    async def generate_n(self: InferenceWorker, request: GenerateRequest, n: int, tag_name: str
+                         ) -> list[GenerateOutput]:
+        return await base.generate_n(self, request, n, tag_name)
+
     generate.__doc__ = base.generate.__doc__
+    generate_n.__doc__ = base.generate_n.__doc__
     ra.hw_mapping(mapping)(generate)
-    return type("InferenceWorker", (base,), {"generate": generate, "__module__": __name__,
+    ra.hw_mapping(mapping)(generate_n)
+    return type("InferenceWorker", (base,), {"generate": generate, "generate_n": generate_n, "__module__": __name__,
                                              "__qualname__": "InferenceWorker.mapped"})
