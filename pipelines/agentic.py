@@ -1,0 +1,225 @@
+"""The agentic / RLVR pipeline, built from Clusters (seed 004 §5.3, Figure 8).
+
+    rollout (EnvManagers → LLMProxy → inference Cluster) ──► SampleBuffer ──get_batch──► train Cluster
+                          ▲                                                                 │
+                          └──────────── suspend · model_update(weights, v+1) · resume ◄─────┘
+
+One class serves RLVR (single-turn verifiable tasks) and multi-turn agentic tasks, synchronous
+(``rollout.alpha = 0``) and asynchronous (``alpha >= 1``): rollout keeps running while the trainer
+trains; only the weight swap pauses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import rollart as ra
+from rollart.config import PipelineConfig
+from rollart.rollout.async_controller import AsyncController
+from rollart.rollout.env_manager import EnvManager, HFCodec
+from rollart.rollout.inference_worker import inference_worker_class
+from rollart.rollout.llm_proxy import LLMProxy
+from rollart.rollout.scheduler import RolloutScheduler
+from rollart.training.data import trajectories_to_batch
+from rollart.training.torch_strategy import TorchTrainWorker, free_port
+
+log = logging.getLogger(__name__)
+
+
+class AgenticPipeline:
+    def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
+        from envs import EnvSpec, make_env
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.out_dir = config.out_dir
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.progress = progress
+        model_path = config.model
+        if model_path is None:
+            from rollart.models import default_tiny_path
+
+            model_path = str(default_tiny_path(**config.tiny_model))
+        self.model_path = model_path
+        self.rm = ra.ResourceManager(config.pools, job_id=config.cluster.job_id, store=config.cluster.metadata_store,
+                                     local_resources=config.cluster.local_resources)
+        pool_hw = [g.hardware for g in self.rm.specs[config.rollout_pool].groups]
+        tags = {k: (v or pool_hw) for k, v in config.tags.items()}
+        engine = config.engine.model_copy(update={"model": config.engine.model or model_path})
+        self.infer = ra.Cluster("actor_infer", inference_worker_class(tags), self.rm, pool=config.rollout_pool,
+                                worker_kwargs={"engine": engine.model_dump()})
+        train_cfg = config.train.model_copy(update={"model": config.train.model or model_path})
+        self.train = ra.Cluster("actor_train", TorchTrainWorker, self.rm, pool=config.train_pool,
+                                worker_kwargs={"config": train_cfg.model_dump()})
+        self.train.setup_distributed("127.0.0.1", free_port())
+        self.proxy = LLMProxy(self.infer)
+        codec = HFCodec(AutoTokenizer.from_pretrained(model_path))
+        groups: list[list[EnvManager]] = []
+        for entry in config.envs:
+            spec = EnvSpec(name=entry.name, tag=entry.tag, max_steps=entry.max_steps,
+                           max_new_tokens=entry.max_new_tokens, kwargs=entry.kwargs)
+            for _ in range(entry.groups):
+                groups.append([EnvManager(make_env(spec), self.proxy, codec, sampling=config.sampling,
+                                          config=config.env_manager, version_fn=lambda: self.scheduler.version)
+                               for _ in range(config.rollout.group_size)])
+        self.scheduler = RolloutScheduler(groups, config.rollout, seed_fn=lambda g, r: config.seed * 7919 + g * 100_003 + r)
+        self.controller = AsyncController(self.scheduler, self.proxy)
+        self.start_step = 0
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        if resume:
+            self._resume()
+        elif self.metrics_path.exists():
+            self.metrics_path.unlink()
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out_dir / "checkpoint" / "last.pt"
+
+    def _scheduler_state(self) -> dict[str, Any]:
+        s = self.scheduler
+        # rounds in the buffer were generated but not trained on: they are generated again after a resume
+        retry = {g: list(q) for g, q in s._retry.items()}
+        for grp in list(s.buffer._groups):
+            g, r = (int(x) for x in grp[0].group_id.split(":"))
+            retry.setdefault(g, []).insert(0, r)
+        for g, rnd in s.running.items():
+            retry.setdefault(g, []).insert(0, rnd.index)
+        return {"next_round": list(s._next_round), "retry": retry, "counts": dict(s.counts)}
+
+    def _resume(self) -> None:
+        if not self.checkpoint_path.exists():
+            raise FileNotFoundError(f"--resume: no checkpoint at {self.checkpoint_path}; run without --resume first")
+        state = self.train.load_checkpoint(str(self.checkpoint_path))[0]
+        extra = state["extra"]
+        sched = extra["scheduler"]
+        self.scheduler._next_round = list(sched["next_round"])
+        for g, rounds in sched["retry"].items():
+            self.scheduler._retry[int(g)].extend(sorted(set(rounds)))
+        self.scheduler.counts.update(sched["counts"])
+        self.start_step = int(extra["step"]) + 1
+        self.consumed_before = extra.get("consumed", [])
+        version = int(state["version"])
+        ref, v = self.train.publish_weights()
+        asyncio.run(self._push(ref, v))
+        log.info("resumed from %s at step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
+
+    async def _push(self, ref: Any, version: int) -> None:
+        await self.proxy.model_update(ref, version)
+        self.scheduler.version = version
+
+    # ------------------------------------------------------------------ the loop
+    async def _run(self) -> list[dict[str, Any]]:
+        cfg = self.config
+        history: list[dict[str, Any]] = []
+        consumed: list[str] = list(getattr(self, "consumed_before", []))
+        self.controller.start()
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.start_step, desc=cfg.name, unit="step")
+        try:
+            for step in range(self.start_step, cfg.steps):
+                t0 = time.monotonic()
+                stale_before = Counter(self.scheduler.staleness)
+                groups = await self.controller.get_batch()
+                t_rollout = time.monotonic() - t0
+                staleness = Counter(self.scheduler.staleness) - stale_before
+                batch = trajectories_to_batch(groups)
+                t1 = time.monotonic()
+                train_metrics = await self.train.train_step(batch, blocking=False)
+                t_train = time.monotonic() - t1
+                ref, version = await self.train.publish_weights(blocking=False)
+                await self.controller.sync_weights(ref, version)
+                trajs = [t for g in groups for t in g]
+                consumed += [t.traj_id for t in trajs]
+                record = self._record(step, version, trajs, train_metrics, t_rollout, t_train,
+                                      self.controller.timings["weight_sync_s"], time.monotonic() - t0, staleness)
+                history.append(record)
+                with self.metrics_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=version)
+                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                    extra = {"step": step, "scheduler": self._scheduler_state(), "consumed": consumed}
+                    await self.train.save_checkpoint(str(self.checkpoint_path), extra, blocking=False)
+        finally:
+            if bar is not None:
+                bar.close()
+            await self.controller.stop()
+        return history
+
+    def _record(self, step: int, version: int, trajs: list, train_metrics: dict, t_rollout: float, t_train: float,
+                t_sync: float, t_step: float, staleness: Counter) -> dict[str, Any]:
+        by_tag: dict[str, list[float]] = defaultdict(list)
+        hw_by_tag: dict[str, Counter] = defaultdict(Counter)
+        for t in trajs:
+            by_tag[t.tag].append(float(t.reward))
+            for hw in t.hardware:
+                hw_by_tag[t.tag][hw] += 1
+        tokens = sum(t.num_action_tokens for t in trajs)
+        counts = self.scheduler.counts
+        rewards = [float(t.reward) for t in trajs]
+        return {
+            "step": step, "version": version,
+            "reward_mean": sum(rewards) / len(rewards),
+            "reward_by_tag": {k: sum(v) / len(v) for k, v in by_tag.items()},
+            "hardware_by_tag": {k: dict(v) for k, v in hw_by_tag.items()},
+            "time": {"step_s": t_step, "rollout_wait_s": t_rollout, "train_s": t_train, "weight_sync_s": t_sync},
+            "staleness": {str(k): v for k, v in sorted(staleness.items())},
+            "max_staleness": max((int(k) for k in staleness), default=0),
+            "tokens": tokens, "tokens_per_s": tokens / max(t_step, 1e-9),
+            "trajectories_aborted": counts.get("trajectories_aborted", 0),
+            "trajectories_failed": counts.get("trajectories_failed", 0),
+            "trajectories_reward_failed": counts.get("trajectories_reward_failed", 0),
+            "groups_evicted_stale": counts.get("groups_evicted_stale", 0),
+            "train": {k: (sum(v) / len(v) if isinstance(v, list) else v) for k, v in train_metrics.items()},
+        }
+
+    def run(self) -> list[dict[str, Any]]:
+        history = asyncio.run(self._run())
+        self.plot(history)
+        return history
+
+    def plot(self, history: list[dict[str, Any]]) -> Path | None:
+        if not history:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        steps = [h["step"] for h in history]
+        for tag in sorted({t for h in history for t in h["reward_by_tag"]}):
+            a.plot(steps, [h["reward_by_tag"].get(tag, float("nan")) for h in history], label=tag)
+        a.set_xlabel("step")
+        a.set_ylabel("reward")
+        a.legend()
+        bottom = [0.0] * len(history)
+        for part in ("rollout_wait_s", "train_s", "weight_sync_s"):
+            vals = [h["time"][part] for h in history]
+            b.bar(steps, vals, bottom=bottom, label=part)
+            bottom = [x + y for x, y in zip(bottom, vals)]
+        b.set_xlabel("step")
+        b.set_ylabel("seconds")
+        b.legend()
+        fig.suptitle(self.config.name)
+        fig.tight_layout()
+        path = self.out_dir / "metrics.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    def shutdown(self) -> None:
+        self.train.shutdown()
+        self.infer.shutdown()
+        self.rm.shutdown()

@@ -1,0 +1,120 @@
+"""Pipeline configuration: the YAML a user writes, validated before anything starts.
+
+Errors name the field and the fix, e.g. ``rollout.batch_groups: ...``. Resource pools are the same
+dicts ``ResourceManager`` takes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rollart.engines.base import SamplingParams
+from rollart.resource_manager.specs import parse_pools
+from rollart.rollout.engine_config import EngineConfig
+from rollart.rollout.env_manager import EnvManagerConfig
+from rollart.rollout.scheduler import RolloutConfig
+from rollart.training.config import TrainConfig
+
+
+class ConfigError(ValueError):
+    """A pipeline config that cannot run; the message names the field."""
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    local_resources: dict[str, float] | None = None  # what a locally started Ray declares
+    metadata_store: str | None = None
+    job_id: str | None = None
+
+
+class EnvEntry(BaseModel):
+    """One task of the mix: an env from the ``envs`` registry, how many env groups play it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    tag: str | None = None
+    groups: int = Field(default=1, ge=1)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    max_steps: int | None = None
+    max_new_tokens: int | None = None
+
+
+class RewardConfig(BaseModel):
+    """Score trajectories with a reward service instead of the env's own reward."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    timeout_s: float = 30.0
+    retries: int = 3
+    token_env: str | None = None
+    on_failure: str = "drop"  # drop | requeue
+
+
+class PipelineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "rollart"
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    pools: dict[str, Any]
+    train_pool: str = "train"
+    rollout_pool: str = "rollout"
+    tags: dict[str, list[str]] = Field(default_factory=lambda: {"*": []})
+    model: str | None = None
+    tiny_model: dict[str, Any] = Field(default_factory=dict)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    env_manager: EnvManagerConfig = Field(default_factory=EnvManagerConfig)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    envs: list[EnvEntry]
+    reward: RewardConfig | None = None
+    steps: int = Field(default=20, ge=1)
+    checkpoint_every: int = Field(default=0, ge=0)
+    output_dir: str = "runs/{name}"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "PipelineConfig":
+        parse_pools(self.pools)
+        for field_name in ("train_pool", "rollout_pool"):
+            pool = getattr(self, field_name)
+            if pool not in self.pools:
+                raise ValueError(f"{field_name}={pool!r} is not one of pools {sorted(self.pools)}")
+        total = sum(e.groups for e in self.envs)
+        if total != self.rollout.num_env_groups:
+            raise ValueError(
+                f"envs[*].groups add up to {total} but rollout.num_env_groups is {self.rollout.num_env_groups}; "
+                "make them equal"
+            )
+        return self
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.output_dir.format(name=self.name))
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Read and validate a YAML config; ``overrides`` are dotted keys (``{"steps": 3}``)."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {p} does not exist")
+    raw = yaml.safe_load(p.read_text()) or {}
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+        raise ConfigError(f"{p}: {where}: {first['msg'].removeprefix('Value error, ')}") from None

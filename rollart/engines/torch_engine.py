@@ -1,0 +1,152 @@
+"""The built-in PyTorch engine (default; CPU or GPU): continuous batching over a Hugging Face causal LM.
+
+Requests join and leave between steps. A step runs one batched forward over every running request
+(left-padded to the longest, with an attention mask and per-row position ids, so rows of different
+lengths decode together), samples one token per row, and returns the requests that finished. The
+forward recomputes each row's full context — no KV cache is kept — which for the short contexts of the
+built-in tasks is as fast as cached decoding and keeps abort/resume trivially exact; long-context
+serving belongs to the vLLM/SGLang adapters.
+
+Sampling follows ``rollart.engines.base``: greedy at ``temperature == 0``; otherwise logits /
+temperature, top-k, then top-p (nucleus), renormalised; the behaviour logprob is that of the sampled
+token under this processed distribution. A request with ``seed`` samples from its own generator.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from rollart.engines.base import EngineRequest, InferenceEngine, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Running:
+    request: EngineRequest
+    output: RequestOutput
+    generator: torch.Generator | None
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities of the distribution a token is sampled from (one row of logits)."""
+    if params.temperature == 0:
+        return torch.log_softmax(logits.float(), dim=-1)
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k > 0 and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k).values[..., -1, None]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest prefix with mass >= top_p
+        x = x.scatter(-1, idx, sorted_x.masked_fill(drop, float("-inf")))
+    return torch.log_softmax(x, dim=-1)
+
+
+class TorchEngine(InferenceEngine):
+    def __init__(self, model_path: str, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
+                 max_batch_size: int = 256):
+        from transformers import AutoModelForCausalLM
+
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        self.max_batch_size = max_batch_size
+        self.weight_version = 0
+        self._waiting: deque[str] = deque()
+        self._requests: OrderedDict[str, _Running] = OrderedDict()
+        pad = self.model.config.pad_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineRequest) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is already in the engine")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r}: prompt_token_ids is empty")
+        gen = None
+        if request.params.seed is not None and request.params.temperature > 0:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(int(request.params.seed))
+        out = RequestOutput(request.request_id, list(request.prompt_token_ids), weight_version=self.weight_version)
+        self._requests[request.request_id] = _Running(request, out, gen)
+        self._waiting.append(request.request_id)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        run = self._requests.pop(request_id, None)
+        if run is None:
+            return None
+        try:
+            self._waiting.remove(request_id)
+        except ValueError:
+            pass
+        run.output.finished, run.output.finish_reason = True, "abort"
+        return run.output
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ------------------------------------------------------------------ stepping
+    def _batch(self) -> list[_Running]:
+        running = [r for rid, r in self._requests.items() if rid not in self._waiting]
+        while self._waiting and len(running) < self.max_batch_size:
+            running.append(self._requests[self._waiting.popleft()])
+        return running
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        batch = self._batch()
+        if not batch:
+            return []
+        seqs = [r.request.prompt_token_ids + r.output.output_token_ids for r in batch]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                            position_ids=pos.to(self.device)).logits[:, -1, :].float().cpu()
+        finished = []
+        for row, run in enumerate(batch):
+            params = run.request.params
+            logp = process_logits(logits[row], params)
+            if params.temperature == 0:
+                tok = int(torch.argmax(logp))
+            else:
+                tok = int(torch.multinomial(logp.exp(), 1, generator=run.generator))
+            out = run.output
+            out.output_token_ids.append(tok)
+            out.output_logprobs.append(float(logp[tok]))
+            if tok in params.stop_token_ids:
+                out.finished, out.finish_reason = True, "stop"
+            elif len(out.output_token_ids) >= params.max_new_tokens:
+                out.finished, out.finish_reason = True, "length"
+            if out.finished:
+                del self._requests[run.request.request_id]
+                finished.append(out)
+        return finished
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        current = self.model.state_dict()
+        missing = [k for k in current if k not in weights and not k.endswith("lm_head.weight")]
+        unexpected = [k for k in weights if k not in current]
+        bad_shape = [k for k, v in weights.items() if k in current and tuple(v.shape) != tuple(current[k].shape)]
+        if missing or unexpected or bad_shape:
+            raise ValueError(
+                f"update_weights(version={version}) refused: missing {missing[:3]}, unexpected {unexpected[:3]}, "
+                f"wrong shape {bad_shape[:3]}; the engine keeps serving version {self.weight_version}"
+            )
+        with torch.no_grad():
+            for k, v in weights.items():
+                current[k].copy_(v.to(current[k].device, current[k].dtype))
+        self.weight_version = int(version)

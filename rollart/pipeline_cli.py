@@ -1,0 +1,55 @@
+"""``rollart run CONFIG [--resume] [--set key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"--set {item!r}: use key=value, e.g. --set steps=5")
+        key, value = item.split("=", 1)
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pipelines.agentic import AgenticPipeline
+    from rollart.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, _parse_sets(args.set))
+    except ConfigError as err:
+        log.error("%s", err)
+        return 2
+    pipe = AgenticPipeline(cfg, resume=args.resume)
+    try:
+        history = pipe.run()
+    finally:
+        pipe.shutdown()
+    last = history[-1] if history else {}
+    summary = {"steps": len(history), "final_reward": last.get("reward_mean"),
+               "first_reward": history[0]["reward_mean"] if history else None,
+               "metrics": str(pipe.metrics_path), "plot": str(pipe.out_dir / "metrics.png")}
+    log.info("done: %s", json.dumps(summary))
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def add_run_parser(sub: Any) -> None:
+    p = sub.add_parser("run", help="run a pipeline from a YAML config")
+    p.add_argument("config", help="pipeline YAML, e.g. pipelines/quickstart.yaml")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+    p.set_defaults(func=cmd_run)

@@ -1,0 +1,58 @@
+"""Weight channel over the Ray object store.
+
+The publisher ``ray.put``s a snapshot and registers ``(ref, checksum)`` under its version in a named
+registry actor; receivers fetch a version by name, verify the checksum and load. Only the newest
+``keep`` versions stay referenced, so old snapshots are freed.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import ray
+import torch
+
+from rollart.weights.snapshot import state_checksum, verify
+
+
+@ray.remote(num_cpus=0)
+class _Registry:
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.entries: dict[int, tuple[list, str]] = {}
+
+    def put(self, version: int, boxed_ref: list, checksum: str) -> None:
+        self.entries[version] = (boxed_ref, checksum)
+        for old in sorted(self.entries)[: -self.keep]:
+            del self.entries[old]
+
+    def get(self, version: int) -> tuple[list, str] | None:
+        return self.entries.get(version)
+
+    def latest(self) -> int | None:
+        return max(self.entries) if self.entries else None
+
+
+class RayObjectChannel:
+    """Serializable handle: pass it to trainer and inference workers alike."""
+
+    def __init__(self, name: str, keep: int = 2):
+        self.name = name
+        self.keep = keep
+        self._registry = _Registry.options(name=f"rollart-weights:{name}", get_if_exists=True).remote(keep)
+
+    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        ref = ray.put(dict(state))
+        ray.get(self._registry.put.remote(version, [ref], state_checksum(state)))
+
+    def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        entry = ray.get(self._registry.get.remote(version))
+        if entry is None:
+            raise KeyError(f"weight channel {self.name!r} has no version {version}")
+        boxed, checksum = entry
+        state = ray.get(boxed[0])
+        verify(state, checksum, version)
+        return state
+
+    def latest(self) -> int | None:
+        return ray.get(self._registry.latest.remote())
