@@ -34,9 +34,17 @@ class VerifiableTask(TextEnv):
         prompt, self.ground_truth = self.make(random.Random(seed))
         return prompt, {"ground_truth": self.ground_truth}
 
+    def char_rewards(self, response: str) -> list[float] | None:
+        """Optional dense credit: one score per character of the response (None: none)."""
+        return None
+
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         reward = self.verify(action, self.ground_truth)
-        return "", reward, True, False, {"ground_truth": self.ground_truth, "response": action}
+        info: dict[str, Any] = {"ground_truth": self.ground_truth, "response": action}
+        dense = self.char_rewards(action)
+        if dense is not None:
+            info["char_rewards"] = dense
+        return "", reward, True, False, info
 
     def sample_prompts(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
         return [dict(zip(("prompt", "ground_truth"), self.make(random.Random(seed + i))), tag=self.tag)
@@ -54,12 +62,17 @@ class ReverseTask(VerifiableTask):
     def __init__(self, length: int = 3, letters: str = string.ascii_lowercase):
         super().__init__()
         self.length, self.letters = length, letters
-        self.max_new_tokens = length + 1
+        self.max_new_tokens = length  # the answer has exactly ``length`` characters
         self.tag = f"reverse-{length}"  # type: ignore[misc]
 
     def make(self, rng: random.Random) -> tuple[str, str]:
         word = "".join(rng.choice(self.letters) for _ in range(self.length))
         return f"{word}=", word[::-1]
+
+    def char_rewards(self, response: str) -> list[float]:
+        """1 for each character in its right place, 0 otherwise (the per-position terms of ``verify``)."""
+        gt = self.ground_truth or ""
+        return [float(i < len(gt) and c == gt[i]) for i, c in enumerate(response)]
 
     @staticmethod
     def verify(response: str, ground_truth: str) -> float:

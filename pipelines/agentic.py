@@ -132,7 +132,7 @@ class AgenticPipeline:
                 groups = await self.controller.get_batch()
                 t_rollout = time.monotonic() - t0
                 staleness = Counter(self.scheduler.staleness) - stale_before
-                batch = trajectories_to_batch(groups)
+                batch = trajectories_to_batch(groups, advantage=cfg.advantage)
                 t1 = time.monotonic()
                 train_metrics = await self.train.train_step(batch, blocking=False)
                 t_train = time.monotonic() - t1
@@ -170,6 +170,7 @@ class AgenticPipeline:
         rewards = [float(t.reward) for t in trajs]
         return {
             "step": step, "version": version,
+            "groups": sorted({t.group_id for t in trajs}),
             "reward_mean": sum(rewards) / len(rewards),
             "reward_by_tag": {k: sum(v) / len(v) for k, v in by_tag.items()},
             "hardware_by_tag": {k: dict(v) for k, v in hw_by_tag.items()},

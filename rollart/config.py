@@ -7,7 +7,7 @@ dicts ``ResourceManager`` takes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -75,6 +75,7 @@ class PipelineConfig(BaseModel):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     envs: list[EnvEntry]
     reward: RewardConfig | None = None
+    advantage: Literal["grpo", "grpo_token", "reinforce"] = "grpo"
     steps: int = Field(default=20, ge=1)
     checkpoint_every: int = Field(default=0, ge=0)
     output_dir: str = "runs/{name}"

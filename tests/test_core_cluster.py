@@ -69,6 +69,20 @@ class Gen(ra.Worker):
         return self.arrived
 
 
+def kill_and_wait(handle, deadline_s: float = 60.0) -> None:
+    """ray.kill is asynchronous: return once the actor no longer answers."""
+    import time
+
+    ray.kill(handle, no_restart=True)
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            ray.get(handle._rollart_ping.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+    raise AssertionError("actor still alive after ray.kill")
+
+
 def test_dispatch_modes(make_rm):
     rm = make_rm({"train": {"hardware": "H800", "devices": 3}})
     c = ra.Cluster("trainer", Trainer, rm, pool="train", worker_kwargs={"scale": 1.0})
@@ -122,14 +136,14 @@ async def test_routing_falls_back_to_h20_when_h800_workers_are_killed(make_rm):
     assert (await g.generate({"i": 0}, tag_name="FrozenLake"))["hardware"] == "H800"
     for rank in (0, 1):
         assert g.hardware_of(rank) == "H800"
-        ray.kill(g.workers[rank], no_restart=True)
+        kill_and_wait(g.workers[rank])
     outs = await asyncio.gather(*[g.generate({"i": i}, tag_name="FrozenLake") for i in range(4)])
     assert {o["hardware"] for o in outs} == {"H20"} and [o["echo"] for o in outs] == [0, 1, 2, 3]
     assert [p["alive"] for p in g.placement()] == [False, False, True, True]
     g.restart_worker(0)
     assert (await g.generate({"i": 9}, tag_name="FrozenLake")) == {"hardware": "H800", "rank": 0, "echo": 9}
     for rank in (0, 2, 3):
-        ray.kill(g.workers[rank], no_restart=True)
+        kill_and_wait(g.workers[rank])
     g.health_check()
     with pytest.raises(NoLiveWorkerError, match="no live worker"):
         await g.generate({"i": 0}, tag_name="FrozenLake")
@@ -139,7 +153,7 @@ def test_dead_worker_error_names_cluster_rank_and_hardware_and_restart(make_rm):
     rm = make_rm({"train": {"hardware": "H20", "devices": 2}})
     c = ra.Cluster("trainer", Trainer, rm, pool="train")
     old = c.pid()
-    ray.kill(c.workers[1], no_restart=True)
+    kill_and_wait(c.workers[1])
     with pytest.raises(ra.WorkerDiedError, match=r"trainer\[rank 1\] on H20 died") as info:
         c.whoami("x")
     assert (info.value.cluster, info.value.rank, info.value.hardware) == ("trainer", 1, "H20")

@@ -205,6 +205,8 @@ class EnvManager:
                 return traj
             traj.env_return += float(reward)
             traj.info.setdefault("steps", []).append(step_info)
+            if isinstance(step_info, dict) and "char_rewards" in step_info:
+                self._add_token_rewards(traj, start, out.output_token_ids, step_info["char_rewards"])
             if terminated or truncated:
                 break
             self._append_observation(traj, obs)
@@ -216,6 +218,19 @@ class EnvManager:
             except Exception as err:  # noqa: BLE001 — a failed reward is never a silent 0
                 traj.reward, traj.status, traj.error = None, "reward_failed", f"{type(err).__name__}: {err}"
         return traj
+
+    def _add_token_rewards(self, traj: Trajectory, start: int, ids: list[int], char_rewards: list[float]) -> None:
+        """Map an env's per-character credit onto the action's tokens: a token gets the mean credit of
+        the characters it decodes to (0 for tokens with no text, such as end-of-sequence)."""
+        if traj.token_rewards is None:
+            traj.token_rewards = [0.0] * start
+        traj.token_rewards += [0.0] * (start - len(traj.token_rewards))
+        pos = 0
+        for tok in ids:
+            n = len(self.codec.decode([tok]))
+            chunk = char_rewards[pos:pos + n]
+            traj.token_rewards.append(sum(chunk) / len(chunk) if chunk else 0.0)
+            pos += n
 
     def _append_observation(self, traj: Trajectory, text: str) -> None:
         ids = self.codec.encode(text)

@@ -70,6 +70,7 @@ class Trajectory(BaseModel):
     prompt_length: int = 0
     turns: list[tuple[int, int]] = Field(default_factory=list)
     reward: float | None = None
+    token_rewards: list[float] | None = None  # optional dense credit per token (0 off the actions)
     env_return: float = 0.0
     start_version: int = 0
     status: TrajectoryStatus = "ok"

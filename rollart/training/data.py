@@ -28,20 +28,63 @@ def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, norm_std:
     raise ImportError("rollart.algorithms.grpo_advantages is required")
 
 
-def trajectories_to_batch(groups: Sequence[Sequence[Trajectory]], *, norm_std: bool = True) -> Batch:
+def token_group_advantages(groups: Sequence[Sequence[Trajectory]], eps: float = 1e-6) -> list[list[float]]:
+    """Dense GRPO: the k-th action token of every member of a group is normalised against the k-th
+    action tokens of the other members, ``A_ik = (c_ik - mean_i c_ik) / (std_i c_ik + eps)``, where
+    ``c_ik`` is the token's credit (``Trajectory.token_rewards``). Per-token credit removes the noise
+    of crediting every token with the whole sequence's reward."""
+    out: list[list[float]] = []
+    for group in groups:
+        positions = [[i for i, m in enumerate(t.loss_mask) if m] for t in group]
+        width = max((len(p) for p in positions), default=0)
+        credit = torch.full((len(group), width), float("nan"))
+        for r, (t, pos) in enumerate(zip(group, positions)):
+            if t.token_rewards is None:
+                raise ValueError(f"advantage=grpo_token needs token_rewards; trajectory {t.traj_id} ({t.tag}) has none")
+            for k, i in enumerate(pos):
+                credit[r, k] = t.token_rewards[i] if i < len(t.token_rewards) else 0.0
+        present = ~torch.isnan(credit)
+        filled = torch.nan_to_num(credit)
+        n = present.sum(0).clamp(min=1)
+        mean = filled.sum(0) / n
+        std = torch.sqrt((((filled - mean) * present) ** 2).sum(0) / n)
+        adv = (filled - mean) / (std + eps)
+        for r, (t, pos) in enumerate(zip(group, positions)):
+            row = [0.0] * len(t.token_ids)
+            for k, i in enumerate(pos):
+                row[i] = float(adv[r, k])
+            out.append(row)
+    return out
+
+
+def trajectories_to_batch(groups: Sequence[Sequence[Trajectory]], *, norm_std: bool = True,
+                          advantage: str = "grpo") -> Batch:
+    """``advantage``: ``grpo`` (sequence reward, group-normalised), ``grpo_token`` (dense per-token
+    credit, see :func:`token_group_advantages`) or ``reinforce`` (leave-one-out baseline)."""
     trajs = [t for g in groups for t in g]
     if any(t.reward is None for t in trajs):
         raise ValueError("a trajectory without a reward reached the trainer; failed rewards must be dropped or requeued")
     rewards = torch.tensor([float(t.reward) for t in trajs])  # type: ignore[arg-type]
     group_index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g])
-    adv = group_advantages(rewards, group_index, norm_std=norm_std)
+    if advantage == "grpo_token":
+        per_token = token_group_advantages(groups)
+    else:
+        if advantage == "grpo":
+            adv = group_advantages(rewards, group_index, norm_std=norm_std)
+        elif advantage == "reinforce":
+            from rollart.algorithms import reinforce_baseline_advantages
+
+            adv = reinforce_baseline_advantages(rewards, group_index)
+        else:
+            raise ValueError(f"advantage={advantage!r}: use grpo, grpo_token or reinforce")
+        per_token = [[float(a)] * len(t.token_ids) for a, t in zip(adv.tolist(), trajs)]
     return Batch(
         {
             "input_ids": [list(t.token_ids) for t in trajs],
             "loss_mask": [list(t.loss_mask) for t in trajs],
             "old_logprobs": [list(t.logprobs) for t in trajs],
             "versions": [list(t.versions) for t in trajs],
-            "advantages": [[float(a)] * len(t.token_ids) for a, t in zip(adv.tolist(), trajs)],
+            "advantages": per_token,
             "rewards": rewards,
             "group_index": group_index,
             "tag": [t.tag for t in trajs],

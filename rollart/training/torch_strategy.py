@@ -110,6 +110,10 @@ class TorchTrainWorker(ra.Worker):
             for mb in mbs:
                 mb["old_logprobs"] = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"])
         metrics: dict[str, float] = {}
+        with torch.no_grad():  # how far the engine that sampled is from the trainer (should be ~0)
+            num = sum(float(((mb["old_logprobs"] - mb["rollout_logprobs"]).abs() * mb["loss_mask"]).sum()) for mb in mbs)
+            den = sum(float(mb["loss_mask"].sum()) for mb in mbs)
+            metrics["rollout_abs_logprob_diff"] = num / max(den, 1.0) * len(mbs) * cfg.ppo_epochs
         n_metric = 0
         for _ in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)

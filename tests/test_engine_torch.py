@@ -1,0 +1,124 @@
+"""The built-in torch engine against Hugging Face generate, on the tiny model built offline."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollart.engines.base import EngineRequest, SamplingParams
+from rollart.engines.torch_engine import TorchEngine
+from rollart.models import build_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(build_tiny(tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, seed=3))
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def run_all(engine):
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            done[o.request_id] = o
+    return done
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_new_tokens=n)
+
+
+def test_tiny_model_loads_offline_and_every_letter_and_digit_is_one_token(tiny):
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    assert model.config.model_type == "qwen2"
+    for ch in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789":
+        assert len(tok.encode(ch, add_special_tokens=False)) == 1, ch
+    text = "xyz=zyx 12+34=46"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text) and tok.decode(ids) == text
+
+
+def test_greedy_equals_hf_generate_with_staggered_adds(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20], [30, 31]]
+    refs = [hf_greedy(model, p, 10) for p in prompts]
+    engine = TorchEngine(tiny)
+    engine.add_request(EngineRequest("r0", prompts[0], greedy(10)))
+    engine.add_request(EngineRequest("r1", prompts[1], greedy(10)))
+    engine.step()
+    engine.step()
+    engine.add_request(EngineRequest("r2", prompts[2], greedy(10)))  # joins a running batch
+    engine.step()
+    engine.add_request(EngineRequest("r3", prompts[3], greedy(10)))
+    done = run_all(engine)
+    assert [done[f"r{i}"].output_token_ids for i in range(4)] == refs
+    assert all(done[f"r{i}"].finish_reason == "length" for i in range(4))
+
+
+def test_abort_mid_generation_keeps_partial_tokens_and_resume_matches_uninterrupted(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    prompt = [11, 12, 13]
+    ref = hf_greedy(model, prompt, 12)
+    engine = TorchEngine(tiny)
+    engine.add_request(EngineRequest("a", prompt, greedy(12)))
+    engine.add_request(EngineRequest("b", [40, 41], greedy(6)))
+    for _ in range(5):
+        engine.step()
+    partial = engine.abort("a")
+    assert partial.finish_reason == "abort" and partial.output_token_ids == ref[:5]
+    rest = run_all(engine)
+    assert rest["b"].finish_reason == "length" and len(rest["b"].output_token_ids) == 6  # b kept going
+    engine.add_request(EngineRequest("a2", prompt + partial.output_token_ids, greedy(12 - 5)))
+    resumed = run_all(engine)["a2"]
+    assert partial.output_token_ids + resumed.output_token_ids == ref
+
+
+def test_stop_ids_and_logprobs_match_a_direct_forward_pass(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    prompt = [7, 8, 9]
+    ref = hf_greedy(model, prompt, 6)
+    engine = TorchEngine(tiny)
+    engine.add_request(EngineRequest("s", prompt, SamplingParams(temperature=0, max_new_tokens=6,
+                                                                stop_token_ids=[ref[2]])))
+    out = run_all(engine)["s"]
+    assert out.finish_reason == "stop" and out.output_token_ids == ref[: ref.index(ref[2]) + 1]
+    engine.add_request(EngineRequest("t", prompt, SamplingParams(temperature=0.7, max_new_tokens=5, seed=1)))
+    sampled = run_all(engine)["t"]
+    with torch.no_grad():
+        seq = torch.tensor([prompt + sampled.output_token_ids])
+        logits = model(seq).logits[0].float()
+    for i, tok in enumerate(sampled.output_token_ids):
+        expected = torch.log_softmax(logits[len(prompt) - 1 + i] / 0.7, dim=-1)[tok].item()
+        assert math.isclose(sampled.output_logprobs[i], expected, abs_tol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    engine = TorchEngine(tiny)
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=8, seed=42)
+    engine.add_request(EngineRequest("x", [3, 4], params))
+    engine.add_request(EngineRequest("y", [3, 4], params))
+    done = run_all(engine)
+    assert done["x"].output_token_ids == done["y"].output_token_ids
+
+
+def test_update_weights_changes_outputs_and_a_bad_state_dict_is_refused(tiny):
+    engine = TorchEngine(tiny)
+    engine.add_request(EngineRequest("before", [5, 6], greedy(8)))
+    before = run_all(engine)["before"].output_token_ids
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with pytest.raises(ValueError, match="refused"):
+        engine.update_weights({"not.a.weight": torch.zeros(1)}, version=1)
+    assert engine.weight_version == 0
+    torch.manual_seed(0)
+    new = {k: v + 0.5 * torch.randn_like(v) for k, v in state.items()}
+    engine.update_weights(new, version=1)
+    engine.add_request(EngineRequest("after", [5, 6], greedy(8)))
+    after = run_all(engine)["after"]
+    assert engine.weight_version == 1 and after.weight_version == 1 and after.output_token_ids != before

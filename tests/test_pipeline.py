@@ -1,0 +1,81 @@
+"""The pipeline end to end on a real local Ray with the tiny model: metrics, staleness bound,
+checkpoint and resume without training again on consumed samples, config errors."""
+
+import json
+
+import pytest
+
+from pipelines.agentic import AgenticPipeline
+from rollart.config import ConfigError, PipelineConfig, load_config
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def small_config(tmp_path, **over):
+    raw = {
+        "name": "t", "pools": {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}},
+        "envs": [{"name": "reverse", "groups": 4, "kwargs": {"length": 3}}],
+        "rollout": {"num_env_groups": 4, "group_size": 4, "batch_groups": 2, "alpha": 1},
+        "sampling": {"temperature": 1.0, "max_new_tokens": 3}, "advantage": "grpo_token",
+        "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
+        "train": {"lr": 0.001}, "steps": 3, "checkpoint_every": 2, "output_dir": str(tmp_path / "run"),
+        "cluster": {"metadata_store": str(tmp_path / "meta.sqlite")},
+    }
+    raw.update(over)
+    return PipelineConfig.model_validate(raw)
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
+    cfg = small_config(tmp_path)
+    pipe = AgenticPipeline(cfg, progress=False)
+    try:
+        history = pipe.run()
+    finally:
+        pipe.shutdown()
+    assert [h["step"] for h in history] == [0, 1, 2] and [h["version"] for h in history] == [1, 2, 3]
+    for h in history:
+        assert 0.0 <= h["reward_mean"] <= 1.0 and set(h["reward_by_tag"]) == {"reverse-3"}
+        assert h["max_staleness"] <= cfg.rollout.alpha and sum(h["staleness"].values()) == 2
+        assert h["hardware_by_tag"] == {"reverse-3": {"CPU": 8}} and h["tokens"] > 0
+        assert set(h["time"]) == {"step_s", "rollout_wait_s", "train_s", "weight_sync_s"}
+    assert (tmp_path / "run" / "metrics.png").exists()
+    assert pipe.checkpoint_path.exists()
+    consumed_before_ckpt = {g for h in history[:2] for g in h["groups"]}
+
+    resumed_cfg = small_config(tmp_path, steps=4)
+    pipe = AgenticPipeline(resumed_cfg, resume=True, progress=False)
+    try:
+        assert pipe.start_step == 2
+        more = pipe.run()
+    finally:
+        pipe.shutdown()
+    assert [h["step"] for h in more] == [2, 3] and more[0]["version"] == 3
+    resumed_groups = {g for h in more for g in h["groups"]}
+    assert not resumed_groups & consumed_before_ckpt  # nothing consumed before the checkpoint is trained again
+
+
+def test_config_errors_name_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "pools: {train: {hardware: CPU, cpus: 1}, rollout: {hardware: CPU, cpus: 1}}\n"
+        "envs: [{name: reverse, groups: 3}]\nrollout: {num_env_groups: 4, group_size: 2, batch_groups: 2}\n"
+    )
+    with pytest.raises(ConfigError, match="groups add up to 3 but rollout.num_env_groups is 4"):
+        load_config(bad)
+    bad.write_text("pools: {train: {hardware: CPU, cpus: 1}}\nenvs: [{name: reverse, groups: 8}]\n")
+    with pytest.raises(ConfigError, match="rollout_pool='rollout' is not one of pools"):
+        load_config(bad)
+    bad.write_text("pools: {train: {hardware: CPU}, rollout: {hardware: CPU, cpus: 1}}\nenvs: [{name: reverse, groups: 8}]\n")
+    with pytest.raises(ConfigError, match='a CPU group needs "cpus"'):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_shipped_configs_validate():
+    cfg = load_config("pipelines/quickstart.yaml")
+    assert cfg.rollout.num_env_groups * cfg.rollout.group_size == 256
