@@ -219,3 +219,12 @@ def test_cluster_errors_are_raised_before_any_actor(make_rm):
     with pytest.raises(ra.ResourceSpecError, match="pool='nope' is not a pool"):
         ra.Cluster("gen", Gen, rm, pool="nope")
     assert _rollart_actor_count() == actors
+
+
+def test_object_refs_and_large_arguments_reach_every_rank(make_rm):
+    rm = make_rm({"train": {"hardware": "H800", "devices": 2}})
+    c = ra.Cluster("trainer", Trainer, rm, pool="train")
+    ref = ray.put("from the object store")
+    assert [r[5] for r in c.whoami(ref)] == ["from the object store"] * 2  # a top-level ref is resolved
+    big = "x" * 100_000
+    assert [len(r[5]) for r in c.whoami(big)] == [100_000, 100_000]

@@ -441,17 +441,20 @@ class Cluster:
             return self._executor
 
 
+_NOT_SHARED = (int, float, str, bool, type(None), ray.ObjectRef)  # small, or already in the object store
+
+
 def _share_common_args(plan: list[Any]) -> list[Any]:
     """Replace arguments that are the same object for every rank by one object-store reference."""
     live = [p for p in plan if p is not None]
     first_args, first_kwargs = live[0]
     shared_pos = {
         i: ray.put(a) for i, a in enumerate(first_args)
-        if all(len(p[0]) > i and p[0][i] is a for p in live) and not isinstance(a, (int, float, str, bool, type(None)))
+        if all(len(p[0]) > i and p[0][i] is a for p in live) and not isinstance(a, _NOT_SHARED)
     }
     shared_kw = {
         k: ray.put(v) for k, v in first_kwargs.items()
-        if all(p[1].get(k) is v for p in live) and not isinstance(v, (int, float, str, bool, type(None)))
+        if all(p[1].get(k) is v for p in live) and not isinstance(v, _NOT_SHARED)
     }
     out: list[Any] = []
     for p in plan:
