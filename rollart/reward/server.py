@@ -1,0 +1,203 @@
+"""The reward service: reward functions behind HTTP (seed 004 §4.3, §7.5 "Reward-as-a-Service").
+
+``POST /rewards/<name>`` with ``{"trajectories": [...]}`` answers ``{"result": [scores], "details": [...]}``.
+Guards, in the order a request meets them: body size (413), bearer token compared in constant time
+(401), concurrency limit (429 + ``Retry-After``), schema (422, never 500), per-request timeout (504).
+A reward function that raises gives a 500 carrying its message — never a made-up score. A repeated
+``Idempotency-Key`` (per tenant and function) is answered from a bounded cache without recomputing or
+counting twice. ``/metrics`` is Prometheus text (requests, latency, in flight, per tenant);
+``/healthz`` lists the functions. JSON only, never pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import os
+import time
+from collections import OrderedDict
+from typing import Any, Awaitable, Callable
+
+from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rollart.reward.schemas import RewardRequest, RewardResponse
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[dict[str, Any]], float | dict[str, Any] | Awaitable[float | dict[str, Any]]]
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    token_env: str | None = None
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    timeout_s: float = Field(default=60.0, gt=0)
+    max_concurrency: int = Field(default=64, gt=0)
+    idempotency_cache: int = Field(default=10_000, ge=0)
+    retry_after_s: int = Field(default=1, ge=0)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over ``limit`` bytes with 413 (declared or streamed)."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._too_large(send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.limit:
+                await self._too_large(send)
+                return
+            chunks.append(body)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Callable) -> None:
+        body = b'{"detail":"request body too large"}'
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _score_of(value: Any) -> tuple[float, dict[str, Any]]:
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError("a reward function that returns a dict must include 'score'")
+        return float(value["score"]), {k: v for k, v in value.items() if k != "score"}
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"a reward function must return a number or a dict with 'score', got {type(value).__name__}")
+    return float(value), {}
+
+
+def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = None) -> FastAPI:
+    """The reward service app (used by ``rollart serve rewards``, tests and Ray Serve)."""
+    settings = settings or ServerSettings()
+    if not functions:
+        raise ValueError("build_app needs at least one reward function")
+    token = os.environ.get(settings.token_env) if settings.token_env else None
+    if settings.token_env and not token:
+        raise ValueError(f"--token-env {settings.token_env}: the variable is not set; export it or drop the flag")
+    registry = CollectorRegistry()
+    requests = Counter("rollart_reward_requests", "reward requests", ["function", "status", "tenant"], registry=registry)
+    scored = Counter("rollart_reward_trajectories", "trajectories scored", ["function", "tenant"], registry=registry)
+    latency = Histogram("rollart_reward_latency_seconds", "reward request latency", ["function"], registry=registry)
+    in_flight = Gauge("rollart_reward_in_flight", "reward requests being computed", registry=registry)
+    state = {"in_flight": 0}
+    cache: OrderedDict[tuple[str, str, str], dict[str, Any]] = OrderedDict()
+
+    app = FastAPI(title="rollart reward service", version="1")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def malformed_is_422(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # a body that is not even JSON (FastAPI says 400) is malformed input like any other: 422
+        status = 422 if exc.status_code == 400 else exc.status_code
+        return JSONResponse({"detail": exc.detail}, status_code=status, headers=getattr(exc, "headers", None))
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "functions": sorted(functions), "in_flight": state["in_flight"]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
+
+    def count(name: str, status: int, tenant: str) -> None:
+        requests.labels(function=name, status=str(status), tenant=tenant).inc()
+
+    async def call(fn: RewardFn, traj: dict[str, Any]) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(traj)
+        return await asyncio.get_running_loop().run_in_executor(None, fn, traj)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Callable) -> Any:
+        # before the body is parsed: an unauthenticated caller learns nothing about the schema
+        if token is not None and request.url.path.startswith("/rewards/"):
+            header = request.headers.get("authorization") or ""
+            given = header.removeprefix("Bearer ").encode()
+            if not header.startswith("Bearer ") or not hmac.compare_digest(given, token.encode()):
+                tenant = request.headers.get("x-rollart-tenant") or "default"
+                count(request.url.path.removeprefix("/rewards/"), 401, tenant)
+                return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    @app.post("/rewards/{name}", response_model=RewardResponse)
+    async def score(
+        name: str,
+        body: RewardRequest,
+        x_rollart_tenant: str | None = Header(default=None),
+        idempotency_key: str | None = Header(default=None),
+    ) -> Any:
+        tenant = x_rollart_tenant or "default"
+        fn = functions.get(name)
+        if fn is None:
+            count(name, 404, tenant)
+            raise HTTPException(404, f"no reward function {name!r}; served: {sorted(functions)}")
+        key = (tenant, name, idempotency_key) if idempotency_key else None
+        if key is not None and key in cache:
+            count(name, 200, tenant)
+            return cache[key]
+        if state["in_flight"] >= settings.max_concurrency:
+            count(name, 429, tenant)
+            return JSONResponse({"detail": "reward service saturated; retry later"}, status_code=429,
+                                headers={"Retry-After": str(settings.retry_after_s)})
+        state["in_flight"] += 1
+        in_flight.inc()
+        t0 = time.perf_counter()
+        try:
+            trajs = [t.model_dump() for t in body.trajectories]
+            try:
+                values = await asyncio.wait_for(asyncio.gather(*(call(fn, t) for t in trajs)), settings.timeout_s)
+                pairs = [_score_of(v) for v in values]
+            except asyncio.TimeoutError:
+                count(name, 504, tenant)
+                raise HTTPException(504, f"reward function {name!r} took longer than {settings.timeout_s}s") from None
+            except Exception as err:  # noqa: BLE001 — the function's own error, reported, never a score
+                count(name, 500, tenant)
+                log.warning("reward function %s raised %s: %s", name, type(err).__name__, err)
+                raise HTTPException(500, f"reward function {name!r} raised {type(err).__name__}: {err}") from None
+            answer = {"result": [s for s, _ in pairs], "details": [d for _, d in pairs]}
+            if key is not None and settings.idempotency_cache > 0:
+                cache[key] = answer
+                while len(cache) > settings.idempotency_cache:
+                    cache.popitem(last=False)
+            count(name, 200, tenant)
+            scored.labels(function=name, tenant=tenant).inc(len(trajs))
+            return answer
+        finally:
+            latency.labels(function=name).observe(time.perf_counter() - t0)
+            state["in_flight"] -= 1
+            in_flight.dec()
+
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    return app

@@ -1,0 +1,179 @@
+"""The reward service against a real uvicorn server on 127.0.0.1, and its client."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import reward_fixtures as rf
+from reward_fixtures import ThreadServer, free_port
+from rollart.cluster.serverless import RetryPolicy
+from rollart.reward.builtin import exact_match
+from rollart.reward.client import RewardClient, RewardFailed
+from rollart.reward.server import ServerSettings, build_app
+
+pytestmark = pytest.mark.timeout(300)
+TRAJ = {"trajectories": [{"response": "abc"}, {"response": "abcdefghij"}]}
+
+
+def app(**kw):
+    fns = {"length": rf.length_score, "gated": rf.gated, "broken": rf.broken, "exact_match": exact_match}
+    return build_app(fns, ServerSettings(**kw))
+
+
+def test_token_401_then_200(monkeypatch):
+    monkeypatch.setenv("RW_TOKEN", "t0ken")
+    with ThreadServer(app(token_env="RW_TOKEN")) as srv:
+        assert httpx.post(srv.url("/rewards/length"), json=TRAJ).status_code == 401
+        wrong = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        ok = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"Authorization": "Bearer t0ken"})
+        assert ok.status_code == 200 and ok.json()["result"] == [0.3, 1.0]
+        assert httpx.get(srv.url("/healthz")).json()["functions"] == ["broken", "exact_match", "gated", "length"]
+
+
+def test_oversize_body_413_and_unknown_function_404():
+    with ThreadServer(app(max_body_bytes=1000)) as srv:
+        big = {"trajectories": [{"response": "x" * 5000}]}
+        assert httpx.post(srv.url("/rewards/length"), json=big).status_code == 413
+
+        def chunks():
+            for _ in range(10):
+                yield b"x" * 500
+
+        assert httpx.post(srv.url("/rewards/length"), content=chunks()).status_code == 413  # streamed, no length
+        assert httpx.post(srv.url("/rewards/nope"), json=TRAJ).status_code == 404
+
+
+def test_saturation_429_with_retry_after_then_success_on_retry():
+    rf.GATE.clear()
+    with ThreadServer(app(max_concurrency=1, retry_after_s=0)) as srv:
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60) as http:
+                first = asyncio.ensure_future(http.post(srv.url("/rewards/gated"), json=TRAJ))
+                while httpx.get(srv.url("/healthz")).json()["in_flight"] < 1:
+                    await asyncio.sleep(0.01)
+                busy = await http.post(srv.url("/rewards/gated"), json=TRAJ)
+                assert busy.status_code == 429 and busy.headers["Retry-After"] == "0"
+                rf.GATE.set()
+                assert (await first).status_code == 200
+                client = RewardClient(srv.url("/rewards/gated"), retry=RetryPolicy(retries=5, backoff_base_s=0.01))
+                assert await client.score({"response": "x"}) == 1.0
+                await client.aclose()
+
+        asyncio.run(scenario())
+
+
+def test_raising_reward_is_500_with_its_message_and_the_client_never_scores_zero():
+    with ThreadServer(app()) as srv:
+        r = httpx.post(srv.url("/rewards/broken"), json=TRAJ)
+        assert r.status_code == 500 and "divided by zero" in r.json()["detail"]
+
+        async def scenario():
+            client = RewardClient(srv.url("/rewards/broken"), retry=RetryPolicy(retries=1, backoff_base_s=0.01),
+                                  on_failure="drop")
+            with pytest.raises(RewardFailed) as info:
+                await client.score({"response": "x"})
+            await client.aclose()
+            return info.value
+
+        err = asyncio.run(scenario())
+        assert err.policy == "drop" and "divided by zero" in str(err)
+
+
+def test_idempotent_retry_is_counted_once_and_tenants_are_metered():
+    with ThreadServer(app()) as srv:
+        before = rf.CALLS["count"]
+        headers = {"Idempotency-Key": "k1", "X-Rollart-Tenant": "job-a"}
+        a = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers=headers).json()
+        b = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers=headers).json()
+        assert a == b and rf.CALLS["count"] - before == 2  # two trajectories, scored once
+        httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"X-Rollart-Tenant": "job-b"})
+        metrics = httpx.get(srv.url("/metrics")).text
+        assert 'rollart_reward_trajectories_total{function="length",tenant="job-a"} 2.0' in metrics
+        assert 'rollart_reward_trajectories_total{function="length",tenant="job-b"} 2.0' in metrics
+        assert 'rollart_reward_requests_total{function="length",status="200",tenant="job-a"} 2.0' in metrics
+        assert "rollart_reward_latency_seconds_bucket" in metrics
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def test_malformed_payloads_get_422_never_500():
+    with ThreadServer(app()) as srv, httpx.Client() as http:
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(body=json_values | st.fixed_dictionaries({"trajectories": json_values}))
+        def check(body):
+            r = http.post(srv.url("/rewards/exact_match"), json=body)
+            assert r.status_code in (200, 422), (body, r.status_code, r.text)
+
+        check()
+        assert http.post(srv.url("/rewards/exact_match"), content=b"{not json").status_code == 422
+        assert http.post(srv.url("/rewards/exact_match"), content=b"\x80\x81", headers={"Content-Type": "application/json"}).status_code == 422
+
+
+def test_server_killed_and_restarted_mid_stream_loses_no_reward(tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "rollart.cli", "serve", "rewards", "rollart.reward.builtin:reverse",
+           "--port", str(port)]
+    env = dict(os.environ)
+
+    def start():
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        deadline = 60
+        import time
+
+        end = time.monotonic() + deadline
+        while time.monotonic() < end:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    return proc
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stderr.read().decode())
+        raise RuntimeError("reward server did not start")
+
+    proc = start()
+    words = [f"{a}{b}{c}" for a in "abc" for b in "xyz" for c in "mno"]
+    trajs = [{"response": w[::-1] if i % 2 == 0 else w, "ground_truth": w[::-1]} for i, w in enumerate(words)]
+
+    async def scenario():
+        client = RewardClient(f"http://127.0.0.1:{port}/rewards/reverse", max_batch=4, max_wait_ms=1,
+                              max_concurrency=2, retry=RetryPolicy(retries=40, backoff_base_s=0.05, backoff_max_s=0.5))
+        first = await asyncio.gather(*(client.score(t) for t in trajs[:8]))
+        os.killpg(proc.pid, signal.SIGKILL)  # the service dies mid-stream
+        proc.wait()
+        pending = asyncio.gather(*(client.score(t) for t in trajs[8:]))
+        restarted = await asyncio.to_thread(start)
+        rest = await pending
+        await client.aclose()
+        return first + rest, restarted
+
+    scores, restarted = asyncio.run(scenario())
+    try:
+        expected = [exact_match({"response": t["response"], "ground_truth": t["ground_truth"]}) for t in trajs]
+        assert scores == pytest.approx([1.0 if e else s for e, s in zip(expected, scores)])
+        for t, s in zip(trajs, scores):  # every trajectory has its true score: right answers 1, never 0
+            assert s == pytest.approx(rf_reverse(t))
+    finally:
+        os.killpg(restarted.pid, signal.SIGKILL)
+        restarted.wait()
+
+
+def rf_reverse(t):
+    from envs.verifiable import ReverseTask
+
+    return ReverseTask.verify(t["response"], t["ground_truth"])
