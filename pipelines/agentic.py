@@ -60,13 +60,24 @@ class AgenticPipeline:
         self.train.setup_distributed("127.0.0.1", free_port())
         self.proxy = LLMProxy(self.infer)
         codec = HFCodec(AutoTokenizer.from_pretrained(model_path))
+        self.reward_client = None
+        reward_fn = None
+        if config.reward is not None:
+            from rollart.cluster.serverless import RetryPolicy
+            from rollart.reward.client import RewardClient
+
+            rc = config.reward
+            self.reward_client = RewardClient(rc.url, retry=RetryPolicy(retries=rc.retries), timeout_s=rc.timeout_s,
+                                              token_env=rc.token_env, tenant=self.rm.job_id, on_failure=rc.on_failure)
+            reward_fn = self._service_reward(codec)
         groups: list[list[EnvManager]] = []
         for entry in config.envs:
             spec = EnvSpec(name=entry.name, tag=entry.tag, max_steps=entry.max_steps,
                            max_new_tokens=entry.max_new_tokens, kwargs=entry.kwargs)
             for _ in range(entry.groups):
                 groups.append([EnvManager(make_env(spec), self.proxy, codec, sampling=config.sampling,
-                                          config=config.env_manager, version_fn=lambda: self.scheduler.version)
+                                          config=config.env_manager, version_fn=lambda: self.scheduler.version,
+                                          reward_fn=reward_fn)
                                for _ in range(config.rollout.group_size)])
         self.scheduler = RolloutScheduler(groups, config.rollout, seed_fn=lambda g, r: config.seed * 7919 + g * 100_003 + r)
         self.controller = AsyncController(self.scheduler, self.proxy)
@@ -76,6 +87,21 @@ class AgenticPipeline:
             self._resume()
         elif self.metrics_path.exists():
             self.metrics_path.unlink()
+
+    def _service_reward(self, codec: HFCodec) -> Any:
+        """Score a finished trajectory with the reward service: its first prompt, its last answer and
+        the env's ground truth. A failure raises (the trajectory becomes ``reward_failed``)."""
+        async def reward(traj: Any) -> float:
+            assert self.reward_client is not None
+            steps = traj.info.get("steps") or [{}]
+            return await self.reward_client.score({
+                "prompt": codec.decode(traj.token_ids[: traj.prompt_length]),
+                "response": steps[-1].get("response", codec.decode(traj.token_ids[traj.turns[-1][0]:traj.turns[-1][1]])),
+                "ground_truth": traj.info.get("reset", {}).get("ground_truth"),
+                "tag": traj.tag,
+            })
+
+        return reward
 
     # ------------------------------------------------------------------ checkpoints
     @property

@@ -79,3 +79,49 @@ def test_config_errors_name_the_field(tmp_path):
 def test_shipped_configs_validate():
     cfg = load_config("pipelines/quickstart.yaml")
     assert cfg.rollout.num_env_groups * cfg.rollout.group_size == 256
+
+
+def test_rewards_come_from_the_reward_service_and_a_dead_service_never_scores_zero(ray_local, tmp_path):
+    from reward_fixtures import ThreadServer
+    from rollart.reward.builtin import reverse
+    from rollart.reward.server import build_app
+
+    calls = {"n": 0}
+
+    def counted_reverse(traj):
+        calls["n"] += 1
+        return reverse(traj)
+
+    with ThreadServer(build_app({"reverse": counted_reverse})) as srv:
+        cfg = small_config(tmp_path, steps=1, checkpoint_every=0,
+                           reward={"url": srv.url("/rewards/reverse"), "retries": 1})
+        pipe = AgenticPipeline(cfg, progress=False)
+        try:
+            history = pipe.run()
+        finally:
+            pipe.shutdown()
+    assert calls["n"] >= 8 and history[0]["trajectories_reward_failed"] == 0
+
+    dead = small_config(tmp_path, steps=1, checkpoint_every=0, reward={"url": srv.url("/rewards/reverse"), "retries": 0})
+    pipe = AgenticPipeline(dead, progress=False)
+
+    async def one_round():
+        pipe.controller.start()
+        try:
+            import asyncio
+
+            await asyncio.wait_for(pipe.controller.get_batch(), timeout=5)
+        except TimeoutError:
+            pass
+        finally:
+            await pipe.controller.stop()
+
+    import asyncio
+
+    try:
+        asyncio.run(one_round())
+        counts = pipe.scheduler.counts
+        assert counts["trajectories_reward_failed"] > 0 and counts.get("groups_accepted", 0) == 0
+        assert all(t.reward is None for t in pipe.scheduler.completed_trajectories if t.status == "reward_failed")
+    finally:
+        pipe.shutdown()
