@@ -79,7 +79,10 @@ class AgenticPipeline:
                                           config=config.env_manager, version_fn=lambda: self.scheduler.version,
                                           reward_fn=reward_fn)
                                for _ in range(config.rollout.group_size)])
-        self.scheduler = RolloutScheduler(groups, config.rollout, seed_fn=lambda g, r: config.seed * 7919 + g * 100_003 + r)
+        rollout_cfg = config.rollout
+        if config.reward is not None:
+            rollout_cfg = rollout_cfg.model_copy(update={"requeue_reward_failures": config.reward.on_failure == "requeue"})
+        self.scheduler = RolloutScheduler(groups, rollout_cfg, seed_fn=lambda g, r: config.seed * 7919 + g * 100_003 + r)
         self.controller = AsyncController(self.scheduler, self.proxy)
         self.start_step = 0
         self.metrics_path = self.out_dir / "metrics.jsonl"

@@ -54,7 +54,7 @@ class RewardConfig(BaseModel):
     timeout_s: float = 30.0
     retries: int = 3
     token_env: str | None = None
-    on_failure: Literal["drop", "requeue"] = "requeue"  # a round with a failed reward is retried either way
+    on_failure: Literal["drop", "requeue"] = "requeue"  # replay the round, or drop the trajectory alone
 
 
 class PipelineConfig(BaseModel):

@@ -125,3 +125,30 @@ async def test_redundant_collection_stops_early_and_keeps_complete_groups(make_r
         assert len({t.group_id for t in grp}) == 1 and len({t.traj_id for t in grp}) == 3
         assert len({t.info["reset"]["seed"] for t in grp}) == 1  # a group plays one seed
     assert sched.counts["trajectories_aborted"] >= 2  # the gated members were aborted, not waited for
+
+
+@pytest.mark.parametrize("requeue", [True, False])
+async def test_failed_reward_replays_the_round_or_drops_the_trajectory(make_rm, requeue):
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 1}})
+    proxy = LLMProxy(simulated_cluster(rm, "rollout"))
+    failures = {"left": 1}
+
+    async def flaky_reward(traj):
+        if traj.traj_id.endswith(":0:v0") and failures["left"] > 0:  # member 0 of the first round, once
+            failures["left"] -= 1
+            raise ConnectionError("reward service unavailable")
+        return 1.0
+
+    groups = [[EnvManager(CountEnv(turns=1), proxy, CharCodec(), reward_fn=flaky_reward) for _ in range(3)]]
+    cfg = RolloutConfig(num_env_groups=1, group_size=3, group_keep=2, batch_groups=1, requeue_reward_failures=requeue)
+    sched = RolloutScheduler(groups, cfg)
+    sched.start()
+    try:
+        (group,) = await asyncio.wait_for(sched.get_batch(), timeout=60)
+    finally:
+        await sched.stop()
+    assert sched.counts["trajectories_reward_failed"] == 1
+    assert all(t.reward == 1.0 for t in group) and len(group) == 2
+    assert sched.counts["rounds_requeued_reward"] == (1 if requeue else 0)
+    # requeue replays the same seed (same round); drop completes the first round from the others
+    assert group[0].group_id == "0:0"

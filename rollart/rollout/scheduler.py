@@ -42,6 +42,7 @@ class RolloutConfig(BaseModel):
     alpha: int = 0  # asynchronous bound; 0 is synchronous
     filter_zero_variance: bool = False
     max_round_failures: int = 3  # a seed whose rounds fail this often is given up (and counted)
+    requeue_reward_failures: bool = True  # a failed reward replays its round (else the trajectory is dropped)
     seed_offset: int = 0
 
     @model_validator(mode="after")
@@ -174,7 +175,7 @@ class RolloutScheduler:
         kept: list[Trajectory] = []
         pending = set(tasks)
         try:
-            while pending and len(kept) < self.config.keep:
+            while pending and len(kept) < self.config.keep and not rnd.aborted:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     traj = t.result()
@@ -182,6 +183,9 @@ class RolloutScheduler:
                     self.completed_trajectories.append(traj)
                     if traj.status == "ok" and not rnd.aborted:
                         kept.append(traj)
+                    elif traj.status == "reward_failed" and self.config.requeue_reward_failures:
+                        rnd.aborted = True  # the whole round is played again: no group trains without it
+                        self.counts["rounds_requeued_reward"] += 1
         finally:
             if pending:  # redundant members of a complete round, or the round was aborted
                 await asyncio.gather(*(tasks[t].abort() for t in pending))
