@@ -25,6 +25,7 @@ class TrainConfig(BaseModel):
     loss_agg: str = "token-mean"
     tis_cap: float | None = None  # train/inference mismatch truncated IS (seed 000 eq. 12)
     kl_coef: float = Field(default=0.0, ge=0)
+    entropy_coef: float = Field(default=0.0, ge=0)  # loss -= coef * mean entropy of the action tokens
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
     ppo_epochs: int = Field(default=1, ge=1)
     seed: int = 0

@@ -23,11 +23,17 @@ from rollart.training.config import TrainConfig
 from rollart.training.microbatch import pad_right, plan_microbatches
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` for ``t >= 1``; ``out[:, 0] = 0``."""
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   with_entropy: bool = False) -> Any:
+    """``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` for ``t >= 1``; ``out[:, 0] = 0``.
+    With ``with_entropy`` also the entropy of each of those next-token distributions (same layout)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(logp, (1, 0))
+    all_logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    logp = torch.nn.functional.pad(all_logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1), (1, 0))
+    if not with_entropy:
+        return logp
+    entropy = -(all_logp.exp() * all_logp).sum(-1)
+    return logp, torch.nn.functional.pad(entropy, (1, 0))
 
 
 class TorchTrainWorker(ra.Worker):
@@ -118,7 +124,7 @@ class TorchTrainWorker(ra.Worker):
         for _ in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for mb in mbs:
-                logp = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"])
+                logp, entropy = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], with_entropy=True)
                 mask = mb["loss_mask"]
                 kwargs: dict[str, Any] = dict(cfg.loss_params)
                 if cfg.tis_cap is not None:
@@ -130,6 +136,10 @@ class TorchTrainWorker(ra.Worker):
                 else:
                     loss, m = policy_loss(cfg.loss, logp, old, mb["advantages"], mask, rollout_logprobs=rollout,
                                           agg=cfg.loss_agg, **kwargs)
+                mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
+                m["entropy"] = float(mean_entropy)
+                if cfg.entropy_coef > 0:  # an entropy bonus keeps exploring positions not yet solved
+                    loss = loss - cfg.entropy_coef * mean_entropy
                 if cfg.kl_coef > 0 and "ref_logprobs" in mb:
                     kl = kl_penalty(logp, mb["ref_logprobs"], kind=cfg.kl_kind)
                     loss = loss + cfg.kl_coef * (kl * mask).sum() / mask.sum().clamp(min=1)
