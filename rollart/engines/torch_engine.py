@@ -1,11 +1,11 @@
 """The built-in PyTorch engine (default; CPU or GPU): continuous batching over a Hugging Face causal LM.
 
-Requests join and leave between steps. A step runs one batched forward over every running request
-(left-padded to the longest, with an attention mask and per-row position ids, so rows of different
-lengths decode together), samples one token per row, and returns the requests that finished. The
-forward recomputes each row's full context — no KV cache is kept — which for the short contexts of the
-built-in tasks is as fast as cached decoding and keeps abort/resume trivially exact; long-context
-serving belongs to the vLLM/SGLang adapters.
+Requests join and leave between steps. While the running set stays the same, a step decodes one
+token per row from a batched KV cache (left-padded rows, an attention mask and per-row position ids,
+so rows of different lengths decode together). When the set changes (a request joined, finished or
+was aborted) the next step prefills the whole running batch again, rebuilding the cache — exact, and
+cheap for the short contexts of RL tasks; long-context serving belongs to the vLLM/SGLang adapters.
+Rows that share sampling settings (and no per-request seed) are sampled in one vectorised call.
 
 Sampling follows ``rollart.engines.base``: greedy at ``temperature == 0``; otherwise logits /
 temperature, top-k, then top-p (nucleus), renormalised; the behaviour logprob is that of the sampled
@@ -62,6 +62,10 @@ class TorchEngine(InferenceEngine):
         self.weight_version = 0
         self._waiting: deque[str] = deque()
         self._requests: OrderedDict[str, _Running] = OrderedDict()
+        self._cache: object | None = None  # KV cache of the batch in ``_cache_rids`` order
+        self._cache_rids: list[str] = []
+        self._mask: torch.Tensor | None = None
+        self._last_pos: torch.Tensor | None = None
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
 
@@ -78,6 +82,7 @@ class TorchEngine(InferenceEngine):
         out = RequestOutput(request.request_id, list(request.prompt_token_ids), weight_version=self.weight_version)
         self._requests[request.request_id] = _Running(request, out, gen)
         self._waiting.append(request.request_id)
+        self._cache = None  # the running set changes: the next step prefills
 
     def abort(self, request_id: str) -> RequestOutput | None:
         run = self._requests.pop(request_id, None)
@@ -88,6 +93,7 @@ class TorchEngine(InferenceEngine):
         except ValueError:
             pass
         run.output.finished, run.output.finish_reason = True, "abort"
+        self._cache = None
         return run.output
 
     def has_unfinished(self) -> bool:
@@ -100,32 +106,68 @@ class TorchEngine(InferenceEngine):
             running.append(self._requests[self._waiting.popleft()])
         return running
 
+    def _forward(self, batch: list[_Running]) -> torch.Tensor:
+        """Next-token logits ``[B, V]``: one cached decode step if the batch is unchanged, else a prefill."""
+        rids = [r.request.request_id for r in batch]
+        dev = self.device
+        if self._cache is not None and rids == self._cache_rids:
+            last = torch.tensor([[r.output.output_token_ids[-1]] for r in batch], dtype=torch.long)
+            assert self._mask is not None and self._last_pos is not None
+            self._mask = torch.cat([self._mask, torch.ones((len(batch), 1), dtype=torch.long)], dim=1)
+            self._last_pos = self._last_pos + 1
+            out = self.model(input_ids=last.to(dev), attention_mask=self._mask.to(dev),
+                             position_ids=self._last_pos[:, None].to(dev), past_key_values=self._cache, use_cache=True)
+        else:
+            seqs = [r.request.prompt_token_ids + r.output.output_token_ids for r in batch]
+            width = max(len(s) for s in seqs)
+            ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for i, seq in enumerate(seqs):
+                ids[i, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
+                mask[i, width - len(seq):] = 1
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True)
+            self._mask, self._last_pos = mask, pos[:, -1]
+        self._cache, self._cache_rids = out.past_key_values, rids
+        return out.logits[:, -1, :].float().cpu()
+
+    def _sample(self, batch: list[_Running], logits: torch.Tensor) -> list[tuple[int, float]]:
+        """(token, behaviour logprob) per row; rows sharing settings and no seed are sampled together."""
+        picks: list[tuple[int, float]] = [(0, 0.0)] * len(batch)
+        shared: dict[tuple, list[int]] = {}
+        for row, run in enumerate(batch):
+            p = run.request.params
+            if run.generator is None:
+                shared.setdefault((p.temperature, p.top_k, p.top_p), []).append(row)
+            else:
+                logp = process_logits(logits[row], p)
+                tok = int(torch.multinomial(logp.exp(), 1, generator=run.generator))
+                picks[row] = (tok, float(logp[tok]))
+        for rows in shared.values():
+            params = batch[rows[0]].request.params
+            logp = process_logits(logits[rows], params)
+            if params.temperature == 0:
+                toks = torch.argmax(logp, dim=-1)
+            else:
+                toks = torch.multinomial(logp.exp(), 1).squeeze(-1)
+            chosen = logp.gather(-1, toks[:, None]).squeeze(-1)
+            for row, tok, lp in zip(rows, toks.tolist(), chosen.tolist()):
+                picks[row] = (int(tok), float(lp))
+        return picks
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         batch = self._batch()
         if not batch:
+            self._cache, self._cache_rids = None, []
             return []
-        seqs = [r.request.prompt_token_ids + r.output.output_token_ids for r in batch]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                            position_ids=pos.to(self.device)).logits[:, -1, :].float().cpu()
+        logits = self._forward(batch)
         finished = []
-        for row, run in enumerate(batch):
+        for run, (tok, lp) in zip(batch, self._sample(batch, logits)):
             params = run.request.params
-            logp = process_logits(logits[row], params)
-            if params.temperature == 0:
-                tok = int(torch.argmax(logp))
-            else:
-                tok = int(torch.multinomial(logp.exp(), 1, generator=run.generator))
             out = run.output
             out.output_token_ids.append(tok)
-            out.output_logprobs.append(float(logp[tok]))
+            out.output_logprobs.append(lp)
             if tok in params.stop_token_ids:
                 out.finished, out.finish_reason = True, "stop"
             elif len(out.output_token_ids) >= params.max_new_tokens:
@@ -133,6 +175,7 @@ class TorchEngine(InferenceEngine):
             if out.finished:
                 del self._requests[run.request.request_id]
                 finished.append(out)
+                self._cache = None
         return finished
 
     # ------------------------------------------------------------------ weights
@@ -149,4 +192,5 @@ class TorchEngine(InferenceEngine):
         with torch.no_grad():
             for k, v in weights.items():
                 current[k].copy_(v.to(current[k].device, current[k].dtype))
+        self._cache, self._cache_rids = None, []  # cached keys/values came from the old weights
         self.weight_version = int(version)
