@@ -28,7 +28,6 @@ BENCHES: dict[str, str] = {
     "queue-scheduling": "benchmarks.queue_scheduling",
     "prompt-replication": "benchmarks.prompt_replication",
     "async-train": "benchmarks.async_train",
-    "weight-sync": "benchmarks.weight_sync",
 }
 
 

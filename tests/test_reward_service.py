@@ -177,3 +177,13 @@ def rf_reverse(t):
     from envs.verifiable import ReverseTask
 
     return ReverseTask.verify(t["response"], t["ground_truth"])
+
+
+def test_a_reward_past_the_timeout_is_504():
+    rf.GATE.clear()
+    try:
+        with ThreadServer(app(timeout_s=0.2)) as srv:
+            r = httpx.post(srv.url("/rewards/gated"), json=TRAJ, timeout=30)
+            assert r.status_code == 504 and "longer than 0.2s" in r.json()["detail"]
+    finally:
+        rf.GATE.set()
