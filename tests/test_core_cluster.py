@@ -50,6 +50,21 @@ class Trainer(ra.Worker):
         return None
 
 
+@ray.remote(num_cpus=0)
+class Barrier:
+    """Answers nobody until ``n`` callers have arrived: every call stays in flight meanwhile."""
+
+    def __init__(self, n: int):
+        self.n, self.count, self.all_here = n, 0, asyncio.Event()
+
+    async def arrive(self) -> int:
+        self.count += 1
+        if self.count >= self.n:
+            self.all_here.set()
+        await asyncio.wait_for(self.all_here.wait(), timeout=60)
+        return self.count
+
+
 class Gen(ra.Worker):
     def __init__(self):
         self.arrived = 0
@@ -58,6 +73,11 @@ class Gen(ra.Worker):
     @ra.hw_mapping({"FrozenLake": ["H800", "H20"], "*": ["H20", "H800"]})
     async def generate(self, request: dict, tag_name: str) -> dict:
         return {"hardware": self.hardware, "rank": self.rank, "echo": request["i"]}
+
+    @ra.hw_mapping({"*": ["H20", "H800"]})
+    async def held(self, barrier, tag_name: str) -> int:
+        await barrier.arrive.remote()
+        return self.rank
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     async def rendezvous(self) -> int:
@@ -125,9 +145,9 @@ async def test_async_methods_run_concurrently_and_routes_by_tag(make_rm):
 async def test_least_loaded_worker_within_a_hardware_type(make_rm):
     rm = make_rm({"rollout": {"hardware": "H20", "devices": 3}})
     g = ra.Cluster("gen", Gen, rm, pool="rollout")
-    outs = await asyncio.gather(*[g.generate({"i": i}, tag_name="x") for i in range(9)])
-    counts = {r: sum(o["rank"] == r for o in outs) for r in range(3)}
-    assert counts == {0: 3, 1: 3, 2: 3}
+    barrier = Barrier.remote(9)  # no call finishes before all nine are routed
+    ranks = await asyncio.gather(*[g.held(barrier, tag_name="x") for _ in range(9)])
+    assert sorted(ranks) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
 
 async def test_routing_falls_back_to_h20_when_h800_workers_are_killed(make_rm):
@@ -174,12 +194,17 @@ def test_colocation_shares_a_pool_only_when_asked(make_rm):
     assert b.whoami("c")[1][3] == [1]
 
 
-def _rollart_actor_count() -> int:
-    return len(ray.util.list_named_actors(all_namespaces=True))
+def _actors() -> set:
+    return {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
-def _placement_group_count() -> int:
-    return sum(1 for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED")
+def _placement_groups() -> set:
+    return set(ray.util.placement_group_table())
+
+
+def _nothing_new(actors: set, pgs: set) -> bool:
+    """No actor or placement group appeared (ones of earlier tests may still be going away)."""
+    return _actors() <= actors and _placement_groups() <= pgs
 
 
 @pytest.mark.parametrize(
@@ -195,15 +220,15 @@ def _placement_group_count() -> int:
     ],
 )
 def test_resource_errors_are_raised_before_anything_is_created(ray_local, store_path, pools, message):
-    actors, pgs = _rollart_actor_count(), _placement_group_count()
+    actors, pgs = _actors(), _placement_groups()
     with pytest.raises(ra.ResourceSpecError, match=message):
         ra.ResourceManager(pools, store=store_path)
-    assert (_rollart_actor_count(), _placement_group_count()) == (actors, pgs)
+    assert _nothing_new(actors, pgs)
 
 
 def test_cluster_errors_are_raised_before_any_actor(make_rm):
     rm = make_rm({"rollout": {"hardware": "H20", "devices": 3}, "only800": {"hardware": "H800", "devices": 1}})
-    actors = _rollart_actor_count()
+    actors, pgs = _actors(), _placement_groups()
     with pytest.raises(ra.ResourceSpecError, match=r"pools\.rollout\[0\]\.devices: 3 H20 devices cannot be split .*devices_per_worker=2"):
         ra.Cluster("gen", Gen, rm, pool="rollout", devices_per_worker=2)
 
@@ -218,7 +243,7 @@ def test_cluster_errors_are_raised_before_any_actor(make_rm):
         ra.Cluster("gen", Gen, rm, pool=None)
     with pytest.raises(ra.ResourceSpecError, match="pool='nope' is not a pool"):
         ra.Cluster("gen", Gen, rm, pool="nope")
-    assert _rollart_actor_count() == actors
+    assert _nothing_new(actors, pgs)
 
 
 def test_object_refs_and_large_arguments_reach_every_rank(make_rm):
