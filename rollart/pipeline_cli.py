@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from typing import Any
 
 import yaml
@@ -42,7 +43,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                "metrics": str(pipe.metrics_path), "plot": str(pipe.out_dir / "metrics.png")}
     log.info("done: %s", json.dumps(summary))
     if args.json:
-        print(json.dumps(summary))
+        sys.stdout.write(json.dumps(summary) + "\n")
     return 0
 
 
