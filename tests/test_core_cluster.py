@@ -9,6 +9,7 @@ import ray
 import torch
 
 import rollart as ra
+from ray_helpers import kill_and_wait
 from rollart.cluster.errors import NoLiveWorkerError
 
 pytestmark = pytest.mark.timeout(300)
@@ -87,20 +88,6 @@ class Gen(ra.Worker):
             self.both_here.set()
         await asyncio.wait_for(self.both_here.wait(), timeout=30)
         return self.arrived
-
-
-def kill_and_wait(handle, deadline_s: float = 60.0) -> None:
-    """ray.kill is asynchronous: return once the actor no longer answers."""
-    import time
-
-    ray.kill(handle, no_restart=True)
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            ray.get(handle._rollart_ping.remote(), timeout=5)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return
-    raise AssertionError("actor still alive after ray.kill")
 
 
 def test_dispatch_modes(make_rm):
