@@ -113,13 +113,38 @@ def _decode(url: str, resp: httpx.Response, attempts: int) -> Any:
     return body
 
 
-def _classify(url: str, resp: httpx.Response, attempt: int) -> str:
-    """'ok', 'retry' or raise for a final client error."""
-    if resp.status_code < 300:
-        return "ok"
-    if resp.status_code >= 500 or resp.status_code in RETRYABLE_STATUS:
-        return "retry"
-    raise ServerlessRequestError(url, _message(resp), resp.status_code, attempt + 1)
+class _Attempts:
+    """What the sync and async loops share: classify each answer, remember the last failure, and say
+    how long to wait before the next attempt (``None``: no attempt left)."""
+
+    def __init__(self, url: str, retry: RetryPolicy):
+        self.url, self.retry = url, retry
+        self.status: int | None = None
+        self.error = ""
+        self.retry_after: str | None = None
+
+    def answer(self, resp: httpx.Response, attempt: int) -> tuple[bool, Any]:
+        """``(True, result)`` on success; ``(False, None)`` for a retryable status; raises a client error."""
+        if resp.status_code < 300:
+            return True, _decode(self.url, resp, attempt + 1)
+        if resp.status_code < 500 and resp.status_code not in RETRYABLE_STATUS:
+            raise ServerlessRequestError(self.url, _message(resp), resp.status_code, attempt + 1)
+        self.status, self.error, self.retry_after = resp.status_code, _message(resp), resp.headers.get("Retry-After")
+        return False, None
+
+    def transport_error(self, err: httpx.TransportError) -> None:  # connection refused/reset, timeouts
+        self.status, self.error, self.retry_after = None, f"{type(err).__name__}: {err}", None
+
+    def wait(self, attempt: int) -> float | None:
+        if attempt >= self.retry.retries:
+            return None
+        delay = self.retry.delay(attempt, self.retry_after)
+        log.warning("serverless %s attempt %d failed (%s %s); retrying in %.2fs", self.url, attempt + 1,
+                    self.status, self.error, delay)
+        return delay
+
+    def exhausted(self) -> ServerlessRetriesExhausted:
+        return ServerlessRetriesExhausted(self.url, self.error, self.status, self.retry.retries + 1)
 
 
 def call_serverless(
@@ -128,30 +153,23 @@ def call_serverless(
 ) -> Any:
     """POST ``payload`` and return the decoded result, retrying as the module docstring says."""
     headers = _headers(token_env, tenant, idempotency_key or uuid.uuid4().hex)
-    own = client is None
     http = client or httpx.Client(timeout=timeout_s)
-    last_status: int | None = None
-    last_error = ""
+    state = _Attempts(url, retry)
     try:
         for attempt in range(retry.retries + 1):
-            retry_after = None
             try:
-                resp = http.post(url, json=payload, headers=headers, timeout=timeout_s)
-                if _classify(url, resp, attempt) == "ok":
-                    return _decode(url, resp, attempt + 1)
-                last_status, last_error = resp.status_code, _message(resp)
-                retry_after = resp.headers.get("Retry-After")
-            except httpx.TransportError as err:  # connection refused/reset, timeouts
-                last_status, last_error = None, f"{type(err).__name__}: {err}"
-            if attempt < retry.retries:
-                delay = retry.delay(attempt, retry_after)
-                log.warning("serverless %s attempt %d failed (%s %s); retrying in %.2fs", url, attempt + 1,
-                            last_status, last_error, delay)
+                done, value = state.answer(http.post(url, json=payload, headers=headers, timeout=timeout_s), attempt)
+                if done:
+                    return value
+            except httpx.TransportError as err:
+                state.transport_error(err)
+            delay = state.wait(attempt)
+            if delay is not None:
                 time.sleep(delay)
     finally:
-        if own:
+        if client is None:
             http.close()
-    raise ServerlessRetriesExhausted(url, last_error, last_status, retry.retries + 1)
+    raise state.exhausted()
 
 
 async def acall_serverless(
@@ -160,27 +178,21 @@ async def acall_serverless(
 ) -> Any:
     """The asyncio form of :func:`call_serverless`."""
     headers = _headers(token_env, tenant, idempotency_key or uuid.uuid4().hex)
-    own = client is None
     http = client or httpx.AsyncClient(timeout=timeout_s)
-    last_status: int | None = None
-    last_error = ""
+    state = _Attempts(url, retry)
     try:
         for attempt in range(retry.retries + 1):
-            retry_after = None
             try:
                 resp = await http.post(url, json=payload, headers=headers, timeout=timeout_s)
-                if _classify(url, resp, attempt) == "ok":
-                    return _decode(url, resp, attempt + 1)
-                last_status, last_error = resp.status_code, _message(resp)
-                retry_after = resp.headers.get("Retry-After")
+                done, value = state.answer(resp, attempt)
+                if done:
+                    return value
             except httpx.TransportError as err:
-                last_status, last_error = None, f"{type(err).__name__}: {err}"
-            if attempt < retry.retries:
-                delay = retry.delay(attempt, retry_after)
-                log.warning("serverless %s attempt %d failed (%s %s); retrying in %.2fs", url, attempt + 1,
-                            last_status, last_error, delay)
+                state.transport_error(err)
+            delay = state.wait(attempt)
+            if delay is not None:
                 await asyncio.sleep(delay)
     finally:
-        if own:
+        if client is None:
             await http.aclose()
-    raise ServerlessRetriesExhausted(url, last_error, last_status, retry.retries + 1)
+    raise state.exhausted()
