@@ -7,12 +7,15 @@ launcher declares it with one unit per logical device ("logical" mode). CPUs are
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import ray
 
 from rollart.resource_manager.launcher import ACCEL_PREFIX, accelerator_resource
 from rollart.resource_manager.specs import CPU
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,7 +48,8 @@ def read_capacity() -> dict[str, HardwareCapacity]:
     """Totals and what is still free, per hardware type, over the alive nodes."""
     try:
         per_node_free = ray._private.state.available_resources_per_node()  # noqa: SLF001
-    except Exception:  # an older/newer Ray without it: fall back to totals
+    except Exception as err:  # a Ray without it: totals only, and say so — other jobs' use is not seen
+        log.warning("cannot read free resources per node (%s); validating against cluster totals", err)
         per_node_free = {}
     out: dict[str, HardwareCapacity] = {}
     for node in ray.nodes():
