@@ -1,4 +1,5 @@
-"""Environments: a text env interface, single-turn verifiable tasks, FrozenLake, Sokoban."""
+"""Environments: a text env interface and registry, single-turn verifiable tasks (reverse, addition,
+countdown), FrozenLake, Sokoban, a tokenizer corpus and fault-injection wrappers."""
 
 from envs.base import EnvError, EnvSpec, EnvTimeout, TextEnv, make_env, register_env, registered_envs
 

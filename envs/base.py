@@ -1,17 +1,25 @@
-"""The text environment interface (gymnasium-style) and the env registry.
+"""The text environment interface (gymnasium-style) and the env registry (seed 004 §5.3, seed 000 §5.2).
 
 ``reset(seed) -> (observation, info)``; ``step(action) -> (observation, reward, terminated,
-truncated, info)``. Every env has a routing ``tag``, ``max_steps`` and ``max_new_tokens``. Faults are
-``EnvError`` / ``EnvTimeout``; the EnvManager retries resets and ends a trajectory whose step keeps
-failing as ``failed``.
+truncated, info)``. Every env has a routing ``tag`` (the LLMProxy routes its generation requests by
+it), ``max_steps`` (after that many steps an episode that has not terminated is *truncated*) and
+``max_new_tokens`` (the generation budget of one action). Envs are deterministic given the reset seed.
+
+Faults are :class:`EnvError` / :class:`EnvTimeout`: the EnvManager retries resets and ends a
+trajectory whose step keeps failing as ``failed``; an env never turns a fault into a reward.
+An unreadable action is not a fault: it costs a format penalty and returns an "invalid action"
+observation, so the agent can learn the format.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+
+StepResult = tuple[str, float, bool, bool, dict[str, Any]]
 
 
 class EnvError(RuntimeError):
@@ -23,27 +31,49 @@ class EnvTimeout(EnvError):
 
 
 class TextEnv(ABC):
+    """A text environment. Subclasses set ``tag``, ``max_steps``, ``max_new_tokens`` and
+    ``instructions`` (the task description an agent needs to play it; see :meth:`format_prompt`)."""
+
     tag: ClassVar[str] = "env"
+    instructions: ClassVar[str] = ""
     max_steps: int = 1
     max_new_tokens: int = 16
 
     @abstractmethod
-    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]: ...
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        """Start an episode; the same seed gives the same episode. Returns ``(observation, info)``."""
 
     @abstractmethod
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]: ...
+    def step(self, action: str) -> StepResult:
+        """Apply the agent's action text. Returns ``(observation, reward, terminated, truncated, info)``."""
+
+    def format_prompt(self, observation: str) -> str:
+        """The observation preceded by this env's instructions (for agents that need to be told the
+        task; the built-in tiny model is trained without them)."""
+        return f"{self.instructions}\n{observation}" if self.instructions else observation
 
     def close(self) -> None:
+        """Release what the env holds (processes, sockets); the default holds nothing."""
         return None
 
 
+def check_positive(owner: str, **values: float) -> None:
+    """Raise ``ValueError`` naming the first field that is not ``>= 1``."""
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{owner}: {name} must be >= 1, got {value!r}")
+
+
 class EnvSpec(BaseModel):
+    """An env as written in a YAML config: registry ``name``, constructor ``kwargs`` and optional
+    overrides of ``tag``, ``max_steps`` and ``max_new_tokens``."""
+
     model_config = ConfigDict(extra="forbid")
 
-    name: str
+    name: str = Field(min_length=1)
     tag: str | None = None
-    max_steps: int | None = None
-    max_new_tokens: int | None = None
+    max_steps: int | None = Field(default=None, ge=1)
+    max_new_tokens: int | None = Field(default=None, ge=1)
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -52,7 +82,15 @@ E = TypeVar("E", bound=type[TextEnv])
 
 
 def register_env(name: str) -> Callable[[E], E]:
+    """Class decorator: make ``cls`` buildable as ``make_env(name, **kwargs)``."""
+
     def add(cls: E) -> E:
+        if not (isinstance(cls, type) and issubclass(cls, TextEnv)):
+            raise TypeError(f"register_env({name!r}) needs a TextEnv subclass, got {cls!r}")
+        old = _REGISTRY.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"env name {name!r} is already registered to {old.__module__}.{old.__qualname__}; "
+                             f"pick another name")
         _REGISTRY[name] = cls
         return cls
 
@@ -60,28 +98,36 @@ def register_env(name: str) -> Callable[[E], E]:
 
 
 def registered_envs() -> list[str]:
+    """Names accepted by :func:`make_env`."""
     _load_builtin()
     return sorted(_REGISTRY)
 
 
 def _load_builtin() -> None:
-    import envs.verifiable  # noqa: F401  (registers the built-in tasks)
-
-    try:
-        import envs.frozen_lake  # noqa: F401
-        import envs.sokoban  # noqa: F401
-    except ImportError:
-        pass
+    import envs.frozen_lake  # noqa: F401  (each import registers its env)
+    import envs.sokoban  # noqa: F401
+    import envs.verifiable  # noqa: F401
 
 
-def make_env(spec: EnvSpec | str, **kwargs: Any) -> TextEnv:
-    """Build an env by registry name (``reverse``, ``addition``, ``countdown``, ``frozen_lake``, ...)."""
+def make_env(spec: EnvSpec | dict[str, Any] | str, **kwargs: Any) -> TextEnv:
+    """Build an env by registry name (``reverse``, ``addition``, ``countdown``, ``frozen_lake``,
+    ``sokoban``, or one added with :func:`register_env`). ``kwargs`` go to the env's constructor (on
+    top of ``spec.kwargs``); the spec's ``tag``/``max_steps``/``max_new_tokens`` override the env's."""
     _load_builtin()
     if isinstance(spec, str):
-        spec = EnvSpec(name=spec, kwargs=kwargs)
+        spec = EnvSpec(name=spec)
+    elif isinstance(spec, dict):
+        spec = EnvSpec.model_validate(spec)
     if spec.name not in _REGISTRY:
         raise ValueError(f"env name {spec.name!r} is not registered; known: {sorted(_REGISTRY)}")
-    env = _REGISTRY[spec.name](**spec.kwargs)
+    cls = _REGISTRY[spec.name]
+    params = {**spec.kwargs, **kwargs}
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown and not any(inspect.signature(cls.__init__).parameters[p].kind == inspect.Parameter.VAR_KEYWORD
+                           for p in accepted):
+        raise ValueError(f"env {spec.name!r}: unknown kwargs {unknown}; accepted: {accepted}")
+    env = cls(**params)
     if spec.tag is not None:
         env.tag = spec.tag  # type: ignore[misc]
     if spec.max_steps is not None:

@@ -1,72 +1,174 @@
 """Sokoban as text: push every box onto a target.
 
-Levels are generated from the seed by reverse play: boxes start on their targets and the player
-*pulls* them around for a number of moves, so every level is solvable by construction (replaying
-the pulls backwards as pushes solves it). Rendering: ``#`` wall, ``_`` floor, ``O`` target, ``X`` box,
-``√`` box on target, ``P`` player (``S`` player on a target). Actions ``Up/Down/Left/Right``
-(``U/D/L/R``). Reward: ``box_reward`` per box newly on a target (minus as much when pushed off),
-``success_reward`` when all are on targets, ``step_penalty`` per step; unreadable actions cost
-``format_penalty`` and change nothing.
+Levels come from the reset seed by *reverse play*: a walled room (optionally with inner walls, the
+free cells kept connected), boxes placed on their targets, then the player walks backwards and
+*pulls* boxes for ``pulls`` pulls. Every generated level is therefore solvable: replaying the reverse
+moves backwards as forward moves (each pull becomes a push) solves it; that replay is
+``info["reverse_solution"]`` and the shortest solution found by BFS is ``info["solution"]``.
+``max_solution_steps`` (if set) rejects levels whose shortest solution is longer.
+
+Rendering, one row a line: ``#`` wall, ``_`` floor, ``O`` target, ``X`` box, ``√`` box on target,
+``P`` player, ``S`` player on a target; followed by ``push:``. Actions ``Up/Down/Left/Right``
+(``U/D/L/R``, any case, read from noisy text by :func:`envs.actions.parse_direction`).
+
+Rewards per step: ``-step_penalty``, plus ``box_reward`` for each box newly pushed onto a target (and
+minus as much for one pushed off), plus ``success_reward`` when every box is on a target (terminated).
+An unreadable action costs ``-format_penalty`` and changes nothing ("invalid action"). Every step
+counts towards ``max_steps``; the step that reaches it without terminating is truncated.
 """
 
 from __future__ import annotations
 
 import random
-import re
+from collections import deque
 from typing import Any, ClassVar
 
-from envs.base import TextEnv, register_env
+from envs.actions import parse_direction
+from envs.base import EnvError, StepResult, TextEnv, check_positive, register_env
 
+Cell = tuple[int, int]
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
-_ACTION = re.compile(r"\b(up|down|left|right|[udlr])\b", re.IGNORECASE)
+OPPOSITE = {"U": "D", "D": "U", "L": "R", "R": "L"}
+_PULL_PROB = 0.7  # chance that a reverse move with a box behind the player pulls it
+_MAX_ATTEMPTS = 1000
+
+
+def push(walls: set[Cell], boxes: frozenset[Cell], player: Cell, a: str) -> tuple[frozenset[Cell], Cell] | None:
+    """The state after a forward move ``a``, or None when the move is blocked (wall, or a box that
+    cannot be pushed because a wall or another box is behind it)."""
+    dr, dc = MOVES[a]
+    nxt = (player[0] + dr, player[1] + dc)
+    if nxt in walls:
+        return None
+    if nxt in boxes:
+        beyond = (nxt[0] + dr, nxt[1] + dc)
+        if beyond in walls or beyond in boxes:
+            return None
+        boxes = (boxes - {nxt}) | {beyond}
+    return boxes, nxt
+
+
+def solve(walls: set[Cell], boxes: frozenset[Cell], targets: frozenset[Cell], player: Cell,
+          limit: int = 200_000) -> list[str] | None:
+    """Shortest move list that puts every box on a target (BFS over (player, boxes)); None when none is
+    found within ``limit`` visited states."""
+    start = (player, boxes)
+    prev: dict[tuple[Cell, frozenset[Cell]], tuple[tuple[Cell, frozenset[Cell]], str] | None] = {start: None}
+    queue = deque([start])
+    while queue and len(prev) <= limit:
+        state = queue.popleft()
+        if state[1] <= targets:
+            path = []
+            while (link := prev[state]) is not None:
+                state, a = link
+                path.append(a)
+            return path[::-1]
+        for a in MOVES:
+            moved = push(walls, state[1], state[0], a)
+            if moved is not None and (key := (moved[1], moved[0])) not in prev:
+                prev[key] = (state, a)
+                queue.append(key)
+    return None
+
+
+def _connected(cells: set[Cell]) -> bool:
+    if not cells:
+        return False
+    first = next(iter(cells))
+    seen, queue = {first}, deque([first])
+    while queue:
+        r, c = queue.popleft()
+        for dr, dc in MOVES.values():
+            n = (r + dr, c + dc)
+            if n in cells and n not in seen:
+                seen.add(n)
+                queue.append(n)
+    return len(seen) == len(cells)
 
 
 @register_env("sokoban")
 class Sokoban(TextEnv):
     tag: ClassVar[str] = "Sokoban"
+    instructions: ClassVar[str] = (
+        "Sokoban: you are P. Push every box X onto a target O (a box on a target is √); # is a wall, _ is "
+        "floor. Boxes can only be pushed. Answer with one move: Up, Down, Left or Right (U, D, L, R)."
+    )
 
-    def __init__(self, size: int = 6, boxes: int = 1, pulls: int = 8, max_steps: int = 10, max_new_tokens: int = 4,
-                 box_reward: float = 0.5, success_reward: float = 1.0, step_penalty: float = 0.01,
-                 format_penalty: float = 0.05):
-        self.size, self.n_boxes, self.pulls = size, boxes, pulls
+    def __init__(self, size: int = 6, boxes: int = 1, pulls: int = 8, wall_prob: float = 0.0, max_steps: int = 10,
+                 max_new_tokens: int = 4, box_reward: float = 0.5, success_reward: float = 1.0,
+                 step_penalty: float = 0.01, format_penalty: float = 0.05, max_solution_steps: int | None = None,
+                 with_instructions: bool = False):
+        check_positive("sokoban", boxes=boxes, pulls=pulls, max_steps=max_steps, max_new_tokens=max_new_tokens)
+        if (size - 2) ** 2 < boxes + 2:
+            raise ValueError(f"sokoban: size={size} leaves {(max(size - 2, 0)) ** 2} inner cells, too few for "
+                             f"boxes={boxes}; use size >= {next(s for s in range(3, 99) if (s - 2) ** 2 >= boxes + 2)}")
+        if not 0.0 <= wall_prob < 0.5:
+            raise ValueError(f"sokoban: wall_prob must be in [0, 0.5), got {wall_prob!r}")
+        if max_solution_steps is not None:
+            check_positive("sokoban", max_solution_steps=max_solution_steps)
+        self.size, self.n_boxes, self.pulls, self.wall_prob = size, boxes, pulls, wall_prob
         self.max_steps, self.max_new_tokens = max_steps, max_new_tokens
         self.box_reward, self.success_reward = box_reward, success_reward
         self.step_penalty, self.format_penalty = step_penalty, format_penalty
-        self.walls: set[tuple[int, int]] = set()
-        self.targets: set[tuple[int, int]] = set()
-        self.boxes: set[tuple[int, int]] = set()
-        self.player = (1, 1)
+        self.max_solution_steps = max_solution_steps
+        self.with_instructions = with_instructions
+        self.walls: set[Cell] = set()
+        self.targets: frozenset[Cell] = frozenset()
+        self.boxes: frozenset[Cell] = frozenset()
+        self.player: Cell = (1, 1)
+        self.steps = 0
+        self.done = True
 
-    def _generate(self, rng: random.Random) -> list[str]:
+    def _room(self, rng: random.Random) -> tuple[set[Cell], list[Cell]]:
         n = self.size
-        while True:
-            walls = {(r, c) for r in range(n) for c in range(n) if r in (0, n - 1) or c in (0, n - 1)}
-            inner = [(r, c) for r in range(1, n - 1) for c in range(1, n - 1)]
-            targets = set(rng.sample(inner, self.n_boxes))
-            boxes = set(targets)
-            free = [p for p in inner if p not in boxes]
-            player = rng.choice(free)
-            pulls: list[str] = []
-            for _ in range(self.pulls * 4):
-                a = rng.choice("UDLR")
-                dr, dc = MOVES[a]
-                nxt = (player[0] + dr, player[1] + dc)
-                if nxt in walls or nxt in boxes:
-                    continue
-                behind = (player[0] - dr, player[1] - dc)  # a box behind the player is pulled along
-                if behind in boxes and rng.random() < 0.7:
-                    boxes.remove(behind)
-                    boxes.add(player)
-                    pulls.append(a)
-                player = nxt
-                pulls.append("move")
-                if len([p for p in pulls if p != "move"]) >= self.pulls:
-                    break
-            if boxes != targets:
-                self.walls, self.targets, self.boxes, self.player = walls, targets, boxes, player
-                return pulls
+        walls = {(r, c) for r in range(n) for c in range(n) if r in (0, n - 1) or c in (0, n - 1)}
+        inner = [(r, c) for r in range(1, n - 1) for c in range(1, n - 1)]
+        for cell in inner:
+            if rng.random() < self.wall_prob:
+                free = set(inner) - walls - {cell}
+                if len(free) >= self.n_boxes + 2 and _connected(free):
+                    walls.add(cell)
+        return walls, [p for p in inner if p not in walls]
+
+    def _reverse_play(self, rng: random.Random) -> tuple[set[Cell], frozenset[Cell], frozenset[Cell], Cell,
+                                                          list[str]] | None:
+        """One reverse-play attempt: (walls, targets, boxes, player, forward solution) or None."""
+        walls, free = self._room(rng)
+        targets = frozenset(rng.sample(free, self.n_boxes))
+        boxes = set(targets)
+        player = rng.choice([p for p in free if p not in boxes])
+        reverse: list[str] = []
+        pulled = 0
+        for _ in range(self.pulls * 25):
+            # with a box beside the player, half of the moves step away from it (a pull)
+            pullable = [a for a, (dr, dc) in MOVES.items() if (player[0] - dr, player[1] - dc) in boxes]
+            a = rng.choice(pullable) if pullable and rng.random() < 0.5 else rng.choice("UDLR")
+            dr, dc = MOVES[a]
+            nxt = (player[0] + dr, player[1] + dc)
+            if nxt in walls or nxt in boxes:
+                continue
+            behind = (player[0] - dr, player[1] - dc)
+            if behind in boxes and rng.random() < _PULL_PROB:
+                boxes.remove(behind)
+                boxes.add(player)
+                pulled += 1
+            player = nxt
+            reverse.append(a)
+            if pulled >= self.pulls:
+                break
+        if frozenset(boxes) == targets:
+            return None
+        forward = [OPPOSITE[a] for a in reversed(reverse)]
+        state: tuple[frozenset[Cell], Cell] = (frozenset(boxes), player)
+        for i, a in enumerate(forward):  # keep the replay up to the first solved state
+            state = push(walls, state[0], state[1], a) or state
+            if state[0] <= targets:
+                forward = forward[: i + 1]
+                break
+        return walls, targets, frozenset(boxes), player, forward
 
     def render(self) -> str:
+        """The level, one row a line (symbols in the module docstring)."""
         rows = []
         for r in range(self.size):
             row = []
@@ -78,38 +180,51 @@ class Sokoban(TextEnv):
                     row.append("S" if p in self.targets else "P")
                 elif p in self.boxes:
                     row.append("√" if p in self.targets else "X")
-                elif p in self.targets:
-                    row.append("O")
                 else:
-                    row.append("_")
-            rows.append("".join(row))
-        return "\n".join(rows) + "\n"
+                    row.append("O" if p in self.targets else "_")
+            rows.append("".join(row) + "\n")
+        return "".join(rows)
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
-        self._generate(random.Random(seed))
-        return self.render() + "push:", {"boxes": sorted(self.boxes), "targets": sorted(self.targets)}
+        rng = random.Random(seed)
+        for _ in range(_MAX_ATTEMPTS):
+            level = self._reverse_play(rng)
+            if level is None:
+                continue
+            walls, targets, boxes, player, reverse_solution = level
+            solution = solve(walls, boxes, targets, player) or reverse_solution
+            if self.max_solution_steps is not None and len(solution) > self.max_solution_steps:
+                continue
+            break
+        else:
+            raise ValueError(f"sokoban: no level found in {_MAX_ATTEMPTS} tries (size={self.size}, "
+                             f"boxes={self.n_boxes}, pulls={self.pulls}, max_solution_steps="
+                             f"{self.max_solution_steps}); raise max_solution_steps or pulls, or lower boxes")
+        self.walls, self.targets, self.boxes, self.player = walls, targets, boxes, player
+        self.steps, self.done = 0, False
+        obs = self.render() + "push:"
+        return (self.format_prompt(obs) if self.with_instructions else obs), {
+            "solution": solution, "reverse_solution": reverse_solution,
+            "boxes": sorted(boxes), "targets": sorted(targets)}
 
-    def _on_target(self) -> int:
-        return len(self.boxes & self.targets)
-
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        m = _ACTION.search(action)
-        if m is None:
-            return self.render() + "invalid action; push:", -self.format_penalty, False, False, {"valid": False}
-        dr, dc = MOVES[m.group(1)[0].upper()]
-        before = self._on_target()
-        nxt = (self.player[0] + dr, self.player[1] + dc)
-        if nxt in self.walls:
-            return self.render() + "push:", -self.step_penalty, False, False, {"valid": True, "moved": False}
-        if nxt in self.boxes:
-            beyond = (nxt[0] + dr, nxt[1] + dc)
-            if beyond in self.walls or beyond in self.boxes:
-                return self.render() + "push:", -self.step_penalty, False, False, {"valid": True, "moved": False}
-            self.boxes.remove(nxt)
-            self.boxes.add(beyond)
-        self.player = nxt
-        reward = -self.step_penalty + self.box_reward * (self._on_target() - before)
-        done = self.boxes <= self.targets
-        if done:
-            reward += self.success_reward
-        return self.render() + ("" if done else "push:"), reward, done, False, {"valid": True, "success": done}
+    def step(self, action: str) -> StepResult:
+        if self.done:
+            raise EnvError("sokoban: step() after the episode ended; call reset() first")
+        self.steps += 1
+        truncated = self.steps >= self.max_steps
+        a = parse_direction(action)
+        if a is None:
+            self.done = truncated
+            return (self.render() + "invalid action; push:", -self.format_penalty, False, truncated,
+                    {"valid": False, "steps": self.steps})
+        before = len(self.boxes & self.targets)
+        moved = push(self.walls, self.boxes, self.player, a)
+        if moved is not None:
+            self.boxes, self.player = moved
+        on_target = len(self.boxes & self.targets)
+        success = self.boxes <= self.targets
+        reward = -self.step_penalty + self.box_reward * (on_target - before) + (self.success_reward if success else 0.0)
+        self.done = success or truncated
+        info = {"valid": True, "action": a, "moved": moved is not None, "boxes_on_target": on_target,
+                "success": success, "steps": self.steps}
+        return self.render() + ("" if success else "push:"), reward, success, truncated and not success, info

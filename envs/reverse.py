@@ -1,0 +1,47 @@
+"""Reverse a string of ``length`` letters: ``"abc="`` → ``"cba"`` (``reverse-3`` is the quickstart task).
+
+Reward (:meth:`ReverseTask.verify`): the number of answer positions right, divided by the longer of
+the answer and the (stripped) response, so extra characters cost as much as missing ones; 1.0 only for
+the exact answer, and a random answer scores near 0. Dense credit (:meth:`ReverseTask.char_rewards`):
+1 for each response character in its right place, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from typing import ClassVar
+
+from envs.base import check_positive, register_env
+from envs.single_turn import VerifiableTask
+
+
+@register_env("reverse")
+class ReverseTask(VerifiableTask):
+    tag: ClassVar[str] = "reverse"
+    instructions: ClassVar[str] = "Reverse the letters before '=' and write them after it, e.g. abc=cba."
+
+    def __init__(self, length: int = 3, letters: str = string.ascii_lowercase, with_instructions: bool = False):
+        super().__init__(with_instructions)
+        check_positive("reverse", length=length)
+        if not letters or "=" in letters:
+            raise ValueError(f"reverse: letters must be a non-empty string without '=', got {letters!r}")
+        self.length, self.letters = length, letters
+        self.max_new_tokens = length  # the answer has exactly ``length`` characters
+        self.tag = f"reverse-{length}"  # type: ignore[misc]
+
+    def make(self, rng: random.Random) -> tuple[str, str]:
+        word = "".join(rng.choice(self.letters) for _ in range(self.length))
+        return f"{word}=", word[::-1]
+
+    def char_rewards(self, response: str) -> list[float]:
+        gt = self.ground_truth or ""
+        return [float(i < len(gt) and c == gt[i]) for i, c in enumerate(response)]
+
+    @staticmethod
+    def verify(response: str, ground_truth: str) -> float:
+        response = response.strip()
+        if not ground_truth:
+            return float(response == "")
+        right = sum(a == b for a, b in zip(response, ground_truth))
+        return right / max(len(ground_truth), len(response))
