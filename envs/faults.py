@@ -63,6 +63,12 @@ class VirtualClock:
         self.calls = 0
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"now": self.now, "calls": self.calls}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
     def sleep(self, seconds: float) -> None:
         with self._lock:
             self.now += max(0.0, seconds)
@@ -89,8 +95,8 @@ class LatencyEnv(_Wrapper):
     of ``env``; negative draws count as 0. ``total_latency`` sums what was waited. Async when ``env`` is
     async or ``clock.sleep`` is a coroutine function (then ``LatencyEnv(...)`` is an :class:`AsyncLatencyEnv`)."""
 
-    def __new__(cls, env: Any, *args: Any, clock: Any = None, **kwargs: Any) -> "LatencyEnv":
-        if cls is LatencyEnv and (is_async_env(env) or inspect.iscoroutinefunction(getattr(clock, "sleep", None))):
+    def __new__(cls, env: Any = None, *args: Any, clock: Any = None, **kwargs: Any) -> "LatencyEnv":
+        if cls is LatencyEnv and env is not None and (is_async_env(env) or inspect.iscoroutinefunction(getattr(clock, "sleep", None))):
             cls = AsyncLatencyEnv
         return super().__new__(cls)
 
@@ -145,8 +151,8 @@ class FailingEnv(_Wrapper):
     passes, then raises :class:`EnvTimeout`. ``failures`` counts injected faults. Async when ``env`` is
     (then ``FailingEnv(...)`` is an :class:`AsyncFailingEnv`)."""
 
-    def __new__(cls, env: Any, *args: Any, **kwargs: Any) -> "FailingEnv":
-        if cls is FailingEnv and is_async_env(env):
+    def __new__(cls, env: Any = None, *args: Any, **kwargs: Any) -> "FailingEnv":
+        if cls is FailingEnv and env is not None and is_async_env(env):
             cls = AsyncFailingEnv
         return super().__new__(cls)
 
@@ -163,6 +169,13 @@ class FailingEnv(_Wrapper):
         self.hung = 0  # calls hanging right now
         self._released = threading.Event()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (e.g. shipped to a Ray actor) without its hang state: nothing hangs in a copy."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_released", "_waiters", "hung")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _released=threading.Event(), _waiters=[], hung=0)
 
     def release(self) -> None:
         """End every hanging call (each raises :class:`EnvTimeout`); later faults hang again.

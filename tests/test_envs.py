@@ -3,6 +3,7 @@ the tokenizer corpus and the fault-injection wrappers."""
 
 import asyncio
 import itertools
+import pickle
 import string
 import threading
 import time
@@ -230,6 +231,7 @@ def test_countdown_verifier_by_hand():
     assert CountdownTask.verify("3*4 +", gt) == 0.0
     zero = {"numbers": [5, 5, 8], "target": 8}
     assert CountdownTask.verify("8/(5-5)", zero) == 0.0  # division by zero
+    assert CountdownTask.verify("3+2/(2-2)", {"numbers": [2, 2, 3], "target": 3}) == 0.0  # not "x/0 = 0"
     assert CountdownTask.verify("5/5*8", zero) == 1.0  # a number given twice may be used twice
     assert CountdownTask.verify("8/(3/6)/4/4", {"numbers": [8, 3, 6, 4, 4], "target": 1}) == 1.0  # exact fractions
     env = make_env("countdown", count=4)
@@ -313,6 +315,20 @@ def test_failing_env_raises_env_errors_reproducibly():
         pattern.append(outcome)
         assert env.failures == outcome.count(False)
     assert pattern[0] == pattern[1] and True in pattern[0] and False in pattern[0]
+
+    def outcomes(e, n=10):
+        out = []
+        for s in range(n):
+            try:
+                out.append(e.reset(s)[0])
+            except EnvError:
+                out.append(None)
+        return out
+
+    env = FailingEnv(make_env("reverse"), fail_prob_reset=0.5, seed=3)
+    outcomes(env, 3)
+    clone = pickle.loads(pickle.dumps(env))  # envs can be shipped to another process mid-stream
+    assert outcomes(clone) == outcomes(env) and None in outcomes(env, 20)
     fine = FailingEnv(make_env("reverse"), fail_prob_step=0.0)
     _, info = fine.reset(0)
     assert fine.step(info["ground_truth"])[1] == 1.0
