@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -109,15 +108,6 @@ def add_common_arguments(p: argparse.ArgumentParser, out: str, time_scale: float
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=out, help="output folder for JSON and PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def timed(fn: Any) -> Any:
-    async def wrapper(*a: Any, **k: Any) -> tuple[Any, float]:
-        t0 = time.monotonic()
-        r = await fn(*a, **k)
-        return r, time.monotonic() - t0
-
-    return wrapper
 
 
 class StochasticLatencyEnv:

@@ -12,20 +12,9 @@ from typing import Sequence
 
 import torch
 
+from rollart.algorithms import grpo_advantages
 from rollart.cluster.batch import Batch
 from rollart.rollout.types import Trajectory
-
-
-def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, norm_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: ``A_i = (r_i - mean_g) / (std_g + eps)`` within each group (``std`` skipped if not ``norm_std``)."""
-    try:
-        from rollart.algorithms import grpo_advantages
-    except ImportError:
-        grpo_advantages = None
-    if grpo_advantages is not None:
-        return grpo_advantages(rewards, group_index, norm_std=norm_std, eps=eps)
-    raise ImportError("rollart.algorithms.grpo_advantages is required")
 
 
 def token_group_advantages(groups: Sequence[Sequence[Trajectory]], eps: float = 1e-6) -> list[list[float]]:
@@ -70,7 +59,7 @@ def trajectories_to_batch(groups: Sequence[Sequence[Trajectory]], *, norm_std: b
         per_token = token_group_advantages(groups)
     else:
         if advantage == "grpo":
-            adv = group_advantages(rewards, group_index, norm_std=norm_std)
+            adv = grpo_advantages(rewards, group_index, norm_std=norm_std)
         elif advantage == "reinforce":
             from rollart.algorithms import reinforce_baseline_advantages
 
