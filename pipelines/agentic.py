@@ -84,12 +84,45 @@ class AgenticPipeline:
             rollout_cfg = rollout_cfg.model_copy(update={"requeue_reward_failures": config.reward.on_failure == "requeue"})
         self.scheduler = RolloutScheduler(groups, rollout_cfg, seed_fn=lambda g, r: config.seed * 7919 + g * 100_003 + r)
         self.controller = AsyncController(self.scheduler, self.proxy)
+        self.mooncake_master = None
+        self.channel = self._weight_channel()
         self.start_step = 0
         self.metrics_path = self.out_dir / "metrics.jsonl"
         if resume:
             self._resume()
         elif self.metrics_path.exists():
             self.metrics_path.unlink()
+
+    def _weight_channel(self) -> Any:
+        """None for the Ray object store path; else a channel handle shared by trainer and workers."""
+        wc = self.config.weights
+        name = f"{self.rm.job_id}-actor"
+        if wc.channel == "mooncake":
+            from rollart.weights.mooncake_channel import MooncakeChannel
+            from rollart.weights.mooncake_master import MooncakeMaster
+
+            master = wc.mooncake_master
+            if master is None:
+                self.mooncake_master = MooncakeMaster(log_dir=self.out_dir).start()
+                master = self.mooncake_master.address
+            return MooncakeChannel(name, master, keep=wc.keep, chunk_mb=wc.chunk_mb, segment_mb=wc.segment_mb,
+                                   timeout_s=wc.timeout_s)
+        if wc.channel == "dist":
+            from rollart.weights.dist_channel import TorchBroadcastChannel
+
+            return TorchBroadcastChannel(name, num_receivers=len(self.infer.workers),
+                                         bucket_bytes=wc.bucket_mb << 20, timeout_s=wc.timeout_s)
+        return None
+
+    async def _sync_weights(self) -> int:
+        """Publish the trainer's current weights and make them the serving policy; returns the version."""
+        if self.channel is None:
+            ref, version = await self.train.publish_weights(blocking=False)
+            await self.controller.sync_weights(ref, version)
+            return version
+        version = await self.train.publish_to(self.channel, not self.config.weights.async_publish, blocking=False)
+        await self.controller.sync_weights(None, version, channel=self.channel)
+        return version
 
     def _service_reward(self, codec: HFCodec) -> Any:
         """Score a finished trajectory with the reward service: its first prompt, its last answer and
@@ -134,14 +167,8 @@ class AgenticPipeline:
         self.scheduler.counts.update(sched["counts"])
         self.start_step = int(extra["step"]) + 1
         self.consumed_before = extra.get("consumed", [])
-        version = int(state["version"])
-        ref, v = self.train.publish_weights()
-        asyncio.run(self._push(ref, v))
+        version = asyncio.run(self._sync_weights())
         log.info("resumed from %s at step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
-
-    async def _push(self, ref: Any, version: int) -> None:
-        await self.proxy.model_update(ref, version)
-        self.scheduler.version = version
 
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> list[dict[str, Any]]:
@@ -165,8 +192,7 @@ class AgenticPipeline:
                 t1 = time.monotonic()
                 train_metrics = await self.train.train_step(batch, blocking=False)
                 t_train = time.monotonic() - t1
-                ref, version = await self.train.publish_weights(blocking=False)
-                await self.controller.sync_weights(ref, version)
+                version = await self._sync_weights()
                 trajs = [t for g in groups for t in g]
                 consumed += [t.traj_id for t in trajs]
                 record = self._record(step, version, trajs, train_metrics, t_rollout, t_train,
@@ -253,3 +279,5 @@ class AgenticPipeline:
         self.train.shutdown()
         self.infer.shutdown()
         self.rm.shutdown()
+        if self.mooncake_master is not None:
+            self.mooncake_master.stop()

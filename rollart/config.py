@@ -57,6 +57,26 @@ class RewardConfig(BaseModel):
     on_failure: Literal["drop", "requeue"] = "requeue"  # replay the round, or drop the trajectory alone
 
 
+class WeightsConfig(BaseModel):
+    """How new weights reach the inference workers.
+
+    ``ray``: the trainer puts the snapshot in the Ray object store, rollout pauses while every worker
+    loads it. ``mooncake``: the trainer writes it to a Mooncake store in the background; workers fetch
+    it while they keep generating and swap between two engine steps. ``dist``: a torch.distributed
+    broadcast in buckets (gloo on CPU, NCCL on GPUs) from trainer rank 0 to every worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    channel: Literal["ray", "mooncake", "dist"] = "ray"
+    mooncake_master: str | None = None  # host:port of a running master; None: rollart starts one on 127.0.0.1
+    segment_mb: int = Field(default=256, ge=1)
+    chunk_mb: int = Field(default=16, ge=1)
+    bucket_mb: int = Field(default=32, ge=1)
+    keep: int = Field(default=2, ge=1)
+    async_publish: bool = True
+    timeout_s: float = Field(default=120.0, gt=0)
+
+
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -75,6 +95,7 @@ class PipelineConfig(BaseModel):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     envs: list[EnvEntry]
     reward: RewardConfig | None = None
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
     advantage: Literal["grpo", "grpo_token", "reinforce"] = "grpo"
     steps: int = Field(default=20, ge=1)
     checkpoint_every: int = Field(default=0, ge=0)

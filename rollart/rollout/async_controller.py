@@ -57,14 +57,19 @@ class AsyncController:
         await self.scheduler.set_version(version)
 
     async def sync_weights(self, weights: Any, version: int, channel: Any = None) -> None:
-        """``suspend → model_update → resume``, timed."""
+        """Make ``version`` the serving policy, timed.
+
+        From weights in hand (a state dict or its ObjectRef): ``suspend → model_update → resume``.
+        From a weight channel (Mooncake, torch.distributed): no global pause — every worker fetches the
+        snapshot while it keeps generating, then swaps it in between two engine steps (its in-flight
+        requests are preempted and continue under the new version, prefix recomputed)."""
         t0 = time.monotonic()
-        await self.suspend()
         if channel is None:
+            await self.suspend()
             await self.model_update(weights, version)
+            await self.resume()
         else:
             await self.model_update_from(channel, version)
-        await self.resume()
         self.timings["weight_sync_s"] = time.monotonic() - t0
 
     async def stop(self) -> None:

@@ -185,10 +185,24 @@ class TorchTrainWorker(ra.Worker):
         return [ray.put(self.cpu_state_dict()), self.version]
 
     @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
-    def publish_to(self, channel: Any) -> int:
-        """Rank 0 publishes its weights to a weight channel (e.g. Mooncake) as its current version."""
-        channel.publish(self.cpu_state_dict(), self.version)
+    def publish_to(self, channel: Any, wait: bool = True) -> int:
+        """Rank 0 publishes its weights to a weight channel (Mooncake, torch.distributed) as its current
+        version. With ``wait=False`` the snapshot is copied to CPU and written in the background while
+        this worker goes on training; the next publish (or :meth:`wait_published`) surfaces its error."""
+        self.wait_published()
+        if wait:
+            channel.publish(self.cpu_state_dict(), self.version)
+        else:
+            self._publishing = channel.publish_async(self.cpu_state_dict(), self.version, copy=False)
         return self.version
+
+    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
+    def wait_published(self) -> None:
+        """Block until the last background publish is written; re-raise its error if it failed."""
+        pending = getattr(self, "_publishing", None)
+        self._publishing = None
+        if pending is not None:
+            pending.result()
 
     @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:

@@ -7,6 +7,7 @@ registry actor; receivers fetch a version by name, verify the checksum and load.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Mapping
 
 import ray
@@ -44,6 +45,13 @@ class RayObjectChannel:
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         ref = ray.put(dict(state))
         ray.get(self._registry.put.remote(version, [ref], state_checksum(state)))
+
+    def publish_async(self, state: Mapping[str, torch.Tensor], version: int, *, copy: bool = True) -> Future:
+        """``ray.put`` already copies the snapshot into the object store: publish now, return a done future."""
+        done: Future = Future()
+        self.publish(state, version)
+        done.set_result(None)
+        return done
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
         entry = ray.get(self._registry.get.remote(version))

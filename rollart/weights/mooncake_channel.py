@@ -1,0 +1,232 @@
+"""Weight channel over a Mooncake store (seed 004 §5.2 "cross-cluster weight synchronisation").
+
+The trainer publishes a versioned snapshot into the store and goes on training; inference workers,
+possibly in another cluster, fetch it when they are ready (on resume). Layout of version ``v``
+under the channel's prefix ``rollart/<name>``::
+
+    rollart/<name>/v<v>/chunk<i>     the snapshot's bytes, all tensors back to back, cut in chunks
+    rollart/<name>/v<v>/manifest     JSON: version, BLAKE2b checksum, chunk count, and per tensor
+                                     name, dtype, shape, byte offset — written after every chunk
+    rollart/<name>/latest            the newest version whose manifest is written (upserted last)
+
+Invariants: a reader sees a version only through its manifest, which is written after all its
+chunks, and a reader returns a snapshot only if its checksum equals the manifest's — so an engine
+never loads a half-written or mixed snapshot. Only the newest ``keep`` versions are kept.
+
+The store is reached over TCP (``MC_TCP_BIND_ADDRESS=127.0.0.1`` on one machine) or RDMA in
+production; each process mounts its own segment once (``segment_mb``) and joins through the master
+with peer-to-peer handshakes, so no separate metadata server is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping
+
+import torch
+
+from rollart.weights.mooncake_master import MooncakeUnavailable
+from rollart.weights.snapshot import state_checksum, verify
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+class MooncakeStoreError(RuntimeError):
+    """A Mooncake store call returned an error code."""
+
+
+def pack_state(state: Mapping[str, torch.Tensor], align: int = 64) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """All tensors as one flat ``uint8`` buffer plus ``[{name, dtype, shape, offset, nbytes}]``; every
+    tensor starts at a multiple of ``align`` bytes so a reader can view it in place."""
+    parts, layout, offset = [], [], 0
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        layout.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset,
+                       "nbytes": int(raw.numel())})
+        pad = -int(raw.numel()) % align
+        parts += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
+        offset += int(raw.numel()) + pad
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return flat, layout
+
+
+def unpack_state(flat: torch.Tensor, layout: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    out = {}
+    for item in layout:
+        dtype = _DTYPES[item["dtype"]]
+        raw = flat[item["offset"]: item["offset"] + item["nbytes"]]
+        out[item["name"]] = raw.view(dtype).reshape(item["shape"]) if item["nbytes"] else torch.empty(
+            item["shape"], dtype=dtype)
+    return out
+
+
+class _Client:
+    """One ``MooncakeDistributedStore`` per process and master address."""
+
+    _lock = threading.Lock()
+    _by_master: dict[str, Any] = {}
+
+    @classmethod
+    def get(cls, master: str, segment_mb: int, buffer_mb: int) -> Any:
+        with cls._lock:
+            if master in cls._by_master:
+                return cls._by_master[master]
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+            os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every connection at INFO
+            try:
+                from mooncake.store import MooncakeDistributedStore
+            except ImportError as err:
+                raise MooncakeUnavailable(
+                    "weights.channel=mooncake needs pip install 'rollart[mooncake]' and apt-get install libibverbs1"
+                ) from err
+            host_port = master.rsplit(":", 1)
+            try:
+                socket.create_connection((host_port[0], int(host_port[1])), timeout=3).close()
+            except (OSError, ValueError, IndexError) as err:
+                raise MooncakeStoreError(f"no Mooncake master answers at {master!r} ({err}); set "
+                                         "weights.mooncake_master to host:port of a running master, or leave it "
+                                         "empty and rollart starts one") from err
+            store = MooncakeDistributedStore()
+            host = os.environ.get("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+            rc = store.setup(host, "P2PHANDSHAKE", segment_mb << 20, buffer_mb << 20, "tcp", "", master)
+            if rc != 0:
+                raise MooncakeStoreError(f"could not join the Mooncake master at {master} (code {rc}); "
+                                         "is weights.mooncake_master reachable?")
+            cls._by_master[master] = store
+            return store
+
+
+def close_clients() -> None:
+    """Leave every Mooncake store this process joined (before its master goes away)."""
+    with _Client._lock:
+        for store in _Client._by_master.values():
+            store.close()
+        _Client._by_master.clear()
+
+
+class MooncakeChannel:
+    """Serializable handle to a weight channel in a Mooncake store; pass it to trainer and workers alike.
+
+    ``publish`` blocks until the snapshot is in the store; ``publish_async`` returns a future at once
+    (the trainer's next step runs while the bytes move). ``fetch(version)`` waits up to ``timeout_s``
+    for that version's manifest, then reads and verifies it.
+    """
+
+    def __init__(self, name: str, master: str, *, keep: int = 2, chunk_mb: int = 16, segment_mb: int = 256,
+                 buffer_mb: int = 64, timeout_s: float = 120.0):
+        if keep < 1:
+            raise ValueError("weights.keep must be >= 1")
+        self.name = name
+        self.master = master
+        self.keep = keep
+        self.chunk_bytes = chunk_mb << 20
+        self.segment_mb = segment_mb
+        self.buffer_mb = buffer_mb
+        self.timeout_s = timeout_s
+        self._executor: ThreadPoolExecutor | None = None
+        self._published: list[tuple[int, int]] = []
+        self._doomed: list[tuple[int, int]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_executor"] = None
+        return state
+
+    @property
+    def prefix(self) -> str:
+        return f"rollart/{self.name}"
+
+    def _store(self) -> Any:
+        return _Client.get(self.master, self.segment_mb, self.buffer_mb)
+
+    def _put(self, key: str, data: Any, *, upsert: bool = False) -> None:
+        store = self._store()
+        rc = store.upsert(key, data) if upsert else store.put(key, data)
+        if rc != 0:
+            raise MooncakeStoreError(f"Mooncake {'upsert' if upsert else 'put'} of {key!r} failed with code {rc} "
+                                     "(a full store? raise weights.segment_mb)")
+
+    # ------------------------------------------------------------------ publisher
+    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> int:
+        """Write ``state`` as ``version``; returns the bytes written."""
+        flat, layout = pack_state(state)
+        checksum = state_checksum(state)
+        view = flat.numpy()
+        n_chunks = max(1, -(-len(view) // self.chunk_bytes))
+        base = f"{self.prefix}/v{version}"
+        for i in range(n_chunks):
+            self._put(f"{base}/chunk{i}", memoryview(view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]))
+        manifest = {"version": version, "checksum": checksum, "chunks": n_chunks, "nbytes": len(view),
+                    "tensors": layout}
+        self._put(f"{base}/manifest", json.dumps(manifest).encode())
+        self._put(f"{self.prefix}/latest", str(version).encode(), upsert=True)
+        self._drop_old_versions(version, n_chunks)
+        logger.debug("published %s v%d: %d bytes in %d chunks", self.name, version, len(view), n_chunks)
+        return len(view)
+
+    def publish_async(self, state: Mapping[str, torch.Tensor], version: int, *, copy: bool = True) -> Future:
+        """Copy ``state`` to CPU now (the caller may keep training) and write it in the background;
+        ``copy=False`` when the caller hands over a snapshot it will not touch again."""
+        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in state.items()} if copy else dict(state)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mooncake-{self.name}")
+        return self._executor.submit(self.publish, snapshot, version)
+
+    def _drop_old_versions(self, version: int, n_chunks: int) -> None:
+        """Remove versions beyond the newest ``keep``; a key still leased to a reader is retried later."""
+        self._published.append((version, n_chunks))
+        while len(self._published) > self.keep:
+            self._doomed.append(self._published.pop(0))
+        store = self._store()
+        still = []
+        for v, chunks in self._doomed:
+            base = f"{self.prefix}/v{v}"
+            keys = [f"{base}/manifest"] + [f"{base}/chunk{i}" for i in range(chunks)]
+            codes = [store.remove(k) for k in keys]
+            if any(c != 0 and store.is_exist(k) == 1 for c, k in zip(codes, keys)):
+                still.append((v, chunks))
+        self._doomed = still
+
+    # ------------------------------------------------------------------ readers
+    def latest(self) -> int | None:
+        raw = self._store().get(f"{self.prefix}/latest")
+        return int(raw) if raw else None
+
+    def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        store = self._store()
+        base = f"{self.prefix}/v{version}"
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.005
+        while not (raw := store.get(f"{base}/manifest")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight channel {self.name!r}: version {version} was not published within "
+                                   f"{self.timeout_s} s (latest: {self.latest()})")
+            time.sleep(delay)  # waiting for a publisher in another process; bounded by timeout_s
+            delay = min(delay * 2, 0.2)
+        manifest = json.loads(raw)
+        if manifest["version"] != version:
+            raise MooncakeStoreError(f"weight channel {self.name!r}: manifest of v{version} says v{manifest['version']}")
+        buf = bytearray()
+        for i in range(manifest["chunks"]):
+            chunk = store.get(f"{base}/chunk{i}")
+            if not chunk and manifest["nbytes"]:
+                raise MooncakeStoreError(f"weight channel {self.name!r}: v{version} chunk {i} is missing "
+                                         "(evicted, or its holder died); fetch a newer version")
+            buf += chunk
+        if len(buf) != manifest["nbytes"]:
+            raise MooncakeStoreError(f"weight channel {self.name!r}: v{version} has {len(buf)} bytes, "
+                                     f"manifest says {manifest['nbytes']}")
+        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+        state = unpack_state(flat, manifest["tensors"])
+        verify(state, manifest["checksum"], version)
+        return state

@@ -1,0 +1,118 @@
+"""Start and stop a ``mooncake_master`` process on 127.0.0.1 (seed 004 §5.2, cross-cluster weights).
+
+The master only keeps metadata (which client segment holds which key); the bytes live in the
+segments that clients mount. rollart starts one master per job when the config gives no address,
+on free loopback ports, and stops it by its process id when the job ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeUnavailable(RuntimeError):
+    """The Mooncake package or one of its system libraries is missing."""
+
+
+def find_master_binary() -> str:
+    """The ``mooncake_master`` executable of the installed ``mooncake-transfer-engine`` package."""
+    found = shutil.which("mooncake_master")
+    if found:
+        return found
+    try:
+        import mooncake  # noqa: F401  (the wheel ships the binary inside the package too)
+    except ImportError as err:
+        raise MooncakeUnavailable(
+            "weights.channel=mooncake needs the Mooncake store: pip install 'rollart[mooncake]' "
+            "(mooncake-transfer-engine-non-cuda on CPU machines) and apt-get install libibverbs1"
+        ) from err
+    candidate = Path(mooncake.__file__).parent / "mooncake_master"
+    if candidate.exists():
+        return str(candidate)
+    raise MooncakeUnavailable("the mooncake package is installed but ships no mooncake_master binary")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _accepts(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+class MooncakeMaster:
+    """A ``mooncake_master`` bound to 127.0.0.1. ``address`` is what clients pass as ``master_server_address``."""
+
+    def __init__(self, *, port: int | None = None, lease_ttl_ms: int = 5000, log_dir: str | Path | None = None):
+        self.port = port or free_port()
+        self.metrics_port = free_port()
+        self.lease_ttl_ms = lease_ttl_ms
+        self.log_dir = Path(log_dir) if log_dir else None
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 20.0) -> "MooncakeMaster":
+        cmd = [
+            find_master_binary(),
+            "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
+            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+        ]
+        out = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / "mooncake_master.log", "ab")  # noqa: SIM115 (owned by the process)
+        self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        delay = 0.02
+        while not _accepts("127.0.0.1", self.port):
+            if self._proc.poll() is not None:
+                raise MooncakeUnavailable(f"mooncake_master exited with code {self._proc.returncode} at start "
+                                          f"(command: {' '.join(cmd)})")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"mooncake_master did not listen on {self.address} within {timeout_s} s")
+            time.sleep(delay)  # polling a port that is not open yet; bounded by the deadline
+            delay = min(delay * 2, 0.5)
+        logger.info("mooncake_master pid %d on %s", self._proc.pid, self.address)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self._proc.pid, 9)
+                self._proc.wait(timeout=10)
+        self._proc = None
+
+    def __enter__(self) -> "MooncakeMaster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

