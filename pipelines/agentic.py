@@ -58,6 +58,13 @@ class AgenticPipeline:
         self.train = ra.Cluster("actor_train", TorchTrainWorker, self.rm, pool=config.train_pool,
                                 worker_kwargs={"config": train_cfg.model_dump()})
         self.train.setup_distributed("127.0.0.1", free_port())
+        self.ref = None
+        if config.train.kl_coef > 0:  # the frozen initial policy, colocated with the trainer ranks
+            from rollart.training.reference import ReferenceWorker
+
+            self.ref = ra.Cluster("reference", ReferenceWorker, self.rm, pool=config.train_pool, colocate_with=self.train,
+                                  worker_kwargs={"model": train_cfg.model,
+                                                 "max_tokens_per_microbatch": train_cfg.max_tokens_per_microbatch})
         self.proxy = LLMProxy(self.infer)
         codec = HFCodec(AutoTokenizer.from_pretrained(model_path))
         self.reward_client = None
@@ -114,6 +121,17 @@ class AgenticPipeline:
                                          bucket_bytes=wc.bucket_mb << 20, timeout_s=wc.timeout_s)
         return None
 
+    async def _push_resumed_weights(self) -> int:
+        """Before the rollout starts: every inference worker loads the checkpoint's weights."""
+        if self.channel is None:
+            ref, version = await self.train.publish_weights(blocking=False)
+            await self.proxy.model_update(ref, version)
+        else:
+            version = await self.train.publish_to(self.channel, not self.config.weights.async_publish, blocking=False)
+            await self.proxy.model_update_from(self.channel, version)
+        self.scheduler.version = version
+        return version
+
     async def _sync_weights(self) -> int:
         """Publish the trainer's current weights and make them the serving policy; returns the version."""
         if self.channel is None:
@@ -167,7 +185,7 @@ class AgenticPipeline:
         self.scheduler.counts.update(sched["counts"])
         self.start_step = int(extra["step"]) + 1
         self.consumed_before = extra.get("consumed", [])
-        version = asyncio.run(self._sync_weights())
+        version = asyncio.run(self._push_resumed_weights())
         log.info("resumed from %s at step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
 
     # ------------------------------------------------------------------ the loop
@@ -190,6 +208,8 @@ class AgenticPipeline:
                 staleness = Counter(self.scheduler.staleness) - stale_before
                 batch = trajectories_to_batch(groups, advantage=cfg.advantage)
                 t1 = time.monotonic()
+                if self.ref is not None:
+                    batch["ref_logprobs"] = await self.ref.compute_logprobs(batch, blocking=False)
                 train_metrics = await self.train.train_step(batch, blocking=False)
                 t_train = time.monotonic() - t1
                 version = await self._sync_weights()
@@ -276,6 +296,8 @@ class AgenticPipeline:
         return path
 
     def shutdown(self) -> None:
+        if self.ref is not None:
+            self.ref.shutdown()
         self.train.shutdown()
         self.infer.shutdown()
         self.rm.shutdown()

@@ -125,3 +125,19 @@ def test_rewards_come_from_the_reward_service_and_a_dead_service_never_scores_ze
         assert all(t.reward is None for t in pipe.scheduler.completed_trajectories if t.status == "reward_failed")
     finally:
         pipe.shutdown()
+
+
+def test_kl_term_uses_a_frozen_reference_model(ray_local, tmp_path):
+    """With ``train.kl_coef > 0`` a reference cluster (the initial policy, colocated with the trainer)
+    feeds ``ref_logprobs``: KL is exactly 0 before the first update and positive once the policy moved
+    (the entropy bonus moves it even when every group has equal rewards)."""
+    cfg = small_config(tmp_path, steps=3, checkpoint_every=0, train={"lr": 0.01, "kl_coef": 0.05, "entropy_coef": 0.05},
+                       rollout={"num_env_groups": 4, "group_size": 4, "batch_groups": 2, "alpha": 0})
+    pipe = AgenticPipeline(cfg, progress=False)
+    try:
+        assert pipe.ref is not None
+        history = pipe.run()
+    finally:
+        pipe.shutdown()
+    kls = [h["train"]["kl_ref"] for h in history]
+    assert abs(kls[0]) < 1e-6 and kls[1] > 1e-6 and kls[2] > 1e-6

@@ -54,6 +54,16 @@ class Batch(Mapping[str, Column]):
     def __getitem__(self, key: str) -> Column:
         return self.data[key]
 
+    def __setitem__(self, key: str, col: Column) -> None:
+        """Add or replace a column; it must have ``len(batch)`` rows (any length for an empty batch)."""
+        if isinstance(col, tuple):
+            col = list(col)
+        n = _length(key, col)
+        if self.data and n != self._size:
+            raise ValueError(f"Batch column {key!r} has {n} rows; the batch has {self._size}")
+        self.data[key] = col
+        self._size = n
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.data)
 

@@ -36,6 +36,22 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return logp, torch.nn.functional.pad(entropy, (1, 0))
 
 
+def batch_logprobs(model: torch.nn.Module, batch: ra.Batch, max_tokens: int, device: torch.device
+                   ) -> list[list[float]]:
+    """``token_logprobs`` of every row of ``batch["input_ids"]``, micro-batched, each row cut to its length."""
+    lengths = [len(s) for s in batch["input_ids"]]
+    out: list[list[float] | None] = [None] * len(lengths)
+    with torch.no_grad():
+        for idx in plan_microbatches(lengths, max_tokens):
+            ids = [batch["input_ids"][i] for i in idx]
+            x = pad_right(ids, 0, torch.long).to(device)
+            am = pad_right([[1] * len(s) for s in ids], 0, torch.long).to(device)
+            lp = token_logprobs(model, x, am).cpu()
+            for row, i in enumerate(idx):
+                out[i] = lp[row, : lengths[i]].tolist()
+    return out  # type: ignore[return-value]
+
+
 class TorchTrainWorker(ra.Worker):
     """One data-parallel rank of the actor."""
 
@@ -142,7 +158,9 @@ class TorchTrainWorker(ra.Worker):
                     loss = loss - cfg.entropy_coef * mean_entropy
                 if cfg.kl_coef > 0 and "ref_logprobs" in mb:
                     kl = kl_penalty(logp, mb["ref_logprobs"], kind=cfg.kl_kind)
-                    loss = loss + cfg.kl_coef * (kl * mask).sum() / mask.sum().clamp(min=1)
+                    mean_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
+                    m["kl_ref"] = float(mean_kl)
+                    loss = loss + cfg.kl_coef * mean_kl
                 weight = (mb["input_ids"].shape[0] if seq_level else float(mask.sum())) / max(total, 1.0)
                 (loss * weight * scale_world).backward()
                 for k, v in m.items():
@@ -162,18 +180,8 @@ class TorchTrainWorker(ra.Worker):
 
     @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
     def compute_logprobs(self, batch: ra.Batch) -> list[list[float]]:
-        """Per-token logprobs of each row under the current weights (e.g. as the reference model)."""
-        lengths = [len(s) for s in batch["input_ids"]]
-        out: list[list[float] | None] = [None] * len(lengths)
-        with torch.no_grad():
-            for idx in plan_microbatches(lengths, self.config.max_tokens_per_microbatch):
-                ids = [batch["input_ids"][i] for i in idx]
-                x = pad_right(ids, 0, torch.long).to(self.device)
-                am = pad_right([[1] * len(s) for s in ids], 0, torch.long).to(self.device)
-                lp = token_logprobs(self.module, x, am).cpu()
-                for row, i in enumerate(idx):
-                    out[i] = lp[row, : lengths[i]].tolist()
-        return out  # type: ignore[return-value]
+        """Per-token logprobs of each row under the current weights."""
+        return batch_logprobs(self.module, batch, self.config.max_tokens_per_microbatch, self.device)
 
     # ------------------------------------------------------------------ weights and checkpoints
     def cpu_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,35 @@
+"""The reference policy for the KL term (seed 000 §2.2; seed 004 §5.3 "reference" cluster).
+
+A frozen copy of the initial policy: it never trains, and only answers ``compute_logprobs`` so the
+trainer can add ``kl_coef * KL(π_θ || π_ref)`` over the action tokens (estimator ``kl_kind``: k1, k2,
+k3 or abs, see :func:`rollart.algorithms.kl_penalty`). Its rows line up with the batch's
+``input_ids`` and carry ``log π_ref(token_t | tokens_<t)`` at position ``t`` (0 at position 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import rollart as ra
+from rollart.training.torch_strategy import batch_logprobs
+
+
+class ReferenceWorker(ra.Worker):
+    """One data-parallel rank of the reference model; ``model`` defaults to the built-in tiny model."""
+
+    def __init__(self, model: str | None = None, max_tokens_per_microbatch: int = 16384):
+        from transformers import AutoModelForCausalLM
+
+        if model is None:
+            from rollart.models import default_tiny_path
+
+            model = str(default_tiny_path())
+        self.device = torch.device(f"cuda:{self.device_ids[0]}" if torch.cuda.is_available() and self.device_ids
+                                   else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.max_tokens = max_tokens_per_microbatch
+
+    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
+    def compute_logprobs(self, batch: ra.Batch) -> list[list[float]]:
+        return batch_logprobs(self.model, batch, self.max_tokens, self.device)
