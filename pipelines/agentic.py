@@ -65,6 +65,15 @@ class AgenticPipeline:
             self.ref = ra.Cluster("reference", ReferenceWorker, self.rm, pool=config.train_pool, colocate_with=self.train,
                                   worker_kwargs={"model": train_cfg.model,
                                                  "max_tokens_per_microbatch": train_cfg.max_tokens_per_microbatch})
+        self.critic = None
+        if config.advantage == "gae":  # the value model, one rank beside each actor rank
+            from rollart.training.critic import CriticWorker
+
+            assert config.critic is not None
+            critic_cfg = config.critic.model_copy(update={"model": config.critic.model or model_path})
+            self.critic = ra.Cluster("critic", CriticWorker, self.rm, pool=config.train_pool, colocate_with=self.train,
+                                     worker_kwargs={"config": critic_cfg.model_dump()})
+            self.critic.setup_distributed("127.0.0.1", free_port())
         self.proxy = LLMProxy(self.infer)
         codec = HFCodec(AutoTokenizer.from_pretrained(model_path))
         self.reward_client = None
@@ -120,6 +129,19 @@ class AgenticPipeline:
             return TorchBroadcastChannel(name, num_receivers=len(self.infer.workers),
                                          bucket_bytes=wc.bucket_mb << 20, timeout_s=wc.timeout_s)
         return None
+
+    async def _make_batch(self, groups: list) -> tuple[Any, Any]:
+        """The training batch; with ``advantage: gae`` the critic scores it first (skip-observation GAE)
+        and its K value updates start on it, running beside the actor's update (returned as a future)."""
+        if self.critic is None:
+            return trajectories_to_batch(groups, advantage=self.config.advantage), None
+        from rollart.training.critic import gae_batch
+
+        assert self.config.critic is not None
+        base = trajectories_to_batch(groups, advantage="grpo")
+        values = await self.critic.compute_values(base, blocking=False)
+        batch = gae_batch(groups, values, **self.config.critic.gae_kwargs())
+        return batch, self.critic.train_step(batch, blocking=False)
 
     async def _push_resumed_weights(self) -> int:
         """Before the rollout starts: every inference worker loads the checkpoint's weights."""
@@ -206,11 +228,13 @@ class AgenticPipeline:
                 groups = await self.controller.get_batch()
                 t_rollout = time.monotonic() - t0
                 staleness = Counter(self.scheduler.staleness) - stale_before
-                batch = trajectories_to_batch(groups, advantage=cfg.advantage)
                 t1 = time.monotonic()
+                batch, critic_step = await self._make_batch(groups)
                 if self.ref is not None:
                     batch["ref_logprobs"] = await self.ref.compute_logprobs(batch, blocking=False)
                 train_metrics = await self.train.train_step(batch, blocking=False)
+                if critic_step is not None:
+                    train_metrics.update({f"critic_{k}": v for k, v in (await critic_step).items()})
                 t_train = time.monotonic() - t1
                 version = await self._sync_weights()
                 trajs = [t for g in groups for t in g]
@@ -296,8 +320,9 @@ class AgenticPipeline:
         return path
 
     def shutdown(self) -> None:
-        if self.ref is not None:
-            self.ref.shutdown()
+        for extra in (self.ref, self.critic):
+            if extra is not None:
+                extra.shutdown()
         self.train.shutdown()
         self.infer.shutdown()
         self.rm.shutdown()

@@ -28,6 +28,7 @@ BENCHES: dict[str, str] = {
     "queue-scheduling": "benchmarks.queue_scheduling",
     "prompt-replication": "benchmarks.prompt_replication",
     "async-train": "benchmarks.async_train",
+    "weight-sync": "benchmarks.weight_sync",
 }
 
 
@@ -81,6 +82,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = args.bench_run(args)
     if getattr(args, "json", False):
         print(json.dumps(result, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"rollart bench {args.bench}", show_header=False)
+    for key, value in result.items():
+        if isinstance(value, float):
+            table.add_row(key, f"{value:.4g}")
+        elif isinstance(value, (int, str)):
+            table.add_row(key, str(value))
+        elif key == "files":
+            table.add_row(key, "\n".join(value))
+    Console().print(table)
     return 0
 
 

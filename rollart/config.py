@@ -18,6 +18,7 @@ from rollart.rollout.engine_config import EngineConfig
 from rollart.rollout.env_manager import EnvManagerConfig
 from rollart.rollout.scheduler import RolloutConfig
 from rollart.training.config import TrainConfig
+from rollart.training.critic import CriticConfig
 
 
 class ConfigError(ValueError):
@@ -96,7 +97,8 @@ class PipelineConfig(BaseModel):
     envs: list[EnvEntry]
     reward: RewardConfig | None = None
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
-    advantage: Literal["grpo", "grpo_token", "reinforce"] = "grpo"
+    advantage: Literal["grpo", "grpo_token", "reinforce", "gae"] = "grpo"
+    critic: CriticConfig | None = None  # advantage: gae — a value model trained K times per actor step
     steps: int = Field(default=20, ge=1)
     checkpoint_every: int = Field(default=0, ge=0)
     output_dir: str = "runs/{name}"
@@ -109,6 +111,8 @@ class PipelineConfig(BaseModel):
             pool = getattr(self, field_name)
             if pool not in self.pools:
                 raise ValueError(f"{field_name}={pool!r} is not one of pools {sorted(self.pools)}")
+        if self.advantage == "gae" and self.critic is None:
+            raise ValueError("advantage=gae needs a critic: add `critic: {epochs: 2}` (see CriticConfig)")
         total = sum(e.groups for e in self.envs)
         if total != self.rollout.num_env_groups:
             raise ValueError(

@@ -141,3 +141,25 @@ def test_kl_term_uses_a_frozen_reference_model(ray_local, tmp_path):
         pipe.shutdown()
     kls = [h["train"]["kl_ref"] for h in history]
     assert abs(kls[0]) < 1e-6 and kls[1] > 1e-6 and kls[2] > 1e-6
+
+
+def test_gae_with_a_critic_trained_k_times_per_actor_step(ray_local, tmp_path):
+    """``advantage: gae``: a critic cluster scores each batch (skip-observation GAE) and takes K value
+    updates on it beside the actor's update; its loss on the batch falls across the K passes."""
+    cfg = small_config(tmp_path, steps=2, checkpoint_every=0, advantage="gae",
+                       critic={"epochs": 3, "lr": 0.003, "freeze_attention": True})
+    pipe = AgenticPipeline(cfg, progress=False)
+    try:
+        assert pipe.critic is not None
+        history = pipe.run()
+    finally:
+        pipe.shutdown()
+    for h in history:
+        t = h["train"]
+        assert t["critic_epochs"] == 3 and t["critic_frozen_params"] > 0
+        assert t["critic_value_loss_last"] < t["critic_value_loss_first"]
+
+
+def test_gae_without_a_critic_is_a_config_error(tmp_path):
+    with pytest.raises(Exception, match="advantage=gae needs a critic"):
+        small_config(tmp_path, advantage="gae")

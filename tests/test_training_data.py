@@ -27,8 +27,14 @@ def test_token_grpo_normalises_each_action_position_within_the_group():
     # position 0: credits (1, 0) -> (+1, -1); position 1: (0, 0) -> zero advantage, not NaN
     assert adv[0] == pytest.approx([0, 0, 1.0, 0.0], abs=1e-4)
     assert adv[1] == pytest.approx([0, 0, -1.0, 0.0], abs=1e-4)
-    with pytest.raises(ValueError, match="needs token_rewards"):
-        trajectories_to_batch([[traj("c", 1.0), traj("d", 0.0)]], advantage="grpo_token")
+
+
+def test_token_grpo_falls_back_to_sequence_grpo_for_groups_without_dense_credit():
+    dense = [traj("a", 0.5, [0, 0, 1.0, 0.0]), traj("b", 0.5, [0, 0, 0.0, 0.0])]
+    plain = [traj("c", 1.0), traj("d", 0.0)]  # e.g. a multi-turn env that reports only a final reward
+    adv = trajectories_to_batch([dense, plain], advantage="grpo_token")["advantages"]
+    assert adv[0] == pytest.approx([0, 0, 1.0, 0.0], abs=1e-4)
+    assert adv[2] == pytest.approx([1.0] * 4, abs=1e-4) and adv[3] == pytest.approx([-1.0] * 4, abs=1e-4)
 
 
 def test_a_trajectory_without_reward_never_reaches_the_trainer():

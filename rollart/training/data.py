@@ -49,14 +49,23 @@ def token_group_advantages(groups: Sequence[Sequence[Trajectory]], eps: float = 
 def trajectories_to_batch(groups: Sequence[Sequence[Trajectory]], *, norm_std: bool = True,
                           advantage: str = "grpo") -> Batch:
     """``advantage``: ``grpo`` (sequence reward, group-normalised), ``grpo_token`` (dense per-token
-    credit, see :func:`token_group_advantages`) or ``reinforce`` (leave-one-out baseline)."""
+    credit, see :func:`token_group_advantages`, for groups whose env reports it; sequence GRPO for the
+    others) or ``reinforce`` (leave-one-out baseline)."""
     trajs = [t for g in groups for t in g]
     if any(t.reward is None for t in trajs):
         raise ValueError("a trajectory without a reward reached the trainer; failed rewards must be dropped or requeued")
     rewards = torch.tensor([float(t.reward) for t in trajs])  # type: ignore[arg-type]
     group_index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g])
     if advantage == "grpo_token":
-        per_token = token_group_advantages(groups)
+        # dense credit where the env gives it (char_rewards); sequence GRPO for the other groups
+        seq_adv = grpo_advantages(rewards, group_index, norm_std=norm_std).tolist()
+        per_token, row = [], 0
+        for group in groups:
+            if all(t.token_rewards is not None for t in group):
+                per_token += token_group_advantages([group])
+            else:
+                per_token += [[seq_adv[row + k]] * len(t.token_ids) for k, t in enumerate(group)]
+            row += len(group)
     else:
         if advantage == "grpo":
             adv = grpo_advantages(rewards, group_index, norm_std=norm_std)

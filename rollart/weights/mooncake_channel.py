@@ -202,6 +202,22 @@ class MooncakeChannel:
         raw = self._store().get(f"{self.prefix}/latest")
         return int(raw) if raw else None
 
+    def _get_chunk(self, store: Any, key: str, version: int, index: int, attempts: int = 6) -> bytes:
+        """A chunk's bytes; a failed transfer of a key that exists is retried with backoff (the store
+        answers an empty value for both a missing key and a transfer error)."""
+        delay = 0.02
+        for _ in range(attempts):
+            chunk = store.get(key)
+            if chunk:
+                return chunk
+            if store.is_exist(key) != 1:
+                break
+            logger.warning("weight channel %r: v%d chunk %d transfer failed; retrying", self.name, version, index)
+            time.sleep(delay)  # backoff before a retry of a failed transfer
+            delay *= 2
+        raise MooncakeStoreError(f"weight channel {self.name!r}: v{version} chunk {index} is missing "
+                                 "(evicted, or its holder died); fetch a newer version")
+
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
         store = self._store()
         base = f"{self.prefix}/v{version}"
@@ -218,11 +234,7 @@ class MooncakeChannel:
             raise MooncakeStoreError(f"weight channel {self.name!r}: manifest of v{version} says v{manifest['version']}")
         buf = bytearray()
         for i in range(manifest["chunks"]):
-            chunk = store.get(f"{base}/chunk{i}")
-            if not chunk and manifest["nbytes"]:
-                raise MooncakeStoreError(f"weight channel {self.name!r}: v{version} chunk {i} is missing "
-                                         "(evicted, or its holder died); fetch a newer version")
-            buf += chunk
+            buf += self._get_chunk(store, f"{base}/chunk{i}", version, i) if manifest["nbytes"] else b""
         if len(buf) != manifest["nbytes"]:
             raise MooncakeStoreError(f"weight channel {self.name!r}: v{version} has {len(buf)} bytes, "
                                      f"manifest says {manifest['nbytes']}")

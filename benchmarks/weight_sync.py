@@ -1,0 +1,180 @@
+"""weight-sync: Mooncake asynchronous publish/fetch vs a blocking transfer (seed 004 §7.3: 1.10–1.16×).
+
+Both modes run the same loop with real components: inference workers (simulated engine, so the CPU is
+left to the transfers) keep ``--in-flight`` requests generating through the LLMProxy while a trainer
+actor "trains" for ``--train-s`` seconds per step (a sleep standing for the optimiser step) and then
+ships a snapshot of ``--model-mb`` MB of real tensors:
+
+- blocking: ``suspend`` → the trainer puts the snapshot in the Ray object store → every worker loads
+  it → ``resume``; the trainer waits for all of it (the step time includes the transfer, generation
+  is paused during it);
+- mooncake: the trainer copies the snapshot and writes it to a Mooncake store in the background
+  (``publish_async``) and starts its next step; every worker fetches it while still generating, checks
+  its checksum and swaps it in between two engine steps (only the swap pauses that worker).
+
+Reported: mean step time of each mode and their ratio, rollout tokens/s in each, and the store's
+publish and fetch bandwidth measured on the same snapshot. Ideal ratio for the blocking transfer time
+``S`` per step: ``(train_s + S) / max(train_s, copy time)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from typing import Any
+
+from benchmarks.common import write_report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-mb", type=int, default=128, help="snapshot size in MB (real tensors)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--train-s", type=float, default=1.0, help="seconds of (simulated) training per step")
+    p.add_argument("--workers", type=int, default=2, help="inference workers")
+    p.add_argument("--in-flight", type=int, default=16, help="generate requests kept in flight")
+    p.add_argument("--decode-step", type=float, default=0.01, help="real seconds per simulated decode step")
+    p.add_argument("--out", default="runs/bench/weight-sync")
+    p.add_argument("--json", action="store_true")
+
+
+def _trainer_class() -> Any:
+    import ray
+    import torch
+
+    @ray.remote(num_cpus=0)
+    class Trainer:
+        """Holds a snapshot of ``mb`` MB; ``train`` sleeps (the optimiser step) and changes the weights."""
+
+        def __init__(self, mb: int):
+            n = mb * (1 << 20) // 4 // 8
+            self.state = {f"layers.{i}.weight": torch.randn(n) for i in range(8)}
+            self.version = 0
+            self._pending = None
+
+        def train(self, seconds: float) -> int:
+            time.sleep(seconds)
+            self.state["layers.0.weight"].add_(1e-3)
+            self.version += 1
+            return self.version
+
+        def publish_ray(self) -> list:
+            return [ray.put(self.state), self.version]
+
+        def publish_mooncake(self, channel: Any) -> float:
+            """Copy the snapshot and write it in the background; returns the seconds this call blocked."""
+            t0 = time.monotonic()
+            if self._pending is not None:
+                self._pending.result()
+            self._pending = channel.publish_async(self.state, self.version)
+            return time.monotonic() - t0
+
+        def bandwidth(self, channel: Any, version: int) -> float:
+            t0 = time.monotonic()
+            nbytes = channel.publish(self.state, version)
+            return nbytes / (time.monotonic() - t0)
+
+    return Trainer
+
+
+async def _generate_forever(proxy: Any, stop: asyncio.Event, counter: list[int], tag: str) -> None:
+    from rollart.engines.base import SamplingParams
+    from rollart.rollout.types import GenerateRequest
+
+    i = 0
+    while not stop.is_set():
+        i += 1
+        req = GenerateRequest(request_id=f"{tag}-{i}", prompt_token_ids=[1, 2, 3],
+                              sampling=SamplingParams(max_new_tokens=64))
+        out = await proxy.generate(req, "x")
+        counter[0] += len(out.output_token_ids)
+
+
+async def _run_mode(mode: str, args: argparse.Namespace, cluster: Any, proxy: Any, trainer: Any,
+                    channel: Any) -> dict[str, Any]:
+    stop = asyncio.Event()
+    tokens = [0]
+    gens = [asyncio.ensure_future(_generate_forever(proxy, stop, tokens, f"{mode}{j}")) for j in range(args.in_flight)]
+    steps, blocked = [], []
+    loading: asyncio.Future | None = None
+    t_start = time.monotonic()
+    for _ in range(args.steps):
+        t0 = time.monotonic()
+        version = await trainer.train.remote(args.train_s)
+        if mode == "blocking":
+            t1 = time.monotonic()
+            await proxy.suspend()
+            ref, version = await trainer.publish_ray.remote()
+            await proxy.model_update(ref, version)
+            await proxy.resume()
+            blocked.append(time.monotonic() - t1)
+        else:
+            if loading is not None:
+                await loading  # one version in flight at a time
+            blocked.append(await trainer.publish_mooncake.remote(channel))
+            loading = asyncio.ensure_future(proxy.model_update_from(channel, version))
+        steps.append(time.monotonic() - t0)
+    if loading is not None:
+        await loading
+    elapsed = time.monotonic() - t_start
+    stop.set()
+    await asyncio.gather(*gens)
+    served = [m["weight_version"] for m in await cluster.metrics()]
+    return {"step_s": statistics.mean(steps), "steps_s": steps, "trainer_blocked_s": statistics.mean(blocked),
+            "tokens_per_s": tokens[0] / elapsed, "final_versions": served}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from benchmarks.common import start_inference
+    from rollart.rollout.llm_proxy import LLMProxy
+    from rollart.weights.mooncake_channel import MooncakeChannel, close_clients
+    from rollart.weights.mooncake_master import MooncakeMaster
+
+    master = MooncakeMaster().start()
+    rm = None
+    try:
+        rm, cluster = start_inference({"rollout": {"hardware": "H20", "devices": args.workers}}, {"*": ["H20"]},
+                                      {"decode_base_s": args.decode_step, "decode_per_seq_s": 0.0,
+                                       "prefill_per_token_s": 0.0, "vocab_size": 60}, name="ws_infer")
+        proxy = LLMProxy(cluster)
+        trainer = _trainer_class().remote(args.model_mb)
+        segment = max(64, 3 * args.model_mb)
+        channel = MooncakeChannel("weight-sync-bench", master.address, keep=2, segment_mb=segment, timeout_s=300)
+
+        async def both() -> dict[str, Any]:
+            return {"blocking": await _run_mode("blocking", args, cluster, proxy, trainer, channel),
+                    "mooncake": await _run_mode("mooncake", args, cluster, proxy, trainer, channel)}
+
+        modes = asyncio.run(both())
+        put_bps = ray.get(trainer.bandwidth.remote(channel, 10_000))
+        t0 = time.monotonic()
+        state = channel.fetch(10_000)
+        get_bps = sum(t.numel() * t.element_size() for t in state.values()) / (time.monotonic() - t0)
+        t0 = time.monotonic()
+        ref = ray.get(trainer.publish_ray.remote())[0]
+        ray.get(ref)
+        ray_bps = args.model_mb * (1 << 20) / (time.monotonic() - t0)
+        cluster.shutdown()
+        close_clients()
+    finally:
+        if rm is not None:
+            rm.shutdown()
+        master.stop()
+    b, m = modes["blocking"], modes["mooncake"]
+    speedup = b["step_s"] / m["step_s"]
+    ideal = (args.train_s + b["trainer_blocked_s"]) / max(args.train_s, m["trainer_blocked_s"])
+    result = {
+        "bench": "weight-sync", "model_mb": args.model_mb, "train_s": args.train_s, "workers": args.workers,
+        "blocking_step_s": b["step_s"], "mooncake_step_s": m["step_s"], "speedup": speedup, "ideal": ideal,
+        "blocking_transfer_s": b["trainer_blocked_s"], "mooncake_trainer_blocked_s": m["trainer_blocked_s"],
+        "blocking_tokens_per_s": b["tokens_per_s"], "mooncake_tokens_per_s": m["tokens_per_s"],
+        "mooncake_publish_MBps": put_bps / (1 << 20), "mooncake_fetch_MBps": get_bps / (1 << 20),
+        "ray_put_get_MBps": ray_bps / (1 << 20), "modes": modes, "seed_figure": "1.10-1.16x (seed 004 §7.3)",
+    }
+    return write_report(args.out, "weight_sync", result,
+                        {"blocking": b["step_s"], "mooncake async": m["step_s"]}, "step time (s)",
+                        f"weight sync, {args.model_mb} MB: {speedup:.2f}x (ideal {ideal:.2f}x)")
+

@@ -1,0 +1,299 @@
+"""The critic (value model) and the GAE batch path (seed 003 §3, "Reducing Off-Policy with Single Rollout").
+
+Value model. A causal-LM backbone (``AutoModel``: the transformer without its LM head) plus a scalar
+head ``v = w·h + b``. ``V[:, t]`` is the value of the state in which token ``t`` is generated (the
+prefix ``x_{<t}``), read from the hidden state at ``t - 1``; it is laid out like ``token_logprobs``
+(``V[:, 0] = 0``: position 0 is prompt, never an action).
+
+Advantages (seed 003 eq. 4–5, :func:`rollart.algorithms.skip_observation_gae`). A trajectory is
+``[prompt, a_0, o_0, a_1, o_1, ...]`` with ``loss_mask`` 1 on the action tokens. The GAE recursion runs
+over action tokens only; the successor of the last token of action ``i`` is the first token of action
+``i + 1``, skipping the observation the environment produced::
+
+    delta_t = r_t + gamma * V(next action token) - V_t        (V after the last action token = 0)
+    A_t     = delta_t + gamma * lam * A_(next action token)
+    R_t     = A_t + V_t                                       (the critic's regression target)
+
+The sequence reward sits on the last action token (``r_t = 0`` elsewhere), so with ``gamma = lam = 1``
+``A_t = reward - V_t`` on every action token. Observation and prompt tokens get ``A = R = 0``. With
+``length_adaptive`` each trajectory gets ``lam = 1 - 1 / (alpha * l)`` for its ``l`` action tokens.
+Advantages are whitened over all action tokens of the batch after the returns are taken.
+
+Critic loss (:func:`rollart.algorithms.value_loss`): ``0.5 * max((V - R)^2, (clip(V, V_old ± c) - R)^2)``,
+token mean over the action tokens of the whole batch (each micro-batch and each DDP rank weighted by its
+share of the tokens, as the actor's strategy does).
+
+Seed 003 §3 gives two value-training designs, both here:
+
+* **K updates per actor step** ("Faster Value Update than Policy"): single-rollout RL has no group
+  baseline, so the variance of the advantages is only as low as the critic is accurate, and the critic
+  chases a policy that moves every step. For each policy update the value model takes ``K > 1``
+  gradient updates (``CriticConfig.epochs``, ``K = 2`` in the paper) on the same batch, so its
+  estimates adapt to the current policy before they are used for the next advantages. Each of the
+  ``K`` passes is one optimiser step over the (micro-batched) batch; the clip of the value loss is
+  always around the values the batch was scored with (``batch["values"]``).
+* **Frozen attention** ("Stabilizing Value Model Training via Parameter Freezing"): the paper finds the
+  critic's gradient norms much larger than the policy's, the instability coming from the attention
+  layers. ``freeze_attention`` keeps every self-attention parameter at its pre-trained value (and out of
+  the optimiser) and trains only the MLP/MoE projections, norms, embeddings and the value head: the
+  pre-trained attention already attends to the right tokens, and holding it fixed keeps the critic's
+  representation stable while it tracks the moving policy.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+import rollart as ra
+from rollart.cluster.batch import Batch
+from rollart.rollout.types import Trajectory
+from rollart.training.microbatch import pad_right, plan_microbatches
+
+
+class CriticConfig(BaseModel):
+    """How the critic trains. ``model`` is a Hugging Face causal-LM folder (default: the built-in tiny
+    model); ``epochs`` is K, the value updates per actor step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    lr: float = Field(default=1e-3, gt=0)
+    epochs: int = Field(default=2, ge=1)
+    freeze_attention: bool = False
+    value_clip: float | None = 0.2
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    lam: float = Field(default=0.95, ge=0, le=1)
+    length_adaptive_lambda: bool = False
+    max_tokens_per_microbatch: int = Field(default=16384, gt=0)
+    grad_clip: float | None = 1.0
+    seed: int = 0
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    def gae_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`gae_batch` this config names."""
+        return {"gamma": self.gamma, "lam": self.lam, "length_adaptive": self.length_adaptive_lambda}
+
+
+class ValueModel(torch.nn.Module):
+    """Backbone plus scalar head; ``forward`` returns ``[B, T]`` values (see the module docstring)."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.normal_(self.head.weight, std=0.02)  # small, not zero: the backbone learns from step 1
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        v = self.head(hidden.float()).squeeze(-1)
+        return torch.nn.functional.pad(v[:, :-1], (1, 0))
+
+
+class CriticWorker(ra.Worker):
+    """One data-parallel rank of the critic."""
+
+    def __init__(self, config: CriticConfig | dict[str, Any] | None = None):
+        from transformers import AutoModel
+
+        self.config = CriticConfig.model_validate(config or {})
+        torch.manual_seed(self.config.seed)
+        path = self.config.model
+        if path is None:
+            from rollart.models import default_tiny_path
+
+            path = str(default_tiny_path())
+        self.device = torch.device(f"cuda:{self.device_ids[0]}" if torch.cuda.is_available() and self.device_ids
+                                   else "cpu")
+        backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+        self.module = ValueModel(backbone, int(backbone.config.hidden_size)).to(self.device)
+        self.module.train()
+        self.frozen_tensors = 0
+        self.frozen_params = 0
+        if self.config.freeze_attention:
+            for name, p in self.module.named_parameters():
+                if "self_attn" in name:
+                    p.requires_grad_(False)
+                    self.frozen_tensors += 1
+                    self.frozen_params += p.numel()
+            if not self.frozen_tensors:
+                raise ValueError(f"freeze_attention: no parameter of {path} has 'self_attn' in its name")
+        self.model: torch.nn.Module = self.module
+        self.optimizer = torch.optim.AdamW([p for p in self.module.parameters() if p.requires_grad],
+                                           lr=self.config.lr, weight_decay=0.0)
+        self.distributed = False
+        self.steps = 0
+
+    def value(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` value of each position under the current weights (with grad)."""
+        return self.model(input_ids, attention_mask)
+
+    # ------------------------------------------------------------------ set-up
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    def setup_distributed(self, master_addr: str, master_port: int) -> str:
+        """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the value model in DDP."""
+        if self.world_size == 1:
+            return "single"
+        backend = self.config.backend
+        if backend == "auto":
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                world_size=self.world_size)
+        self.model = torch.nn.parallel.DistributedDataParallel(self.module)
+        self.distributed = True
+        return backend
+
+    def _global_sum(self, values: list[float]) -> list[float]:
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _tensors(self, batch: Batch, idx: list[int], with_targets: bool) -> dict[str, torch.Tensor]:
+        ids = [batch["input_ids"][i] for i in idx]
+        out = {"input_ids": pad_right(ids, 0, torch.long),
+               "attention_mask": pad_right([[1] * len(s) for s in ids], 0, torch.long)}
+        if with_targets:
+            out["loss_mask"] = pad_right([batch["loss_mask"][i] for i in idx], 0, torch.float32)
+            out["old_values"] = pad_right([batch["values"][i] for i in idx], 0.0, torch.float32)
+            out["returns"] = pad_right([batch["returns"][i] for i in idx], 0.0, torch.float32)
+        return {k: v.to(self.device) for k, v in out.items()}
+
+    # ------------------------------------------------------------------ values and training
+    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
+    def compute_values(self, batch: Batch) -> list[list[float]]:
+        """Per-token values of each row under the current weights, each row cut to its length."""
+        lengths = [len(s) for s in batch["input_ids"]]
+        out: list[list[float] | None] = [None] * len(lengths)
+        with torch.no_grad():
+            for idx in plan_microbatches(lengths, self.config.max_tokens_per_microbatch):
+                mb = self._tensors(batch, idx, with_targets=False)
+                v = self.module(mb["input_ids"], mb["attention_mask"]).cpu()
+                for row, i in enumerate(idx):
+                    out[i] = v[row, : lengths[i]].tolist()
+        return out  # type: ignore[return-value]
+
+    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """K (``epochs``) value updates on this rank's share of ``batch`` (``input_ids``, ``loss_mask``,
+        ``values``: the values the batch was scored with, ``returns``); returns this rank's metrics.
+        ``value_loss``, ``value_clipfrac`` and ``explained_variance`` are measured before each update and
+        averaged over the K passes; ``value_loss_first`` / ``value_loss_last`` are the first and last."""
+        from rollart.algorithms import value_loss
+
+        cfg = self.config
+        lengths = [len(s) for s in batch["input_ids"]]
+        plans = plan_microbatches(lengths, cfg.max_tokens_per_microbatch)
+        mbs = [self._tensors(batch, idx, with_targets=True) for idx in plans]
+        local = float(sum(float(mb["loss_mask"].sum()) for mb in mbs))
+        total = self._global_sum([local])[0]
+        scale_world = self.world_size if self.distributed else 1
+        losses, clipfracs, evs, norms = [], [], [], []
+        for _ in range(cfg.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            # sums over the action tokens: loss, clipped, n, R, R^2, R-V, (R-V)^2
+            acc = [0.0] * 7
+            for mb in mbs:
+                values = self.value(mb["input_ids"], mb["attention_mask"])
+                mask, old, ret = mb["loss_mask"], mb["old_values"], mb["returns"]
+                n = float(mask.sum())
+                loss = value_loss(values, old, ret, mask, clip=cfg.value_clip)
+                (loss * (n / max(total, 1.0)) * scale_world).backward()
+                with torch.no_grad():
+                    v = values.detach()
+                    clipped = 0.0
+                    if cfg.value_clip is not None:
+                        vc = old + (v - old).clamp(-cfg.value_clip, cfg.value_clip)
+                        clipped = float((((vc - ret) ** 2 > (v - ret) ** 2).float() * mask).sum())
+                    err = ret - v
+                    acc = [a + b for a, b in zip(acc, [float(loss) * n, clipped, n, float((ret * mask).sum()),
+                                                       float((ret ** 2 * mask).sum()), float((err * mask).sum()),
+                                                       float((err ** 2 * mask).sum())])]
+            s_loss, s_clip, s_n, s_r, s_r2, s_e, s_e2 = self._global_sum(acc)
+            n = max(s_n, 1.0)
+            var_r = s_r2 / n - (s_r / n) ** 2
+            var_e = s_e2 / n - (s_e / n) ** 2
+            losses.append(s_loss / n)
+            clipfracs.append(s_clip / n)
+            evs.append(1.0 - var_e / var_r if var_r > 1e-12 else 0.0)
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            if cfg.grad_clip:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)))
+            else:
+                norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])))
+            self.optimizer.step()
+        self.steps += 1
+        k = float(cfg.epochs)
+        return {"value_loss": sum(losses) / k, "value_loss_first": losses[0], "value_loss_last": losses[-1],
+                "value_clipfrac": sum(clipfracs) / k, "explained_variance": sum(evs) / k,
+                "grad_norm": sum(norms) / k, "epochs": k, "frozen_params": float(self.frozen_params),
+                "frozen_tensors": float(self.frozen_tensors), "tokens": local, "rows": float(len(lengths)),
+                "microbatches": float(len(plans))}
+
+    # ------------------------------------------------------------------ inspection
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    def param_checksum(self, kind: str = "all") -> float:
+        """Sum of ``|w|`` (float64) over the parameters of ``kind``: ``all``, ``attention`` (names with
+        ``self_attn``), ``mlp`` (names with ``mlp``) or ``head`` (the value head)."""
+        keep = {"all": lambda n: True, "attention": lambda n: "self_attn" in n, "mlp": lambda n: ".mlp." in n,
+                "head": lambda n: n.startswith("head.")}[kind]
+        with torch.no_grad():
+            return float(sum(p.detach().double().abs().sum() for n, p in self.module.named_parameters() if keep(n)))
+
+    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
+    def state_summary(self) -> dict[str, list[float]]:
+        """Every parameter of rank 0 as a flat list, by name (for exact comparisons in tests; small models)."""
+        return {n: p.detach().cpu().flatten().tolist() for n, p in self.module.named_parameters()}
+
+
+def gae_batch(groups: Sequence[Sequence[Trajectory]], values: Sequence[Sequence[float]], *, gamma: float = 1.0,
+              lam: float = 0.95, length_adaptive: bool = False, alpha: float = 0.05, whiten: bool = True) -> Batch:
+    """A training ``Batch`` like :func:`rollart.training.data.trajectories_to_batch`, with advantages from
+    skip-observation GAE under the critic's ``values`` (one row per trajectory, in group order, e.g. the
+    output of ``CriticWorker.compute_values``), plus ``values`` and ``returns`` columns (returns are
+    taken before whitening; both are 0 off the action tokens)."""
+    from rollart.algorithms import length_adaptive_lambda, skip_observation_gae
+    from rollart.algorithms import whiten as whiten_fn
+    from rollart.training.data import trajectories_to_batch
+
+    batch = trajectories_to_batch(groups, advantage="grpo")  # common columns; advantages replaced below
+    trajs = [t for g in groups for t in g]
+    if len(values) != len(trajs):
+        raise ValueError(f"gae_batch: {len(values)} value rows for {len(trajs)} trajectories")
+    advs: list[torch.Tensor] = []
+    rets: list[torch.Tensor] = []
+    vals: list[list[float]] = []
+    for t, v in zip(trajs, values):
+        T = len(t.token_ids)
+        if len(v) != T or len(t.loss_mask) != T:
+            raise ValueError(f"gae_batch: trajectory {t.traj_id} has {T} tokens, {len(t.loss_mask)} mask entries "
+                             f"and {len(v)} values")
+        mask = torch.tensor(t.loss_mask, dtype=torch.float32)
+        value = torch.tensor(list(v), dtype=torch.float32) * (mask > 0)
+        rewards = torch.zeros(T)
+        actions = torch.nonzero(mask > 0).flatten()
+        if len(actions):
+            rewards[actions[-1]] = float(t.reward)  # type: ignore[arg-type]
+        lam_t = lam
+        if length_adaptive:
+            lam_t = float(length_adaptive_lambda(torch.tensor([float(len(actions))]), alpha=alpha)[0])
+        adv, ret = skip_observation_gae(rewards[None], value[None], mask[None], gamma, lam_t)
+        advs.append(adv[0])
+        rets.append(ret[0])
+        vals.append(value.tolist())
+    if whiten and advs:
+        flat_adv = torch.cat(advs)
+        flat_mask = torch.cat([torch.tensor(t.loss_mask, dtype=torch.float32) for t in trajs])
+        flat = whiten_fn(flat_adv, flat_mask)
+        advs = list(torch.split(flat, [len(a) for a in advs]))
+    batch["advantages"] = [a.tolist() for a in advs]
+    batch["values"] = vals
+    batch["returns"] = [r.tolist() for r in rets]
+    return batch

@@ -1,0 +1,167 @@
+"""The critic (seed 003 §3): K value updates per actor step, frozen attention, skip-observation GAE batches,
+and two gloo ranks training like one rank on the whole batch."""
+
+import pytest
+import torch
+
+import rollart as ra
+from rollart.models import build_tiny
+from rollart.rollout.types import Trajectory
+from rollart.training.critic import CriticConfig, CriticWorker, gae_batch
+from rollart.training.torch_strategy import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def traj(i: int, token_ids, loss_mask, reward: float, group: str = "g0") -> Trajectory:
+    return Trajectory(traj_id=f"t{i}", group_id=group, tag="test", token_ids=list(token_ids),
+                      loss_mask=list(loss_mask), logprobs=[-0.5 * m for m in loss_mask], versions=[0 if m else -1 for m in loss_mask], reward=reward)
+
+
+def agentic_groups(n: int) -> list[list[Trajectory]]:
+    """``n`` two-turn trajectories (prompt, action, observation, action) of uneven lengths in groups of 2."""
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for i in range(n):
+        prompt, act, obs = 2 + i % 3, 2 + i % 2, 2
+        mask = [0] * prompt + [1] * act + [0] * obs + [1] * act
+        ids = torch.randint(3, 60, (len(mask),), generator=g).tolist()
+        trajs.append(traj(i, ids, mask, reward=float(i % 2), group=f"g{i // 2}"))
+    return [trajs[i:i + 2] for i in range(0, n, 2)]
+
+
+def critic_batch(critic: ra.Cluster, groups) -> ra.Batch:
+    """Score the trajectories with the critic, then build the GAE batch its ``train_step`` takes."""
+    values = critic.compute_values(ra.Batch({"input_ids": [t.token_ids for g in groups for t in g]}))
+    return gae_batch(groups, values, gamma=1.0, lam=1.0)
+
+
+def mse_on_actions(values, batch: ra.Batch) -> float:
+    num = den = 0.0
+    for v, r, m in zip(values, batch["returns"], batch["loss_mask"]):
+        for vt, rt, mt in zip(v, r, m):
+            if mt:
+                num += 0.5 * (vt - rt) ** 2
+                den += 1
+    return num / den
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("critic") / "tiny"
+    return str(build_tiny(path, hidden_size=32, num_layers=1, intermediate_size=64, seed=1))
+
+
+# ---------------------------------------------------------------------------------------------- gae_batch
+def test_gae_batch_skips_the_observation_tokens_by_hand():
+    values = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    t = traj(0, [5, 6, 7, 8, 9, 10], [1, 1, 0, 0, 1, 1], reward=1.0)
+    b = gae_batch([[t]], [values], gamma=1.0, lam=1.0, whiten=False)
+    # gamma = lam = 1: A_t = reward - V_t on the action tokens, 0 on the observation tokens
+    assert b["advantages"][0] == pytest.approx([0.9, 0.8, 0.0, 0.0, 0.5, 0.4], abs=1e-6)
+    assert b["returns"][0] == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], abs=1e-6)
+    assert b["values"][0] == pytest.approx([0.1, 0.2, 0.0, 0.0, 0.5, 0.6], abs=1e-6)
+    assert b["input_ids"] == [[5, 6, 7, 8, 9, 10]] and b["loss_mask"] == [[1, 1, 0, 0, 1, 1]]
+    assert b["old_logprobs"][0] == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5] and float(b["rewards"][0]) == 1.0
+
+    # gamma = 0.9, lam = 0.5; the successor of token 1 is token 4 (V = 0.5), not the observation token 2:
+    # A5 = 1 - .6 = .4;  A4 = (.9*.6 - .5) + .45*.4 = .22;  A1 = (.9*.5 - .2) + .45*.22 = .349
+    # A0 = (.9*.2 - .1) + .45*.349 = .23705
+    expected_adv = [0.23705, 0.349, 0.0, 0.0, 0.22, 0.4]
+    expected_ret = [0.33705, 0.549, 0.0, 0.0, 0.72, 1.0]
+    b = gae_batch([[t]], [values], gamma=0.9, lam=0.5, whiten=False)
+    assert b["advantages"][0] == pytest.approx(expected_adv, abs=1e-6)
+    assert b["returns"][0] == pytest.approx(expected_ret, abs=1e-6)
+    # length-adaptive lambda = 1 - 1/(alpha * 4 action tokens) = 0.5 with alpha = 0.5, whatever lam says
+    b = gae_batch([[t]], [values], gamma=0.9, lam=0.99, length_adaptive=True, alpha=0.5, whiten=False)
+    assert b["advantages"][0] == pytest.approx(expected_adv, abs=1e-6)
+
+    # whitening: mean 0 and std 1 over the action tokens, observations stay 0, returns are pre-whitening
+    b = gae_batch([[t]], [values], gamma=0.9, lam=0.5)
+    adv = torch.tensor(expected_adv)[[0, 1, 4, 5]]
+    white = (adv - adv.mean()) / adv.std(unbiased=False)
+    got = b["advantages"][0]
+    assert [got[i] for i in (0, 1, 4, 5)] == pytest.approx(white.tolist(), abs=1e-4)
+    assert got[2] == got[3] == 0.0
+    assert b["returns"][0] == pytest.approx(expected_ret, abs=1e-6)
+
+
+def test_gae_batch_rejects_misaligned_values():
+    t = traj(0, [5, 6, 7], [0, 1, 1], reward=1.0)
+    with pytest.raises(ValueError, match="3 tokens"):
+        gae_batch([[t]], [[0.0, 0.0]])
+    with pytest.raises(ValueError, match="1 value rows for 2 trajectories"):
+        gae_batch([[t, t]], [[0.0] * 3])
+    assert CriticConfig(lam=0.9, length_adaptive_lambda=True).gae_kwargs() == {
+        "gamma": 1.0, "lam": 0.9, "length_adaptive": True}
+    with pytest.raises(ValueError):
+        CriticConfig(epoch=3)  # extra fields are refused
+
+
+# ---------------------------------------------------------------------------------------------- workers
+def test_k_value_updates_per_actor_step_fit_better_than_one(make_rm, tiny):
+    base = {"model": tiny, "lr": 3e-3, "max_tokens_per_microbatch": 24, "seed": 0}
+    rm = make_rm({"k1": {"hardware": "CPU", "cpus": 1}, "k3": {"hardware": "CPU", "cpus": 1}})
+    k1 = ra.Cluster("critic_k1", CriticWorker, rm, pool="k1", worker_kwargs={"config": {**base, "epochs": 1}})
+    k3 = ra.Cluster("critic_k3", CriticWorker, rm, pool="k3", worker_kwargs={"config": {**base, "epochs": 3}})
+    groups = agentic_groups(8)
+    batch = critic_batch(k1, groups)
+    assert critic_batch(k3, groups)["values"] == batch["values"]  # same seed: the same critic to start with
+    before = mse_on_actions(k1.compute_values(batch), batch)
+    m1 = k1.train_step(batch)
+    m3 = k3.train_step(batch)
+    assert m1["epochs"] == [1.0] and m3["epochs"] == [3.0] and m3["frozen_params"] == [0.0]
+    assert m1["value_loss"][0] == pytest.approx(before, rel=1e-4)  # the first pass sees the starting critic
+    assert m3["value_loss_last"][0] < m3["value_loss_first"][0]
+    for key in ("explained_variance", "value_clipfrac", "grad_norm"):
+        assert key in m3
+    after1 = mse_on_actions(k1.compute_values(batch), batch)
+    after3 = mse_on_actions(k3.compute_values(batch), batch)
+    print(f"value loss before {before:.4f}, after K=1 {after1:.4f}, after K=3 {after3:.4f}")
+    assert after1 < before
+    assert after3 < after1  # K = 3 updates per actor step fit the returns better than one
+
+
+def test_frozen_attention_keeps_every_attention_parameter_bit_identical(make_rm, tiny):
+    rm = make_rm({"critic": {"hardware": "CPU", "cpus": 1}})
+    critic = ra.Cluster("critic_frozen", CriticWorker, rm, pool="critic",
+                        worker_kwargs={"config": {"model": tiny, "lr": 1e-2, "epochs": 2, "freeze_attention": True}})
+    groups = agentic_groups(4)
+    batch = critic_batch(critic, groups)
+    before = critic.state_summary()
+    attn_before = critic.param_checksum("attention")[0]
+    metrics = critic.train_step(batch)
+    after = critic.state_summary()
+    attn = [n for n in before if "self_attn" in n]
+    assert attn and all(after[n] == before[n] for n in attn)  # bit-identical
+    assert critic.param_checksum("attention")[0] == attn_before
+    assert metrics["frozen_params"] == [float(sum(len(before[n]) for n in attn))]
+    assert metrics["frozen_tensors"] == [float(len(attn))]
+    for kind in ("head.weight", ".mlp."):
+        changed = [n for n in before if kind in n and after[n] != before[n]]
+        assert changed, f"no {kind} parameter was trained"
+    assert mse_on_actions(critic.compute_values(batch), batch) < mse_on_actions(batch["values"], batch)
+
+
+def test_two_ranks_train_the_critic_like_one_rank_on_the_whole_batch(make_rm, tiny):
+    cfg = {"model": tiny, "lr": 1e-2, "epochs": 2, "max_tokens_per_microbatch": 20}
+    rm = make_rm({"dp": {"hardware": "CPU", "cpus": 2}, "single": {"hardware": "CPU", "cpus": 1}})
+    dp = ra.Cluster("critic_dp", CriticWorker, rm, pool="dp", worker_kwargs={"config": cfg})
+    one = ra.Cluster("critic_one", CriticWorker, rm, pool="single", worker_kwargs={"config": cfg})
+    assert dp.setup_distributed("127.0.0.1", free_port()) == ["gloo", "gloo"]
+    groups = agentic_groups(6)
+    batch = critic_batch(one, groups)
+    for a, b in zip(critic_batch(dp, groups)["values"], batch["values"]):
+        assert a == pytest.approx(b, abs=1e-6)
+    m_dp = dp.train_step(batch)
+    m_one = one.train_step(batch)
+    assert m_dp["rows"] == [3.0, 3.0]
+    # loss and explained variance are all-reduced: every rank reports the whole batch's numbers
+    assert m_dp["value_loss"][0] == pytest.approx(m_dp["value_loss"][1], rel=1e-6)
+    assert m_dp["value_loss"][0] == pytest.approx(m_one["value_loss"][0], rel=1e-5)
+    sums, ref = dp.param_checksum(), one.param_checksum()[0]
+    assert sums[0] == pytest.approx(sums[1], rel=1e-9)
+    assert sums[0] == pytest.approx(ref, rel=1e-5)
+    probe = ra.Batch({"input_ids": [t.token_ids for g in groups for t in g]})
+    for a, b in zip(dp.compute_values(probe), one.compute_values(probe)):
+        assert a == pytest.approx(b, abs=1e-5)
