@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-sigma", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=400)
     p.add_argument("--decode-step", type=float, default=0.01, help="real seconds per decode step")
+    p.add_argument("--no-pause", action="store_true",
+                   help="weight swaps without a global rollout pause (weights.pause_rollout=false)")
     p.add_argument("--out", default="runs/bench/async-train")
     p.add_argument("--json", action="store_true")
 
@@ -49,6 +51,7 @@ def _config(args: argparse.Namespace, alpha: int, out: str) -> Any:
             "decode_base_s": args.decode_step, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0,
             "vocab_size": 60, "length_lognormal": (args.length_median, args.length_sigma)}},
         "train": {"lr": 1e-4}, "steps": args.steps, "checkpoint_every": 0, "output_dir": out,
+        "weights": {"pause_rollout": not args.no_pause},
     })
 
 

@@ -158,7 +158,7 @@ class AgenticPipeline:
         """Publish the trainer's current weights and make them the serving policy; returns the version."""
         if self.channel is None:
             ref, version = await self.train.publish_weights(blocking=False)
-            await self.controller.sync_weights(ref, version)
+            await self.controller.sync_weights(ref, version, pause=self.config.weights.pause_rollout)
             return version
         version = await self.train.publish_to(self.channel, not self.config.weights.async_publish, blocking=False)
         await self.controller.sync_weights(None, version, channel=self.channel)

@@ -69,6 +69,7 @@ class WeightsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     channel: Literal["ray", "mooncake", "dist"] = "ray"
+    pause_rollout: bool = True  # ray channel: suspend every worker for the swap (False: each swaps between its steps)
     mooncake_master: str | None = None  # host:port of a running master; None: rollart starts one on 127.0.0.1
     segment_mb: int = Field(default=256, ge=1)
     chunk_mb: int = Field(default=16, ge=1)

@@ -1,9 +1,7 @@
 """Built-in reward functions and the sandbox, on hand-checked cases."""
 
-import threading
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from reward_fixtures import ThreadServer

@@ -1,7 +1,6 @@
 """The reward service against a real uvicorn server on 127.0.0.1, and its client."""
 
 import asyncio
-import json
 import os
 import signal
 import subprocess

@@ -56,20 +56,24 @@ class AsyncController:
         await self.proxy.model_update_from(channel, version)
         await self.scheduler.set_version(version)
 
-    async def sync_weights(self, weights: Any, version: int, channel: Any = None) -> None:
+    async def sync_weights(self, weights: Any, version: int, channel: Any = None, *, pause: bool = True) -> None:
         """Make ``version`` the serving policy, timed.
 
-        From weights in hand (a state dict or its ObjectRef): ``suspend → model_update → resume``.
-        From a weight channel (Mooncake, torch.distributed): no global pause — every worker fetches the
-        snapshot while it keeps generating, then swaps it in between two engine steps (its in-flight
-        requests are preempted and continue under the new version, prefix recomputed)."""
+        From weights in hand (a state dict or its ObjectRef) with ``pause``: ``suspend → model_update →
+        resume`` — every worker switches at the same moment. Without ``pause``, and always from a weight
+        channel (Mooncake, torch.distributed), there is no global pause: every worker gets the snapshot
+        while it keeps generating and swaps it in between two of its engine steps (its in-flight requests
+        are preempted and continue under the new version, prefix recomputed; each token records the
+        version that produced it). The scheduler's version (and the α bound) moves once all have it."""
         t0 = time.monotonic()
-        if channel is None:
+        if channel is not None:
+            await self.model_update_from(channel, version)
+        elif pause:
             await self.suspend()
             await self.model_update(weights, version)
             await self.resume()
         else:
-            await self.model_update_from(channel, version)
+            await self.model_update(weights, version)
         self.timings["weight_sync_s"] = time.monotonic() - t0
 
     async def stop(self) -> None:

@@ -9,7 +9,6 @@ records, per token, the policy version and behaviour logprob that produced it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import defaultdict

@@ -42,7 +42,6 @@ Seed 003 §3 gives two value-training designs, both here:
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal, Sequence
 
 import torch
@@ -53,6 +52,7 @@ import rollart as ra
 from rollart.cluster.batch import Batch
 from rollart.rollout.types import Trajectory
 from rollart.training.microbatch import pad_right, plan_microbatches
+from rollart.training.placement import join_data_parallel, model_path, worker_device
 
 
 class CriticConfig(BaseModel):
@@ -103,13 +103,8 @@ class CriticWorker(ra.Worker):
 
         self.config = CriticConfig.model_validate(config or {})
         torch.manual_seed(self.config.seed)
-        path = self.config.model
-        if path is None:
-            from rollart.models import default_tiny_path
-
-            path = str(default_tiny_path())
-        self.device = torch.device(f"cuda:{self.device_ids[0]}" if torch.cuda.is_available() and self.device_ids
-                                   else "cpu")
+        path = model_path(self.config.model)
+        self.device = worker_device(self.device_ids)
         backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
         self.module = ValueModel(backbone, int(backbone.config.hidden_size)).to(self.device)
         self.module.train()
@@ -137,16 +132,10 @@ class CriticWorker(ra.Worker):
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     def setup_distributed(self, master_addr: str, master_port: int) -> str:
         """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the value model in DDP."""
-        if self.world_size == 1:
-            return "single"
-        backend = self.config.backend
-        if backend == "auto":
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                world_size=self.world_size)
-        self.model = torch.nn.parallel.DistributedDataParallel(self.module)
-        self.distributed = True
+        self.model, backend = join_data_parallel(self.module, rank=self.rank, world_size=self.world_size,
+                                                 backend=self.config.backend, device=self.device,
+                                                 master_addr=master_addr, master_port=master_port)
+        self.distributed = backend != "single"
         return backend
 
     def _global_sum(self, values: list[float]) -> list[float]:

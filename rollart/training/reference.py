@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 import rollart as ra
+from rollart.training.placement import model_path, worker_device
 from rollart.training.torch_strategy import batch_logprobs
 
 
@@ -20,13 +21,8 @@ class ReferenceWorker(ra.Worker):
     def __init__(self, model: str | None = None, max_tokens_per_microbatch: int = 16384):
         from transformers import AutoModelForCausalLM
 
-        if model is None:
-            from rollart.models import default_tiny_path
-
-            model = str(default_tiny_path())
-        self.device = torch.device(f"cuda:{self.device_ids[0]}" if torch.cuda.is_available() and self.device_ids
-                                   else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(self.device).eval()
+        self.device = worker_device(self.device_ids)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path(model), dtype=torch.float32).to(self.device).eval()
         self.model.requires_grad_(False)
         self.max_tokens = max_tokens_per_microbatch
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import rollart as ra
 from rollart.training.config import TrainConfig
 from rollart.training.microbatch import pad_right, plan_microbatches
+from rollart.training.placement import join_data_parallel, model_path, worker_device
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -60,14 +61,9 @@ class TorchTrainWorker(ra.Worker):
 
         self.config = TrainConfig.model_validate(config or {})
         torch.manual_seed(self.config.seed)
-        path = self.config.model
-        if path is None:
-            from rollart.models import default_tiny_path
-
-            path = str(default_tiny_path())
-        self.device = torch.device(f"cuda:{self.device_ids[0]}" if torch.cuda.is_available() and self.device_ids
-                                   else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
+        self.device = worker_device(self.device_ids)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path(self.config.model), dtype=torch.float32
+                                                          ).to(self.device)
         self.model.train()
         self.module = self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
@@ -82,16 +78,10 @@ class TorchTrainWorker(ra.Worker):
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     def setup_distributed(self, master_addr: str, master_port: int) -> str:
         """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the model in DDP."""
-        if self.world_size == 1:
-            return "single"
-        backend = self.config.backend
-        if backend == "auto":
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                world_size=self.world_size)
-        self.model = torch.nn.parallel.DistributedDataParallel(self.module)
-        self.distributed = True
+        self.model, backend = join_data_parallel(self.module, rank=self.rank, world_size=self.world_size,
+                                                 backend=self.config.backend, device=self.device,
+                                                 master_addr=master_addr, master_port=master_port)
+        self.distributed = backend != "single"
         return backend
 
     # ------------------------------------------------------------------ training
