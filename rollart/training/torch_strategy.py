@@ -143,13 +143,13 @@ class TorchTrainWorker(ra.Worker):
                     loss, m = policy_loss(cfg.loss, logp, old, mb["advantages"], mask, rollout_logprobs=rollout,
                                           agg=cfg.loss_agg, **kwargs)
                 mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
-                m["entropy"] = float(mean_entropy)
+                m["entropy"] = float(mean_entropy.detach())
                 if cfg.entropy_coef > 0:  # an entropy bonus keeps exploring positions not yet solved
                     loss = loss - cfg.entropy_coef * mean_entropy
                 if cfg.kl_coef > 0 and "ref_logprobs" in mb:
                     kl = kl_penalty(logp, mb["ref_logprobs"], kind=cfg.kl_kind)
                     mean_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
-                    m["kl_ref"] = float(mean_kl)
+                    m["kl_ref"] = float(mean_kl.detach())
                     loss = loss + cfg.kl_coef * mean_kl
                 weight = (mb["input_ids"].shape[0] if seq_level else float(mask.sum())) / max(total, 1.0)
                 (loss * weight * scale_world).backward()
