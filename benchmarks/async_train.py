@@ -10,6 +10,8 @@ Bounds (seed 000 Prop. 1–2, with every sample decoding concurrently, K = N): w
 
 ``mu`` and ``L`` are measured from the alpha = 0 run's generation (rollout wait) and the length
 distribution; the bench prints measured step times, their ratio to alpha = 0, and the bound ratios.
+Every run trains on batches of the same N samples; the asynchronous runs keep Q = (alpha + 1) N
+samples in flight (alpha + 1 env groups per trained group), the setting of Prop. 1's async case.
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ def _config(args: argparse.Namespace, alpha: int, out: str) -> Any:
     return PipelineConfig.model_validate({
         "name": f"async-train-a{alpha}",
         "pools": {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}},
-        "envs": [{"name": "reverse", "groups": args.groups, "kwargs": {"length": 3},
+        # Q = (alpha + 1) N samples in flight (seed 000 Prop. 1): alpha + 1 env groups per trained group, so
+        # rounds for the next alpha batches are already generating when a batch is taken
+        "envs": [{"name": "reverse", "groups": args.groups * (alpha + 1), "kwargs": {"length": 3},
                   "max_new_tokens": args.max_new_tokens}],
-        "rollout": {"num_env_groups": args.groups, "group_size": args.group_size, "batch_groups": args.groups,
-                    "alpha": alpha},
+        "rollout": {"num_env_groups": args.groups * (alpha + 1), "group_size": args.group_size,
+                    "batch_groups": args.groups, "alpha": alpha},
         "sampling": {"temperature": 1.0, "max_new_tokens": args.max_new_tokens},
         "engine": {"kind": "simulated", "options": {
             "decode_base_s": args.decode_step, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0,
