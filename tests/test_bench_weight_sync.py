@@ -10,7 +10,7 @@ from rollart.cli import main
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_weight_sync_bench_runs_both_modes_to_the_last_version(tmp_path, capsys):
+def test_weight_sync_bench_runs_both_modes_to_the_last_version(ray_local, tmp_path, capsys):
     pytest.importorskip("mooncake.store")
     out = tmp_path / "ws"
     assert main(["bench", "weight-sync", "--model-mb", "4", "--steps", "2", "--train-s", "0.1", "--workers", "2",

@@ -7,6 +7,7 @@ on free loopback ports, and stops it by its process id when the job ends.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -77,7 +78,9 @@ class MooncakeMaster:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / "mooncake_master.log", "ab")  # noqa: SIM115 (owned by the process)
-        self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # same process group as the job: a signal that ends the job ends its master too
+        self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        atexit.register(self.stop)
         deadline = time.monotonic() + timeout_s
         delay = 0.02
         while not _accepts("127.0.0.1", self.port):
