@@ -27,7 +27,8 @@ from rollart.rollout.inference_worker import inference_worker_class
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.scheduler import RolloutScheduler
 from rollart.training.data import trajectories_to_batch
-from rollart.training.torch_strategy import TorchTrainWorker, free_port
+from rollart.training.strategies import train_worker_class
+from rollart.training.torch_strategy import free_port
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class AgenticPipeline:
         self.infer = ra.Cluster("actor_infer", inference_worker_class(tags), self.rm, pool=config.rollout_pool,
                                 worker_kwargs={"engine": engine.model_dump()})
         train_cfg = config.train.model_copy(update={"model": config.train.model or model_path})
-        self.train = ra.Cluster("actor_train", TorchTrainWorker, self.rm, pool=config.train_pool,
+        self.train = ra.Cluster("actor_train", train_worker_class(train_cfg.strategy), self.rm, pool=config.train_pool,
                                 worker_kwargs={"config": train_cfg.model_dump()})
         self.train.setup_distributed("127.0.0.1", free_port())
         self.ref = None

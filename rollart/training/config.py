@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 class TrainConfig(BaseModel):
-    """How the torch strategy trains the actor. ``model`` is a Hugging Face folder (default: the
-    built-in tiny model); ``loss`` names a policy loss of ``rollart.algorithms`` with ``loss_params``."""
+    """How the actor is trained. ``model`` is a Hugging Face folder (default: the built-in tiny
+    model); ``loss`` names a policy loss of ``rollart.algorithms`` with ``loss_params``.
+
+    ``strategy`` picks the training worker: ``torch`` (``TorchTrainWorker``, the default) or
+    ``megatron`` (``MegatronTrainWorker``: the same loop around a megatron-core ``GPTModel``, needs
+    ``pip install 'rollart[megatron]'``). Data parallelism is the train pool's size in both;
+    ``tensor_parallel`` / ``pipeline_parallel`` are megatron's model-parallel sizes and must be 1 in
+    this version (checked here, before any actor starts)."""
 
     model_config = ConfigDict(extra="forbid")
 
+    strategy: Literal["torch", "megatron"] = "torch"
+    tensor_parallel: int = Field(default=1, ge=1)
+    pipeline_parallel: int = Field(default=1, ge=1)
     model: str | None = None
     lr: float = Field(default=1e-3, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
@@ -30,3 +47,19 @@ class TrainConfig(BaseModel):
     ppo_epochs: int = Field(default=1, ge=1)
     seed: int = 0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    @model_validator(mode="after")
+    def _check_strategy(self) -> "TrainConfig":
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            size = getattr(self, name)
+            if size > 1:
+                hint = ("model parallelism exists only in the megatron strategy, and "
+                        if self.strategy == "torch" else "")
+                raise ValueError(
+                    f"train.{name}={size}: {hint}sharding the weights across model-parallel ranks is not "
+                    f"implemented in this version; set train.{name}: 1 (data parallelism comes from the "
+                    "train pool's size)")
+        if self.strategy == "megatron" and not _importable("megatron.core"):
+            raise ValueError("train.strategy: megatron needs megatron-core; install it with "
+                             "pip install 'rollart[megatron]' or set train.strategy: torch")
+        return self
