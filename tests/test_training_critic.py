@@ -165,3 +165,8 @@ def test_two_ranks_train_the_critic_like_one_rank_on_the_whole_batch(make_rm, ti
     probe = ra.Batch({"input_ids": [t.token_ids for g in groups for t in g]})
     for a, b in zip(dp.compute_values(probe), one.compute_values(probe)):
         assert a == pytest.approx(b, abs=1e-5)
+    one_row = batch.rows(0, 1)  # rank 1's share is empty: it still joins the step's collectives
+    assert dp.train_step(one_row)["rows"] == [1.0]
+    one.train_step(one_row)
+    sums, ref = dp.param_checksum(), one.param_checksum()[0]
+    assert sums[0] == pytest.approx(sums[1], rel=1e-9) and sums[0] == pytest.approx(ref, rel=1e-5)

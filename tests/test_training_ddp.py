@@ -42,6 +42,36 @@ def test_two_ranks_match_one_rank_on_the_whole_batch(make_rm, tmp_path):
     assert dp_sums[0] == pytest.approx(one_sum, rel=1e-5)  # and the same as one rank on the whole batch
 
 
+def rows_of(lengths: list[int]) -> ra.Batch:
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, 60, (n,), generator=g).tolist() for n in lengths]
+    return ra.Batch({"input_ids": ids, "loss_mask": [[0] + [1] * (n - 1) for n in lengths],
+                     "advantages": [[float((-1) ** i)] * n for i, n in enumerate(lengths)],
+                     "old_logprobs": [[0.0] * n for n in lengths]})
+
+
+def test_ranks_with_uneven_or_empty_shares_still_step_together(make_rm, tmp_path):
+    """Rank 0 gets three micro-batches and rank 1 one; then a one-row batch leaves rank 1 nothing.
+    Every rank still joins each all-reduce, so the step neither hangs nor drifts from one rank's."""
+    model = str(build_tiny(tmp_path / "tiny", hidden_size=32, num_layers=1, intermediate_size=64, seed=4))
+    cfg = {"model": model, "lr": 1e-2, "loss": "ppo", "max_tokens_per_microbatch": 16, "ppo_epochs": 2}
+    rm = make_rm({"dp": {"hardware": "CPU", "cpus": 2}, "single": {"hardware": "CPU", "cpus": 1}})
+    dp = ra.Cluster("dp_uneven", TorchTrainWorker, rm, pool="dp", worker_kwargs={"config": cfg})
+    one = ra.Cluster("one_uneven", TorchTrainWorker, rm, pool="single", worker_kwargs={"config": cfg})
+    dp.setup_distributed("127.0.0.1", free_port())
+    uneven = rows_of([10, 10, 10, 4, 4])  # rank 0: three 10-token rows, one per micro-batch; rank 1: 8 tokens
+    metrics = dp.train_step(uneven)
+    one.train_step(uneven)
+    assert metrics["microbatches"] == [3.0, 1.0]
+    single = rows_of([7])
+    metrics = dp.train_step(single)
+    one.train_step(single)
+    assert metrics["rows"] == [1.0]  # only rank 0 had rows to report
+    dp_sums, one_sum = dp.weight_checksum(), one.weight_checksum()[0]
+    assert dp_sums[0] == pytest.approx(dp_sums[1], rel=1e-7)
+    assert dp_sums[0] == pytest.approx(one_sum, rel=1e-5)
+
+
 def test_a_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(make_rm, tmp_path):
     import ray
 

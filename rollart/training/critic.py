@@ -52,7 +52,10 @@ import rollart as ra
 from rollart.cluster.batch import Batch
 from rollart.rollout.types import Trajectory
 from rollart.training.microbatch import pad_right, plan_microbatches
-from rollart.training.placement import join_data_parallel, model_path, worker_device
+from rollart.training.placement import (
+    DP_SPLIT_EVERY_RANK, join_data_parallel, microbatch_count, model_path, sync_grads_on_last, worker_device,
+    zero_backward,
+)
 
 
 class CriticConfig(BaseModel):
@@ -169,32 +172,40 @@ class CriticWorker(ra.Worker):
                     out[i] = v[row, : lengths[i]].tolist()
         return out  # type: ignore[return-value]
 
-    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
-    def train_step(self, batch: Batch) -> dict[str, float]:
+    @ra.register(dispatch=DP_SPLIT_EVERY_RANK)
+    def train_step(self, batch: Batch) -> dict[str, float] | None:
         """K (``epochs``) value updates on this rank's share of ``batch`` (``input_ids``, ``loss_mask``,
         ``values``: the values the batch was scored with, ``returns``); returns this rank's metrics.
         ``value_loss``, ``value_clipfrac`` and ``explained_variance`` are measured before each update and
-        averaged over the K passes; ``value_loss_first`` / ``value_loss_last`` are the first and last."""
+        averaged over the K passes; ``value_loss_first`` / ``value_loss_last`` are the first and last.
+        An empty share returns ``None`` but still takes part in every collective of the step."""
         from rollart.algorithms import value_loss
 
         cfg = self.config
-        lengths = [len(s) for s in batch["input_ids"]]
+        lengths = [len(s) for s in batch["input_ids"]] if len(batch) else []
         plans = plan_microbatches(lengths, cfg.max_tokens_per_microbatch)
         mbs = [self._tensors(batch, idx, with_targets=True) for idx in plans]
         local = float(sum(float(mb["loss_mask"].sum()) for mb in mbs))
         total = self._global_sum([local])[0]
+        passes = microbatch_count(len(mbs), self.distributed)
         scale_world = self.world_size if self.distributed else 1
         losses, clipfracs, evs, norms = [], [], [], []
         for _ in range(cfg.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             # sums over the action tokens: loss, clipped, n, R, R^2, R-V, (R-V)^2
             acc = [0.0] * 7
-            for mb in mbs:
-                values = self.value(mb["input_ids"], mb["attention_mask"])
-                mask, old, ret = mb["loss_mask"], mb["old_values"], mb["returns"]
-                n = float(mask.sum())
-                loss = value_loss(values, old, ret, mask, clip=cfg.value_clip)
-                (loss * (n / max(total, 1.0)) * scale_world).backward()
+            for i in range(passes):
+                if i >= len(mbs):  # fewer micro-batches than another rank: a zero pass (see placement)
+                    with sync_grads_on_last(self.model, i, passes):
+                        zero_backward(self.value, self.device)
+                    continue
+                mb = mbs[i]
+                with sync_grads_on_last(self.model, i, passes):
+                    values = self.value(mb["input_ids"], mb["attention_mask"])
+                    mask, old, ret = mb["loss_mask"], mb["old_values"], mb["returns"]
+                    n = float(mask.sum())
+                    loss = value_loss(values, old, ret, mask, clip=cfg.value_clip)
+                    (loss * (n / max(total, 1.0)) * scale_world).backward()
                 with torch.no_grad():
                     v = values.detach()
                     clipped = 0.0
@@ -219,6 +230,8 @@ class CriticWorker(ra.Worker):
                 norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])))
             self.optimizer.step()
         self.steps += 1
+        if not lengths:
+            return None
         k = float(cfg.epochs)
         return {"value_loss": sum(losses) / k, "value_loss_first": losses[0], "value_loss_last": losses[-1],
                 "value_clipfrac": sum(clipfracs) / k, "explained_variance": sum(evs) / k,

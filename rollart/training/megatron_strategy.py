@@ -72,7 +72,7 @@ import torch.distributed as dist
 
 import rollart as ra
 from rollart.training.config import TrainConfig
-from rollart.training.placement import model_path, worker_device
+from rollart.training.placement import model_path, worker_device, wrap_ddp
 from rollart.training.torch_strategy import TorchTrainWorker
 
 __all__ = [
@@ -480,7 +480,7 @@ class MegatronTrainWorker(TorchTrainWorker):
         init_megatron_parallel(backend=self.backend, rank=self.rank, world_size=self.world_size,
                                init_method=f"tcp://{master_addr}:{master_port}")
         self._build()
-        self._model = torch.nn.parallel.DistributedDataParallel(self._module)
+        self._model = wrap_ddp(self._module)
         self.distributed = True
         return self.backend
 

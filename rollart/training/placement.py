@@ -1,10 +1,18 @@
 """What every training-side worker (actor, critic, reference) sets up the same way: its model folder,
-its device, and its data-parallel group (DDP over gloo on CPU, NCCL on GPU)."""
+its device, and its data-parallel group (DDP over gloo on CPU, NCCL on GPU).
+
+The data-parallel invariant: every rank takes part in every collective of a training step in the same
+order, whatever its share of the batch. ``DP_SPLIT_EVERY_RANK`` calls a rank even when its share is
+empty; ``microbatch_count`` makes all ranks run the same number of micro-batches (the short ones pad
+with :func:`zero_backward` passes); ``sync_grads_on_last`` lets only the last micro-batch's backward
+all-reduce the accumulated gradients (DDP ``no_sync`` for the others); DDP does not broadcast
+buffers in forward (the only buffers of these models are the rotary caches, equal on every rank)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,4 +43,57 @@ def join_data_parallel(module: torch.nn.Module, *, rank: int, world_size: int, b
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size)
-    return torch.nn.parallel.DistributedDataParallel(module), backend
+    return wrap_ddp(module), backend
+
+
+def wrap_ddp(module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
+    """DDP without forward-time buffer broadcasts: forwards are then local, and only backward passes
+    (see :func:`sync_grads_on_last`) communicate."""
+    return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False)
+
+
+def microbatch_count(local: int, distributed: bool) -> int:
+    """The largest micro-batch count over the ranks (at least 1): every rank runs that many passes."""
+    if not distributed:
+        return max(local, 1)
+    t = torch.tensor([max(local, 1)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def sync_grads_on_last(model: torch.nn.Module, index: int, count: int) -> ContextManager[Any]:
+    """``model.no_sync()`` for all but the last of ``count`` passes: gradients accumulate locally and the
+    last backward all-reduces their sum once, so ranks may differ in real micro-batches."""
+    if index < count - 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def zero_backward(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device) -> None:
+    """A pass that adds nothing to the gradients but takes part in DDP's reduction: a one-token forward
+    whose output is multiplied by 0 (every parameter gets a zero gradient)."""
+    ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+    (forward(ids, torch.ones_like(ids)).sum() * 0.0).backward()
+
+
+def _split_every_rank(world_size: int, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    from rollart.cluster.batch import Batch
+
+    split_args = [a.split(world_size) if isinstance(a, Batch) else None for a in args]
+    split_kwargs = {k: v.split(world_size) for k, v in kwargs.items() if isinstance(v, Batch)}
+    if not any(s is not None for s in split_args) and not split_kwargs:
+        raise TypeError("DP_SPLIT_EVERY_RANK needs an ra.Batch argument to split")
+    return [(tuple(s[r] if s is not None else a for s, a in zip(split_args, args)),
+             {k: (split_kwargs[k][r] if k in split_kwargs else v) for k, v in kwargs.items()})
+            for r in range(world_size)]
+
+
+def _collect(results: list[Any]) -> Any:
+    from rollart.cluster.dispatch import concat_results
+
+    return concat_results(results)
+
+
+DP_SPLIT_EVERY_RANK = (_split_every_rank, _collect)
+"""``DP_SPLIT`` for collective methods: every rank is called, an empty share included (plain DP_SPLIT
+skips it); the results of the ranks that return something are concatenated in rank order."""

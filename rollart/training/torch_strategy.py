@@ -21,7 +21,10 @@ import torch.distributed as dist
 import rollart as ra
 from rollart.training.config import TrainConfig
 from rollart.training.microbatch import pad_right, plan_microbatches
-from rollart.training.placement import join_data_parallel, model_path, worker_device
+from rollart.training.placement import (
+    DP_SPLIT_EVERY_RANK, join_data_parallel, microbatch_count, model_path, sync_grads_on_last, worker_device,
+    zero_backward,
+)
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -105,64 +108,77 @@ class TorchTrainWorker(ra.Worker):
             out["ref_logprobs"] = pad_right([batch["ref_logprobs"][i] for i in idx], 0.0, torch.float32)
         return {k: v.to(self.device) for k, v in out.items()}
 
-    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
-    def train_step(self, batch: ra.Batch) -> dict[str, float]:
-        """One policy update on this rank's share; returns this rank's metrics."""
+    @ra.register(dispatch=DP_SPLIT_EVERY_RANK)
+    def train_step(self, batch: ra.Batch) -> dict[str, float] | None:
+        """One policy update on this rank's share; returns this rank's metrics (``None`` for an empty
+        share, which still takes part in the step's collectives: see ``rollart.training.placement``)."""
         from rollart.algorithms import kl_penalty, policy_loss
 
         cfg = self.config
-        lengths = [len(s) for s in batch["input_ids"]]
+        lengths = [len(s) for s in batch["input_ids"]] if len(batch) else []
         plans = plan_microbatches(lengths, cfg.max_tokens_per_microbatch)
         mbs = [self._microbatch_tensors(batch, idx) for idx in plans]
         seq_level = cfg.loss_agg.startswith("seq")
-        local = float(len(lengths)) if seq_level else float(sum(sum(m) for m in batch["loss_mask"]))
+        local = float(len(lengths)) if seq_level else float(sum(sum(m) for m in batch["loss_mask"])) if lengths else 0.0
         total = self._global_sum(local)
+        passes = microbatch_count(len(mbs), self.distributed)
         scale_world = self.world_size if self.distributed else 1
-        with torch.no_grad():  # the policy before this update: the PPO "old" policy
+        with torch.no_grad():  # the policy before this update: the PPO "old" policy (local forwards)
             for mb in mbs:
-                mb["old_logprobs"] = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"])
+                mb["old_logprobs"] = token_logprobs(self.module, mb["input_ids"], mb["attention_mask"])
         metrics: dict[str, float] = {}
         with torch.no_grad():  # how far the engine that sampled is from the trainer (should be ~0)
             num = sum(float(((mb["old_logprobs"] - mb["rollout_logprobs"]).abs() * mb["loss_mask"]).sum()) for mb in mbs)
             den = sum(float(mb["loss_mask"].sum()) for mb in mbs)
             metrics["rollout_abs_logprob_diff"] = num / max(den, 1.0) * len(mbs) * cfg.ppo_epochs
         n_metric = 0
+        grad_norms: list[float] = []
         for _ in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            for mb in mbs:
-                logp, entropy = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], with_entropy=True)
-                mask = mb["loss_mask"]
-                kwargs: dict[str, Any] = dict(cfg.loss_params)
-                if cfg.tis_cap is not None:
-                    kwargs["tis_cap"] = cfg.tis_cap
-                old, rollout = mb["old_logprobs"], mb["rollout_logprobs"]
-                if cfg.loss == "decoupled_ppo":
-                    loss, m = policy_loss(cfg.loss, logp, rollout, mb["advantages"], mask, prox_logprobs=old,
-                                          agg=cfg.loss_agg, **kwargs)
-                else:
-                    loss, m = policy_loss(cfg.loss, logp, old, mb["advantages"], mask, rollout_logprobs=rollout,
-                                          agg=cfg.loss_agg, **kwargs)
-                mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
-                m["entropy"] = float(mean_entropy.detach())
-                if cfg.entropy_coef > 0:  # an entropy bonus keeps exploring positions not yet solved
-                    loss = loss - cfg.entropy_coef * mean_entropy
-                if cfg.kl_coef > 0 and "ref_logprobs" in mb:
-                    kl = kl_penalty(logp, mb["ref_logprobs"], kind=cfg.kl_kind)
-                    mean_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
-                    m["kl_ref"] = float(mean_kl.detach())
-                    loss = loss + cfg.kl_coef * mean_kl
-                weight = (mb["input_ids"].shape[0] if seq_level else float(mask.sum())) / max(total, 1.0)
-                (loss * weight * scale_world).backward()
+            for i in range(passes):
+                with sync_grads_on_last(self.model, i, passes):
+                    if i >= len(mbs):  # this rank has fewer micro-batches than another: a zero pass
+                        zero_backward(lambda ids, att: self.model(input_ids=ids, attention_mask=att).logits,
+                                      self.device)
+                        continue
+                    mb = mbs[i]
+                    logp, entropy = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"],
+                                                   with_entropy=True)
+                    mask = mb["loss_mask"]
+                    kwargs: dict[str, Any] = dict(cfg.loss_params)
+                    if cfg.tis_cap is not None:
+                        kwargs["tis_cap"] = cfg.tis_cap
+                    old, rollout = mb["old_logprobs"], mb["rollout_logprobs"]
+                    if cfg.loss == "decoupled_ppo":
+                        loss, m = policy_loss(cfg.loss, logp, rollout, mb["advantages"], mask, prox_logprobs=old,
+                                              agg=cfg.loss_agg, **kwargs)
+                    else:
+                        loss, m = policy_loss(cfg.loss, logp, old, mb["advantages"], mask, rollout_logprobs=rollout,
+                                              agg=cfg.loss_agg, **kwargs)
+                    mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
+                    m["entropy"] = float(mean_entropy.detach())
+                    if cfg.entropy_coef > 0:  # an entropy bonus keeps exploring positions not yet solved
+                        loss = loss - cfg.entropy_coef * mean_entropy
+                    if cfg.kl_coef > 0 and "ref_logprobs" in mb:
+                        kl = kl_penalty(logp, mb["ref_logprobs"], kind=cfg.kl_kind)
+                        mean_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
+                        m["kl_ref"] = float(mean_kl.detach())
+                        loss = loss + cfg.kl_coef * mean_kl
+                    weight = (mb["input_ids"].shape[0] if seq_level else float(mask.sum())) / max(total, 1.0)
+                    (loss * weight * scale_world).backward()
                 for k, v in m.items():
                     metrics[k] = metrics.get(k, 0.0) + float(v)
                 n_metric += 1
             if cfg.grad_clip:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                metrics["grad_norm"] = metrics.get("grad_norm", 0.0) + float(grad_norm) * n_metric / cfg.ppo_epochs
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
             self.optimizer.step()
             self.scheduler.step()
         self.version += 1
+        if not lengths:
+            return None
         out = {k: v / max(n_metric, 1) for k, v in metrics.items()}
+        if grad_norms:  # the total gradient norm before clipping, mean over the PPO epochs
+            out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out.update({"tokens": local if not seq_level else float(sum(sum(m) for m in batch["loss_mask"])),
                     "rows": float(len(lengths)), "lr": self.scheduler.get_last_lr()[0],
                     "microbatches": float(len(plans))})
