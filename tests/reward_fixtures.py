@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import threading
 from typing import Any
 
@@ -24,6 +26,38 @@ def gated(trajectory: dict[str, Any]) -> float:
 
 def broken(trajectory: dict[str, Any]) -> float:
     raise ZeroDivisionError("the checker divided by zero")
+
+
+def process_id(trajectory: dict[str, Any]) -> float:
+    """The serving process's id as the score: tells which server process answered."""
+    return float(os.getpid())
+
+
+def start_reward_server(args: list[str], port: int, env: dict[str, str] | None = None,
+                        deadline_s: float = 60.0) -> subprocess.Popen:
+    """``rollart serve rewards ARGS --port PORT`` in its own session; returns once ``/healthz`` answers."""
+    import sys
+    import time
+
+    import httpx
+
+    cmd = [sys.executable, "-m", "rollart.cli", "serve", "rewards", *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        try:  # paces the readiness poll and notices a server that exited
+            proc.wait(timeout=0.05)
+        except subprocess.TimeoutExpired:
+            continue
+        raise RuntimeError(proc.stderr.read().decode())
+    proc.kill()
+    raise RuntimeError(f"reward server on port {port} did not start within {deadline_s} s")
 
 
 def free_port() -> int:

@@ -3,8 +3,6 @@
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -12,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reward_fixtures as rf
-from reward_fixtures import ThreadServer, free_port
+from reward_fixtures import ThreadServer, free_port, start_reward_server
 from rollart.cluster.serverless import RetryPolicy
 from rollart.reward.builtin import exact_match
 from rollart.reward.client import RewardClient, RewardFailed
@@ -124,26 +122,9 @@ def test_malformed_payloads_get_422_never_500():
 
 def test_server_killed_and_restarted_mid_stream_loses_no_reward(tmp_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "rollart.cli", "serve", "rewards", "rollart.reward.builtin:reverse",
-           "--port", str(port)]
-    env = dict(os.environ)
 
     def start():
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
-        deadline = 60
-        import time
-
-        end = time.monotonic() + deadline
-        while time.monotonic() < end:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    return proc
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stderr.read().decode())
-        raise RuntimeError("reward server did not start")
+        return start_reward_server(["rollart.reward.builtin:reverse"], port, dict(os.environ))
 
     proc = start()
     words = [f"{a}{b}{c}" for a in "abc" for b in "xyz" for c in "mno"]
@@ -186,3 +167,32 @@ def test_a_reward_past_the_timeout_is_504():
             assert r.status_code == 504 and "longer than 0.2s" in r.json()["detail"]
     finally:
         rf.GATE.set()
+
+
+def test_workers_serve_from_separate_processes_with_the_same_settings():
+    """``--workers 2``: two uvicorn worker processes, each rebuilt with the functions and settings given
+    on the command line (the bearer token included), and every request answered by one of them."""
+    port = free_port()
+    env = dict(os.environ, REWARD_TOKEN="s3cret",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    proc = start_reward_server(["pid=reward_fixtures:process_id", "reverse=rollart.reward.builtin:reverse",
+                                "--workers", "2", "--token-env", "REWARD_TOKEN"], port, env)
+    try:
+        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+        workers = {int(c) for c in children
+                   if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()}
+        assert len(workers) == 2
+        url = f"http://127.0.0.1:{port}/rewards"
+        assert httpx.post(f"{url}/pid", json=TRAJ).status_code == 401  # the token reached the workers
+        auth = {"Authorization": "Bearer s3cret"}
+        for _ in range(8):  # a fresh connection each time: any worker may accept it
+            r = httpx.post(f"{url}/pid", json=TRAJ, headers=auth)
+            assert r.status_code == 200
+            assert {int(s) for s in r.json()["result"]} <= workers
+        trajs = [{"response": "cba", "ground_truth": "cba"}, {"response": "abc", "ground_truth": "cba"}]
+        r = httpx.post(f"{url}/reverse", json={"trajectories": trajs}, headers=auth)
+        assert r.json()["result"] == pytest.approx([rf_reverse(t) for t in trajs])
+        assert r.json()["result"][0] == 1.0
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
