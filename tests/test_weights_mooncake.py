@@ -84,6 +84,13 @@ def test_versions_cross_processes_and_only_the_newest_are_kept(ray_local, master
     assert ray.get([r.latest.remote(channel) for r in readers]) == [2, 2]
     assert all(same(got, sample_state(2)) for got in ray.get([r.fetch.remote(channel, 2) for r in readers]))
     assert same(ray.get(readers[0].fetch.remote(channel, 1)), sample_state(1))
+    # every remote call hands the publisher a fresh copy of the channel: retention must still hold
+    for step in (3, 4, 5):
+        ray.get(pub.publish.remote(channel, step, False))
+    quick = MooncakeChannel("cross", master.address, timeout_s=0.5)
+    with pytest.raises(TimeoutError, match="version 3 was not published"):  # never read: removed at once
+        quick.fetch(3)
+    assert same(quick.fetch(5), sample_state(5))
 
 
 def test_only_the_newest_versions_stay_in_the_store(master):
@@ -96,6 +103,14 @@ def test_only_the_newest_versions_stay_in_the_store(master):
     for gone in (0, 1):  # nobody read them, so no lease holds them: removed at once
         with pytest.raises(TimeoutError, match=f"version {gone} was not published"):
             channel.fetch(gone)
+    # a restarted trainer (a new channel object) republishes version 3 from its checkpoint, then goes on
+    restarted = MooncakeChannel("keep", master.address, keep=2, chunk_mb=1, segment_mb=32, timeout_s=0.5)
+    restarted.publish(sample_state(7), 3)
+    assert same(restarted.fetch(3), sample_state(7))
+    restarted.publish(sample_state(4), 4)
+    assert same(restarted.fetch(4), sample_state(4)) and same(restarted.fetch(3), sample_state(7))
+    with pytest.raises(TimeoutError, match="version 2 was not published"):
+        restarted.fetch(2)
 
 
 async def test_a_torn_snapshot_is_refused_and_the_engine_keeps_serving_its_version(ray_local, make_rm, master):

@@ -8,12 +8,18 @@ Invariants:
 - weights change only between steps and only with no request in the engine, so every token of one
   engine segment comes from one weight version (an update preempts in-flight requests first);
 - a suspended worker answers in-flight requests with their partial tokens (``preempted=True``) and
-  holds new ones until ``resume``.
+  holds new ones until ``resume``;
+- a request answered before its ADD reached the engine (an UPDATE or ABORT that was queued ahead of it
+  preempted it) never enters the engine: its caller already has the answer and may send the same id
+  again;
+- a request the engine refuses fails its own caller; the loop goes on. Should the loop itself stop on
+  an error, every waiting caller gets that error and later calls raise it: nothing waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +47,8 @@ class InferenceWorker(ra.Worker):
         self.engine = build_engine(engine or EngineConfig())
         self._commands: asyncio.Queue | None = None
         self._loop_task: asyncio.Task | None = None
+        self._loop_error: BaseException | None = None
+        self._current: tuple | None = None  # the command being applied
         self._pending: dict[str, _Pending] = {}
         self._resumed: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
@@ -54,13 +62,37 @@ class InferenceWorker(ra.Worker):
             self._resumed = asyncio.Event()
             self._resumed.set()
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
+            self._loop_task.add_done_callback(self._loop_stopped)
+        elif self._loop_task.done():
+            raise RuntimeError(f"the inference loop of rank {self.rank} ({self.hardware}) stopped: "
+                               f"{self._loop_error!r}; restart this worker") from self._loop_error
+
+    def _loop_stopped(self, task: asyncio.Task) -> None:
+        """The loop ended (it never returns on its own): fail every caller still waiting on it."""
+        if task.cancelled():  # the actor is shutting down
+            self._loop_error = asyncio.CancelledError("the inference loop was cancelled")
+        else:
+            err = task.exception()
+            self._loop_error = err or RuntimeError("the inference loop returned")
+            self.logger.error("inference loop stopped: %r", self._loop_error, exc_info=err)
+        for rid in list(self._pending):
+            self._fail(rid, self._loop_error)
+        waiting = [self._current] if self._current is not None else []
+        while self._commands is not None and not self._commands.empty():
+            waiting.append(self._commands.get_nowait())
+        for cmd in waiting:  # abort / update commands answer through their last item, a future
+            done = cmd[-1]
+            if isinstance(done, asyncio.Future) and not done.done():
+                done.set_exception(self._loop_error)
 
     async def _run(self) -> None:
         assert self._commands is not None
         loop = asyncio.get_running_loop()
         while True:
             while not self._commands.empty():
-                await self._apply(self._commands.get_nowait())
+                self._current = self._commands.get_nowait()
+                await self._apply(self._current)
+                self._current = None
             if self.engine.has_unfinished():
                 t0 = time.monotonic()
                 try:
@@ -69,22 +101,31 @@ class InferenceWorker(ra.Worker):
                     self.logger.exception("engine step failed")
                     for rid in list(self._pending):
                         self._fail(rid, err)
+                        with contextlib.suppress(Exception):  # nothing of a failed step stays in the engine
+                            self.engine.abort(rid)
                     continue
                 self.stats["steps"] += 1
                 self.stats["step_time_s"] += time.monotonic() - t0
                 for out in finished:
                     self._finish(out, preempted=False)
             else:
-                await self._apply(await self._commands.get())
+                self._current = await self._commands.get()
+                await self._apply(self._current)
+                self._current = None
 
     async def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
             _, pending = cmd
             req = pending.request
-            self.engine.add_request(EngineRequest(request_id=req.request_id,
-                                                  prompt_token_ids=list(req.prompt_token_ids),
-                                                  params=req.sampling))
+            if self._pending.get(req.request_id) is not pending or pending.future.done():
+                return  # answered (preempted or aborted) before it reached the engine
+            try:
+                self.engine.add_request(EngineRequest(request_id=req.request_id,
+                                                      prompt_token_ids=list(req.prompt_token_ids),
+                                                      params=req.sampling))
+            except Exception as err:  # the engine refuses this request: its caller gets the error
+                self._fail(req.request_id, err)
         elif kind == "abort":
             _, rids, preempt, done = cmd
             n = 0

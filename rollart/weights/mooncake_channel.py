@@ -134,8 +134,6 @@ class MooncakeChannel:
         self.buffer_mb = buffer_mb
         self.timeout_s = timeout_s
         self._executor: ThreadPoolExecutor | None = None
-        self._published: list[tuple[int, int]] = []
-        self._doomed: list[tuple[int, int]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -164,11 +162,18 @@ class MooncakeChannel:
         view = flat.numpy()
         n_chunks = max(1, -(-len(view) // self.chunk_bytes))
         base = f"{self.prefix}/v{version}"
+        # a version left by a predecessor (a trainer restarted from a checkpoint) is overwritten: its
+        # manifest first goes, so no reader pairs it with the new chunks (the checksum would refuse that)
+        store = self._store()
+        again = store.is_exist(f"{base}/manifest") == 1
+        if again:
+            store.remove(f"{base}/manifest")  # refused while a reader holds a lease; the upsert below still lands
         for i in range(n_chunks):
-            self._put(f"{base}/chunk{i}", memoryview(view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]))
+            self._put(f"{base}/chunk{i}", memoryview(view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]),
+                      upsert=again)
         manifest = {"version": version, "checksum": checksum, "chunks": n_chunks, "nbytes": len(view),
                     "tensors": layout}
-        self._put(f"{base}/manifest", json.dumps(manifest).encode())
+        self._put(f"{base}/manifest", json.dumps(manifest).encode(), upsert=again)
         self._put(f"{self.prefix}/latest", str(version).encode(), upsert=True)
         self._drop_old_versions(version, n_chunks)
         logger.debug("published %s v%d: %d bytes in %d chunks", self.name, version, len(view), n_chunks)
@@ -183,19 +188,29 @@ class MooncakeChannel:
         return self._executor.submit(self.publish, snapshot, version)
 
     def _drop_old_versions(self, version: int, n_chunks: int) -> None:
-        """Remove versions beyond the newest ``keep``; a key still leased to a reader is retried later."""
-        self._published.append((version, n_chunks))
-        while len(self._published) > self.keep:
-            self._doomed.append(self._published.pop(0))
+        """Remove versions beyond the newest ``keep``; a key still leased to a reader is retried later.
+
+        The list of published and still-to-remove versions lives in the store (``<prefix>/index``),
+        not in this object: a channel reaches its publisher as a fresh copy in every remote call, and
+        a restarted trainer finds what its predecessor left behind."""
         store = self._store()
-        still = []
-        for v, chunks in self._doomed:
-            base = f"{self.prefix}/v{v}"
-            keys = [f"{base}/manifest"] + [f"{base}/chunk{i}" for i in range(chunks)]
-            codes = [store.remove(k) for k in keys]
-            if any(c != 0 and store.is_exist(k) == 1 for c, k in zip(codes, keys)):
-                still.append((v, chunks))
-        self._doomed = still
+        raw = store.get(f"{self.prefix}/index")
+        index = json.loads(raw) if raw else {"published": [], "doomed": []}
+        # publish order, not version order: a trainer restarted from an older checkpoint publishes
+        # lower numbers than the versions its predecessor left, and those are the ones to drop
+        published = [p for p in index["published"] if p[0] != version] + [[version, n_chunks]]
+        doomed = [d for d in index["doomed"] if d[0] != version] + published[:-self.keep]
+        published = published[-self.keep:]
+        still = [[v, chunks] for v, chunks in doomed if not self._remove_version(store, v, chunks)]
+        self._put(f"{self.prefix}/index", json.dumps({"published": published, "doomed": still}).encode(),
+                  upsert=True)
+
+    def _remove_version(self, store: Any, version: int, chunks: int) -> bool:
+        """Remove a version's manifest, then its chunks; False while a reader's lease still holds one."""
+        base = f"{self.prefix}/v{version}"
+        keys = [f"{base}/manifest"] + [f"{base}/chunk{i}" for i in range(chunks)]
+        codes = [store.remove(k) for k in keys]
+        return not any(c != 0 and store.is_exist(k) == 1 for c, k in zip(codes, keys))
 
     # ------------------------------------------------------------------ readers
     def latest(self) -> int | None:
