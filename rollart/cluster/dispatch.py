@@ -40,19 +40,26 @@ def plan_calls(spec: RegisterSpec, method: str, world_size: int, args: tuple, kw
             (tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world_size)
         ]
     if mode is Dispatch.DP_SPLIT:
-        split_args = [a.split(world_size) if isinstance(a, Batch) else None for a in args]
-        split_kwargs = {k: v.split(world_size) for k, v in kwargs.items() if isinstance(v, Batch)}
-        if not any(s is not None for s in split_args) and not split_kwargs:
-            raise TypeError(f"{method} uses DP_SPLIT but got no ra.Batch argument to split")
-        plan: list[RankCall] = []
-        for r in range(world_size):
-            rank_args = tuple(s[r] if s is not None else a for s, a in zip(split_args, args))
-            rank_kwargs = {k: (split_kwargs[k][r] if k in split_kwargs else v) for k, v in kwargs.items()}
-            sizes = [len(x) for x in (*rank_args, *rank_kwargs.values()) if isinstance(x, Batch)]
-            # a rank whose chunks are all empty does not run: no padding rows, no empty calls
-            plan.append((rank_args, rank_kwargs) if any(sizes) else None)
-        return plan
+        return split_batches(method, world_size, args, kwargs)
     raise ValueError(f"{method}: unsupported dispatch mode {mode!r}")
+
+
+def split_batches(method: str, world_size: int, args: tuple, kwargs: dict, *,
+                  call_empty: bool = False) -> list[RankCall]:
+    """``DP_SPLIT``: every ``Batch`` argument split into ``world_size`` contiguous chunks, the other
+    arguments broadcast. A rank whose chunks are all empty does not run (no padding rows, no empty
+    calls) unless ``call_empty`` — for methods every rank must join (collectives)."""
+    split_args = [a.split(world_size) if isinstance(a, Batch) else None for a in args]
+    split_kwargs = {k: v.split(world_size) for k, v in kwargs.items() if isinstance(v, Batch)}
+    if not any(s is not None for s in split_args) and not split_kwargs:
+        raise TypeError(f"{method} uses DP_SPLIT but got no ra.Batch argument to split")
+    plan: list[RankCall] = []
+    for r in range(world_size):
+        rank_args = tuple(s[r] if s is not None else a for s, a in zip(split_args, args))
+        rank_kwargs = {k: (split_kwargs[k][r] if k in split_kwargs else v) for k, v in kwargs.items()}
+        sizes = [len(x) for x in (*rank_args, *rank_kwargs.values()) if isinstance(x, Batch)]
+        plan.append((rank_args, rank_kwargs) if call_empty or any(sizes) else None)
+    return plan
 
 
 def _check_scatter(method: str, what: str, value: Any, world_size: int) -> None:

@@ -195,12 +195,11 @@ class CriticWorker(ra.Worker):
             # sums over the action tokens: loss, clipped, n, R, R^2, R-V, (R-V)^2
             acc = [0.0] * 7
             for i in range(passes):
-                if i >= len(mbs):  # fewer micro-batches than another rank: a zero pass (see placement)
-                    with sync_grads_on_last(self.model, i, passes):
-                        zero_backward(self.value, self.device)
-                    continue
-                mb = mbs[i]
                 with sync_grads_on_last(self.model, i, passes):
+                    if i >= len(mbs):  # fewer micro-batches than another rank: a zero pass (see placement)
+                        zero_backward(self.value, self.device)
+                        continue
+                    mb = mbs[i]
                     values = self.value(mb["input_ids"], mb["attention_mask"])
                     mask, old, ret = mb["loss_mask"], mb["old_values"], mb["returns"]
                     n = float(mask.sum())

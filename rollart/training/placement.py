@@ -17,6 +17,8 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
+from rollart.cluster.dispatch import RankCall, concat_results, split_batches
+
 
 def model_path(path: str | None) -> str:
     """``path``, or the built-in tiny model (built offline on first use) when it is None."""
@@ -53,9 +55,10 @@ def wrap_ddp(module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParall
 
 
 def microbatch_count(local: int, distributed: bool) -> int:
-    """The largest micro-batch count over the ranks (at least 1): every rank runs that many passes."""
+    """The largest micro-batch count over the ranks (at least 1): every rank runs that many passes.
+    A single process runs just its own."""
     if not distributed:
-        return max(local, 1)
+        return local
     t = torch.tensor([max(local, 1)], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
@@ -76,24 +79,10 @@ def zero_backward(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     (forward(ids, torch.ones_like(ids)).sum() * 0.0).backward()
 
 
-def _split_every_rank(world_size: int, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
-    from rollart.cluster.batch import Batch
-
-    split_args = [a.split(world_size) if isinstance(a, Batch) else None for a in args]
-    split_kwargs = {k: v.split(world_size) for k, v in kwargs.items() if isinstance(v, Batch)}
-    if not any(s is not None for s in split_args) and not split_kwargs:
-        raise TypeError("DP_SPLIT_EVERY_RANK needs an ra.Batch argument to split")
-    return [(tuple(s[r] if s is not None else a for s, a in zip(split_args, args)),
-             {k: (split_kwargs[k][r] if k in split_kwargs else v) for k, v in kwargs.items()})
-            for r in range(world_size)]
+def _split_every_rank(world_size: int, args: tuple, kwargs: dict) -> list[RankCall]:
+    return split_batches("a DP_SPLIT_EVERY_RANK method", world_size, args, kwargs, call_empty=True)
 
 
-def _collect(results: list[Any]) -> Any:
-    from rollart.cluster.dispatch import concat_results
-
-    return concat_results(results)
-
-
-DP_SPLIT_EVERY_RANK = (_split_every_rank, _collect)
+DP_SPLIT_EVERY_RANK = (_split_every_rank, concat_results)
 """``DP_SPLIT`` for collective methods: every rank is called, an empty share included (plain DP_SPLIT
 skips it); the results of the ranks that return something are concatenated in rank order."""
