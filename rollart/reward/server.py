@@ -7,6 +7,13 @@ A reward function that raises gives a 500 carrying its message — never a made-
 ``Idempotency-Key`` (per tenant and function) is answered from a bounded cache without recomputing or
 counting twice. ``/metrics`` is Prometheus text (requests, latency, in flight, per tenant);
 ``/healthz`` lists the functions. JSON only, never pickle.
+
+The token is checked by FastAPI's ``HTTPBearer`` (so ``/openapi.json`` declares the scheme) before the
+body is validated: an unauthenticated caller learns nothing about the schema. The tenant label
+(``X-Rollart-Tenant``) must match ``[A-Za-z0-9][A-Za-z0-9._:-]{0,63}`` (else 422); the first
+``max_tenants`` distinct tenants keep their own label in ``/metrics``, later ones are counted as
+``other`` (and unauthenticated requests as ``unauthenticated``), so a client cannot grow the metrics
+without bound. A reward function that raises ``RewardInputError`` answers 422 with its message.
 """
 
 from __future__ import annotations
@@ -16,16 +23,28 @@ import hmac
 import inspect
 import logging
 import os
+import re
+import threading
 import time
 from collections import OrderedDict
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollart.reward.errors import RewardInputError
 from rollart.reward.schemas import RewardRequest, RewardResponse
 
 log = logging.getLogger(__name__)
@@ -42,6 +61,37 @@ class ServerSettings(BaseModel):
     max_concurrency: int = Field(default=64, gt=0)
     idempotency_cache: int = Field(default=10_000, ge=0)
     retry_after_s: int = Field(default=1, ge=0)
+    max_tenants: int = Field(default=100, ge=0)
+
+
+TENANT_FORMAT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+
+class TenantLabels:
+    """Bounded Prometheus label values for tenants: the first ``limit`` distinct tenants keep their name,
+    the rest share ``other``. Thread-safe (one instance per app)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._known: set[str] = set()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def valid(tenant: str) -> bool:
+        return TENANT_FORMAT.fullmatch(tenant) is not None
+
+    def label(self, tenant: str | None) -> str:
+        if tenant is None:
+            return "default"
+        if not self.valid(tenant):
+            return "invalid"
+        with self._lock:
+            if tenant in self._known:
+                return tenant
+            if len(self._known) < self.limit:
+                self._known.add(tenant)
+                return tenant
+        return "other"
 
 
 class BodyLimit:
@@ -112,6 +162,7 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
     latency = Histogram("rollart_reward_latency_seconds", "reward request latency", ["function"], registry=registry)
     in_flight = Gauge("rollart_reward_in_flight", "reward requests being computed", registry=registry)
     state = {"in_flight": 0}
+    tenants = TenantLabels(settings.max_tenants)
     cache: OrderedDict[tuple[str, str, str], dict[str, Any]] = OrderedDict()
 
     app = FastAPI(title="rollart reward service", version="1")
@@ -131,39 +182,44 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     def count(name: str, status: int, tenant: str) -> None:
-        requests.labels(function=name, status=str(status), tenant=tenant).inc()
+        # label values are bounded: served function names only, tenants through TenantLabels
+        requests.labels(function=name if name in functions else "unknown", status=str(status), tenant=tenant).inc()
 
     async def call(fn: RewardFn, traj: dict[str, Any]) -> Any:
         if inspect.iscoroutinefunction(fn):
             return await fn(traj)
         return await asyncio.get_running_loop().run_in_executor(None, fn, traj)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable) -> Any:
-        # before the body is parsed: an unauthenticated caller learns nothing about the schema
-        if token is not None and request.url.path.startswith("/rewards/"):
-            header = request.headers.get("authorization") or ""
-            given = header.removeprefix("Bearer ").encode()
-            if not header.startswith("Bearer ") or not hmac.compare_digest(given, token.encode()):
-                tenant = request.headers.get("x-rollart-tenant") or "default"
-                count(request.url.path.removeprefix("/rewards/"), 401, tenant)
-                return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    bearer = HTTPBearer(auto_error=False, description="the token of `--token-env` (when the server has one)")
 
-    @app.post("/rewards/{name}", response_model=RewardResponse)
+    async def authenticate(request: Request,
+                           credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        # a dependency runs before the body is validated: an unauthenticated caller learns nothing about the schema
+        if token is None:
+            return
+        given = credentials.credentials.encode() if credentials is not None else b""
+        if credentials is None or not hmac.compare_digest(given, token.encode()):
+            count(request.path_params.get("name", ""), 401, "unauthenticated")
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.post("/rewards/{name}", response_model=RewardResponse,
+              dependencies=[Depends(authenticate)] if token is not None else [])
     async def score(
         name: str,
         body: RewardRequest,
-        x_rollart_tenant: str | None = Header(default=None),
+        x_rollart_tenant: str | None = Header(default=None, description="tenant (job id) for metering"),
         idempotency_key: str | None = Header(default=None),
     ) -> Any:
-        tenant = x_rollart_tenant or "default"
+        if x_rollart_tenant is not None and not TenantLabels.valid(x_rollart_tenant):
+            count(name, 422, "invalid")
+            raise HTTPException(422, f"X-Rollart-Tenant {x_rollart_tenant[:80]!r}: use 1-64 characters from "
+                                     "[A-Za-z0-9._:-], starting with a letter or digit")
+        tenant = tenants.label(x_rollart_tenant)
         fn = functions.get(name)
         if fn is None:
             count(name, 404, tenant)
             raise HTTPException(404, f"no reward function {name!r}; served: {sorted(functions)}")
-        key = (tenant, name, idempotency_key) if idempotency_key else None
+        key = (x_rollart_tenant or "", name, idempotency_key) if idempotency_key else None
         if key is not None and key in cache:
             count(name, 200, tenant)
             return cache[key]
@@ -179,7 +235,10 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             try:
                 values = await asyncio.wait_for(asyncio.gather(*(call(fn, t) for t in trajs)), settings.timeout_s)
                 pairs = [_score_of(v) for v in values]
-            except asyncio.TimeoutError:
+            except RewardInputError as err:  # the caller asked for something the server refuses
+                count(name, 422, tenant)
+                raise HTTPException(422, f"reward function {name!r} refused the input: {err}") from None
+            except TimeoutError:
                 count(name, 504, tenant)
                 raise HTTPException(504, f"reward function {name!r} took longer than {settings.timeout_s}s") from None
             except Exception as err:  # noqa: BLE001 — the function's own error, reported, never a score

@@ -1,4 +1,11 @@
-"""An LLM judge over any OpenAI-compatible ``/v1/chat/completions`` endpoint."""
+"""An LLM judge over any OpenAI-compatible ``/v1/chat/completions`` endpoint.
+
+The judge's address and token come from the server's configuration only (``rollart serve rewards
+--judge-url URL``, or ``$ROLLART_JUDGE_URL`` in the server's environment; ``$ROLLART_JUDGE_TOKEN``).
+A trajectory that names a judge URL itself (``metadata.judge_url``) is refused with 422 rather than
+ignored: otherwise anyone who may post a trajectory could make the server send its judge token to an
+address of their choosing, and a caller who expected its own judge would be scored silently by another.
+"""
 
 from __future__ import annotations
 
@@ -8,27 +15,35 @@ from typing import Any
 
 import httpx
 
+from rollart.reward.errors import RewardInputError
+
 PROMPT = ("Rate how well the response answers the prompt against the reference, from 0 to 10.\n"
           "Prompt: {prompt}\nReference: {ground_truth}\nResponse: {response}\nAnswer with 'Score: N'.")
 _SCORE = re.compile(r"score\s*[:=]\s*(\d+(?:\.\d+)?)", re.IGNORECASE)
+URL_ENV, TOKEN_ENV, MODEL_ENV = "ROLLART_JUDGE_URL", "ROLLART_JUDGE_TOKEN", "ROLLART_JUDGE_MODEL"
 
 
 def llm_judge(trajectory: dict[str, Any]) -> dict[str, Any]:
-    """Asks the model at ``$ROLLART_JUDGE_URL`` (``metadata.judge_url`` overrides; model
-    ``$ROLLART_JUDGE_MODEL``, bearer ``$ROLLART_JUDGE_TOKEN``) for a 0–10 score, returned scaled to
+    """Asks the model at ``$ROLLART_JUDGE_URL`` (model ``$ROLLART_JUDGE_MODEL``, or
+    ``metadata.judge_model``; bearer ``$ROLLART_JUDGE_TOKEN``) for a 0–10 score, returned scaled to
     [0, 1]. An unreachable judge or an answer without a score raises — never a default score."""
     meta = trajectory.get("metadata") or {}
-    url = meta.get("judge_url") or os.environ.get("ROLLART_JUDGE_URL")
+    if "judge_url" in meta:
+        raise RewardInputError("metadata.judge_url is not accepted: the judge URL is set by the reward server "
+                               f"(rollart serve rewards --judge-url, or ${URL_ENV}); drop the field")
+    url = os.environ.get(URL_ENV)
     if not url:
-        raise ValueError("llm_judge needs ROLLART_JUDGE_URL (an OpenAI-compatible base URL) or metadata.judge_url")
+        raise ValueError(f"llm_judge needs the server's judge URL: start it with --judge-url URL or set ${URL_ENV} "
+                         "(an OpenAI-compatible base URL)")
     headers = {}
-    if os.environ.get("ROLLART_JUDGE_TOKEN"):
-        headers["Authorization"] = f"Bearer {os.environ['ROLLART_JUDGE_TOKEN']}"
-    body = {"model": meta.get("judge_model") or os.environ.get("ROLLART_JUDGE_MODEL", "judge"),
+    if os.environ.get(TOKEN_ENV):
+        headers["Authorization"] = f"Bearer {os.environ[TOKEN_ENV]}"
+    body = {"model": meta.get("judge_model") or os.environ.get(MODEL_ENV, "judge"),
             "messages": [{"role": "user", "content": PROMPT.format(**{k: trajectory.get(k) for k in
                                                                        ("prompt", "ground_truth", "response")})}],
             "temperature": 0.0}
-    resp = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    resp = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers, timeout=60,
+                      follow_redirects=False)
     resp.raise_for_status()
     text = resp.json()["choices"][0]["message"]["content"]
     m = _SCORE.search(text)
