@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 
 class AgenticPipeline:
     def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
-        from envs import EnvSpec, make_env
         from transformers import AutoTokenizer
+
+        from envs import EnvSpec, make_env
 
         self.config = config
         self.out_dir = config.out_dir
@@ -185,27 +186,12 @@ class AgenticPipeline:
     def checkpoint_path(self) -> Path:
         return self.out_dir / "checkpoint" / "last.pt"
 
-    def _scheduler_state(self) -> dict[str, Any]:
-        s = self.scheduler
-        # rounds in the buffer were generated but not trained on: they are generated again after a resume
-        retry = {g: list(q) for g, q in s._retry.items()}
-        for grp in list(s.buffer._groups):
-            g, r = (int(x) for x in grp[0].group_id.split(":"))
-            retry.setdefault(g, []).insert(0, r)
-        for g, rnd in s.running.items():
-            retry.setdefault(g, []).insert(0, rnd.index)
-        return {"next_round": list(s._next_round), "retry": retry, "counts": dict(s.counts)}
-
     def _resume(self) -> None:
         if not self.checkpoint_path.exists():
             raise FileNotFoundError(f"--resume: no checkpoint at {self.checkpoint_path}; run without --resume first")
         state = self.train.load_checkpoint(str(self.checkpoint_path))[0]
         extra = state["extra"]
-        sched = extra["scheduler"]
-        self.scheduler._next_round = list(sched["next_round"])
-        for g, rounds in sched["retry"].items():
-            self.scheduler._retry[int(g)].extend(sorted(set(rounds)))
-        self.scheduler.counts.update(sched["counts"])
+        self.scheduler.load_state_dict(extra["scheduler"])
         self.start_step = int(extra["step"]) + 1
         self.consumed_before = extra.get("consumed", [])
         version = asyncio.run(self._push_resumed_weights())
@@ -249,7 +235,7 @@ class AgenticPipeline:
                     bar.update(1)
                     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=version)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                    extra = {"step": step, "scheduler": self._scheduler_state(), "consumed": consumed}
+                    extra = {"step": step, "scheduler": self.scheduler.state_dict(), "consumed": consumed}
                     await self.train.save_checkpoint(str(self.checkpoint_path), extra, blocking=False)
         finally:
             if bar is not None:

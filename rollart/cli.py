@@ -14,11 +14,9 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from rich.console import Console
-from rich.table import Table
-
 import rollart
 
+log = logging.getLogger(__name__)
 # bench name -> module with add_arguments(parser) and run(args) -> dict
 BENCHES: dict[str, str] = {
     "reward-service": "benchmarks.reward_service",
@@ -46,6 +44,9 @@ def _pid_alive(pid: int | None) -> bool:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Print jobs, pools, worker bindings and endpoints from the metadata store."""
+    from rich.console import Console
+    from rich.table import Table
+
     from rollart.resource_manager.store import MetadataStore
 
     store = MetadataStore(args.store)
@@ -98,14 +99,43 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(sub: Any) -> None:
+def _module_summary(module: str) -> str | None:
+    """The first docstring line of ``module``, read from its source without importing it."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except ImportError:
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read()))
+    return doc.strip().splitlines()[0] if doc else None
+
+
+def _selected_bench(argv: Sequence[str]) -> str | None:
+    """The bench named on the command line (``rollart [-v] bench NAME ...``), if any."""
+    args = [a for a in argv if not a.startswith("-")]
+    return args[1] if len(args) >= 2 and args[0] == "bench" else None
+
+
+def _add_bench(sub: Any, argv: Sequence[str]) -> None:
+    """One sub-parser per bench; only the bench that runs is imported (benches import torch and Ray)."""
     bench = sub.add_parser("bench", help="benchmarks that reproduce the seed figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
+    wanted = _selected_bench(argv)
+    describe = "bench" in argv  # per-bench help only where it can be shown
     for name, module in BENCHES.items():
+        if name != wanted:
+            bench_sub.add_parser(name, help=_module_summary(module) if describe else None)
+            continue
         try:
             mod = importlib.import_module(module)
-        except ImportError:
-            continue  # benches of parts that are not installed
+        except ImportError as err:
+            log.error("rollart bench %s needs %s, which failed to import: %s", name, module, err)
+            raise SystemExit(2) from None
         p = bench_sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None)
         mod.add_arguments(p)
         if not any(a.dest == "json" for a in p._actions):
@@ -120,7 +150,9 @@ def _optional(module: str, attr: str) -> Callable[[Any], None] | None:
         return None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``rollart`` parser. Subcommand modules are imported when they run; of the benches only the
+    one named in ``argv`` is imported."""
     parser = argparse.ArgumentParser(prog="rollart", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"rollart {rollart.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -136,12 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         add = _optional(module, attr)
         if add is not None:
             add(sub)
-    _add_bench(sub)
+    _add_bench(sub, list(sys.argv[1:] if argv is None else argv))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

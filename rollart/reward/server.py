@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -193,7 +193,7 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
     bearer = HTTPBearer(auto_error=False, description="the token of `--token-env` (when the server has one)")
 
     async def authenticate(request: Request,
-                           credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+                           credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
         # a dependency runs before the body is validated: an unauthenticated caller learns nothing about the schema
         if token is None:
             return

@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Callable
+from collections.abc import Callable, Iterable
 
-from rollart.rollout.types import Trajectory
+from rollart.rollout.types import GroupId, Trajectory
 
-Group = list[Trajectory]
+
+class Group(list[Trajectory]):
+    """The kept trajectories of one round (a list), with the round's typed id ``gid``."""
+
+    def __init__(self, trajectories: Iterable[Trajectory], gid: GroupId):
+        super().__init__(trajectories)
+        self.gid = gid
+
+    def __reduce__(self) -> tuple:  # pickles (Ray) as the list and its id
+        return (Group, (list(self), self.gid))
 
 
 class SampleBuffer:
@@ -27,6 +36,10 @@ class SampleBuffer:
 
     def __len__(self) -> int:
         return len(self._groups)
+
+    def groups(self) -> list[Group]:
+        """The groups waiting to be trained on (a copy), oldest first."""
+        return list(self._groups)
 
     @staticmethod
     def start_version(group: Group) -> int:

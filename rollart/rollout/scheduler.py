@@ -21,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, deque
-from typing import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from rollart.rollout.env_manager import EnvManager
 from rollart.rollout.sample_buffer import Group, SampleBuffer
-from rollart.rollout.types import Trajectory
+from rollart.rollout.types import GroupId, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +132,9 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ rounds
     def _requeue_group(self, group: Group) -> None:
-        g, r = (int(x) for x in group[0].group_id.split(":"))
         self.accepted -= 1
         self.counts["groups_evicted_stale"] += 1
-        self._retry[g].appendleft(r)
+        self._retry[group.gid.env_group].appendleft(group.gid.round)
 
     async def _group_loop(self, g: int) -> None:
         while not self._stopping:
@@ -159,7 +159,7 @@ class RolloutScheduler:
             else:
                 self.accepted += 1
                 self.counts["groups_accepted"] += 1
-                await self.buffer.put(kept)
+                await self.buffer.put(Group(kept, GroupId(g, r)))
             await self._notify()
 
     def _take_round(self, g: int) -> int:
@@ -169,7 +169,7 @@ class RolloutScheduler:
 
     async def _run_round(self, rnd: _Round) -> list[Trajectory] | None:
         members = self.groups[rnd.group]
-        gid = f"{rnd.group}:{rnd.index}"
+        gid = str(GroupId(rnd.group, rnd.index))
         tasks = {asyncio.ensure_future(m.run(rnd.seed, gid, f"{gid}:{i}:v{rnd.start_version}")): m
                  for i, m in enumerate(members)}
         kept: list[Trajectory] = []
@@ -213,6 +213,36 @@ class RolloutScheduler:
         for rnd in victims:
             rnd.aborted = True
         await asyncio.gather(*(m.abort() for rnd in victims for m in self.groups[rnd.group]))
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed scheduler needs to play the same rounds next: the next new round of every
+        group, and the rounds to replay first — queued retries, then the rounds generated but not yet
+        handed to the trainer (in the buffer) and the running ones (both are generated again). Plain
+        ints, lists and dicts (loadable by ``torch.load(weights_only=True)`` and JSON)."""
+        retry: dict[int, list[int]] = {g: list(q) for g, q in self._retry.items()}
+        for grp in list(self.buffer.groups()):
+            retry[grp.gid.env_group].insert(0, grp.gid.round)
+        for g, rnd in self.running.items():
+            retry[g].insert(0, rnd.index)
+        return {"num_env_groups": self.config.num_env_groups, "next_round": list(self._next_round),
+                "retry": {g: sorted(set(rounds)) for g, rounds in retry.items() if rounds},
+                "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` into a scheduler that has not started."""
+        if self._tasks:
+            raise RuntimeError("RolloutScheduler.load_state_dict: call it before start()")
+        n = self.config.num_env_groups
+        saved = int(state.get("num_env_groups", len(state["next_round"])))
+        if saved != n or len(state["next_round"]) != n:
+            raise ValueError(f"scheduler checkpoint has {saved} env groups but rollout.num_env_groups={n}: resume "
+                             "with the configuration the checkpoint was written with")
+        self._next_round = [int(r) for r in state["next_round"]]
+        self._retry = {g: deque() for g in range(n)}
+        for g, rounds in state["retry"].items():  # JSON turns the int keys into strings
+            self._retry[int(g)].extend(sorted({int(r) for r in rounds}))
+        self.counts = Counter({str(k): int(v) for k, v in state["counts"].items()})
 
     # ------------------------------------------------------------------ controller side
     async def get_batch(self) -> list[Group]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,6 +49,17 @@ class GenerateOutput(BaseModel):
 
 
 TrajectoryStatus = Literal["ok", "failed", "aborted", "reward_failed"]
+
+
+class GroupId(NamedTuple):
+    """One round of one env group: group ``env_group`` playing its ``round``-th seed. ``str()`` gives
+    ``"g:r"``, the form stored in ``Trajectory.group_id`` and shown in logs and metrics."""
+
+    env_group: int
+    round: int
+
+    def __str__(self) -> str:
+        return f"{self.env_group}:{self.round}"
 
 
 class Trajectory(BaseModel):

@@ -10,8 +10,6 @@ micro-batches and ranks equals the aggregation over the whole batch: for ``token
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -19,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import rollart as ra
+from rollart.training.checkpoint_io import load_checkpoint_file, save_checkpoint_file
 from rollart.training.config import TrainConfig
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
@@ -221,17 +220,13 @@ class TorchTrainWorker(ra.Worker):
     @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """Model, optimiser, scheduler, version and ``extra`` (e.g. consumed sample ids) in one file."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(".tmp")
-        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "version": self.version, "extra": extra or {}}, tmp)
-        os.replace(tmp, target)  # a crash mid-write never leaves a torn checkpoint
-        return str(target)
+        return save_checkpoint_file({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                                     "scheduler": self.scheduler.state_dict(), "version": self.version,
+                                     "extra": extra or {}}, path)
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
-        state = torch.load(path, map_location=self.device, weights_only=False)
+        state = load_checkpoint_file(path, map_location=self.device)  # weights_only: no arbitrary unpickling
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
