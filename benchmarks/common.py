@@ -80,15 +80,20 @@ def start_inference(pools: dict, mapping: dict, engine_options: dict, name: str 
 
 def write_report(out_dir: str | Path, name: str, result: dict[str, Any], bars: dict[str, float],
                  ylabel: str, title: str) -> dict[str, Any]:
-    """``<out>/<name>.json`` and a bar chart ``<out>/<name>.png``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """``<out>/<name>.json`` and a bar chart ``<out>/<name>.png`` (the chart needs the ``plot`` extra)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=float))
+    try:
+        import matplotlib
+    except ImportError:
+        logging.getLogger(__name__).info("%s.png skipped: matplotlib is not installed (pip install 'rollart[plot]')",
+                                         name)
+        result["files"] = [str(out / f"{name}.json")]
+        return result
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(list(bars), list(bars.values()), color=["#999999", "#3b7dd8", "#58a55c", "#d8843b"][: len(bars)])
     ax.set_ylabel(ylabel)

@@ -106,6 +106,7 @@ class AgenticPipeline:
         self.channel = self._weight_channel()
         self.start_step = 0
         self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.plot_path: Path | None = None
         if resume:
             self._resume()
         elif self.metrics_path.exists():
@@ -273,13 +274,19 @@ class AgenticPipeline:
 
     def run(self) -> list[dict[str, Any]]:
         history = asyncio.run(self._run())
-        self.plot(history)
+        self.plot_path = self.plot(history)
         return history
 
     def plot(self, history: list[dict[str, Any]]) -> Path | None:
+        """``metrics.png`` (needs matplotlib: the ``plot`` extra); None when skipped."""
         if not history:
             return None
-        import matplotlib
+        try:
+            import matplotlib
+        except ImportError:
+            log.info("metrics.png skipped: matplotlib is not installed (pip install 'rollart[plot]'); "
+                     "the metrics are in %s", self.metrics_path)
+            return None
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

@@ -46,7 +46,25 @@ _LAZY: dict[str, str] = {
     "Trajectory": "rollart.rollout.types",
 }
 
-__all__ = sorted([*_LAZY, "__version__"])
+__all__ = [
+    "Batch",
+    "Cluster",
+    "ClusterFuture",
+    "Dispatch",
+    "Execute",
+    "GenerateOutput",
+    "GenerateRequest",
+    "ResourceManager",
+    "ResourceSpecError",
+    "SamplingParams",
+    "Trajectory",
+    "Worker",
+    "WorkerDiedError",
+    "__version__",
+    "hw_mapping",
+    "register",
+    "register_serverless",
+]
 
 
 def __getattr__(name: str) -> Any:

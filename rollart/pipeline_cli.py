@@ -40,7 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     last = history[-1] if history else {}
     summary = {"steps": len(history), "final_reward": last.get("reward_mean"),
                "first_reward": history[0]["reward_mean"] if history else None,
-               "metrics": str(pipe.metrics_path), "plot": str(pipe.out_dir / "metrics.png")}
+               "metrics": str(pipe.metrics_path), "plot": str(pipe.plot_path) if pipe.plot_path else None}
     log.info("done: %s", json.dumps(summary))
     if args.json:
         sys.stdout.write(json.dumps(summary) + "\n")

@@ -42,3 +42,9 @@ def test_import_rollart_is_lazy_and_the_public_names_resolve():
         assert "no_such_name" in str(err)
     else:
         raise AssertionError("unknown attribute resolved")
+
+
+def test_every_public_name_is_lazy_and_listed():
+    import rollart
+
+    assert set(rollart.__all__) == set(rollart._LAZY) | {"__version__"}

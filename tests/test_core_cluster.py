@@ -7,9 +7,9 @@ import os
 import pytest
 import ray
 import torch
+from ray_helpers import kill_and_wait
 
 import rollart as ra
-from ray_helpers import kill_and_wait
 from rollart.cluster.errors import NoLiveWorkerError
 
 pytestmark = pytest.mark.timeout(300)
@@ -240,3 +240,43 @@ def test_object_refs_and_large_arguments_reach_every_rank(make_rm):
     assert [r[5] for r in c.whoami(ref)] == ["from the object store"] * 2  # a top-level ref is resolved
     big = "x" * 100_000
     assert [len(r[5]) for r in c.whoami(big)] == [100_000, 100_000]
+
+
+class WithBlocking(ra.Worker):
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    def step(self, blocking: bool = False) -> bool:
+        return blocking
+
+
+def test_a_worker_parameter_named_blocking_is_reported(caplog):
+    from rollart.cluster.methods import exposed_methods
+
+    with caplog.at_level("WARNING", logger="rollart.cluster.methods"):
+        exposed_methods(WithBlocking)
+    assert any("WithBlocking.step" in r.getMessage() and "'blocking'" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rollart.cluster.methods"):
+        exposed_methods(Trainer)
+    assert not caplog.records
+
+
+async def test_typed_call_and_call_async_match_the_attribute_style(make_rm):
+    rm = make_rm({"train": {"hardware": "H800", "devices": 2}, "rollout": {"hardware": "H20", "devices": 1}})
+    c = ra.Cluster("trainer", Trainer, rm, pool="train")
+    assert c.call(Trainer.whoami, "s") == c.whoami("s")
+    assert c.call(Trainer.add, [1, 2], y=[10, 20]) == [11, 122]
+    assert c.call(Trainer.leader) == 0
+    fut = c.call_async(Trainer.whoami, "later")
+    assert isinstance(fut, ra.ClusterFuture) and (await fut)[1][5] == "later"
+    assert c.call_async(Trainer.leader).result(timeout=60) == 0
+    with pytest.raises(TypeError, match="not an exposed method"):
+        c.call(Trainer.not_exposed)
+    with pytest.raises(TypeError, match="not a method of Trainer"):
+        c.call(Gen.rendezvous)
+    with pytest.raises(TypeError, match="blocking"):
+        c.call(Trainer.leader, blocking=False)  # type: ignore[call-arg]
+    g = ra.Cluster("gen", Gen, rm, pool="rollout")
+    out = await g.call_async(Gen.generate, {"i": 3}, tag_name="Sokoban")
+    assert out == {"hardware": "H20", "rank": 0, "echo": 3}
+    routed = g.call(Gen.generate, {"i": 4}, tag_name="FrozenLake")  # an async method: awaitable as with g.generate
+    assert isinstance(routed, ra.ClusterFuture) and (await routed)["echo"] == 4

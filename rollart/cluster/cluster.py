@@ -11,18 +11,25 @@ the Cluster instance under the same name:
 
 Sync worker methods block and return the collected value unless ``blocking=False`` is passed (then
 a :class:`ClusterFuture`); ``async def`` worker methods always return an awaitable ``ClusterFuture``.
-``blocking`` is therefore a reserved keyword for exposed methods.
+``blocking`` is therefore a reserved keyword for exposed methods (a worker method with a parameter of
+that name is reported when the Cluster is created).
+
+Typed calls: ``cluster.call(Worker.method, *args, **kwargs)`` and ``cluster.call_async(...)`` take the
+worker's method itself, so a type checker checks the arguments against its signature (``ParamSpec``)
+and an IDE can jump to it; the attribute style (``cluster.method(...)``) does the same at run time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -37,6 +44,9 @@ from rollart.resource_manager.manager import ReservedGroup, ResourceManager
 from rollart.resource_manager.specs import ResourceSpecError
 
 log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass
@@ -89,6 +99,10 @@ class Cluster:
         self.pool = pool
         self.devices_per_worker = devices_per_worker
         self.methods: dict[str, ExposedMethod] = exposed_methods(worker_cls)
+        for taken in ("call", "call_async"):
+            if taken in self.methods:
+                raise TypeError(f"{worker_cls.__name__}.{taken}: {taken!r} is a Cluster method of its own; "
+                                "rename the worker method")
         self._lock = threading.Lock()
         self._slots: list[_Slot] = []
         self._executor: ThreadPoolExecutor | None = None
@@ -284,6 +298,44 @@ class Cluster:
         with self._lock:
             return {s.rank: {"inflight": s.inflight, "served": s.served} for s in self._slots}
 
+    # ------------------------------------------------------------------ typed calls
+    def _proxy_for(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        name = getattr(method, "__name__", None)
+        if not isinstance(name, str) or name not in self.methods:
+            raise TypeError(f"cluster {self.name!r}: {method!r} is not an exposed method of "
+                            f"{self.worker_cls.__name__}; exposed methods are {sorted(self.methods)}")
+        # the same name on a class of the worker's hierarchy (a subclass may override the method)
+        owners = [c for c in self.worker_cls.__mro__ if c.__dict__.get(name) is method
+                  or getattr(c.__dict__.get(name), "__func__", None) is method]
+        if not owners and self.methods[name].fn is not method:
+            raise TypeError(f"cluster {self.name!r}: {getattr(method, '__qualname__', name)} is not a method of "
+                            f"{self.worker_cls.__name__} (pass {self.worker_cls.__name__}.{name})")
+        return self.__dict__[name]
+
+    def call(self, method: Callable[Concatenate[Any, P], R], /, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """Call ``method`` (the worker class's method, e.g. ``Trainer.train_step``) on this cluster and
+        block for the collected result: for ``@register`` what its dispatch mode collects (``ONE_TO_ALL``
+        and ``ALL_TO_ALL``: a list of ``R``, one per rank; ``RANK_ZERO``: ``R``; ``DP_SPLIT``: the
+        per-rank ``R`` concatenated), for ``@hw_mapping`` and ``@register_serverless`` the ``R`` of the one
+        call. The arguments are type-checked against ``method``'s signature. For an ``async def`` method
+        this returns its awaitable :class:`ClusterFuture` (as the attribute style does)."""
+        if "blocking" in kwargs:
+            raise TypeError(f"{self.name}.call: 'blocking' is not an argument of call(); use call_async() "
+                            "for a future")
+        return self._proxy_for(method)(*args, **kwargs)
+
+    def call_async(self, method: Callable[Concatenate[Any, P], R], /, *args: P.args,
+                   **kwargs: P.kwargs) -> Awaitable[Any]:
+        """Start ``method`` without blocking; await the result (collected as in :meth:`call`). Sync and
+        async worker methods alike: a :class:`ClusterFuture` (also ``.result(timeout)``) for worker
+        calls, an awaitable for serverless ones."""
+        if "blocking" in kwargs:
+            raise TypeError(f"{self.name}.call_async: 'blocking' is not an argument of call_async()")
+        out = self._proxy_for(method)(*args, blocking=False, **kwargs)
+        if isinstance(out, Future):  # a sync serverless call running in the cluster's thread pool
+            return _await_future(out)
+        return out
+
     def __getattr__(self, item: str) -> Any:
         if item.startswith("_"):
             raise AttributeError(item)
@@ -442,6 +494,10 @@ class Cluster:
 
 
 _NOT_SHARED = (int, float, str, bool, type(None), ray.ObjectRef)  # small, or already in the object store
+
+
+async def _await_future(fut: Future[Any]) -> Any:
+    return await asyncio.wrap_future(fut)
 
 
 def _share_common_args(plan: list[Any]) -> list[Any]:

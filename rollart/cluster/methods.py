@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rollart.decorators.specs import (
     HW_MAPPING_ATTR,
@@ -14,6 +16,10 @@ from rollart.decorators.specs import (
     RegisterSpec,
     ServerlessSpec,
 )
+
+log = logging.getLogger(__name__)
+
+RESERVED_PARAMETERS = ("blocking",)
 
 
 @dataclass(frozen=True)
@@ -52,5 +58,19 @@ def exposed_methods(worker_cls: type) -> dict[str, ExposedMethod]:
                 f"{worker_cls.__name__}.{name}: use either @register (dispatch to ranks) or @hw_mapping "
                 "(route one call by tag_name), not both"
             )
+        _warn_reserved(worker_cls, name, fn)
         out[name] = ExposedMethod(name, fn, inspect.iscoroutinefunction(fn), reg, hw, srv)
     return out
+
+
+def _warn_reserved(worker_cls: type, name: str, fn: Callable[..., Any]) -> None:
+    """A parameter named ``blocking`` never reaches the worker: the Cluster's proxy takes it."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    for reserved in RESERVED_PARAMETERS:
+        if reserved in params:
+            log.warning("%s.%s has a parameter named %r: Cluster calls use that keyword themselves "
+                        "(blocking=False returns a future), so the worker never receives it; rename it",
+                        worker_cls.__name__, name, reserved)

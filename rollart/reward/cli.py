@@ -26,7 +26,13 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
     import json
     import os
 
-    import uvicorn
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as err:
+        log.error("rollart serve rewards needs the 'serve' extra (%s): pip install 'rollart[serve]'", err)
+        return 2
 
     from rollart.reward.loader import load_functions
     from rollart.reward.server import ServerSettings, build_app
@@ -43,6 +49,11 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         os.environ[URL_ENV] = args.judge_url
     functions = load_functions(args.functions)  # fail here, before anything listens
     if args.ray_serve:
+        try:
+            from ray import serve  # noqa: F401
+        except ImportError:
+            log.error("--ray-serve needs Ray Serve: pip install 'rollart[ray-serve]'")
+            return 2
         from rollart.reward.ray_serve import deploy
 
         deploy(args.functions, settings, host=args.host, port=args.port, max_replicas=args.max_replicas)

@@ -21,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import rollart as ra
 from rollart.engines.base import EngineRequest, RequestOutput
@@ -34,9 +35,38 @@ from rollart.rollout.types import GenerateOutput, GenerateRequest
 @dataclass
 class _Pending:
     request: GenerateRequest
-    future: asyncio.Future
+    future: asyncio.Future[GenerateOutput]
     version: int
     added_at: float = field(default_factory=time.monotonic)
+
+
+# ---------------------------------------------------------------------- commands of the loop
+@dataclass(frozen=True)
+class AddCommand:
+    """Put a request into the engine; its caller is answered through ``pending.future``."""
+
+    pending: _Pending
+
+
+@dataclass(frozen=True)
+class AbortCommand:
+    """Abort these requests (``preempt``: answered as preempted); ``reply`` gets how many ran here."""
+
+    request_ids: tuple[str, ...]
+    preempt: bool
+    reply: asyncio.Future[int]
+
+
+@dataclass(frozen=True)
+class UpdateCommand:
+    """Preempt every request, then load ``weights`` as ``version``; ``reply`` gets the version."""
+
+    weights: Mapping[str, Any]
+    version: int
+    reply: asyncio.Future[int]
+
+
+Command = AddCommand | AbortCommand | UpdateCommand
 
 
 class InferenceWorker(ra.Worker):
@@ -45,10 +75,10 @@ class InferenceWorker(ra.Worker):
 
     def __init__(self, engine: EngineConfig | dict[str, Any] | None = None):
         self.engine = build_engine(engine or EngineConfig())
-        self._commands: asyncio.Queue | None = None
+        self._commands: asyncio.Queue[Command] | None = None
         self._loop_task: asyncio.Task | None = None
         self._loop_error: BaseException | None = None
-        self._current: tuple | None = None  # the command being applied
+        self._current: Command | None = None  # the command being applied
         self._pending: dict[str, _Pending] = {}
         self._resumed: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
@@ -80,10 +110,9 @@ class InferenceWorker(ra.Worker):
         waiting = [self._current] if self._current is not None else []
         while self._commands is not None and not self._commands.empty():
             waiting.append(self._commands.get_nowait())
-        for cmd in waiting:  # abort / update commands answer through their last item, a future
-            done = cmd[-1]
-            if isinstance(done, asyncio.Future) and not done.done():
-                done.set_exception(self._loop_error)
+        for cmd in waiting:  # an ADD's caller was failed above, through its pending request
+            if isinstance(cmd, (AbortCommand, UpdateCommand)) and not cmd.reply.done():
+                cmd.reply.set_exception(self._loop_error)
 
     async def _run(self) -> None:
         assert self._commands is not None
@@ -113,39 +142,36 @@ class InferenceWorker(ra.Worker):
                 await self._apply(self._current)
                 self._current = None
 
-    async def _apply(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, pending = cmd
-            req = pending.request
-            if self._pending.get(req.request_id) is not pending or pending.future.done():
-                return  # answered (preempted or aborted) before it reached the engine
-            try:
-                self.engine.add_request(EngineRequest(request_id=req.request_id,
-                                                      prompt_token_ids=list(req.prompt_token_ids),
-                                                      params=req.sampling))
-            except Exception as err:  # the engine refuses this request: its caller gets the error
-                self._fail(req.request_id, err)
-        elif kind == "abort":
-            _, rids, preempt, done = cmd
-            n = 0
-            for rid in rids:
-                if rid in self._pending:
-                    out = self.engine.abort(rid)
-                    self._finish(out, preempted=preempt, rid=rid)
-                    n += 1
-            done.set_result(n)
-        elif kind == "update":
-            _, weights, version, done = cmd
-            for rid in list(self._pending):  # no request may straddle two weight versions
-                self._finish(self.engine.abort(rid), preempted=True, rid=rid)
-            try:
-                self.engine.update_weights(weights, version)
-            except Exception as err:
-                done.set_exception(err)
-                return
-            self.stats["weight_updates"] += 1
-            done.set_result(version)
+    async def _apply(self, cmd: Command) -> None:
+        match cmd:
+            case AddCommand(pending=pending):
+                req = pending.request
+                if self._pending.get(req.request_id) is not pending or pending.future.done():
+                    return  # answered (preempted or aborted) before it reached the engine
+                try:
+                    self.engine.add_request(EngineRequest(request_id=req.request_id,
+                                                          prompt_token_ids=list(req.prompt_token_ids),
+                                                          params=req.sampling))
+                except Exception as err:  # the engine refuses this request: its caller gets the error
+                    self._fail(req.request_id, err)
+            case AbortCommand(request_ids=rids, preempt=preempt, reply=reply):
+                n = 0
+                for rid in rids:
+                    if rid in self._pending:
+                        out = self.engine.abort(rid)
+                        self._finish(out, preempted=preempt, rid=rid)
+                        n += 1
+                reply.set_result(n)
+            case UpdateCommand(weights=weights, version=version, reply=reply):
+                for rid in list(self._pending):  # no request may straddle two weight versions
+                    self._finish(self.engine.abort(rid), preempted=True, rid=rid)
+                try:
+                    self.engine.update_weights(weights, version)
+                except Exception as err:
+                    reply.set_exception(err)
+                    return
+                self.stats["weight_updates"] += 1
+                reply.set_result(version)
 
     def _finish(self, out: RequestOutput | None, *, preempted: bool, rid: str | None = None) -> None:
         rid = rid or (out.request_id if out is not None else None)
@@ -181,11 +207,11 @@ class InferenceWorker(ra.Worker):
         await self._resumed.wait()
         if request.request_id in self._pending:
             raise ValueError(f"request_id {request.request_id!r} is already running on this worker")
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[GenerateOutput] = asyncio.get_running_loop().create_future()
         pending = _Pending(request, fut, self.engine.weight_version)
         self._pending[request.request_id] = pending
         self.stats["requests"] += 1
-        await self._commands.put(("add", pending))
+        await self._commands.put(AddCommand(pending))
         return await fut
 
     async def generate_n(self, request: GenerateRequest, n: int, tag_name: str) -> list[GenerateOutput]:
@@ -214,9 +240,9 @@ class InferenceWorker(ra.Worker):
     async def _command_abort(self, rids: list[str], preempt: bool) -> int:
         self._ensure_loop()
         assert self._commands is not None
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
-        await self._commands.put(("abort", rids, preempt, done))
-        return await done
+        reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        await self._commands.put(AbortCommand(tuple(rids), preempt, reply))
+        return await reply
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     async def suspend(self) -> int:
@@ -239,9 +265,9 @@ class InferenceWorker(ra.Worker):
         """Load a full state dict as ``version`` between two steps (in-flight requests are preempted)."""
         self._ensure_loop()
         assert self._commands is not None
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
-        await self._commands.put(("update", weights, version, done))
-        return await done
+        reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        await self._commands.put(UpdateCommand(weights, version, reply))
+        return await reply
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     async def load_weights_from(self, channel: Any, version: int) -> int:

@@ -1,0 +1,42 @@
+"""fastapi, uvicorn, prometheus-client and matplotlib are extras: the core runs without them, the plot is
+skipped with a hint, and ``rollart serve rewards`` says which extra it needs."""
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONAL = ("fastapi", "uvicorn", "prometheus_client", "matplotlib")
+
+
+def test_pyproject_keeps_service_and_plot_libraries_out_of_the_core():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"])
+    for name in ("fastapi", "uvicorn", "prometheus-client", "matplotlib", "requests"):
+        assert name not in core
+    extras = project["optional-dependencies"]
+    assert {"fastapi>=0.110", "uvicorn>=0.29", "prometheus-client>=0.20"} <= set(extras["serve"])
+    assert any(d.startswith("matplotlib") for d in extras["plot"])
+    assert "rollart[serve,ray-serve,plot]" in extras["dev"]
+
+
+def test_the_core_runs_without_the_optional_libraries(tmp_path):
+    """In a fresh interpreter where importing any of them fails."""
+    code = f"""
+import logging, sys, types
+for name in {OPTIONAL!r}:
+    sys.modules[name] = None  # import raises ImportError
+logging.basicConfig(level=logging.INFO)
+import pipelines.agentic as agentic, rollart.reward.client, rollart.cluster.serverless
+from rollart.cli import main
+fake = types.SimpleNamespace(metrics_path={str(tmp_path / 'metrics.jsonl')!r}, out_dir={str(tmp_path)!r})
+assert agentic.AgenticPipeline.plot(fake, [{{"step": 0}}]) is None
+assert main(["serve", "rewards", "rollart.reward.builtin:reverse"]) == 2
+print("OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("OK")
+    assert "metrics.png skipped" in out.stderr and "rollart[plot]" in out.stderr
+    assert "rollart[serve]" in out.stderr
