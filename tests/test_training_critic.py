@@ -62,7 +62,7 @@ def test_gae_batch_skips_the_observation_tokens_by_hand():
     assert b["returns"][0] == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], abs=1e-6)
     assert b["values"][0] == pytest.approx([0.1, 0.2, 0.0, 0.0, 0.5, 0.6], abs=1e-6)
     assert b["input_ids"] == [[5, 6, 7, 8, 9, 10]] and b["loss_mask"] == [[1, 1, 0, 0, 1, 1]]
-    assert b["old_logprobs"][0] == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5] and float(b["rewards"][0]) == 1.0
+    assert b["behaviour_logprobs"][0] == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5] and float(b["rewards"][0]) == 1.0
 
     # gamma = 0.9, lam = 0.5; the successor of token 1 is token 4 (V = 0.5), not the observation token 2:
     # A5 = 1 - .6 = .4;  A4 = (.9*.6 - .5) + .45*.4 = .22;  A1 = (.9*.5 - .2) + .45*.22 = .349
@@ -93,7 +93,7 @@ def test_gae_batch_rejects_misaligned_values():
     with pytest.raises(ValueError, match="1 value rows for 2 trajectories"):
         gae_batch([[t, t]], [[0.0] * 3])
     assert CriticConfig(lam=0.9, length_adaptive_lambda=True).gae_kwargs() == {
-        "gamma": 1.0, "lam": 0.9, "length_adaptive": True}
+        "gamma": 1.0, "lam": 0.9, "critic_lam": None, "length_adaptive": True, "alpha": 0.05}
     with pytest.raises(ValueError):
         CriticConfig(epoch=3)  # extra fields are refused
 
