@@ -26,7 +26,8 @@ from rollart.rollout.env_manager import EnvManager, HFCodec
 from rollart.rollout.inference_worker import inference_worker_class
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.scheduler import RolloutScheduler
-from rollart.training.data import trajectories_to_batch
+from rollart.training import columns as C
+from rollart.training.data import add_advantages, trajectories_to_batch
 from rollart.training.strategies import train_worker_class
 from rollart.training.torch_strategy import free_port
 
@@ -67,6 +68,11 @@ class AgenticPipeline:
             self.ref = ra.Cluster("reference", ReferenceWorker, self.rm, pool=config.train_pool, colocate_with=self.train,
                                   worker_kwargs={"model": train_cfg.model,
                                                  "max_tokens_per_microbatch": train_cfg.max_tokens_per_microbatch})
+        self.baseline = None
+        if config.advantage == "running_mean":  # critic-free single-rollout baseline, kept across steps
+            from rollart.algorithms import RunningMeanBaseline
+
+            self.baseline = RunningMeanBaseline(config.running_mean.window, config.running_mean.scope)
         self.critic = None
         if config.advantage == "gae":  # the value model, one rank beside each actor rank
             from rollart.training.critic import CriticWorker
@@ -134,16 +140,15 @@ class AgenticPipeline:
         return None
 
     async def _make_batch(self, groups: list) -> tuple[Any, Any]:
-        """The training batch; with ``advantage: gae`` the critic scores it first (skip-observation GAE)
-        and its K value updates start on it, running beside the actor's update (returned as a future)."""
+        """The training batch, built once, then its advantages; with ``advantage: gae`` the critic scores
+        it first (skip-observation GAE) and its K value updates start on it, running beside the actor's
+        update (returned as a future)."""
+        batch = trajectories_to_batch(groups, advantage=None)
         if self.critic is None:
-            return trajectories_to_batch(groups, advantage=self.config.advantage), None
-        from rollart.training.critic import gae_batch
-
+            return add_advantages(batch, self.config.advantage, baseline=self.baseline), None
         assert self.config.critic is not None
-        base = trajectories_to_batch(groups, advantage="grpo")
-        values = await self.critic.compute_values(base, blocking=False)
-        batch = gae_batch(groups, values, **self.config.critic.gae_kwargs())
+        values = await self.critic.compute_values(batch, blocking=False)
+        add_advantages(batch, "gae", values=values, **self.config.critic.gae_kwargs())
         return batch, self.critic.train_step(batch, blocking=False)
 
     async def _push_resumed_weights(self) -> int:
@@ -187,6 +192,10 @@ class AgenticPipeline:
     def checkpoint_path(self) -> Path:
         return self.out_dir / "checkpoint" / "last.pt"
 
+    @property
+    def critic_checkpoint_path(self) -> Path:
+        return self.out_dir / "checkpoint" / "critic.pt"
+
     def _resume(self) -> None:
         if not self.checkpoint_path.exists():
             raise FileNotFoundError(f"--resume: no checkpoint at {self.checkpoint_path}; run without --resume first")
@@ -195,6 +204,19 @@ class AgenticPipeline:
         self.scheduler.load_state_dict(extra["scheduler"])
         self.start_step = int(extra["step"]) + 1
         self.consumed_before = extra.get("consumed", [])
+        if self.baseline is not None:
+            if "running_mean" not in extra:
+                raise ValueError(f"--resume: {self.checkpoint_path} holds no running-mean baseline (it was written "
+                                 "with another advantage); resume with the advantage it was trained with")
+            self.baseline.load_state_dict(extra["running_mean"])
+        if self.critic is not None:
+            if not self.critic_checkpoint_path.exists():
+                raise FileNotFoundError(f"--resume with advantage: gae: no critic checkpoint at "
+                                        f"{self.critic_checkpoint_path}; the run was not trained with a critic")
+            critic_state = self.critic.load_checkpoint(str(self.critic_checkpoint_path))[0]
+            if critic_state["step"] != int(extra["step"]):
+                raise ValueError(f"--resume: the critic checkpoint is from step {critic_state['step']}, the actor's "
+                                 f"from step {extra['step']}; they must come from the same save")
         version = asyncio.run(self._push_resumed_weights())
         log.info("resumed from %s at step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
 
@@ -219,7 +241,7 @@ class AgenticPipeline:
                 t1 = time.monotonic()
                 batch, critic_step = await self._make_batch(groups)
                 if self.ref is not None:
-                    batch["ref_logprobs"] = await self.ref.compute_logprobs(batch, blocking=False)
+                    batch[C.REF_LOGPROBS] = await self.ref.compute_logprobs(batch, blocking=False)
                 train_metrics = await self.train.train_step(batch, blocking=False)
                 if critic_step is not None:
                     train_metrics.update({f"critic_{k}": v for k, v in (await critic_step).items()})
@@ -237,6 +259,10 @@ class AgenticPipeline:
                     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=version)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     extra = {"step": step, "scheduler": self.scheduler.state_dict(), "consumed": consumed}
+                    if self.baseline is not None:
+                        extra["running_mean"] = self.baseline.state_dict()
+                    if self.critic is not None:  # first: the actor's file is the one a resume starts from
+                        await self.critic.save_checkpoint(str(self.critic_checkpoint_path), step, blocking=False)
                     await self.train.save_checkpoint(str(self.checkpoint_path), extra, blocking=False)
         finally:
             if bar is not None:

@@ -17,7 +17,7 @@ from rollart.resource_manager.specs import parse_pools
 from rollart.rollout.engine_config import EngineConfig
 from rollart.rollout.env_manager import EnvManagerConfig
 from rollart.rollout.scheduler import RolloutConfig
-from rollart.training.config import TrainConfig
+from rollart.training.config import RunningMeanConfig, TrainConfig
 from rollart.training.critic import CriticConfig
 
 
@@ -98,8 +98,9 @@ class PipelineConfig(BaseModel):
     envs: list[EnvEntry]
     reward: RewardConfig | None = None
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
-    advantage: Literal["grpo", "grpo_token", "reinforce", "gae"] = "grpo"
+    advantage: Literal["grpo", "grpo_token", "reinforce", "running_mean", "gae"] = "grpo"
     critic: CriticConfig | None = None  # advantage: gae — a value model trained K times per actor step
+    running_mean: RunningMeanConfig = Field(default_factory=RunningMeanConfig)  # advantage: running_mean
     steps: int = Field(default=20, ge=1)
     checkpoint_every: int = Field(default=0, ge=0)
     output_dir: str = "runs/{name}"
@@ -113,7 +114,11 @@ class PipelineConfig(BaseModel):
             if pool not in self.pools:
                 raise ValueError(f"{field_name}={pool!r} is not one of pools {sorted(self.pools)}")
         if self.advantage == "gae" and self.critic is None:
-            raise ValueError("advantage=gae needs a critic: add `critic: {epochs: 2}` (see CriticConfig)")
+            raise ValueError("advantage=gae needs a critic: add `critic: {epochs: 2}` or `critic: {preset: sao}` "
+                             "(see CriticConfig)")
+        if self.critic is not None and self.advantage != "gae":
+            raise ValueError(f"critic: is set but advantage={self.advantage!r} never uses it; set advantage: gae "
+                             "or remove critic:")
         total = sum(e.groups for e in self.envs)
         if total != self.rollout.num_env_groups:
             raise ValueError(

@@ -10,6 +10,7 @@ from rollart.algorithms import (
     gae,
     grpo_advantages,
     kl_penalty,
+    loss_uses_proximal,
     policy_loss,
     reinforce_baseline_advantages,
     skip_observation_gae,
@@ -25,13 +26,13 @@ def test_ppo_clip_value_and_gradient_directions():
     lp = torch.tensor([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     old = t([math.log(0.4)])
     mask = t([1.0])
-    loss, m = policy_loss("ppo", lp, old, t([1.0]), mask, eps=0.2)
+    loss, m = policy_loss("ppo", lp, t([1.0]), mask, proximal_logprobs=old, eps=0.2)
     assert loss.item() == pytest.approx(-1.2)  # -min(1.25 * 1, 1.2 * 1)
     loss.backward()
     assert lp.grad.item() == 0.0  # clipped: no push further away from the old policy
     assert m["clip_frac"] == 1.0
     lp.grad = None
-    loss, _ = policy_loss("ppo", lp, old, t([-1.0]), mask, eps=0.2)
+    loss, _ = policy_loss("ppo", lp, t([-1.0]), mask, proximal_logprobs=old, eps=0.2)
     assert loss.item() == pytest.approx(1.25)  # max(1.25, 1.2) for A = -1: the pessimistic side
     loss.backward()
     assert lp.grad.item() == pytest.approx(1.25)  # d/dlogp of r * 1 = r
@@ -40,12 +41,13 @@ def test_ppo_clip_value_and_gradient_directions():
 def test_tis_and_cispo_weights_carry_no_gradient():
     lp = torch.tensor([[math.log(0.9)]], dtype=torch.float64, requires_grad=True)
     old = t([math.log(0.3)])  # ratio 3
-    loss, m = policy_loss("tis", lp, old, t([2.0]), t([1.0]), cap=2.0)
+    loss, m = policy_loss("tis", lp, t([2.0]), t([1.0]), proximal_logprobs=old, cap=2.0)
     assert loss.item() == pytest.approx(-2.0 * 2.0 * math.log(0.9))  # -min(3, 2) * A * logp
     loss.backward()
     assert lp.grad.item() == pytest.approx(-4.0)  # only logp is differentiated: -w * A
     lp.grad = None
-    loss, _ = policy_loss("cispo", lp, old, t([1.0]), t([1.0]), eps_low=1.0, eps_high=0.28)
+    loss, _ = policy_loss("cispo", lp, t([1.0]), t([1.0]), proximal_logprobs=old, eps_low=1.0,
+                          eps_high=0.28)
     loss.backward()
     assert lp.grad.item() == pytest.approx(-1.28)  # clip(3, 0, 1.28) = 1.28, stop-gradient
 
@@ -53,7 +55,7 @@ def test_tis_and_cispo_weights_carry_no_gradient():
 def test_dis_masks_tokens_outside_the_band_with_zero_gradient():
     lp = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     rollout = t([math.log(0.45), math.log(0.05)])  # rho = 1.11 (kept), 10 (masked)
-    loss, m = policy_loss("dis", lp, rollout, t([1.0, 1.0]), t([1.0, 1.0]), rollout_logprobs=rollout,
+    loss, m = policy_loss("dis", lp, t([1.0, 1.0]), t([1.0, 1.0]), behaviour_logprobs=rollout,
                           low=0.5, high=2.0)
     loss.backward()
     assert lp.grad[0, 1].item() == 0.0 and lp.grad[0, 0].item() == pytest.approx(-(0.5 / 0.45) / 2)
@@ -64,21 +66,29 @@ def test_mismatch_tis_applies_to_any_loss():
     lp = torch.tensor([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     old = t([math.log(0.5)])
     rollout = t([math.log(0.1)])  # old/rollout = 5, capped at 2
-    base, _ = policy_loss("ppo", lp, old, t([1.0]), t([1.0]))
-    capped, m = policy_loss("ppo", lp, old, t([1.0]), t([1.0]), rollout_logprobs=rollout, tis_cap=2.0)
+    base, _ = policy_loss("ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=old)
+    capped, m = policy_loss("ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=old, behaviour_logprobs=rollout,
+                            tis_cap=2.0)
     assert capped.item() == pytest.approx(2.0 * base.item()) and m["mismatch_is_mean"] == pytest.approx(2.0)
-    with pytest.raises(ValueError, match="tis_cap needs rollout_logprobs"):
-        policy_loss("ppo", lp, old, t([1.0]), t([1.0]), tis_cap=2.0)
+    with pytest.raises(ValueError, match="tis_cap=2.0.* needs behaviour_logprobs"):
+        policy_loss("ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=old, tis_cap=2.0)
 
 
 def test_unknown_loss_and_parameters_are_clear_errors():
     x = t([0.0])
     with pytest.raises(ValueError, match="unknown policy loss 'pp0'"):
-        policy_loss("pp0", x, x, x, x)
+        policy_loss("pp0", x, x, x, proximal_logprobs=x)
     with pytest.raises(ValueError, match="epsilon"):
-        policy_loss("ppo", x, x, x, x, epsilon=0.1)
-    with pytest.raises(ValueError, match="needs prox_logprobs"):
-        policy_loss("decoupled_ppo", x, x, x, x)
+        policy_loss("ppo", x, x, x, proximal_logprobs=x, epsilon=0.1)
+    with pytest.raises(ValueError, match="needs proximal_logprobs"):
+        policy_loss("decoupled_ppo", x, x, x, behaviour_logprobs=x)
+    with pytest.raises(ValueError, match="needs behaviour_logprobs"):
+        policy_loss("decoupled_ppo", x, x, x, proximal_logprobs=x)
+    with pytest.raises(ValueError, match="'dis'.* needs behaviour_logprobs"):
+        policy_loss("dis", x, x, x, proximal_logprobs=x)  # DIS never falls back to the proximal policy
+    with pytest.raises(ValueError, match="'ppo'.* needs proximal_logprobs"):
+        policy_loss("ppo", x, x, x, behaviour_logprobs=x)
+    assert loss_uses_proximal("ppo") and not loss_uses_proximal("dis")
 
 
 def test_aggregation_modes():

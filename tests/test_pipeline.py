@@ -160,6 +160,82 @@ def test_gae_with_a_critic_trained_k_times_per_actor_step(ray_local, tmp_path):
         assert t["critic_value_loss_last"] < t["critic_value_loss_first"]
 
 
+def test_the_critic_is_checkpointed_with_the_actor_and_restored_on_resume(ray_local, tmp_path):
+    """``preset: sao`` critic: its model, optimiser and warm-up are saved next to the actor's checkpoint
+    (``torch.load(weights_only=True)`` reads the file) and ``--resume`` restores them."""
+    import torch
+
+    cfg = small_config(tmp_path, steps=2, checkpoint_every=2, advantage="gae", critic={"preset": "sao", "lr": 0.003})
+    pipe = AgenticPipeline(cfg, progress=False)
+    try:
+        pipe.run()
+        saved = pipe.critic.param_checksum()[0]
+        saved_head = pipe.critic.param_checksum("head")[0]
+    finally:
+        pipe.shutdown()
+    state = torch.load(pipe.critic_checkpoint_path, weights_only=True)
+    assert state["step"] == 1 and state["steps"] == 2 and state["optimizer"]["state"]
+    resumed = AgenticPipeline(small_config(tmp_path, steps=3, checkpoint_every=2, advantage="gae",
+                                           critic={"preset": "sao", "lr": 0.003}), resume=True, progress=False)
+    try:
+        assert resumed.start_step == 2
+        assert resumed.critic.param_checksum()[0] == saved  # not the freshly initialised critic
+        assert resumed.critic.param_checksum("head")[0] == saved_head
+        more = resumed.run()
+    finally:
+        resumed.shutdown()
+    assert [h["step"] for h in more] == [2]
+    # the warm-up went on: a fresh critic would report 2/10 of lr after its first step, this one 4/10
+    assert more[0]["train"]["critic_lr"] == pytest.approx(0.003 * 4 / 10)
+
+
+def test_make_batch_builds_the_batch_once_then_adds_advantages(tmp_path, monkeypatch):
+    """The critic scores the batch the actor trains on (no second build); without a critic the
+    running-mean baseline carries its window from one step to the next."""
+    import asyncio
+
+    import pipelines.agentic as agentic
+    from rollart.algorithms import RunningMeanBaseline
+    from rollart.rollout.types import Trajectory
+    from rollart.training import columns as C
+
+    builds = []
+    real = agentic.trajectories_to_batch
+    monkeypatch.setattr(agentic, "trajectories_to_batch", lambda *a, **k: builds.append(k) or real(*a, **k))
+    scored = []
+
+    class FakeCritic:
+        def compute_values(self, batch, blocking=True):
+            async def values():
+                scored.append(batch)
+                return [[0.25] * len(ids) for ids in batch[C.INPUT_IDS]]
+            return values()
+
+        def train_step(self, batch, blocking=True):
+            return ("critic step on", batch)
+
+    groups = [[Trajectory(traj_id=f"t{i}", group_id=f"{i}:0", tag="t", token_ids=[5, 6, 7], loss_mask=[0, 1, 1],
+                          logprobs=[0.0, -1.0, -1.0], versions=[-1, 0, 0], reward=float(i))] for i in range(2)]
+    pipe = AgenticPipeline.__new__(AgenticPipeline)
+    pipe.config = small_config(tmp_path, advantage="gae", critic={"preset": "sao"})
+    pipe.critic, pipe.baseline = FakeCritic(), None
+    batch, critic_step = asyncio.run(pipe._make_batch(groups))
+    assert builds == [{"advantage": None}] and scored == [batch] and critic_step == ("critic step on", batch)
+    assert batch[C.VALUES][0] == [0.0, 0.25, 0.25] and batch[C.RETURNS][1] == [0.0, 1.0, 1.0]
+
+    pipe.config = small_config(tmp_path, advantage="running_mean", running_mean={"window": 4, "scope": "global"})
+    pipe.critic, pipe.baseline = None, RunningMeanBaseline(4, "global")
+    first, none = asyncio.run(pipe._make_batch(groups))
+    second, _ = asyncio.run(pipe._make_batch(groups))
+    assert none is None
+    assert [a[0] for a in first[C.ADVANTAGES]] == [0.0, 1.0] and [a[0] for a in second[C.ADVANTAGES]] == [-0.5, 0.5]
+
+
+def test_critic_without_gae_is_a_config_error(tmp_path):
+    with pytest.raises(Exception, match="critic: is set but advantage='grpo_token' never uses it"):
+        small_config(tmp_path, critic={"preset": "sao"})
+
+
 def test_gae_without_a_critic_is_a_config_error(tmp_path):
     with pytest.raises(Exception, match="advantage=gae needs a critic"):
         small_config(tmp_path, advantage="gae")

@@ -62,7 +62,7 @@ def test_gae_batch_skips_the_observation_tokens_by_hand():
     assert b["returns"][0] == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], abs=1e-6)
     assert b["values"][0] == pytest.approx([0.1, 0.2, 0.0, 0.0, 0.5, 0.6], abs=1e-6)
     assert b["input_ids"] == [[5, 6, 7, 8, 9, 10]] and b["loss_mask"] == [[1, 1, 0, 0, 1, 1]]
-    assert b["old_logprobs"][0] == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5] and float(b["rewards"][0]) == 1.0
+    assert b["behaviour_logprobs"][0] == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5] and float(b["rewards"][0]) == 1.0
 
     # gamma = 0.9, lam = 0.5; the successor of token 1 is token 4 (V = 0.5), not the observation token 2:
     # A5 = 1 - .6 = .4;  A4 = (.9*.6 - .5) + .45*.4 = .22;  A1 = (.9*.5 - .2) + .45*.22 = .349
@@ -93,7 +93,7 @@ def test_gae_batch_rejects_misaligned_values():
     with pytest.raises(ValueError, match="1 value rows for 2 trajectories"):
         gae_batch([[t, t]], [[0.0] * 3])
     assert CriticConfig(lam=0.9, length_adaptive_lambda=True).gae_kwargs() == {
-        "gamma": 1.0, "lam": 0.9, "length_adaptive": True}
+        "gamma": 1.0, "lam": 0.9, "critic_lam": None, "length_adaptive": True, "alpha": 0.05}
     with pytest.raises(ValueError):
         CriticConfig(epoch=3)  # extra fields are refused
 
@@ -170,3 +170,72 @@ def test_two_ranks_train_the_critic_like_one_rank_on_the_whole_batch(make_rm, ti
     one.train_step(one_row)
     sums, ref = dp.param_checksum(), one.param_checksum()[0]
     assert sums[0] == pytest.approx(sums[1], rel=1e-9) and sums[0] == pytest.approx(ref, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- SAO fidelity
+def test_sao_preset_sets_the_papers_lambdas_and_explicit_fields_win():
+    sao = CriticConfig(preset="sao")
+    # seed 003 §4: lambda_policy = 1 - 1/(alpha l) with alpha = 1.5, lambda_critic = 1, K = 2, frozen attention
+    assert (sao.lambda_alpha, sao.critic_lambda, sao.length_adaptive_lambda) == (1.5, 1.0, True)
+    assert (sao.epochs, sao.freeze_attention, sao.gamma, sao.warmup_steps) == (2, True, 1.0, 10)
+    assert sao.gae_kwargs() == {"gamma": 1.0, "lam": 0.95, "critic_lam": 1.0, "length_adaptive": True, "alpha": 1.5}
+    assert CriticConfig(preset="sao", lambda_alpha=2.0, epochs=3).gae_kwargs()["alpha"] == 2.0
+    assert CriticConfig.model_validate(sao.model_dump()) == sao  # what the pipeline ships to the workers
+    plain = CriticConfig()
+    assert (plain.lambda_alpha, plain.critic_lambda, plain.length_adaptive_lambda) == (0.05, None, False)
+    with pytest.raises(ValueError, match="the only preset is 'sao'"):
+        CriticConfig(preset="vapo")
+
+
+def test_value_targets_use_the_critic_lambda_and_advantages_the_policy_lambda():
+    values = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    t = traj(0, [5, 6, 7, 8, 9, 10], [1, 1, 0, 0, 1, 1], reward=1.0)
+    # policy lam = 0.5, gamma = 1:  A5 = 1 - .6 = .4 ; A4 = (.6 - .5) + .5 * .4 = .3
+    # A1 = (.5 - .2) + .5 * .3 = .45 ; A0 = (.2 - .1) + .5 * .45 = .325
+    adv = [0.325, 0.45, 0.0, 0.0, 0.3, 0.4]
+    b = gae_batch([[t]], [values], gamma=1.0, lam=0.5, critic_lam=1.0, whiten=False)
+    assert b["advantages"][0] == pytest.approx(adv, abs=1e-6)
+    assert b["returns"][0] == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], abs=1e-6)  # lambda_critic = 1: R = reward
+    same = gae_batch([[t]], [values], gamma=1.0, lam=0.5, whiten=False)  # critic_lam None: the policy's lambda
+    assert same["returns"][0] == pytest.approx([a + v * m for a, v, m in zip(adv, values, t.loss_mask)], abs=1e-6)
+    # SAO: length-adaptive policy lambda with alpha = 1.5 over l = 4 action tokens: 1 - 1/6 = 5/6
+    lam = 5 / 6
+    a5 = 0.4
+    a4 = 0.1 + lam * a5
+    a1 = 0.3 + lam * a4
+    a0 = 0.1 + lam * a1
+    b = gae_batch([[t]], [values], whiten=False, **CriticConfig(preset="sao").gae_kwargs())
+    assert b["advantages"][0] == pytest.approx([a0, a1, 0.0, 0.0, a4, a5], abs=1e-6)
+    assert b["returns"][0] == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], abs=1e-6)
+
+
+def local_critic(**config) -> CriticWorker:
+    from rollart.cluster.worker import WorkerContext, host_class
+
+    ctx = WorkerContext(cluster="local", job_id="test", rank=0, world_size=1, pool=None, hardware="CPU")
+    return host_class(CriticWorker)(ctx, (), {"config": config})
+
+
+def test_critic_checkpoint_round_trips_model_optimizer_and_warmup_weights_only(tiny, tmp_path):
+    groups = agentic_groups(4)
+    critic = local_critic(model=tiny, lr=1e-2, epochs=2, warmup_steps=3)
+    batch = gae_batch(groups, critic.compute_values(ra.Batch({"input_ids": [t.token_ids for g in groups for t in g]})),
+                      lam=1.0)
+    critic.train_step(batch)
+    path = critic.save_checkpoint(str(tmp_path / "ckpt" / "critic.pt"), step=7)
+    state = torch.load(path, weights_only=True)  # tensors, dicts, lists and numbers only
+    assert state["step"] == 7 and state["steps"] == 1 and state["optimizer"]["state"]
+    saved = critic.state_summary()
+    lr_saved = critic.scheduler.get_last_lr()[0]
+    after_saved = critic.train_step(batch)  # the reference: the next step from the saved state
+
+    fresh = local_critic(model=tiny, lr=1e-2, epochs=2, warmup_steps=3, seed=5)
+    assert fresh.state_summary() != saved
+    assert fresh.load_checkpoint(path) == {"step": 7, "steps": 1}
+    assert fresh.state_summary() == saved and fresh.scheduler.get_last_lr()[0] == lr_saved
+    resumed = fresh.train_step(batch)  # same weights, AdamW moments and warm-up position: the same step
+    assert resumed["value_loss"] == pytest.approx(after_saved["value_loss"], rel=1e-6)
+    assert resumed["lr"] == after_saved["lr"]
+    resumed_state = fresh.state_summary()
+    for name, values in critic.state_summary().items():
+        assert resumed_state[name] == pytest.approx(values, abs=1e-6)

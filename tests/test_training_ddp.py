@@ -22,7 +22,7 @@ def batch_of(n: int) -> ra.Batch:
         masks.append([0, 0] + [1] * (length - 2))
         adv.append([float((-1) ** i)] * length)
     return ra.Batch({"input_ids": ids, "loss_mask": masks, "advantages": adv,
-                     "old_logprobs": [[0.0] * len(r) for r in ids]})
+                     "behaviour_logprobs": [[0.0] * len(r) for r in ids]})
 
 
 def test_two_ranks_match_one_rank_on_the_whole_batch(make_rm, tmp_path):
@@ -47,7 +47,7 @@ def rows_of(lengths: list[int]) -> ra.Batch:
     ids = [torch.randint(3, 60, (n,), generator=g).tolist() for n in lengths]
     return ra.Batch({"input_ids": ids, "loss_mask": [[0] + [1] * (n - 1) for n in lengths],
                      "advantages": [[float((-1) ** i)] * n for i, n in enumerate(lengths)],
-                     "old_logprobs": [[0.0] * n for n in lengths]})
+                     "behaviour_logprobs": [[0.0] * n for n in lengths]})
 
 
 def test_ranks_with_uneven_or_empty_shares_still_step_together(make_rm, tmp_path):

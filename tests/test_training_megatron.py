@@ -148,7 +148,7 @@ def batch_of(n: int, vocab: int) -> ra.Batch:
         adv.append([float((-1) ** i) * (1 + i / n)] * length)
         old.append((-3 - torch.rand(length, generator=g)).tolist())
         ref.append((-3 - torch.rand(length, generator=g)).tolist())
-    return ra.Batch({"input_ids": ids, "loss_mask": masks, "advantages": adv, "old_logprobs": old,
+    return ra.Batch({"input_ids": ids, "loss_mask": masks, "advantages": adv, "behaviour_logprobs": old,
                      "ref_logprobs": ref})
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Any, Literal, Sequence
+
 import torch
 
 
@@ -69,7 +72,8 @@ def skip_observation_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask:
 
 def length_adaptive_lambda(lengths: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:
     """Length-adaptive GAE lambda ``lam = 1 - 1 / (alpha * l)`` (clamped to [0, 1]): longer sequences
-    use a lambda closer to 1 so the bias of bootstrapping does not grow with length."""
+    use a lambda closer to 1 so the bias of bootstrapping does not grow with length. ``alpha = 0.05`` is
+    VAPO's value; SAO (seed 003 §4) uses ``alpha = 1.5`` for the policy (``CriticConfig(preset="sao")``)."""
     return (1.0 - 1.0 / (alpha * lengths.to(torch.float32)).clamp(min=1e-6)).clamp(0.0, 1.0)
 
 
@@ -80,3 +84,54 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
     mean = (x * m).sum() / n
     var = (((x - mean) * m) ** 2).sum() / n
     return (x - mean) / torch.sqrt(var + eps) * m
+
+
+class RunningMeanBaseline:
+    """The critic-free single-rollout baseline SAO compares against (seed 003 §4 "single-rollout with
+    Running-mean baseline", §5 "Running Mean Advantage Estimation"): ``A = r - b`` with ``b`` the mean
+    of a sliding window of the most recent rewards, kept per prompt (``scope="prompt"``, the §4 ablation:
+    a window of 8) or over all prompts (``scope="global"``, the §5 online setting: a window of 128).
+
+    Each call of :meth:`advantages` scores a batch against the windows as they were *before* it (so a
+    sample never baselines itself, and members of one batch sharing a prompt share its baseline), then
+    appends the batch's rewards in order, the oldest falling out of a full window. A prompt with no
+    history yet has no baseline (``b = 0``: plain REINFORCE for that sample). ``scope="prompt"`` pays off
+    only when prompts recur (a dataset seen several times); for envs that draw a fresh prompt per
+    episode use ``scope="global"``."""
+
+    def __init__(self, window: int = 8, scope: Literal["prompt", "global"] = "prompt"):
+        if window < 1:
+            raise ValueError(f"RunningMeanBaseline(window={window}): the window needs at least 1 reward")
+        if scope not in ("prompt", "global"):
+            raise ValueError(f"RunningMeanBaseline(scope={scope!r}): use 'prompt' or 'global'")
+        self.window = window
+        self.scope = scope
+        self._windows: dict[str, deque[float]] = {}
+
+    def _key(self, key: str) -> str:
+        return key if self.scope == "prompt" else "*"
+
+    def baseline(self, key: str) -> float:
+        """The mean of ``key``'s window (0 for a key with no history)."""
+        w = self._windows.get(self._key(key))
+        return sum(w) / len(w) if w else 0.0
+
+    def advantages(self, keys: Sequence[str], rewards: Sequence[float]) -> list[float]:
+        """``r_i - b(key_i)`` for the batch, then the batch's rewards join the windows."""
+        if len(keys) != len(rewards):
+            raise ValueError(f"RunningMeanBaseline: {len(keys)} keys for {len(rewards)} rewards")
+        out = [float(r) - self.baseline(k) for k, r in zip(keys, rewards)]
+        for k, r in zip(keys, rewards):
+            self._windows.setdefault(self._key(k), deque(maxlen=self.window)).append(float(r))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain lists and strings (loadable by ``torch.load(weights_only=True)``)."""
+        return {"window": self.window, "scope": self.scope,
+                "windows": {k: list(w) for k, w in self._windows.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("scope", self.scope) != self.scope:
+            raise ValueError(f"RunningMeanBaseline: the checkpoint's scope is {state['scope']!r}, the config's "
+                             f"{self.scope!r}; resume with the same running_mean.scope")
+        self._windows = {k: deque((float(x) for x in w), maxlen=self.window) for k, w in state["windows"].items()}

@@ -45,6 +45,10 @@ class TrainConfig(BaseModel):
     entropy_coef: float = Field(default=0.0, ge=0)  # loss -= coef * mean entropy of the action tokens
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
     ppo_epochs: int = Field(default=1, ge=1)
+    # pi_old (the proximal policy): "auto" recomputes it with an extra forward pass only when it can
+    # differ from the current policy's detached log-probs (ppo_epochs > 1) and the loss reads it;
+    # "recompute" always does (one extra forward per micro-batch; for comparisons)
+    proximal: Literal["auto", "recompute"] = "auto"
     seed: int = 0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
@@ -63,3 +67,15 @@ class TrainConfig(BaseModel):
             raise ValueError("train.strategy: megatron needs megatron-core; install it with "
                              "pip install 'rollart[megatron]' or set train.strategy: torch")
         return self
+
+
+class RunningMeanConfig(BaseModel):
+    """``advantage: running_mean`` (seed 003's critic-free single-rollout baseline, see
+    :class:`rollart.algorithms.RunningMeanBaseline`): ``A = r - mean(window)`` over the ``window`` most
+    recent rewards of the same prompt (``scope: prompt``, the paper's ablation: 8) or of all prompts
+    (``scope: global``, the paper's online setting: 128)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    window: int = Field(default=8, ge=1)
+    scope: Literal["prompt", "global"] = "prompt"

@@ -17,6 +17,8 @@ over action tokens only; the successor of the last token of action ``i`` is the 
 The sequence reward sits on the last action token (``r_t = 0`` elsewhere), so with ``gamma = lam = 1``
 ``A_t = reward - V_t`` on every action token. Observation and prompt tokens get ``A = R = 0``. With
 ``length_adaptive`` each trajectory gets ``lam = 1 - 1 / (alpha * l)`` for its ``l`` action tokens.
+The returns use their own lambda, ``critic_lambda`` (SAO: ``lambda_critic = 1``, so ``R_t`` is the
+Monte-Carlo return, while the policy uses the length-adaptive lambda with ``alpha = 1.5``).
 Advantages are whitened over all action tokens of the batch after the returns are taken.
 
 Critic loss (:func:`rollart.algorithms.value_loss`): ``0.5 * max((V - R)^2, (clip(V, V_old ± c) - R)^2)``,
@@ -42,44 +44,80 @@ Seed 003 §3 gives two value-training designs, both here:
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import torch
-import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import rollart as ra
 from rollart.cluster.batch import Batch
 from rollart.rollout.types import Trajectory
+from rollart.training import columns as C
+from rollart.training.accumulation import accumulate_step, global_sum, plan_share
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
-    DP_SPLIT_EVERY_RANK, join_data_parallel, microbatch_count, model_path, sync_grads_on_last, worker_device,
-    zero_backward,
+    DP_SPLIT_EVERY_RANK,
+    join_data_parallel,
+    model_path,
+    worker_device,
 )
+
+SAO_PRESET: dict[str, Any] = {
+    "epochs": 2,  # K = 2 value updates per actor step
+    "freeze_attention": True,
+    "gamma": 1.0,
+    "length_adaptive_lambda": True,  # lambda_policy = 1 - 1 / (alpha * l)
+    "lambda_alpha": 1.5,
+    "critic_lambda": 1.0,  # lambda_critic = 1: the value targets are the Monte-Carlo returns
+    "warmup_steps": 10,
+}
+"""What ``preset: sao`` sets (seed 003 §4 "Implementation details"); a field given explicitly wins. The
+paper's critic learning rate (5e-6, for a 30B model) is not part of it: set ``lr`` for your model."""
 
 
 class CriticConfig(BaseModel):
-    """How the critic trains. ``model`` is a Hugging Face causal-LM folder (default: the built-in tiny
-    model); ``epochs`` is K, the value updates per actor step."""
+    """How the critic trains and how its values become advantages. ``model`` is a Hugging Face causal-LM
+    folder (default: the built-in tiny model); ``epochs`` is K, the value updates per actor step.
+
+    Lambdas: ``lam`` is the policy's GAE lambda (the advantages), or with ``length_adaptive_lambda``
+    ``1 - 1 / (lambda_alpha * l)`` per trajectory of ``l`` action tokens; ``critic_lambda`` is the lambda of
+    the critic's regression targets (the returns), ``None`` for the policy's. ``preset: sao`` fills in
+    :data:`SAO_PRESET` for every field the config does not give."""
 
     model_config = ConfigDict(extra="forbid")
 
+    preset: Literal["sao"] | None = None
     model: str | None = None
     lr: float = Field(default=1e-3, gt=0)
+    warmup_steps: int = Field(default=0, ge=0)  # linear learning-rate warm-up over this many train_steps
     epochs: int = Field(default=2, ge=1)
     freeze_attention: bool = False
     value_clip: float | None = 0.2
     gamma: float = Field(default=1.0, ge=0, le=1)
     lam: float = Field(default=0.95, ge=0, le=1)
     length_adaptive_lambda: bool = False
+    lambda_alpha: float = Field(default=0.05, gt=0)  # VAPO's 0.05 unless preset: sao (1.5)
+    critic_lambda: float | None = Field(default=None, ge=0, le=1)
     max_tokens_per_microbatch: int = Field(default=16384, gt=0)
     grad_clip: float | None = 1.0
     seed: int = 0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") is not None:
+            if data["preset"] != "sao":
+                raise ValueError(f"critic.preset={data['preset']!r}: the only preset is 'sao' (or leave it out)")
+            data = {**SAO_PRESET, **data}
+        return data
+
     def gae_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`gae_batch` this config names."""
-        return {"gamma": self.gamma, "lam": self.lam, "length_adaptive": self.length_adaptive_lambda}
+        """The keyword arguments of :func:`rollart.training.data.add_advantages` (``gae``) this config names."""
+        return {"gamma": self.gamma, "lam": self.lam, "critic_lam": self.critic_lambda,
+                "length_adaptive": self.length_adaptive_lambda, "alpha": self.lambda_alpha}
 
 
 class ValueModel(torch.nn.Module):
@@ -124,6 +162,9 @@ class CriticWorker(ra.Worker):
         self.model: torch.nn.Module = self.module
         self.optimizer = torch.optim.AdamW([p for p in self.module.parameters() if p.requires_grad],
                                            lr=self.config.lr, weight_decay=0.0)
+        warm = self.config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
         self.distributed = False
         self.steps = 0
 
@@ -141,33 +182,26 @@ class CriticWorker(ra.Worker):
         self.distributed = backend != "single"
         return backend
 
-    def _global_sum(self, values: list[float]) -> list[float]:
-        if not self.distributed:
-            return values
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
-        return t.tolist()
-
     def _tensors(self, batch: Batch, idx: list[int], with_targets: bool) -> dict[str, torch.Tensor]:
-        ids = [batch["input_ids"][i] for i in idx]
-        out = {"input_ids": pad_right(ids, 0, torch.long),
-               "attention_mask": pad_right([[1] * len(s) for s in ids], 0, torch.long)}
+        ids = [batch[C.INPUT_IDS][i] for i in idx]
+        out = {C.INPUT_IDS: pad_right(ids, 0, torch.long),
+               C.ATTENTION_MASK: pad_right([[1] * len(s) for s in ids], 0, torch.long)}
         if with_targets:
-            out["loss_mask"] = pad_right([batch["loss_mask"][i] for i in idx], 0, torch.float32)
-            out["old_values"] = pad_right([batch["values"][i] for i in idx], 0.0, torch.float32)
-            out["returns"] = pad_right([batch["returns"][i] for i in idx], 0.0, torch.float32)
+            out[C.LOSS_MASK] = pad_right([batch[C.LOSS_MASK][i] for i in idx], 0, torch.float32)
+            out[C.VALUES] = pad_right([batch[C.VALUES][i] for i in idx], 0.0, torch.float32)
+            out[C.RETURNS] = pad_right([batch[C.RETURNS][i] for i in idx], 0.0, torch.float32)
         return {k: v.to(self.device) for k, v in out.items()}
 
     # ------------------------------------------------------------------ values and training
     @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
     def compute_values(self, batch: Batch) -> list[list[float]]:
         """Per-token values of each row under the current weights, each row cut to its length."""
-        lengths = [len(s) for s in batch["input_ids"]]
+        lengths = [len(s) for s in batch[C.INPUT_IDS]]
         out: list[list[float] | None] = [None] * len(lengths)
         with torch.no_grad():
             for idx in plan_microbatches(lengths, self.config.max_tokens_per_microbatch):
                 mb = self._tensors(batch, idx, with_targets=False)
-                v = self.module(mb["input_ids"], mb["attention_mask"]).cpu()
+                v = self.module(mb[C.INPUT_IDS], mb[C.ATTENTION_MASK]).cpu()
                 for row, i in enumerate(idx):
                     out[i] = v[row, : lengths[i]].tolist()
         return out  # type: ignore[return-value]
@@ -182,53 +216,52 @@ class CriticWorker(ra.Worker):
         from rollart.algorithms import value_loss
 
         cfg = self.config
-        lengths = [len(s) for s in batch["input_ids"]] if len(batch) else []
-        plans = plan_microbatches(lengths, cfg.max_tokens_per_microbatch)
-        mbs = [self._tensors(batch, idx, with_targets=True) for idx in plans]
-        local = float(sum(float(mb["loss_mask"].sum()) for mb in mbs))
-        total = self._global_sum([local])[0]
-        passes = microbatch_count(len(mbs), self.distributed)
+        if len(batch):
+            C.require(batch, C.INPUT_IDS, C.LOSS_MASK, C.VALUES, C.RETURNS, who="CriticWorker.train_step")
+        lengths = [len(s) for s in batch[C.INPUT_IDS]] if len(batch) else []
+        local = float(sum(sum(m) for m in batch[C.LOSS_MASK])) if lengths else 0.0
+        total = global_sum([local], self.distributed)[0]
+        share = plan_share(lengths, cfg.max_tokens_per_microbatch,
+                           lambda idx: self._tensors(batch, idx, with_targets=True), self.distributed)
         scale_world = self.world_size if self.distributed else 1
+        params = [p for p in self.module.parameters() if p.requires_grad]
         losses, clipfracs, evs, norms = [], [], [], []
+        # sums over the action tokens of one pass: loss, clipped, n, R, R^2, R-V, (R-V)^2
+        acc = [0.0] * 7
+
+        def backward(mb: dict[str, torch.Tensor]) -> None:
+            values = self.value(mb[C.INPUT_IDS], mb[C.ATTENTION_MASK])
+            mask, old, ret = mb[C.LOSS_MASK], mb[C.VALUES], mb[C.RETURNS]
+            n = float(mask.sum())
+            loss = value_loss(values, old, ret, mask, clip=cfg.value_clip)
+            (loss * (n / max(total, 1.0)) * scale_world).backward()
+            with torch.no_grad():
+                v = values.detach()
+                clipped = 0.0
+                if cfg.value_clip is not None:
+                    vc = old + (v - old).clamp(-cfg.value_clip, cfg.value_clip)
+                    clipped = float((((vc - ret) ** 2 > (v - ret) ** 2).float() * mask).sum())
+                err = ret - v
+                sums = [float(loss) * n, clipped, n, float((ret * mask).sum()), float((ret ** 2 * mask).sum()),
+                        float((err * mask).sum()), float((err ** 2 * mask).sum())]
+                acc[:] = [a + b for a, b in zip(acc, sums)]
+
         for _ in range(cfg.epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            # sums over the action tokens: loss, clipped, n, R, R^2, R-V, (R-V)^2
-            acc = [0.0] * 7
-            for i in range(passes):
-                with sync_grads_on_last(self.model, i, passes):
-                    if i >= len(mbs):  # fewer micro-batches than another rank: a zero pass (see placement)
-                        zero_backward(self.value, self.device)
-                        continue
-                    mb = mbs[i]
-                    values = self.value(mb["input_ids"], mb["attention_mask"])
-                    mask, old, ret = mb["loss_mask"], mb["old_values"], mb["returns"]
-                    n = float(mask.sum())
-                    loss = value_loss(values, old, ret, mask, clip=cfg.value_clip)
-                    (loss * (n / max(total, 1.0)) * scale_world).backward()
-                with torch.no_grad():
-                    v = values.detach()
-                    clipped = 0.0
-                    if cfg.value_clip is not None:
-                        vc = old + (v - old).clamp(-cfg.value_clip, cfg.value_clip)
-                        clipped = float((((vc - ret) ** 2 > (v - ret) ** 2).float() * mask).sum())
-                    err = ret - v
-                    acc = [a + b for a, b in zip(acc, [float(loss) * n, clipped, n, float((ret * mask).sum()),
-                                                       float((ret ** 2 * mask).sum()), float((err * mask).sum()),
-                                                       float((err ** 2 * mask).sum())])]
-            s_loss, s_clip, s_n, s_r, s_r2, s_e, s_e2 = self._global_sum(acc)
+            acc[:] = [0.0] * 7
+            norm = accumulate_step(model=self.model, params=params, optimizer=self.optimizer, share=share,
+                                   backward=backward, zero_forward=self.value, device=self.device,
+                                   grad_clip=cfg.grad_clip)
+            # the metrics are all-reduced after the optimiser step: the same collective order on every rank
+            s_loss, s_clip, s_n, s_r, s_r2, s_e, s_e2 = global_sum(acc, self.distributed)
             n = max(s_n, 1.0)
             var_r = s_r2 / n - (s_r / n) ** 2
             var_e = s_e2 / n - (s_e / n) ** 2
             losses.append(s_loss / n)
             clipfracs.append(s_clip / n)
             evs.append(1.0 - var_e / var_r if var_r > 1e-12 else 0.0)
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            if cfg.grad_clip:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)))
-            else:
-                norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])))
-            self.optimizer.step()
+            norms.append(norm)
         self.steps += 1
+        self.scheduler.step()  # the warm-up counts train_steps (actor steps), not the K updates within one
         if not lengths:
             return None
         k = float(cfg.epochs)
@@ -236,7 +269,31 @@ class CriticWorker(ra.Worker):
                 "value_clipfrac": sum(clipfracs) / k, "explained_variance": sum(evs) / k,
                 "grad_norm": sum(norms) / k, "epochs": k, "frozen_params": float(self.frozen_params),
                 "frozen_tensors": float(self.frozen_tensors), "tokens": local, "rows": float(len(lengths)),
-                "microbatches": float(len(plans))}
+                "microbatches": float(len(share.plans)), "lr": self.scheduler.get_last_lr()[0]}
+
+    # ------------------------------------------------------------------ checkpoints
+    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
+    def save_checkpoint(self, path: str, step: int) -> str:
+        """Value model, optimiser, warm-up schedule and step counters in one file (tensors, dicts, lists and
+        numbers only: ``torch.load(weights_only=True)`` reads it). ``step`` is the pipeline step it
+        belongs to, checked on resume against the actor's checkpoint."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "steps": self.steps, "step": int(step)}, tmp)
+        os.replace(tmp, target)  # a crash mid-write never leaves a torn checkpoint
+        return str(target)
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> dict[str, int]:
+        """Restore :meth:`save_checkpoint`'s file on every rank; returns its ``step`` and ``steps``."""
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state["steps"])
+        return {"step": int(state["step"]), "steps": self.steps}
 
     # ------------------------------------------------------------------ inspection
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
@@ -255,46 +312,12 @@ class CriticWorker(ra.Worker):
 
 
 def gae_batch(groups: Sequence[Sequence[Trajectory]], values: Sequence[Sequence[float]], *, gamma: float = 1.0,
-              lam: float = 0.95, length_adaptive: bool = False, alpha: float = 0.05, whiten: bool = True) -> Batch:
-    """A training ``Batch`` like :func:`rollart.training.data.trajectories_to_batch`, with advantages from
-    skip-observation GAE under the critic's ``values`` (one row per trajectory, in group order, e.g. the
-    output of ``CriticWorker.compute_values``), plus ``values`` and ``returns`` columns (returns are
-    taken before whitening; both are 0 off the action tokens)."""
-    from rollart.algorithms import length_adaptive_lambda, skip_observation_gae
-    from rollart.algorithms import whiten as whiten_fn
-    from rollart.training.data import trajectories_to_batch
+              lam: float = 0.95, critic_lam: float | None = None, length_adaptive: bool = False,
+              alpha: float = 0.05, whiten: bool = True) -> Batch:
+    """:func:`rollart.training.data.trajectories_to_batch` then :func:`rollart.training.data.add_advantages`
+    with ``gae`` under the critic's ``values`` (one row per trajectory, in group order, e.g. the output of
+    ``CriticWorker.compute_values``): the batch plus ``advantages``, ``values`` and ``returns``."""
+    from rollart.training.data import add_advantages, trajectories_to_batch
 
-    batch = trajectories_to_batch(groups, advantage="grpo")  # common columns; advantages replaced below
-    trajs = [t for g in groups for t in g]
-    if len(values) != len(trajs):
-        raise ValueError(f"gae_batch: {len(values)} value rows for {len(trajs)} trajectories")
-    advs: list[torch.Tensor] = []
-    rets: list[torch.Tensor] = []
-    vals: list[list[float]] = []
-    for t, v in zip(trajs, values):
-        T = len(t.token_ids)
-        if len(v) != T or len(t.loss_mask) != T:
-            raise ValueError(f"gae_batch: trajectory {t.traj_id} has {T} tokens, {len(t.loss_mask)} mask entries "
-                             f"and {len(v)} values")
-        mask = torch.tensor(t.loss_mask, dtype=torch.float32)
-        value = torch.tensor(list(v), dtype=torch.float32) * (mask > 0)
-        rewards = torch.zeros(T)
-        actions = torch.nonzero(mask > 0).flatten()
-        if len(actions):
-            rewards[actions[-1]] = float(t.reward)  # type: ignore[arg-type]
-        lam_t = lam
-        if length_adaptive:
-            lam_t = float(length_adaptive_lambda(torch.tensor([float(len(actions))]), alpha=alpha)[0])
-        adv, ret = skip_observation_gae(rewards[None], value[None], mask[None], gamma, lam_t)
-        advs.append(adv[0])
-        rets.append(ret[0])
-        vals.append(value.tolist())
-    if whiten and advs:
-        flat_adv = torch.cat(advs)
-        flat_mask = torch.cat([torch.tensor(t.loss_mask, dtype=torch.float32) for t in trajs])
-        flat = whiten_fn(flat_adv, flat_mask)
-        advs = list(torch.split(flat, [len(a) for a in advs]))
-    batch["advantages"] = [a.tolist() for a in advs]
-    batch["values"] = vals
-    batch["returns"] = [r.tolist() for r in rets]
-    return batch
+    return add_advantages(trajectories_to_batch(groups, advantage=None), "gae", values=values, gamma=gamma, lam=lam,
+                          critic_lam=critic_lam, length_adaptive=length_adaptive, alpha=alpha, whiten=whiten)

@@ -1,20 +1,30 @@
-"""Turn trajectory groups into a training ``Batch`` with advantages (seed 000 §2.2, seed 004 §5.3).
+"""Trajectory groups → a training ``Batch``, then advantages as a step over that batch (seed 000 §2.2,
+seed 003 §3, seed 004 §5.3).
 
-Columns (one row per trajectory): ``input_ids``, ``loss_mask``, ``old_logprobs`` (behaviour logprobs of
-the action tokens, 0 elsewhere), ``versions``, ``advantages`` (per token), ``rewards``, ``group_index``,
-``tag``. GRPO normalises rewards within each group; the sequence advantage is broadcast over the
-sequence's action tokens.
+:func:`trajectories_to_batch` builds the columns (names in ``rollart.training.columns``), one row per
+trajectory: ``input_ids``, ``loss_mask``, ``behaviour_logprobs`` (the sampling engine's log-probs of the
+action tokens, 0 elsewhere), ``versions``, ``rewards``, ``group_index``, ``tag``, ``traj_id``,
+``prompt_key`` and, when an env reports dense credit, ``token_rewards``. :func:`add_advantages` then adds
+``advantages`` (per token) with one estimator: ``grpo`` (group-normalised sequence reward broadcast over
+the sequence), ``grpo_token`` (dense per-token credit), ``reinforce`` (leave-one-out), ``running_mean``
+(a window of past rewards, :class:`rollart.algorithms.RunningMeanBaseline`) or ``gae`` (skip-observation
+GAE under a critic's values, which also adds ``values`` and ``returns``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 import torch
 
 from rollart.algorithms import grpo_advantages
+from rollart.algorithms.advantages import RunningMeanBaseline
 from rollart.cluster.batch import Batch
 from rollart.rollout.types import Trajectory
+from rollart.training import columns as C
+
+ADVANTAGE_METHODS = ("grpo", "grpo_token", "reinforce", "running_mean", "gae")
 
 
 def token_group_advantages(groups: Sequence[Sequence[Trajectory]], eps: float = 1e-6) -> list[list[float]]:
@@ -46,46 +56,153 @@ def token_group_advantages(groups: Sequence[Sequence[Trajectory]], eps: float = 
     return out
 
 
+def prompt_key(token_ids: Sequence[int], loss_mask: Sequence[int]) -> str:
+    """A digest of the tokens before the first action token (the first prompt): equal prompts, equal keys."""
+    first = next((i for i, m in enumerate(loss_mask) if m), len(token_ids))
+    return hashlib.sha1(",".join(str(int(x)) for x in token_ids[:first]).encode()).hexdigest()[:16]
+
+
 def trajectories_to_batch(groups: Sequence[Sequence[Trajectory]], *, norm_std: bool = True,
-                          advantage: str = "grpo") -> Batch:
-    """``advantage``: ``grpo`` (sequence reward, group-normalised), ``grpo_token`` (dense per-token
-    credit, see :func:`token_group_advantages`, for groups whose env reports it; sequence GRPO for the
-    others) or ``reinforce`` (leave-one-out baseline)."""
+                          advantage: str | None = "grpo") -> Batch:
+    """The training batch of ``groups`` (see the module docstring). With ``advantage`` set (``grpo``,
+    ``grpo_token`` or ``reinforce``, the estimators that need nothing but the batch) the advantages are
+    added by :func:`add_advantages`; ``advantage=None`` leaves them to a later :func:`add_advantages`."""
     trajs = [t for g in groups for t in g]
     if any(t.reward is None for t in trajs):
         raise ValueError("a trajectory without a reward reached the trainer; failed rewards must be dropped or requeued")
-    rewards = torch.tensor([float(t.reward) for t in trajs])  # type: ignore[arg-type]
-    group_index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g])
-    if advantage == "grpo_token":
-        # dense credit where the env gives it (char_rewards); sequence GRPO for the other groups
-        seq_adv = grpo_advantages(rewards, group_index, norm_std=norm_std).tolist()
-        per_token, row = [], 0
-        for group in groups:
-            if all(t.token_rewards is not None for t in group):
-                per_token += token_group_advantages([group])
-            else:
-                per_token += [[seq_adv[row + k]] * len(t.token_ids) for k, t in enumerate(group)]
-            row += len(group)
-    else:
-        if advantage == "grpo":
-            adv = grpo_advantages(rewards, group_index, norm_std=norm_std)
-        elif advantage == "reinforce":
-            from rollart.algorithms import reinforce_baseline_advantages
+    columns = {
+        C.INPUT_IDS: [list(t.token_ids) for t in trajs],
+        C.LOSS_MASK: [list(t.loss_mask) for t in trajs],
+        C.BEHAVIOUR_LOGPROBS: [list(t.logprobs) for t in trajs],
+        C.VERSIONS: [list(t.versions) for t in trajs],
+        C.REWARDS: torch.tensor([float(t.reward) for t in trajs]),  # type: ignore[arg-type]
+        C.GROUP_INDEX: torch.tensor([gi for gi, g in enumerate(groups) for _ in g]),
+        C.TAG: [t.tag for t in trajs],
+        C.TRAJ_ID: [t.traj_id for t in trajs],
+        C.PROMPT_KEY: [prompt_key(t.token_ids, t.loss_mask) for t in trajs],
+    }
+    if any(t.token_rewards is not None for t in trajs):
+        columns[C.TOKEN_REWARDS] = [None if t.token_rewards is None else list(t.token_rewards) for t in trajs]
+    batch = Batch(columns, meta={"num_groups": len(groups)})
+    if advantage is not None:
+        if advantage in ("running_mean", "gae"):
+            raise ValueError(f"trajectories_to_batch(advantage={advantage!r}): this estimator needs state "
+                             "(a baseline or the critic's values); build with advantage=None, then call "
+                             "add_advantages(batch, ...)")
+        add_advantages(batch, advantage, norm_std=norm_std)
+    return batch
 
-            adv = reinforce_baseline_advantages(rewards, group_index)
-        else:
-            raise ValueError(f"advantage={advantage!r}: use grpo, grpo_token or reinforce")
-        per_token = [[float(a)] * len(t.token_ids) for a, t in zip(adv.tolist(), trajs)]
-    return Batch(
-        {
-            "input_ids": [list(t.token_ids) for t in trajs],
-            "loss_mask": [list(t.loss_mask) for t in trajs],
-            "old_logprobs": [list(t.logprobs) for t in trajs],
-            "versions": [list(t.versions) for t in trajs],
-            "advantages": per_token,
-            "rewards": rewards,
-            "group_index": group_index,
-            "tag": [t.tag for t in trajs],
-        },
-        meta={"num_groups": len(groups)},
-    )
+
+def _rows_of_groups(batch: Batch) -> list[list[int]]:
+    index = [int(g) for g in batch[C.GROUP_INDEX].tolist()]
+    rows: dict[int, list[int]] = {}
+    for r, g in enumerate(index):
+        rows.setdefault(g, []).append(r)
+    return list(rows.values())
+
+
+def _broadcast(batch: Batch, seq_adv: Sequence[float]) -> list[list[float]]:
+    return [[float(a)] * len(ids) for a, ids in zip(seq_adv, batch[C.INPUT_IDS])]
+
+
+def add_advantages(batch: Batch, method: str, *, norm_std: bool = True, values: Sequence[Sequence[float]] | None = None,
+                   baseline: RunningMeanBaseline | None = None, gamma: float = 1.0, lam: float = 0.95,
+                   critic_lam: float | None = None, length_adaptive: bool = False, alpha: float = 0.05,
+                   whiten: bool = True) -> Batch:
+    """Add the ``advantages`` column to ``batch`` (in place; returned for chaining) with ``method``:
+
+    * ``grpo``: ``(r - mean_g r) / (std_g r + eps)`` within each group (``norm_std=False`` only centres);
+    * ``grpo_token``: dense credit (``token_rewards``) normalised per action position within each group
+      whose env reports it, sequence GRPO for the other groups;
+    * ``reinforce``: leave-one-out group baseline;
+    * ``running_mean``: ``r - b`` with ``b`` from ``baseline`` (its window is then updated with the
+      batch's rewards), broadcast over the sequence;
+    * ``gae``: skip-observation GAE under the critic's ``values`` (see :func:`gae_advantages`).
+    """
+    if method == "gae":
+        if values is None:
+            raise ValueError("add_advantages(method='gae') needs the critic's values (values=...)")
+        return gae_advantages(batch, values, gamma=gamma, lam=lam, critic_lam=critic_lam,
+                              length_adaptive=length_adaptive, alpha=alpha, whiten=whiten)
+    rewards = batch[C.REWARDS]
+    if method == "grpo":
+        per_token = _broadcast(batch, grpo_advantages(rewards, batch[C.GROUP_INDEX], norm_std=norm_std).tolist())
+    elif method == "reinforce":
+        from rollart.algorithms import reinforce_baseline_advantages
+
+        per_token = _broadcast(batch, reinforce_baseline_advantages(rewards, batch[C.GROUP_INDEX]).tolist())
+    elif method == "running_mean":
+        if baseline is None:
+            raise ValueError("add_advantages(method='running_mean') needs a RunningMeanBaseline (baseline=...), "
+                             "kept across steps")
+        per_token = _broadcast(batch, baseline.advantages(list(batch[C.PROMPT_KEY]), rewards.tolist()))
+    elif method == "grpo_token":
+        # dense credit where the env gives it (char_rewards); sequence GRPO for the other groups
+        seq_adv = grpo_advantages(rewards, batch[C.GROUP_INDEX], norm_std=norm_std).tolist()
+        credit = batch[C.TOKEN_REWARDS] if C.TOKEN_REWARDS in batch else [None] * len(batch)
+        per_token = [[]] * len(batch)
+        for rows in _rows_of_groups(batch):
+            if all(credit[r] is not None for r in rows):
+                group = [Trajectory(traj_id=batch[C.TRAJ_ID][r], group_id="", tag=batch[C.TAG][r],
+                                    token_ids=batch[C.INPUT_IDS][r], loss_mask=batch[C.LOSS_MASK][r],
+                                    token_rewards=credit[r]) for r in rows]
+                for r, adv in zip(rows, token_group_advantages([group])):
+                    per_token[r] = adv
+            else:
+                for r in rows:
+                    per_token[r] = [seq_adv[r]] * len(batch[C.INPUT_IDS][r])
+    else:
+        raise ValueError(f"advantage={method!r}: use one of {', '.join(ADVANTAGE_METHODS)}")
+    batch[C.ADVANTAGES] = per_token
+    return batch
+
+
+def gae_advantages(batch: Batch, values: Sequence[Sequence[float]], *, gamma: float = 1.0, lam: float = 0.95,
+                   critic_lam: float | None = None, length_adaptive: bool = False, alpha: float = 0.05,
+                   whiten: bool = True) -> Batch:
+    """Skip-observation GAE (seed 003 eq. 4–5) under the critic's ``values`` (one row per batch row, each
+    as long as the row). The sequence reward sits on the last action token. Adds ``advantages`` with the
+    policy's lambda (``lam``, or ``1 - 1/(alpha * l)`` per row of ``l`` action tokens with
+    ``length_adaptive``), ``returns`` (the critic's regression targets ``A + V``) computed with
+    ``critic_lam`` (None: the policy's lambda), and ``values``. Returns are taken before whitening;
+    advantages are whitened over all action tokens of the batch; all three are 0 off the action tokens."""
+    from rollart.algorithms import length_adaptive_lambda, skip_observation_gae
+    from rollart.algorithms import whiten as whiten_fn
+
+    n = len(batch)
+    if len(values) != n:
+        raise ValueError(f"gae_advantages: {len(values)} value rows for {n} trajectories")
+    advs: list[torch.Tensor] = []
+    rets: list[torch.Tensor] = []
+    vals: list[list[float]] = []
+    masks: list[torch.Tensor] = []
+    for r in range(n):
+        ids, mask_row, v = batch[C.INPUT_IDS][r], batch[C.LOSS_MASK][r], values[r]
+        T = len(ids)
+        if len(v) != T or len(mask_row) != T:
+            tid = batch[C.TRAJ_ID][r] if C.TRAJ_ID in batch else r
+            raise ValueError(f"gae_advantages: trajectory {tid} has {T} tokens, {len(mask_row)} mask entries "
+                             f"and {len(v)} values")
+        mask = torch.tensor(list(mask_row), dtype=torch.float32)
+        value = torch.tensor(list(v), dtype=torch.float32) * (mask > 0)
+        rewards = torch.zeros(T)
+        actions = torch.nonzero(mask > 0).flatten()
+        if len(actions):
+            rewards[actions[-1]] = float(batch[C.REWARDS][r])
+        lam_t = lam
+        if length_adaptive:
+            lam_t = float(length_adaptive_lambda(torch.tensor([float(len(actions))]), alpha=alpha)[0])
+        adv, ret = skip_observation_gae(rewards[None], value[None], mask[None], gamma, lam_t)
+        if critic_lam is not None and critic_lam != lam_t:
+            _, ret = skip_observation_gae(rewards[None], value[None], mask[None], gamma, critic_lam)
+        advs.append(adv[0])
+        rets.append(ret[0])
+        vals.append(value.tolist())
+        masks.append(mask)
+    if whiten and advs:
+        flat = whiten_fn(torch.cat(advs), torch.cat(masks))
+        advs = list(torch.split(flat, [len(a) for a in advs]))
+    batch[C.ADVANTAGES] = [a.tolist() for a in advs]
+    batch[C.VALUES] = vals
+    batch[C.RETURNS] = [r.tolist() for r in rets]
+    return batch

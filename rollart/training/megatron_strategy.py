@@ -15,7 +15,7 @@ What it does
     embeddings are untied.
 
     The worker subclasses ``TorchTrainWorker`` and keeps its ``train_step`` unchanged: micro-batching
-    (``rollart.training.microbatch``), the PPO "old" log-probs, ``rollart.algorithms.policy_loss`` with
+    (``rollart.training.microbatch``), the proximal log-probs when needed, ``rollart.algorithms.policy_loss`` with
     ``TrainConfig``'s ``loss`` / ``loss_params`` / ``loss_agg``, entropy and KL terms, the global token
     weighting, grad clipping, AdamW and the warm-up schedule are the very same code. What differs is
     the model behind ``self.model``: :class:`GPTCausalLM` presents the ``GPTModel`` with the Hugging

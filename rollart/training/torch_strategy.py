@@ -14,15 +14,19 @@ from typing import Any
 
 import ray
 import torch
-import torch.distributed as dist
 
 import rollart as ra
 from rollart.training.checkpoint_io import load_checkpoint_file, save_checkpoint_file
+from rollart.algorithms import loss_uses_proximal
+from rollart.training import columns as C
+from rollart.training.accumulation import accumulate_step, global_sum, plan_share
 from rollart.training.config import TrainConfig
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
-    DP_SPLIT_EVERY_RANK, join_data_parallel, microbatch_count, model_path, sync_grads_on_last, worker_device,
-    zero_backward,
+    DP_SPLIT_EVERY_RANK,
+    join_data_parallel,
+    model_path,
+    worker_device,
 )
 
 
@@ -42,11 +46,11 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 def batch_logprobs(model: torch.nn.Module, batch: ra.Batch, max_tokens: int, device: torch.device
                    ) -> list[list[float]]:
     """``token_logprobs`` of every row of ``batch["input_ids"]``, micro-batched, each row cut to its length."""
-    lengths = [len(s) for s in batch["input_ids"]]
+    lengths = [len(s) for s in batch[C.INPUT_IDS]]
     out: list[list[float] | None] = [None] * len(lengths)
     with torch.no_grad():
         for idx in plan_microbatches(lengths, max_tokens):
-            ids = [batch["input_ids"][i] for i in idx]
+            ids = [batch[C.INPUT_IDS][i] for i in idx]
             x = pad_right(ids, 0, torch.long).to(device)
             am = pad_right([[1] * len(s) for s in ids], 0, torch.long).to(device)
             lp = token_logprobs(model, x, am).cpu()
@@ -87,25 +91,28 @@ class TorchTrainWorker(ra.Worker):
         return backend
 
     # ------------------------------------------------------------------ training
-    def _global_sum(self, value: float) -> float:
-        if not self.distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t.item())
-
     def _microbatch_tensors(self, batch: ra.Batch, idx: list[int]) -> dict[str, torch.Tensor]:
-        ids = [batch["input_ids"][i] for i in idx]
+        ids = [batch[C.INPUT_IDS][i] for i in idx]
         out = {
-            "input_ids": pad_right(ids, 0, torch.long),
-            "attention_mask": pad_right([[1] * len(s) for s in ids], 0, torch.long),
-            "loss_mask": pad_right([batch["loss_mask"][i] for i in idx], 0, torch.float32),
-            "rollout_logprobs": pad_right([batch["old_logprobs"][i] for i in idx], 0.0, torch.float32),
-            "advantages": pad_right([batch["advantages"][i] for i in idx], 0.0, torch.float32),
+            C.INPUT_IDS: pad_right(ids, 0, torch.long),
+            C.ATTENTION_MASK: pad_right([[1] * len(s) for s in ids], 0, torch.long),
+            C.LOSS_MASK: pad_right([batch[C.LOSS_MASK][i] for i in idx], 0, torch.float32),
+            C.BEHAVIOUR_LOGPROBS: pad_right([batch[C.BEHAVIOUR_LOGPROBS][i] for i in idx], 0.0, torch.float32),
+            C.ADVANTAGES: pad_right([batch[C.ADVANTAGES][i] for i in idx], 0.0, torch.float32),
         }
-        if "ref_logprobs" in batch:
-            out["ref_logprobs"] = pad_right([batch["ref_logprobs"][i] for i in idx], 0.0, torch.float32)
+        if C.REF_LOGPROBS in batch:
+            out[C.REF_LOGPROBS] = pad_right([batch[C.REF_LOGPROBS][i] for i in idx], 0.0, torch.float32)
         return {k: v.to(self.device) for k, v in out.items()}
+
+    def needs_proximal_pass(self) -> bool:
+        """Whether ``train_step`` recomputes pi_old with an extra forward pass before the update. Not
+        needed when ``ppo_epochs == 1`` (the policy before the update is the one every micro-batch's
+        forward runs under, so ``pi_old = sg(pi_theta)`` and the ratio is 1 by construction), nor when
+        the loss never reads pi_old (DIS) and no ``tis_cap`` does; ``proximal: recompute`` forces it."""
+        cfg = self.config
+        if cfg.proximal == "recompute":
+            return True
+        return cfg.ppo_epochs > 1 and (loss_uses_proximal(cfg.loss) or cfg.tis_cap is not None)
 
     @ra.register(dispatch=DP_SPLIT_EVERY_RANK)
     def train_step(self, batch: ra.Batch) -> dict[str, float] | None:
@@ -114,73 +121,76 @@ class TorchTrainWorker(ra.Worker):
         from rollart.algorithms import kl_penalty, policy_loss
 
         cfg = self.config
-        lengths = [len(s) for s in batch["input_ids"]] if len(batch) else []
-        plans = plan_microbatches(lengths, cfg.max_tokens_per_microbatch)
-        mbs = [self._microbatch_tensors(batch, idx) for idx in plans]
+        if len(batch):
+            C.require(batch, C.INPUT_IDS, C.LOSS_MASK, C.BEHAVIOUR_LOGPROBS, C.ADVANTAGES, who="train_step")
+        lengths = [len(s) for s in batch[C.INPUT_IDS]] if len(batch) else []
         seq_level = cfg.loss_agg.startswith("seq")
-        local = float(len(lengths)) if seq_level else float(sum(sum(m) for m in batch["loss_mask"])) if lengths else 0.0
-        total = self._global_sum(local)
-        passes = microbatch_count(len(mbs), self.distributed)
+        tokens = float(sum(sum(m) for m in batch[C.LOSS_MASK])) if lengths else 0.0
+        local = float(len(lengths)) if seq_level else tokens
+        total = global_sum([local], self.distributed)[0]
+        share = plan_share(lengths, cfg.max_tokens_per_microbatch, lambda idx: self._microbatch_tensors(batch, idx),
+                           self.distributed)
         scale_world = self.world_size if self.distributed else 1
-        with torch.no_grad():  # the policy before this update: the PPO "old" policy (local forwards)
-            for mb in mbs:
-                mb["old_logprobs"] = token_logprobs(self.module, mb["input_ids"], mb["attention_mask"])
+        recomputed = self.needs_proximal_pass()
+        if recomputed:
+            with torch.no_grad():  # the policy before this update: pi_old (local forwards)
+                for mb in share.microbatches:
+                    mb[C.PROXIMAL_LOGPROBS] = token_logprobs(self.module, mb[C.INPUT_IDS], mb[C.ATTENTION_MASK])
         metrics: dict[str, float] = {}
-        with torch.no_grad():  # how far the engine that sampled is from the trainer (should be ~0)
-            num = sum(float(((mb["old_logprobs"] - mb["rollout_logprobs"]).abs() * mb["loss_mask"]).sum()) for mb in mbs)
-            den = sum(float(mb["loss_mask"].sum()) for mb in mbs)
-            metrics["rollout_abs_logprob_diff"] = num / max(den, 1.0) * len(mbs) * cfg.ppo_epochs
         n_metric = 0
+        # |pi_old - mu| over the action tokens: how far the engine that sampled is from the trainer (~0)
+        drift = [0.0, 0.0]
+        epoch = 0
+
+        def backward(mb: dict[str, torch.Tensor]) -> None:
+            nonlocal n_metric
+            logp, entropy = token_logprobs(self.model, mb[C.INPUT_IDS], mb[C.ATTENTION_MASK], with_entropy=True)
+            mask, behaviour = mb[C.LOSS_MASK], mb[C.BEHAVIOUR_LOGPROBS]
+            if recomputed:
+                proximal: torch.Tensor | None = mb[C.PROXIMAL_LOGPROBS]
+            elif cfg.ppo_epochs == 1:
+                proximal = logp.detach()  # no update happened yet in this step: this is pi_old
+            else:
+                proximal = None  # the loss never reads pi_old (see needs_proximal_pass)
+            if epoch == 0:
+                old = logp.detach() if proximal is None else proximal
+                drift[0] += float(((old - behaviour).abs() * mask).sum())
+                drift[1] += float(mask.sum())
+            kwargs: dict[str, Any] = dict(cfg.loss_params)
+            if cfg.tis_cap is not None:
+                kwargs["tis_cap"] = cfg.tis_cap
+            loss, m = policy_loss(cfg.loss, logp, mb[C.ADVANTAGES], mask, proximal_logprobs=proximal,
+                                  behaviour_logprobs=behaviour, agg=cfg.loss_agg, **kwargs)
+            mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
+            m["entropy"] = float(mean_entropy.detach())
+            if cfg.entropy_coef > 0:  # an entropy bonus keeps exploring positions not yet solved
+                loss = loss - cfg.entropy_coef * mean_entropy
+            if cfg.kl_coef > 0 and C.REF_LOGPROBS in mb:
+                kl = kl_penalty(logp, mb[C.REF_LOGPROBS], kind=cfg.kl_kind)
+                mean_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
+                m["kl_ref"] = float(mean_kl.detach())
+                loss = loss + cfg.kl_coef * mean_kl
+            weight = (mb[C.INPUT_IDS].shape[0] if seq_level else float(mask.sum())) / max(total, 1.0)
+            (loss * weight * scale_world).backward()
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v)
+            n_metric += 1
+
         grad_norms: list[float] = []
-        for _ in range(cfg.ppo_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            for i in range(passes):
-                with sync_grads_on_last(self.model, i, passes):
-                    if i >= len(mbs):  # this rank has fewer micro-batches than another: a zero pass
-                        zero_backward(lambda ids, att: self.model(input_ids=ids, attention_mask=att).logits,
-                                      self.device)
-                        continue
-                    mb = mbs[i]
-                    logp, entropy = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"],
-                                                   with_entropy=True)
-                    mask = mb["loss_mask"]
-                    kwargs: dict[str, Any] = dict(cfg.loss_params)
-                    if cfg.tis_cap is not None:
-                        kwargs["tis_cap"] = cfg.tis_cap
-                    old, rollout = mb["old_logprobs"], mb["rollout_logprobs"]
-                    if cfg.loss == "decoupled_ppo":
-                        loss, m = policy_loss(cfg.loss, logp, rollout, mb["advantages"], mask, prox_logprobs=old,
-                                              agg=cfg.loss_agg, **kwargs)
-                    else:
-                        loss, m = policy_loss(cfg.loss, logp, old, mb["advantages"], mask, rollout_logprobs=rollout,
-                                              agg=cfg.loss_agg, **kwargs)
-                    mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
-                    m["entropy"] = float(mean_entropy.detach())
-                    if cfg.entropy_coef > 0:  # an entropy bonus keeps exploring positions not yet solved
-                        loss = loss - cfg.entropy_coef * mean_entropy
-                    if cfg.kl_coef > 0 and "ref_logprobs" in mb:
-                        kl = kl_penalty(logp, mb["ref_logprobs"], kind=cfg.kl_kind)
-                        mean_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
-                        m["kl_ref"] = float(mean_kl.detach())
-                        loss = loss + cfg.kl_coef * mean_kl
-                    weight = (mb["input_ids"].shape[0] if seq_level else float(mask.sum())) / max(total, 1.0)
-                    (loss * weight * scale_world).backward()
-                for k, v in m.items():
-                    metrics[k] = metrics.get(k, 0.0) + float(v)
-                n_metric += 1
-            if cfg.grad_clip:
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
-            self.optimizer.step()
+        for epoch in range(cfg.ppo_epochs):
+            grad_norms.append(accumulate_step(
+                model=self.model, params=list(self.model.parameters()), optimizer=self.optimizer, share=share,
+                backward=backward, zero_forward=lambda ids, att: self.model(input_ids=ids, attention_mask=att).logits,
+                device=self.device, grad_clip=cfg.grad_clip))
             self.scheduler.step()
         self.version += 1
         if not lengths:
             return None
         out = {k: v / max(n_metric, 1) for k, v in metrics.items()}
-        if grad_norms:  # the total gradient norm before clipping, mean over the PPO epochs
-            out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out.update({"tokens": local if not seq_level else float(sum(sum(m) for m in batch["loss_mask"])),
-                    "rows": float(len(lengths)), "lr": self.scheduler.get_last_lr()[0],
-                    "microbatches": float(len(plans))})
+        out["rollout_abs_logprob_diff"] = drift[0] / max(drift[1], 1.0)
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)  # before clipping, mean over the PPO epochs
+        out.update({"tokens": tokens, "rows": float(len(lengths)), "lr": self.scheduler.get_last_lr()[0],
+                    "microbatches": float(len(share.plans)), "proximal_recomputed": float(recomputed)})
         return out
 
     @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
