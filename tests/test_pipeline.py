@@ -42,6 +42,12 @@ def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
         assert h["max_staleness"] <= cfg.rollout.alpha and sum(h["staleness"].values()) == 2
         assert h["hardware_by_tag"] == {"reverse-3": {"CPU": 8}} and h["tokens"] > 0
         assert set(h["time"]) == {"step_s", "rollout_wait_s", "train_s", "weight_sync_s"}
+        # learning diagnostics: advantages, per-position credit (reverse: accuracy of each answer
+        # character), policy entropy per action position, gradient norm before clipping
+        assert set(h["advantage"]) == {"mean", "std", "frac_zero"} and 0.0 <= h["advantage"]["frac_zero"] <= 1.0
+        credit = h["credit_by_position"]["reverse-3"]
+        assert 1 <= len(credit) <= 3 and all(0.0 <= c <= 1.0 for c in credit)
+        assert h["train"]["grad_norm"] >= 0.0 and h["train"]["entropy_pos0"] > 0.0
     assert (tmp_path / "run" / "metrics.png").exists()
     assert pipe.checkpoint_path.exists()
     consumed_before_ckpt = {g for h in history[:2] for g in h["groups"]}

@@ -40,6 +40,19 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return logp, torch.nn.functional.pad(entropy, (1, 0))
 
 
+ENTROPY_POSITIONS = 8  # train metrics report the policy entropy of the first 8 action tokens of a row
+
+
+def _entropy_by_position(entropy: torch.Tensor, mask: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor) -> None:
+    """Add the entropy at each row's k-th action token (``mask == 1``) to ``sums[k]`` / ``counts[k]``."""
+    index = (mask.cumsum(-1) - 1).long()  # the action-token index of each position
+    keep = (mask > 0) & (index < sums.numel())
+    if keep.any():
+        k = index[keep].cpu()
+        sums.index_add_(0, k, entropy[keep].double().cpu())
+        counts.index_add_(0, k, torch.ones_like(k, dtype=torch.float64))
+
+
 def batch_logprobs(model: torch.nn.Module, batch: ra.Batch, max_tokens: int, device: torch.device
                    ) -> list[list[float]]:
     """``token_logprobs`` of every row of ``batch["input_ids"]``, micro-batched, each row cut to its length."""
@@ -133,6 +146,9 @@ class TorchTrainWorker(ra.Worker):
             metrics["rollout_abs_logprob_diff"] = num / max(den, 1.0) * len(mbs) * cfg.ppo_epochs
         n_metric = 0
         grad_norms: list[float] = []
+        # entropy of the policy at the k-th action token of a row (k < ENTROPY_POSITIONS), first epoch
+        pos_sum = torch.zeros(ENTROPY_POSITIONS, dtype=torch.float64)
+        pos_count = torch.zeros(ENTROPY_POSITIONS, dtype=torch.float64)
         for _ in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for i in range(passes):
@@ -157,6 +173,8 @@ class TorchTrainWorker(ra.Worker):
                                               agg=cfg.loss_agg, **kwargs)
                     mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
                     m["entropy"] = float(mean_entropy.detach())
+                    if n_metric < len(mbs):
+                        _entropy_by_position(entropy.detach(), mask, pos_sum, pos_count)
                     if cfg.entropy_coef > 0:  # an entropy bonus keeps exploring positions not yet solved
                         loss = loss - cfg.entropy_coef * mean_entropy
                     if cfg.kl_coef > 0 and "ref_logprobs" in mb:
@@ -169,8 +187,9 @@ class TorchTrainWorker(ra.Worker):
                 for k, v in m.items():
                     metrics[k] = metrics.get(k, 0.0) + float(v)
                 n_metric += 1
-            if cfg.grad_clip:
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
+            # the total gradient norm before clipping (measured even without clipping: max_norm=inf)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                   cfg.grad_clip or float("inf"))))
             self.optimizer.step()
             self.scheduler.step()
         self.version += 1
@@ -179,6 +198,9 @@ class TorchTrainWorker(ra.Worker):
         out = {k: v / max(n_metric, 1) for k, v in metrics.items()}
         if grad_norms:  # the total gradient norm before clipping, mean over the PPO epochs
             out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        for k in range(ENTROPY_POSITIONS):
+            if pos_count[k] > 0:
+                out[f"entropy_pos{k}"] = float(pos_sum[k] / pos_count[k])
         out.update({"tokens": local if not seq_level else float(sum(sum(m) for m in batch["loss_mask"])),
                     "rows": float(len(lengths)), "lr": self.scheduler.get_last_lr()[0],
                     "microbatches": float(len(plans))})
