@@ -264,7 +264,8 @@ class AgenticPipeline:
                 stale_before = Counter(self.scheduler.staleness)
                 groups = await self.controller.get_batch()
                 # the order groups finished in depends on timing; a fixed order keeps a seeded run repeatable
-                groups = sorted(groups, key=lambda g: _group_key(g[0].group_id) if g else (0, 0))
+                groups = sorted((sorted(g, key=lambda t: t.traj_id) for g in groups),
+                                key=lambda g: _group_key(g[0].group_id) if g else (0, 0))
                 t_rollout = time.monotonic() - t0
                 staleness = Counter(self.scheduler.staleness) - stale_before
                 t1 = time.monotonic()

@@ -64,6 +64,25 @@ def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
     assert not resumed_groups & consumed_before_ckpt  # nothing consumed before the checkpoint is trained again
 
 
+def test_a_seeded_synchronous_run_repeats(ray_local, tmp_path):
+    """Same config, same seed: the same samples, rewards and advantages at every step (sampling is
+    seeded per request, groups enter the batch in a fixed order), whatever the engine's batching."""
+    def run(name, seed):
+        cfg = small_config(tmp_path, output_dir=str(tmp_path / name), seed=seed, checkpoint_every=0,
+                           rollout={"num_env_groups": 4, "group_size": 4, "batch_groups": 4, "alpha": 0},
+                           sampling={"temperature": 1.0, "max_new_tokens": 3, "seed": 0})
+        pipe = AgenticPipeline(cfg, progress=False)
+        try:
+            return [(h["reward_mean"], h["credit_by_position"], h["advantage"], h["train"]["entropy"])
+                    for h in pipe.run()]
+        finally:
+            pipe.shutdown()
+
+    first = run("a", 0)
+    assert run("b", 0) == first
+    assert run("c", 1) != first
+
+
 def test_config_errors_name_the_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
