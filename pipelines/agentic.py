@@ -34,6 +34,42 @@ from rollart.training.torch_strategy import free_port
 log = logging.getLogger(__name__)
 
 
+def _group_key(group_id: str) -> tuple[int, int]:
+    g, _, r = group_id.partition(":")
+    return (int(g), int(r)) if g.isdigit() and r.isdigit() else (0, 0)
+
+
+def batch_statistics(batch: Any, trajs: list) -> dict[str, Any]:
+    """Per-step learning diagnostics: the advantages of the action tokens (mean, std, fraction exactly
+    0: tied groups and tied token positions carry no signal) and, for tags with dense credit, the mean
+    credit at each action position (for reverse: the accuracy of each answer character)."""
+    import torch
+
+    adv = torch.tensor([a for row, mask in zip(batch["advantages"], batch["loss_mask"])
+                        for a, m in zip(row, mask) if m], dtype=torch.float64)
+    out: dict[str, Any] = {"advantage": {
+        "mean": float(adv.mean()) if adv.numel() else 0.0,
+        "std": float(adv.std(unbiased=False)) if adv.numel() else 0.0,
+        "frac_zero": float((adv == 0).double().mean()) if adv.numel() else 0.0,
+    }}
+    sums: dict[str, list[float]] = defaultdict(list)
+    counts: dict[str, list[int]] = defaultdict(list)
+    for t in trajs:
+        if t.token_rewards is None:
+            continue
+        credits = [t.token_rewards[i] if i < len(t.token_rewards) else 0.0 for i, m in enumerate(t.loss_mask) if m]
+        s, c = sums[t.tag], counts[t.tag]
+        for k, x in enumerate(credits):
+            if k == len(s):
+                s.append(0.0)
+                c.append(0)
+            s[k] += float(x)
+            c[k] += 1
+    if sums:
+        out["credit_by_position"] = {tag: [x / n for x, n in zip(sums[tag], counts[tag])] for tag in sums}
+    return out
+
+
 class AgenticPipeline:
     def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
         from transformers import AutoTokenizer
@@ -236,6 +272,9 @@ class AgenticPipeline:
                 t0 = time.monotonic()
                 stale_before = Counter(self.scheduler.staleness)
                 groups = await self.controller.get_batch()
+                # the order groups finished in depends on timing; a fixed order keeps a seeded run repeatable
+                groups = sorted((sorted(g, key=lambda t: t.traj_id) for g in groups),
+                                key=lambda g: _group_key(g[0].group_id) if g else (0, 0))
                 t_rollout = time.monotonic() - t0
                 staleness = Counter(self.scheduler.staleness) - stale_before
                 t1 = time.monotonic()
@@ -251,6 +290,7 @@ class AgenticPipeline:
                 consumed += [t.traj_id for t in trajs]
                 record = self._record(step, version, trajs, train_metrics, t_rollout, t_train,
                                       self.controller.timings["weight_sync_s"], time.monotonic() - t0, staleness)
+                record.update(batch_statistics(batch, trajs))
                 history.append(record)
                 with self.metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")

@@ -42,6 +42,12 @@ def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
         assert h["max_staleness"] <= cfg.rollout.alpha and sum(h["staleness"].values()) == 2
         assert h["hardware_by_tag"] == {"reverse-3": {"CPU": 8}} and h["tokens"] > 0
         assert set(h["time"]) == {"step_s", "rollout_wait_s", "train_s", "weight_sync_s"}
+        # learning diagnostics: advantages, per-position credit (reverse: accuracy of each answer
+        # character), policy entropy per action position, gradient norm before clipping
+        assert set(h["advantage"]) == {"mean", "std", "frac_zero"} and 0.0 <= h["advantage"]["frac_zero"] <= 1.0
+        credit = h["credit_by_position"]["reverse-3"]
+        assert 1 <= len(credit) <= 3 and all(0.0 <= c <= 1.0 for c in credit)
+        assert h["train"]["grad_norm"] >= 0.0 and h["train"]["entropy_pos0"] > 0.0
     assert (tmp_path / "run" / "metrics.png").exists()
     assert pipe.checkpoint_path.exists()
     consumed_before_ckpt = {g for h in history[:2] for g in h["groups"]}
@@ -56,6 +62,25 @@ def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
     assert [h["step"] for h in more] == [2, 3] and more[0]["version"] == 3
     resumed_groups = {g for h in more for g in h["groups"]}
     assert not resumed_groups & consumed_before_ckpt  # nothing consumed before the checkpoint is trained again
+
+
+def test_a_seeded_synchronous_run_repeats(ray_local, tmp_path):
+    """Same config, same seed: the same samples, rewards and advantages at every step (sampling is
+    seeded per request, groups enter the batch in a fixed order), whatever the engine's batching."""
+    def run(name, seed):
+        cfg = small_config(tmp_path, output_dir=str(tmp_path / name), seed=seed, checkpoint_every=0,
+                           rollout={"num_env_groups": 4, "group_size": 4, "batch_groups": 4, "alpha": 0},
+                           sampling={"temperature": 1.0, "max_new_tokens": 3, "seed": 0})
+        pipe = AgenticPipeline(cfg, progress=False)
+        try:
+            return [(h["reward_mean"], h["credit_by_position"], h["advantage"], h["train"]["entropy"])
+                    for h in pipe.run()]
+        finally:
+            pipe.shutdown()
+
+    first = run("a", 0)
+    assert run("b", 0) == first
+    assert run("c", 1) != first
 
 
 def test_config_errors_name_the_field(tmp_path):

@@ -8,32 +8,51 @@ from typing import Any, Literal, Sequence
 import torch
 
 
+def normalise_group(rewards: torch.Tensor, *, norm_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages of one group, in float64: ``(r_i - mean) / (std + eps)`` (population std).
+
+    A group whose rewards are all *exactly* equal gets exact zeros (not ``(r - fl(mean)) / eps``, which
+    is a nonzero constant whenever the float mean of equal non-dyadic rewards is an ulp off). A group of
+    two gets ``±d / (|d| + eps)`` with ``d = (r_0 - r_1) / 2``, exactly antisymmetric."""
+    r = rewards.to(torch.float64)
+    n = r.numel()
+    if n == 0 or bool((r == r[0]).all()):
+        return torch.zeros_like(r)
+    if n == 2:
+        d = (r[0] - r[1]) / 2  # exact up to one rounding, shared by both members
+        a = d / (d.abs() + eps) if norm_std else d
+        return torch.stack([a, -a])
+    centred = r - r.mean()
+    if norm_std:
+        centred = centred / (centred.pow(2).mean().sqrt() + eps)
+    return centred
+
+
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, norm_std: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
-    """``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` over the members of ``i``'s group; a group whose
-    rewards are all equal gets zeros (never NaN). ``norm_std=False`` only centres."""
-    rewards = rewards.to(torch.float32)
+    """``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` over the members of ``i``'s group, computed and
+    returned in float64 (see :func:`normalise_group`); a group whose rewards are all equal gets exact
+    zeros (never NaN). ``norm_std=False`` only centres."""
+    rewards = rewards.to(torch.float64)
     out = torch.zeros_like(rewards)
     for g in torch.unique(group_ids):
         idx = group_ids == g
-        r = rewards[idx]
-        centred = r - r.mean()
-        if norm_std and r.numel() > 1:
-            centred = centred / (r.std(unbiased=False) + eps)
-        out[idx] = centred
+        out[idx] = normalise_group(rewards[idx], norm_std=norm_std, eps=eps)
     return out
 
 
 def reinforce_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Leave-one-out baseline: ``A_i = r_i - mean_{j in g, j != i} r_j`` (0 for a group of one)."""
-    rewards = rewards.to(torch.float32)
+    """Leave-one-out baseline: ``A_i = r_i - mean_{j in g, j != i} r_j`` (0 for a group of one and for
+    a group of equal rewards), computed and returned in float64."""
+    rewards = rewards.to(torch.float64)
     out = torch.zeros_like(rewards)
     for g in torch.unique(group_ids):
         idx = group_ids == g
         r = rewards[idx]
         n = r.numel()
         if n > 1:
-            out[idx] = r - (r.sum() - r) / (n - 1)
+            # r_i - (S - r_i) / (n - 1) = n / (n - 1) * (r_i - S / n): the centred group, scaled
+            out[idx] = normalise_group(r, norm_std=False) * (n / (n - 1))
     return out
 
 

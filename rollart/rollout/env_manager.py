@@ -18,6 +18,7 @@ import inspect
 import logging
 import random
 import uuid
+import zlib
 from typing import Any, Awaitable, Callable, Protocol
 
 from pydantic import BaseModel, ConfigDict
@@ -182,7 +183,7 @@ class EnvManager:
                 raise _Aborted()
             self.current_request = f"{traj.traj_id}:{turn}"
             req = GenerateRequest(request_id=self.current_request, prompt_token_ids=list(traj.token_ids),
-                                  sampling=self.sampling)
+                                  sampling=self._turn_sampling(seed, traj.traj_id, turn))
             out = await self.proxy.generate(req, self.tag)
             self.current_request = None
             traj.hardware.append(out.hardware)
@@ -218,6 +219,15 @@ class EnvManager:
             except Exception as err:  # noqa: BLE001 — a failed reward is never a silent 0
                 traj.reward, traj.status, traj.error = None, "reward_failed", f"{type(err).__name__}: {err}"
         return traj
+
+    def _turn_sampling(self, env_seed: int | None, traj_id: str, turn: int) -> SamplingParams:
+        """With ``sampling.seed`` set, each request samples from its own seed, derived from that seed,
+        the env seed, the trajectory id (group, round, member) and the turn: what a trajectory samples
+        does not depend on which other requests the engine batched it with, so a seeded run repeats."""
+        if self.sampling.seed is None:
+            return self.sampling
+        key = f"{self.sampling.seed}:{env_seed}:{traj_id}:{turn}".encode()
+        return self.sampling.model_copy(update={"seed": zlib.crc32(key)})
 
     def _add_token_rewards(self, traj: Trajectory, start: int, ids: list[int], char_rewards: list[float]) -> None:
         """Map an env's per-character credit onto the action's tokens: a token gets the mean credit of

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from rollart.algorithms import grpo_advantages
+from rollart.algorithms import grpo_advantages, normalise_group
 from rollart.algorithms.advantages import RunningMeanBaseline
 from rollart.cluster.batch import Batch
 from rollart.rollout.types import Trajectory
@@ -31,23 +31,23 @@ def token_group_advantages(groups: Sequence[Sequence[Trajectory]], eps: float = 
     """Dense GRPO: the k-th action token of every member of a group is normalised against the k-th
     action tokens of the other members, ``A_ik = (c_ik - mean_i c_ik) / (std_i c_ik + eps)``, where
     ``c_ik`` is the token's credit (``Trajectory.token_rewards``). Per-token credit removes the noise
-    of crediting every token with the whole sequence's reward."""
+    of crediting every token with the whole sequence's reward. Computed in float64 per position; a
+    position whose present members all have the same credit gets exact zeros."""
     out: list[list[float]] = []
     for group in groups:
         positions = [[i for i, m in enumerate(t.loss_mask) if m] for t in group]
         width = max((len(p) for p in positions), default=0)
-        credit = torch.full((len(group), width), float("nan"))
+        credit: list[list[float]] = [[] for _ in group]
         for r, (t, pos) in enumerate(zip(group, positions)):
             if t.token_rewards is None:
                 raise ValueError(f"advantage=grpo_token needs token_rewards; trajectory {t.traj_id} ({t.tag}) has none")
             for k, i in enumerate(pos):
-                credit[r, k] = t.token_rewards[i] if i < len(t.token_rewards) else 0.0
-        present = ~torch.isnan(credit)
-        filled = torch.nan_to_num(credit)
-        n = present.sum(0).clamp(min=1)
-        mean = filled.sum(0) / n
-        std = torch.sqrt((((filled - mean) * present) ** 2).sum(0) / n)
-        adv = (filled - mean) / (std + eps)
+                credit[r].append(float(t.token_rewards[i]) if i < len(t.token_rewards) else 0.0)
+        adv = torch.zeros((len(group), width), dtype=torch.float64)
+        for k in range(width):
+            present = [r for r in range(len(group)) if k < len(positions[r])]
+            column = torch.tensor([credit[r][k] for r in present], dtype=torch.float64)
+            adv[present, k] = normalise_group(column, eps=eps)
         for r, (t, pos) in enumerate(zip(group, positions)):
             row = [0.0] * len(t.token_ids)
             for k, i in enumerate(pos):
@@ -75,7 +75,7 @@ def trajectories_to_batch(groups: Sequence[Sequence[Trajectory]], *, norm_std: b
         C.LOSS_MASK: [list(t.loss_mask) for t in trajs],
         C.BEHAVIOUR_LOGPROBS: [list(t.logprobs) for t in trajs],
         C.VERSIONS: [list(t.versions) for t in trajs],
-        C.REWARDS: torch.tensor([float(t.reward) for t in trajs]),  # type: ignore[arg-type]
+        C.REWARDS: torch.tensor([float(t.reward) for t in trajs], dtype=torch.float64),  # type: ignore[arg-type]
         C.GROUP_INDEX: torch.tensor([gi for gi, g in enumerate(groups) for _ in g]),
         C.TAG: [t.tag for t in trajs],
         C.TRAJ_ID: [t.traj_id for t in trajs],

@@ -43,6 +43,19 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return logp, torch.nn.functional.pad(entropy, (1, 0))
 
 
+ENTROPY_POSITIONS = 8  # train metrics report the policy entropy of the first 8 action tokens of a row
+
+
+def _entropy_by_position(entropy: torch.Tensor, mask: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor) -> None:
+    """Add the entropy at each row's k-th action token (``mask == 1``) to ``sums[k]`` / ``counts[k]``."""
+    index = (mask.cumsum(-1) - 1).long()  # the action-token index of each position
+    keep = (mask > 0) & (index < sums.numel())
+    if keep.any():
+        k = index[keep].cpu()
+        sums.index_add_(0, k, entropy[keep].double().cpu())
+        counts.index_add_(0, k, torch.ones_like(k, dtype=torch.float64))
+
+
 def batch_logprobs(model: torch.nn.Module, batch: ra.Batch, max_tokens: int, device: torch.device
                    ) -> list[list[float]]:
     """``token_logprobs`` of every row of ``batch["input_ids"]``, micro-batched, each row cut to its length."""
@@ -141,6 +154,9 @@ class TorchTrainWorker(ra.Worker):
         # |pi_old - mu| over the action tokens: how far the engine that sampled is from the trainer (~0)
         drift = [0.0, 0.0]
         epoch = 0
+        # entropy of the policy at the k-th action token of a row (k < ENTROPY_POSITIONS), first epoch
+        pos_sum = torch.zeros(ENTROPY_POSITIONS, dtype=torch.float64)
+        pos_count = torch.zeros(ENTROPY_POSITIONS, dtype=torch.float64)
 
         def backward(mb: dict[str, torch.Tensor]) -> None:
             nonlocal n_metric
@@ -163,6 +179,8 @@ class TorchTrainWorker(ra.Worker):
                                   behaviour_logprobs=behaviour, agg=cfg.loss_agg, **kwargs)
             mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
             m["entropy"] = float(mean_entropy.detach())
+            if epoch == 0:
+                _entropy_by_position(entropy.detach(), mask, pos_sum, pos_count)
             if cfg.entropy_coef > 0:  # an entropy bonus keeps exploring positions not yet solved
                 loss = loss - cfg.entropy_coef * mean_entropy
             if cfg.kl_coef > 0 and C.REF_LOGPROBS in mb:
@@ -191,6 +209,9 @@ class TorchTrainWorker(ra.Worker):
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)  # before clipping, mean over the PPO epochs
         out.update({"tokens": tokens, "rows": float(len(lengths)), "lr": self.scheduler.get_last_lr()[0],
                     "microbatches": float(len(share.plans)), "proximal_recomputed": float(recomputed)})
+        for k in range(ENTROPY_POSITIONS):
+            if pos_count[k] > 0:
+                out[f"entropy_pos{k}"] = float(pos_sum[k] / pos_count[k])
         return out
 
     @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
