@@ -25,6 +25,7 @@ from rollart.training.placement import (
     DP_SPLIT_EVERY_RANK, join_data_parallel, microbatch_count, model_path, sync_grads_on_last, worker_device,
     zero_backward,
 )
+from rollart.weights.base import WeightChannel
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -199,7 +200,7 @@ class TorchTrainWorker(ra.Worker):
         return [ray.put(self.cpu_state_dict()), self.version]
 
     @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
-    def publish_to(self, channel: Any, wait: bool = True) -> int:
+    def publish_to(self, channel: WeightChannel, wait: bool = True) -> int:
         """Rank 0 publishes its weights to a weight channel (Mooncake, torch.distributed) as its current
         version. With ``wait=False`` the snapshot is copied to CPU and written in the background while
         this worker goes on training; the next publish (or :meth:`wait_published`) surfaces its error."""
