@@ -7,6 +7,16 @@
 One class serves RLVR (single-turn verifiable tasks) and multi-turn agentic tasks, synchronous
 (``rollout.alpha = 0``) and asynchronous (``alpha >= 1``): rollout keeps running while the trainer
 trains; only the weight swap pauses it.
+
+Weight channels (``weights.channel``): ``ray`` and ``dist`` make the driver wait until every worker
+serves the new version. ``mooncake`` hides the transfer behind training (seed 004 §5.2, §7.3): the
+trainer publishes in the background, and the driver starts the next step at once while every host
+fetches the version once from the store (:class:`~rollart.weights.host_cache.HostSharedChannel`) and
+every worker swaps it in between two of its engine steps. At most one version is in flight: the
+driver waits for version ``v`` to be served before it publishes ``v + 1`` (a whole training step
+later). The α bound is checked against the trainer's version, not the served one: a batch trained at
+version ``v`` holds only groups begun at ``>= v - alpha``, and every token records the version that
+produced it.
 """
 
 from __future__ import annotations
@@ -25,18 +35,15 @@ from rollart.rollout.async_controller import AsyncController
 from rollart.rollout.env_manager import EnvManager, HFCodec
 from rollart.rollout.inference_worker import inference_worker_class
 from rollart.rollout.llm_proxy import LLMProxy
+from rollart.rollout.sample_buffer import Group
 from rollart.rollout.scheduler import RolloutScheduler
 from rollart.training import columns as C
 from rollart.training.data import add_advantages, trajectories_to_batch
 from rollart.training.strategies import train_worker_class
 from rollart.training.torch_strategy import free_port
+from rollart.weights.base import WeightChannel
 
 log = logging.getLogger(__name__)
-
-
-def _group_key(group_id: str) -> tuple[int, int]:
-    g, _, r = group_id.partition(":")
-    return (int(g), int(r)) if g.isdigit() and r.isdigit() else (0, 0)
 
 
 def batch_statistics(batch: Any, trajs: list) -> dict[str, Any]:
@@ -144,8 +151,12 @@ class AgenticPipeline:
             rollout_cfg = rollout_cfg.model_copy(update={"requeue_reward_failures": config.reward.on_failure == "requeue"})
         self.scheduler = RolloutScheduler(groups, rollout_cfg, seed_fn=lambda g, r: config.seed * 7919 + g * 100_003 + r)
         self.controller = AsyncController(self.scheduler, self.proxy)
-        self.mooncake_master = None
-        self.channel = self._weight_channel()
+        self.mooncake_master: Any = None
+        self.channel: WeightChannel | None = self._weight_channel()
+        self.train_version = 0  # the trainer's policy version (one per step); served versions may lag it
+        self._loading: asyncio.Future | None = None  # mooncake: the version every worker is fetching
+        if config.weights.channel == "none":
+            log.warning("weights.channel=none: the inference workers keep their initial weights (benchmarks only)")
         self.start_step = 0
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.plot_path: Path | None = None
@@ -154,20 +165,24 @@ class AgenticPipeline:
         elif self.metrics_path.exists():
             self.metrics_path.unlink()
 
-    def _weight_channel(self) -> Any:
-        """None for the Ray object store path; else a channel handle shared by trainer and workers."""
+    def _weight_channel(self) -> WeightChannel | None:
+        """None for the Ray object store path (and ``none``); else a channel handle shared by trainer and
+        workers."""
         wc = self.config.weights
         name = f"{self.rm.job_id}-actor"
         if wc.channel == "mooncake":
+            from rollart.weights.host_cache import HostSharedChannel
             from rollart.weights.mooncake_channel import MooncakeChannel
             from rollart.weights.mooncake_master import MooncakeMaster
+            from rollart.weights.net import node_ip
 
             master = wc.mooncake_master
-            if master is None:
-                self.mooncake_master = MooncakeMaster(log_dir=self.out_dir).start()
+            if master is None:  # on the head host (the driver's), reachable by every host
+                self.mooncake_master = MooncakeMaster(host=node_ip(), log_dir=self.out_dir).start()
                 master = self.mooncake_master.address
-            return MooncakeChannel(name, master, keep=wc.keep, chunk_mb=wc.chunk_mb, segment_mb=wc.segment_mb,
-                                   timeout_s=wc.timeout_s)
+            channel = MooncakeChannel(name, master, keep=wc.keep, chunk_mb=wc.chunk_mb, segment_mb=wc.segment_mb,
+                                      timeout_s=wc.timeout_s, protocol=wc.protocol, rdma_devices=wc.rdma_devices)
+            return HostSharedChannel(channel, keep=wc.keep) if wc.host_shared else channel
         if wc.channel == "dist":
             from rollart.weights.dist_channel import TorchBroadcastChannel
 
@@ -189,7 +204,9 @@ class AgenticPipeline:
 
     async def _push_resumed_weights(self) -> int:
         """Before the rollout starts: every inference worker loads the checkpoint's weights."""
-        if self.channel is None:
+        if self.config.weights.channel == "none":
+            version = self.train_version
+        elif self.channel is None:
             ref, version = await self.train.publish_weights(blocking=False)
             await self.proxy.model_update(ref, version)
         else:
@@ -198,15 +215,32 @@ class AgenticPipeline:
         self.scheduler.version = version
         return version
 
-    async def _sync_weights(self) -> int:
-        """Publish the trainer's current weights and make them the serving policy; returns the version."""
+    async def _sync_weights(self) -> tuple[int, float]:
+        """Publish the trainer's current weights and make them the serving policy; returns the version
+        and the seconds the driver waited for it (mooncake: only for the previous version's fetch)."""
+        wc = self.config.weights
+        t0 = time.monotonic()
+        if wc.channel == "none":  # benchmark baseline: no weights move, the version advances
+            await self.scheduler.set_version(self.train_version)
+            return self.train_version, time.monotonic() - t0
         if self.channel is None:
             ref, version = await self.train.publish_weights(blocking=False)
-            await self.controller.sync_weights(ref, version, pause=self.config.weights.pause_rollout)
-            return version
-        version = await self.train.publish_to(self.channel, not self.config.weights.async_publish, blocking=False)
+            await self.controller.sync_weights(ref, version, pause=wc.pause_rollout)
+            return version, time.monotonic() - t0
+        if wc.channel == "mooncake":
+            await self._await_loading()  # one version in flight; the previous one had a training step to arrive
+            version = await self.train.publish_to(self.channel, not wc.async_publish, blocking=False)
+            self._loading = asyncio.ensure_future(self.controller.sync_weights(None, version, channel=self.channel))
+            return version, time.monotonic() - t0
+        version = await self.train.publish_to(self.channel, not wc.async_publish, blocking=False)
         await self.controller.sync_weights(None, version, channel=self.channel)
-        return version
+        return version, time.monotonic() - t0
+
+    async def _await_loading(self) -> None:
+        """Wait until every worker serves the version in flight (mooncake); re-raise its failure."""
+        loading, self._loading = self._loading, None
+        if loading is not None:
+            await loading
 
     def _service_reward(self, codec: HFCodec) -> Any:
         """Score a finished trajectory with the reward service: its first prompt, its last answer and
@@ -239,6 +273,7 @@ class AgenticPipeline:
         extra = state["extra"]
         self.scheduler.load_state_dict(extra["scheduler"])
         self.start_step = int(extra["step"]) + 1
+        self.train_version = int(state["version"])
         self.consumed_before = extra.get("consumed", [])
         if self.baseline is not None:
             if "running_mean" not in extra:
@@ -271,10 +306,10 @@ class AgenticPipeline:
             for step in range(self.start_step, cfg.steps):
                 t0 = time.monotonic()
                 stale_before = Counter(self.scheduler.staleness)
-                groups = await self.controller.get_batch()
+                groups = await self.controller.get_batch(self.train_version)
                 # the order groups finished in depends on timing; a fixed order keeps a seeded run repeatable
-                groups = sorted((sorted(g, key=lambda t: t.traj_id) for g in groups),
-                                key=lambda g: _group_key(g[0].group_id) if g else (0, 0))
+                groups = sorted((Group(sorted(g, key=lambda t: t.traj_id), g.gid) for g in groups),
+                                key=lambda g: g.gid)
                 t_rollout = time.monotonic() - t0
                 staleness = Counter(self.scheduler.staleness) - stale_before
                 t1 = time.monotonic()
@@ -285,11 +320,12 @@ class AgenticPipeline:
                 if critic_step is not None:
                     train_metrics.update({f"critic_{k}": v for k, v in (await critic_step).items()})
                 t_train = time.monotonic() - t1
-                version = await self._sync_weights()
+                self.train_version += 1
+                version, t_sync = await self._sync_weights()
                 trajs = [t for g in groups for t in g]
                 consumed += [t.traj_id for t in trajs]
                 record = self._record(step, version, trajs, train_metrics, t_rollout, t_train,
-                                      self.controller.timings["weight_sync_s"], time.monotonic() - t0, staleness)
+                                      t_sync, time.monotonic() - t0, staleness)
                 record.update(batch_statistics(batch, trajs))
                 history.append(record)
                 with self.metrics_path.open("a") as f:
@@ -304,7 +340,12 @@ class AgenticPipeline:
                     if self.critic is not None:  # first: the actor's file is the one a resume starts from
                         await self.critic.save_checkpoint(str(self.critic_checkpoint_path), step, blocking=False)
                     await self.train.save_checkpoint(str(self.checkpoint_path), extra, blocking=False)
+            await self._await_loading()  # the run ends with every worker serving the last version
         finally:
+            if self._loading is not None:  # a failed step: nothing waits for the fetch any more
+                self._loading.cancel()
+                await asyncio.gather(self._loading, return_exceptions=True)
+                self._loading = None
             if bar is not None:
                 bar.close()
             await self.controller.stop()
@@ -327,7 +368,8 @@ class AgenticPipeline:
             "reward_mean": sum(rewards) / len(rewards),
             "reward_by_tag": {k: sum(v) / len(v) for k, v in by_tag.items()},
             "hardware_by_tag": {k: dict(v) for k, v in hw_by_tag.items()},
-            "time": {"step_s": t_step, "rollout_wait_s": t_rollout, "train_s": t_train, "weight_sync_s": t_sync},
+            "time": {"step_s": t_step, "rollout_wait_s": t_rollout, "train_s": t_train, "weight_sync_s": t_sync,
+                     "weight_load_s": self.controller.timings["weight_sync_s"]},
             "staleness": {str(k): v for k, v in sorted(staleness.items())},
             "max_staleness": max((int(k) for k in staleness), default=0),
             "tokens": tokens, "tokens_per_s": tokens / max(t_step, 1e-9),

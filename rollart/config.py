@@ -64,19 +64,33 @@ class WeightsConfig(BaseModel):
     ``ray``: the trainer puts the snapshot in the Ray object store, rollout pauses while every worker
     loads it. ``mooncake``: the trainer writes it to a Mooncake store in the background; workers fetch
     it while they keep generating and swap between two engine steps. ``dist``: a torch.distributed
-    broadcast in buckets (gloo on CPU, NCCL on GPUs) from trainer rank 0 to every worker."""
+    broadcast in buckets (gloo on CPU, NCCL on GPUs) from trainer rank 0 to every worker. ``none``
+    (benchmarks only): no weights move, the policy version still advances — the baseline a weight
+    channel's overhead is measured against."""
 
     model_config = ConfigDict(extra="forbid")
 
-    channel: Literal["ray", "mooncake", "dist"] = "ray"
+    channel: Literal["ray", "mooncake", "dist", "none"] = "ray"
     pause_rollout: bool = True  # ray channel: suspend every worker for the swap (False: each swaps between its steps)
-    mooncake_master: str | None = None  # host:port of a running master; None: rollart starts one on 127.0.0.1
+    mooncake_master: str | None = None  # host:port of a running master; None: rollart starts one on the head node's IP
+    protocol: Literal["tcp", "rdma"] = "tcp"  # mooncake transfer engine
+    rdma_devices: list[str] = Field(default_factory=list)  # protocol rdma: device names, e.g. [mlx5_0, mlx5_1]
+    host_shared: bool = True  # mooncake: one fetch per host, shared by that host's workers through its object store
     segment_mb: int = Field(default=256, ge=1)
     chunk_mb: int = Field(default=16, ge=1)
     bucket_mb: int = Field(default=32, ge=1)
     keep: int = Field(default=2, ge=1)
     async_publish: bool = True
     timeout_s: float = Field(default=120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "WeightsConfig":
+        if self.protocol == "rdma" and not self.rdma_devices:
+            raise ValueError("weights.rdma_devices: protocol rdma needs the RDMA device names of every host, "
+                             "e.g. rdma_devices: [mlx5_0, mlx5_1] (list them with `ibv_devices`), or use protocol: tcp")
+        if self.protocol == "rdma" and self.channel != "mooncake":
+            raise ValueError(f"weights.protocol: rdma applies to channel mooncake only (channel is {self.channel!r})")
+        return self
 
 
 class PipelineConfig(BaseModel):

@@ -53,3 +53,18 @@ def make_rm(ray_local, store_path):
     yield make
     for rm in made:
         rm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hosts3():
+    """Three namespace hosts with a Ray cluster, shared by a test module (``rollart.testing.hosts``):
+    ``head`` 10.201.0.1 (driver, train ``H800`` x2), ``b`` 10.201.0.2 (rollout ``H800`` x2), ``c`` 10.201.0.3
+    (rollout ``H20`` x2). Skipped with the reason when the machine cannot build hosts (not root, no ``ip``).
+    Run drivers with ``hosts3.run_driver([...])`` / ``hosts3.run_python(code, host="b")``."""
+    from rollart.testing import skip_reason, start_hosts, three_hosts
+
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with start_hosts(three_hosts()) as cluster:
+        yield cluster

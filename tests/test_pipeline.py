@@ -41,7 +41,7 @@ def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
         assert 0.0 <= h["reward_mean"] <= 1.0 and set(h["reward_by_tag"]) == {"reverse-3"}
         assert h["max_staleness"] <= cfg.rollout.alpha and sum(h["staleness"].values()) == 2
         assert h["hardware_by_tag"] == {"reverse-3": {"CPU": 8}} and h["tokens"] > 0
-        assert set(h["time"]) == {"step_s", "rollout_wait_s", "train_s", "weight_sync_s"}
+        assert set(h["time"]) == {"step_s", "rollout_wait_s", "train_s", "weight_sync_s", "weight_load_s"}
         # learning diagnostics: advantages, per-position credit (reverse: accuracy of each answer
         # character), policy entropy per action position, gradient norm before clipping
         assert set(h["advantage"]) == {"mean", "std", "frac_zero"} and 0.0 <= h["advantage"]["frac_zero"] <= 1.0

@@ -15,6 +15,7 @@ from typing import Any
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.sample_buffer import Group
 from rollart.rollout.scheduler import RolloutScheduler
+from rollart.weights.base import WeightChannel
 
 
 class AsyncController:
@@ -34,9 +35,10 @@ class AsyncController:
     def start(self) -> None:
         self.scheduler.start()
 
-    async def get_batch(self) -> list[Group]:
+    async def get_batch(self, version: int | None = None) -> list[Group]:
+        """A batch for the policy ``version`` the trainer is at (default: the served version)."""
         t0 = time.monotonic()
-        groups = await self.scheduler.get_batch()
+        groups = await self.scheduler.get_batch(version)
         self.timings["rollout_wait_s"] = time.monotonic() - t0
         return groups
 
@@ -51,12 +53,13 @@ class AsyncController:
         await self.proxy.model_update(weights, version)
         await self.scheduler.set_version(version)
 
-    async def model_update_from(self, channel: Any, version: int) -> None:
+    async def model_update_from(self, channel: WeightChannel, version: int) -> None:
         """Every inference worker fetches ``version`` from a weight channel (e.g. Mooncake)."""
         await self.proxy.model_update_from(channel, version)
         await self.scheduler.set_version(version)
 
-    async def sync_weights(self, weights: Any, version: int, channel: Any = None, *, pause: bool = True) -> None:
+    async def sync_weights(self, weights: Any, version: int, channel: WeightChannel | None = None, *,
+                           pause: bool = True) -> None:
         """Make ``version`` the serving policy, timed.
 
         From weights in hand (a state dict or its ObjectRef) with ``pause``: ``suspend → model_update →

@@ -30,6 +30,7 @@ import rollart as ra
 from rollart.engines.base import EngineRequest, RequestOutput
 from rollart.rollout.engine_config import EngineConfig, build_engine
 from rollart.rollout.types import GenerateOutput, GenerateRequest
+from rollart.weights.base import WeightChannel
 
 
 @dataclass
@@ -270,8 +271,10 @@ class InferenceWorker(ra.Worker):
         return await reply
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
-    async def load_weights_from(self, channel: Any, version: int) -> int:
-        """Fetch ``version`` from a weight channel (ray / mooncake) and load it."""
+    async def load_weights_from(self, channel: WeightChannel, version: int) -> int:
+        """Fetch ``version`` from a weight channel while generation goes on, then swap it in between two
+        engine steps (requests in flight are preempted and continue under it; their tokens keep the
+        version that produced each)."""
         weights = await asyncio.get_running_loop().run_in_executor(None, channel.fetch, version)
         return await self.update_weights(weights, version)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from rollart.cluster import Cluster
 from rollart.rollout.types import GenerateOutput, GenerateRequest
+from rollart.weights.base import WeightChannel
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class LLMProxy:
         await self.cluster.update_weights(weights, version)
         self.version = version
 
-    async def model_update_from(self, channel: Any, version: int) -> None:
+    async def model_update_from(self, channel: WeightChannel, version: int) -> None:
         """Every worker fetches ``version`` from a weight channel itself (e.g. Mooncake)."""
         await self.cluster.load_weights_from(channel, version)
         self.version = version

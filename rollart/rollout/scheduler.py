@@ -245,11 +245,14 @@ class RolloutScheduler:
         self.counts = Counter({str(k): int(v) for k, v in state["counts"].items()})
 
     # ------------------------------------------------------------------ controller side
-    async def get_batch(self) -> list[Group]:
-        """``batch_groups`` groups within the asynchronous bound (blocking)."""
-        groups = await self.buffer.get_batch(self.config.batch_groups, self.version, self.config.alpha)
+    async def get_batch(self, version: int | None = None) -> list[Group]:
+        """``batch_groups`` groups within the asynchronous bound (blocking) of the policy ``version`` they
+        train (default: the served version; the trainer's own when the served one lags, e.g. while
+        workers still fetch it)."""
+        version = self.version if version is None else max(version, self.version)
+        groups = await self.buffer.get_batch(self.config.batch_groups, version, self.config.alpha)
         for grp in groups:
-            self.staleness[self.version - SampleBuffer.start_version(grp)] += 1
+            self.staleness[version - SampleBuffer.start_version(grp)] += 1
         return groups
 
     async def set_version(self, version: int) -> None:

@@ -28,6 +28,7 @@ from rollart.training.placement import (
     model_path,
     worker_device,
 )
+from rollart.weights.base import WeightChannel
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -229,7 +230,7 @@ class TorchTrainWorker(ra.Worker):
         return [ray.put(self.cpu_state_dict()), self.version]
 
     @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
-    def publish_to(self, channel: Any, wait: bool = True) -> int:
+    def publish_to(self, channel: WeightChannel, wait: bool = True) -> int:
         """Rank 0 publishes its weights to a weight channel (Mooncake, torch.distributed) as its current
         version. With ``wait=False`` the snapshot is copied to CPU and written in the background while
         this worker goes on training; the next publish (or :meth:`wait_published`) surfaces its error."""

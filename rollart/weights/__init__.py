@@ -1,14 +1,17 @@
 """Weight transfer channels and snapshot checksums.
 
-Every channel is a serializable handle with ``publish(state, version)``, ``publish_async(...)``,
-``fetch(version)`` and ``latest()``: Ray object store (:class:`RayObjectChannel`), torch.distributed
-broadcast in buckets (:class:`TorchBroadcastChannel`), Mooncake store (:class:`MooncakeChannel`, with
-:class:`MooncakeMaster` to start a master on 127.0.0.1). Importing this package imports none of the
-optional backends.
+Every channel is a serializable handle implementing :class:`WeightChannel` (``publish(state, version)``,
+``publish_async(...)``, ``fetch(version)``, ``latest()``): Ray object store (:class:`RayObjectChannel`),
+torch.distributed broadcast in buckets (:class:`TorchBroadcastChannel`), Mooncake store
+(:class:`MooncakeChannel`, with :class:`MooncakeMaster` to start a master on a given address), and
+:class:`HostSharedChannel`, which reads another channel once per host. Importing this package imports
+none of the optional backends.
 """
 
 from typing import Any
 
+from rollart.weights.base import WeightChannel
+from rollart.weights.host_cache import HostSharedChannel
 from rollart.weights.ray_channel import RayObjectChannel
 from rollart.weights.snapshot import ChecksumMismatch, state_checksum, verify
 
@@ -27,5 +30,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["ChecksumMismatch", "MooncakeChannel", "MooncakeMaster", "RayObjectChannel", "TorchBroadcastChannel",
-           "state_checksum", "verify"]
+__all__ = ["ChecksumMismatch", "HostSharedChannel", "MooncakeChannel", "MooncakeMaster", "RayObjectChannel", "TorchBroadcastChannel",
+           "WeightChannel", "state_checksum", "verify"]

@@ -4,9 +4,11 @@ communication": NCCL between GPUs, gloo on CPU).
 The trainer (the publisher, rank 0) and ``num_receivers`` inference-worker processes (ranks
 ``1..num_receivers``) share one standalone process group that never touches the default
 ``torch.distributed`` group (trainers use that one for DDP). A named Ray coordinator actor,
-``rollart-weights-dist:<name>``, hands out the TCP port of the group's store (served by rank 0 on
-127.0.0.1), assigns ranks in the order processes first use the channel, and carries one manifest per
-broadcast. ``publish(state, v)`` posts the manifest of version ``v`` then broadcasts the tensors from
+``rollart-weights-dist:<name>``, assigns ranks in the order processes first use the channel and
+carries one manifest per broadcast. The group's store is served by rank 0 (the trainer) on its own
+Ray node IP, on a port the store itself picks there; the manifest carries that address, so receivers
+on other hosts find it. Every process builds its gloo device on the interface that carries its node
+IP (``NCCL_SOCKET_IFNAME`` likewise, unless set), never a fixed loopback. ``publish(state, v)`` posts the manifest of version ``v`` then broadcasts the tensors from
 rank 0; each receiver's ``fetch(v)`` waits (at most ``timeout_s``) for that manifest, joins the same
 broadcast and rebuilds ``{name: tensor}`` on CPU. Every receiver takes part in every broadcast, in
 order: a broadcast is a collective, so ``publish`` returns only once all receivers have joined it.
@@ -17,7 +19,8 @@ than a bucket gets a bucket of its own. A bucket goes over the wire as one flat 
 manifest lists, per bucket, its dtype, byte size and ``(name, element offset, shape)`` per tensor, so
 a receiver views the received bytes back into tensors without further messages::
 
-    manifest = {version, seq, backend, checksum, buckets: [{dtype, nbytes, entries: [(name, offset, shape)]}]}
+    manifest = {version, seq, backend, checksum, store: [ip, port],
+                buckets: [{dtype, nbytes, entries: [(name, offset, shape)]}]}
 
 Invariant: a receiver returns a snapshot only if its BLAKE2b checksum (:func:`state_checksum`) equals
 the one in the publisher's manifest; otherwise it raises :class:`ChecksumMismatch` and the engine
@@ -45,6 +48,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from rollart.weights.net import interface_of, node_ip
 from rollart.weights.snapshot import state_checksum, verify
 
 logger = logging.getLogger(__name__)
@@ -89,12 +93,9 @@ def plan_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[d
 
 @ray.remote(num_cpus=0)
 class _Coordinator:
-    """Rendezvous of one channel: store port, ranks, and the manifest of each broadcast (by sequence)."""
+    """Rendezvous of one channel: ranks, and the manifest of each broadcast (by sequence)."""
 
     def __init__(self, num_receivers: int):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            self.port: int = s.getsockname()[1]
         self.num_receivers = num_receivers
         self.publisher: str | None = None
         self.receivers: dict[str, int] = {}
@@ -103,18 +104,18 @@ class _Coordinator:
         self.done: dict[int, set[int]] = {}
         self.posted = asyncio.Condition()
 
-    def join(self, process_key: str, role: str) -> tuple[int, int]:
-        """``(rank, port)`` for this process: publisher rank 0, receivers 1.. in order of first call."""
+    def join(self, process_key: str, role: str) -> int:
+        """The rank of this process: publisher 0, receivers 1.. in order of first call."""
         if role == _PUBLISHER:
             if self.publisher not in (None, process_key):
                 raise RuntimeError(f"another process ({self.publisher}) already publishes on this channel")
             self.publisher = process_key
-            return 0, self.port
+            return 0
         if process_key not in self.receivers:
             if len(self.receivers) >= self.num_receivers:
                 raise RuntimeError(f"channel has {self.num_receivers} receivers already; {process_key} is one too many")
             self.receivers[process_key] = len(self.receivers) + 1
-        return self.receivers[process_key], self.port
+        return self.receivers[process_key]
 
     async def post(self, manifest: dict[str, Any]) -> None:
         seq = manifest["seq"]
@@ -152,10 +153,10 @@ class _Endpoint:
     """This process's side of one channel: rank, store, process group, broadcast counter."""
 
     rank: int
-    port: int
     lock: threading.Lock = field(default_factory=threading.Lock)
     seq: int = 0
     store: Any = None
+    store_addr: tuple[str, int] = ("", 0)
     group: Any = None
     backend: str | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -225,21 +226,23 @@ class TorchBroadcastChannel:
         with _ENDPOINTS_LOCK:
             ep = _ENDPOINTS.get((self.name, role))
             if ep is None:
-                rank, port = ray.get(self._coordinator.join.remote(_process_key(), role))
-                ep = _ENDPOINTS[(self.name, role)] = _Endpoint(rank=rank, port=port)
+                rank = ray.get(self._coordinator.join.remote(_process_key(), role))
+                ep = _ENDPOINTS[(self.name, role)] = _Endpoint(rank=rank)
                 logger.debug("%r: this process is rank %d of %d", self, rank, self.world_size)
             return ep
 
-    def _connect(self, ep: _Endpoint, backend: str) -> None:
+    def _connect(self, ep: _Endpoint, backend: str, store_addr: tuple[str, int]) -> None:
         """Build this process's side of the group (collective: returns once every rank has joined)."""
         timeout = timedelta(seconds=self.timeout_s)
         if ep.store is None:
-            ep.store = dist.TCPStore("127.0.0.1", ep.port, self.world_size, is_master=ep.rank == 0,
+            ep.store = dist.TCPStore(store_addr[0], int(store_addr[1]), self.world_size, is_master=ep.rank == 0,
                                      timeout=timeout, wait_for_workers=False)
+        iface = interface_of(node_ip())
         store = dist.PrefixStore(f"rollart-weights-dist/{self.name}", ep.store)
         if backend == "nccl":
             if not (dist.is_nccl_available() and torch.cuda.is_available()):
                 raise RuntimeError(f"{self!r}: the publisher broadcasts over NCCL but this process has no CUDA/NCCL")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             ep.group = dist.ProcessGroupNCCL(store, ep.rank, self.world_size, opts)
@@ -247,11 +250,12 @@ class TorchBroadcastChannel:
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface)]
             ep.group = dist.ProcessGroupGloo(store, ep.rank, self.world_size, opts)
             ep.device = torch.device("cpu")
         ep.backend = backend
-        logger.info("%r: rank %d joined the %s group of %d", self, ep.rank, backend, self.world_size)
+        logger.info("%r: rank %d joined the %s group of %d on %s (store %s:%s)", self, ep.rank, backend,
+                    self.world_size, iface, *store_addr)
 
     def _broadcast(self, ep: _Endpoint, buf: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -282,16 +286,17 @@ class TorchBroadcastChannel:
             self._check(ep)
             backend = ep.backend or self.backend or self._auto_backend(state)
             buckets = plan_buckets(state, self.bucket_bytes)
-            manifest = {"version": version, "seq": ep.seq, "backend": backend, "buckets": buckets,
-                        "checksum": self._checksum(state)}
-            if ep.store is None:  # serve the store before receivers look for it
-                ep.store = dist.TCPStore("127.0.0.1", ep.port, self.world_size, is_master=True,
+            if ep.store is None:  # serve the store on this node, on a port it picks, before receivers look
+                ep.store = dist.TCPStore(node_ip(), 0, self.world_size, is_master=True,
                                          timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+                ep.store_addr = (node_ip(), int(ep.store.port))
+            manifest = {"version": version, "seq": ep.seq, "backend": backend, "buckets": buckets,
+                        "checksum": self._checksum(state), "store": list(ep.store_addr)}
             ray.get(self._coordinator.post.remote(manifest))
             ep.seq += 1
             try:
                 if ep.group is None:
-                    self._connect(ep, backend)
+                    self._connect(ep, backend, ep.store_addr)
                 sent = 0
                 for bucket in buckets:
                     if bucket["nbytes"]:
@@ -347,7 +352,7 @@ class TorchBroadcastChannel:
             ep.seq += 1
             try:
                 if ep.group is None:
-                    self._connect(ep, manifest["backend"])
+                    self._connect(ep, manifest["backend"], tuple(manifest["store"]))
                 state = self._receive(ep, manifest)
             except Exception as err:  # noqa: BLE001 - the group is unusable after a failed collective
                 raise self._fail(ep, f"receiving version {manifest['version']}", err) from err

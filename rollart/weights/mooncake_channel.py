@@ -13,9 +13,11 @@ Invariants: a reader sees a version only through its manifest, which is written 
 chunks, and a reader returns a snapshot only if its checksum equals the manifest's — so an engine
 never loads a half-written or mixed snapshot. Only the newest ``keep`` versions are kept.
 
-The store is reached over TCP (``MC_TCP_BIND_ADDRESS=127.0.0.1`` on one machine) or RDMA in
-production; each process mounts its own segment once (``segment_mb``) and joins through the master
-with peer-to-peer handshakes, so no separate metadata server is needed.
+The store is reached over TCP or RDMA (``protocol``; RDMA names its devices, e.g. ``mlx5_0,mlx5_1``).
+Each process mounts its own segment once (``segment_mb``) and joins through the master with
+peer-to-peer handshakes, so no separate metadata server is needed; its transfer engine is bound to
+its own host's address: ``MC_TCP_BIND_ADDRESS`` if set, else the process's Ray node IP (127.0.0.1 on
+a one-machine Ray), so peers on other hosts can reach the segment.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Mapping
 import torch
 
 from rollart.weights.mooncake_master import MooncakeUnavailable
+from rollart.weights.net import node_ip
 from rollart.weights.snapshot import state_checksum, verify
 
 logger = logging.getLogger(__name__)
@@ -77,11 +80,12 @@ class _Client:
     _by_master: dict[str, Any] = {}
 
     @classmethod
-    def get(cls, master: str, segment_mb: int, buffer_mb: int) -> Any:
+    def get(cls, master: str, segment_mb: int, buffer_mb: int, protocol: str = "tcp", rdma_devices: str = "") -> Any:
         with cls._lock:
             if master in cls._by_master:
                 return cls._by_master[master]
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+            host = os.environ.get("MC_TCP_BIND_ADDRESS") or node_ip()
+            os.environ["MC_TCP_BIND_ADDRESS"] = host
             os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every connection at INFO
             try:
                 from mooncake.store import MooncakeDistributedStore
@@ -97,11 +101,12 @@ class _Client:
                                          "weights.mooncake_master to host:port of a running master, or leave it "
                                          "empty and rollart starts one") from err
             store = MooncakeDistributedStore()
-            host = os.environ.get("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-            rc = store.setup(host, "P2PHANDSHAKE", segment_mb << 20, buffer_mb << 20, "tcp", "", master)
+            rc = store.setup(host, "P2PHANDSHAKE", segment_mb << 20, buffer_mb << 20, protocol, rdma_devices, master)
             if rc != 0:
-                raise MooncakeStoreError(f"could not join the Mooncake master at {master} (code {rc}); "
-                                         "is weights.mooncake_master reachable?")
+                raise MooncakeStoreError(f"could not join the Mooncake master at {master} from {host} over {protocol}"
+                                         f"{' (' + rdma_devices + ')' if rdma_devices else ''} (code {rc}); is "
+                                         "weights.mooncake_master reachable, and are weights.rdma_devices right?")
+            logger.info("Mooncake client on %s joined master %s over %s", host, master, protocol)
             cls._by_master[master] = store
             return store
 
@@ -123,9 +128,18 @@ class MooncakeChannel:
     """
 
     def __init__(self, name: str, master: str, *, keep: int = 2, chunk_mb: int = 16, segment_mb: int = 256,
-                 buffer_mb: int = 64, timeout_s: float = 120.0):
+                 buffer_mb: int = 64, timeout_s: float = 120.0, protocol: str = "tcp",
+                 rdma_devices: list[str] | str = ""):
         if keep < 1:
             raise ValueError("weights.keep must be >= 1")
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"weights.protocol must be 'tcp' or 'rdma', not {protocol!r}")
+        devices = rdma_devices if isinstance(rdma_devices, str) else ",".join(rdma_devices)
+        if protocol == "rdma" and not devices:
+            raise ValueError("weights.rdma_devices: protocol rdma needs the RDMA device names, "
+                             "e.g. rdma_devices: [mlx5_0, mlx5_1] (see `ibv_devices`)")
+        self.protocol = protocol
+        self.rdma_devices = devices
         self.name = name
         self.master = master
         self.keep = keep
@@ -145,7 +159,7 @@ class MooncakeChannel:
         return f"rollart/{self.name}"
 
     def _store(self) -> Any:
-        return _Client.get(self.master, self.segment_mb, self.buffer_mb)
+        return _Client.get(self.master, self.segment_mb, self.buffer_mb, self.protocol, self.rdma_devices)
 
     def _put(self, key: str, data: Any, *, upsert: bool = False) -> None:
         store = self._store()

@@ -1,8 +1,10 @@
-"""Start and stop a ``mooncake_master`` process on 127.0.0.1 (seed 004 §5.2, cross-cluster weights).
+"""Start and stop a ``mooncake_master`` process (seed 004 §5.2, cross-cluster weights).
 
 The master only keeps metadata (which client segment holds which key); the bytes live in the
 segments that clients mount. rollart starts one master per job when the config gives no address,
-on free loopback ports, and stops it by its process id when the job ends.
+bound to the driver's node IP (the head host; 127.0.0.1 on a one-machine Ray) on two free ports
+there (RPC and metrics), and stops it by its process id when the job ends. Every host of the
+cluster must reach the RPC port.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ def find_master_binary() -> str:
     raise MooncakeUnavailable("the mooncake package is installed but ships no mooncake_master binary")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -54,24 +56,27 @@ def _accepts(host: str, port: int) -> bool:
 
 
 class MooncakeMaster:
-    """A ``mooncake_master`` bound to 127.0.0.1. ``address`` is what clients pass as ``master_server_address``."""
+    """A ``mooncake_master`` bound to ``host`` (an address of this machine every client can reach;
+    default 127.0.0.1). ``address`` is what clients pass as ``master_server_address``."""
 
-    def __init__(self, *, port: int | None = None, lease_ttl_ms: int = 5000, log_dir: str | Path | None = None):
-        self.port = port or free_port()
-        self.metrics_port = free_port()
+    def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, lease_ttl_ms: int = 5000,
+                 log_dir: str | Path | None = None):
+        self.host = host
+        self.port = port or free_port(host)
+        self.metrics_port = free_port(host)
         self.lease_ttl_ms = lease_ttl_ms
         self.log_dir = Path(log_dir) if log_dir else None
         self._proc: subprocess.Popen | None = None
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 20.0) -> "MooncakeMaster":
         cmd = [
             find_master_binary(),
-            "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
-            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+            f"--rpc_address={self.host}", f"--rpc_port={self.port}",
+            f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}",
             f"--default_kv_lease_ttl={self.lease_ttl_ms}",
         ]
         out = subprocess.DEVNULL
@@ -83,7 +88,7 @@ class MooncakeMaster:
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout_s
         delay = 0.02
-        while not _accepts("127.0.0.1", self.port):
+        while not _accepts(self.host, self.port):
             if self._proc.poll() is not None:
                 raise MooncakeUnavailable(f"mooncake_master exited with code {self._proc.returncode} at start "
                                           f"(command: {' '.join(cmd)})")

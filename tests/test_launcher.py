@@ -1,0 +1,77 @@
+"""The launcher starts a fresh local Ray unless RAY_ADDRESS names a cluster to join."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import ray
+
+from rollart.resource_manager import launcher
+
+DRIVER = (
+    "import json, ray\n"
+    "from rollart.resource_manager.launcher import ensure_ray\n"
+    "ensure_ray({'H800': 2, 'CPU': 1}, job_id='stale-test')\n"
+    "print('RESULT ' + json.dumps(ray.cluster_resources().get('accelerator_type:H800')))\n"
+    "ray.shutdown()\n"
+)
+
+
+@pytest.mark.timeout(300)
+def test_a_stale_ray_current_cluster_file_does_not_stop_a_local_start():
+    # Ray's temp dir follows TMPDIR: a private one whose ray_current_cluster names a cluster that is gone
+    tmp = tempfile.mkdtemp(prefix="rlst", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    try:
+        os.makedirs(os.path.join(tmp, "ray"))
+        with open(os.path.join(tmp, "ray", "ray_current_cluster"), "w") as f:
+            f.write("127.0.0.1:9")  # the discard port: no GCS there
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+        env["TMPDIR"] = tmp
+        proc = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True, timeout=280, env=env,
+                              stdin=subprocess.DEVNULL, check=False)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+        assert json.loads(lines[-1][len("RESULT "):]) == 2.0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_joining_a_cluster_uses_token_auth_and_never_sets_the_single_host_flag(monkeypatch, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append((kw, dict(os.environ))))
+    monkeypatch.setenv("RAY_ADDRESS", "10.201.0.1:6379")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    assert launcher.ensure_ray({"H800": 2}, job_id="j") == "j"
+    (kw, env), = calls
+    assert kw["address"] == "10.201.0.1:6379" and "num_cpus" not in kw
+    assert env["RAY_AUTH_MODE"] == "token"
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in env
+
+
+def test_an_explicit_auth_mode_is_kept_when_joining(monkeypatch, tmp_path):
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setenv("RAY_ADDRESS", "10.201.0.1:6379")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "t" * 32)
+    launcher.ensure_ray({}, job_id="j")
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"
+
+
+def test_the_local_start_is_explicit(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    launcher.ensure_ray({"H20": 1, "CPU": 2}, job_id="j")
+    (kw,) = calls
+    assert kw["address"] == "local" and kw["resources"] == {"accelerator_type:H20": 1.0}
