@@ -20,7 +20,7 @@ import argparse
 import statistics
 from typing import Any
 
-from benchmarks.common import write_report
+from rollart.benchmarks.common import write_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def _config(args: argparse.Namespace, alpha: int, out: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pipelines.agentic import AgenticPipeline
+    from rollart.pipelines.agentic import AgenticPipeline
 
     alphas = [int(a) for a in args.alphas.split(",")]
     measured: dict[int, dict[str, float]] = {}

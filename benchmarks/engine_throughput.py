@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import write_report
+from rollart.benchmarks.common import write_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

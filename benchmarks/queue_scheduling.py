@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import ScaledClock, SimVerifiableEnv, TinyCodec, add_common_arguments, start_inference, write_report
+from rollart.benchmarks.common import ScaledClock, SimVerifiableEnv, TinyCodec, add_common_arguments, start_inference, write_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import (
+from rollart.benchmarks.common import (
     ScaledClock,
     StochasticLatencyEnv,
     TinyCodec,

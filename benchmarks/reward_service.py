@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import add_common_arguments, write_report
+from rollart.benchmarks.common import add_common_arguments, write_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import log, write_report
+from rollart.benchmarks.common import log, write_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -132,7 +132,7 @@ async def _run_mode(mode: str, args: argparse.Namespace, cluster: Any, proxy: An
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from benchmarks.common import start_inference
+    from rollart.benchmarks.common import start_inference
     from rollart.rollout.llm_proxy import LLMProxy
     from rollart.weights.mooncake_channel import MooncakeChannel, close_clients
     from rollart.weights.mooncake_master import MooncakeMaster

@@ -11,9 +11,9 @@ import random
 import re
 from typing import ClassVar
 
-from envs.actions import answer_text
-from envs.base import check_positive, register_env
-from envs.single_turn import VerifiableTask
+from rollart.envs.actions import answer_text
+from rollart.envs.base import check_positive, register_env
+from rollart.envs.single_turn import VerifiableTask
 
 _INT = re.compile(r"[+-]?[0-9]+")
 

@@ -104,9 +104,9 @@ def registered_envs() -> list[str]:
 
 
 def _load_builtin() -> None:
-    import envs.frozen_lake  # noqa: F401  (each import registers its env)
-    import envs.sokoban  # noqa: F401
-    import envs.verifiable  # noqa: F401
+    import rollart.envs.frozen_lake  # noqa: F401  (each import registers its env)
+    import rollart.envs.sokoban  # noqa: F401
+    import rollart.envs.verifiable  # noqa: F401
 
 
 def make_env(spec: EnvSpec | dict[str, Any] | str, **kwargs: Any) -> TextEnv:

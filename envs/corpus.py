@@ -13,11 +13,11 @@ import random
 import string
 from typing import Callable
 
-from envs.addition import AdditionTask
-from envs.countdown import CountdownTask
-from envs.frozen_lake import WORDS, FrozenLake
-from envs.reverse import ReverseTask
-from envs.sokoban import Sokoban
+from rollart.envs.addition import AdditionTask
+from rollart.envs.countdown import CountdownTask
+from rollart.envs.frozen_lake import WORDS, FrozenLake
+from rollart.envs.reverse import ReverseTask
+from rollart.envs.sokoban import Sokoban
 
 SYMBOLS = "#_OX√PSFHG=+-*/()<>:;.,'?! \n"
 

@@ -20,9 +20,9 @@ import random
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from envs.actions import answer_text
-from envs.base import check_positive, register_env
-from envs.single_turn import VerifiableTask
+from rollart.envs.actions import answer_text
+from rollart.envs.base import check_positive, register_env
+from rollart.envs.single_turn import VerifiableTask
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _MAX_ANSWER_CHARS = 512

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from envs.base import EnvError, EnvTimeout, StepResult
+from rollart.envs.base import EnvError, EnvTimeout, StepResult
 
 Latency = Callable[[], float]
 

@@ -21,8 +21,8 @@ import random
 from collections import deque
 from typing import Any, ClassVar
 
-from envs.actions import parse_direction
-from envs.base import EnvError, StepResult, TextEnv, check_positive, register_env
+from rollart.envs.actions import parse_direction
+from rollart.envs.base import EnvError, StepResult, TextEnv, check_positive, register_env
 
 MOVES = {"L": (0, -1), "D": (1, 0), "R": (0, 1), "U": (-1, 0)}
 WORDS = {"L": "Left", "D": "Down", "R": "Right", "U": "Up"}

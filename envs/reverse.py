@@ -12,8 +12,8 @@ import random
 import string
 from typing import ClassVar
 
-from envs.base import check_positive, register_env
-from envs.single_turn import VerifiableTask
+from rollart.envs.base import check_positive, register_env
+from rollart.envs.single_turn import VerifiableTask
 
 
 @register_env("reverse")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from envs.base import EnvError, StepResult, TextEnv
+from rollart.envs.base import EnvError, StepResult, TextEnv
 
 
 class VerifiableTask(TextEnv):

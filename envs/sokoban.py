@@ -23,8 +23,8 @@ import random
 from collections import deque
 from typing import Any, ClassVar
 
-from envs.actions import parse_direction
-from envs.base import EnvError, StepResult, TextEnv, check_positive, register_env
+from rollart.envs.actions import parse_direction
+from rollart.envs.base import EnvError, StepResult, TextEnv, check_positive, register_env
 
 Cell = tuple[int, int]
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from envs.addition import AdditionTask
-from envs.countdown import CountdownTask
-from envs.reverse import ReverseTask
-from envs.single_turn import VerifiableTask
+from rollart.envs.addition import AdditionTask
+from rollart.envs.countdown import CountdownTask
+from rollart.envs.reverse import ReverseTask
+from rollart.envs.single_turn import VerifiableTask
 
 TASKS: dict[str, type[VerifiableTask]] = {"reverse": ReverseTask, "addition": AdditionTask, "countdown": CountdownTask}
 

@@ -81,7 +81,7 @@ class AgenticPipeline:
     def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
         from transformers import AutoTokenizer
 
-        from envs import EnvSpec, make_env
+        from rollart.envs import EnvSpec, make_env
 
         self.config = config
         self.out_dir = config.out_dir

@@ -19,14 +19,14 @@ import rollart
 log = logging.getLogger(__name__)
 # bench name -> module with add_arguments(parser) and run(args) -> dict
 BENCHES: dict[str, str] = {
-    "reward-service": "benchmarks.reward_service",
-    "engine": "benchmarks.engine_throughput",
-    "env-async": "benchmarks.env_async",
-    "redundant-env": "benchmarks.redundant_env",
-    "queue-scheduling": "benchmarks.queue_scheduling",
-    "prompt-replication": "benchmarks.prompt_replication",
-    "async-train": "benchmarks.async_train",
-    "weight-sync": "benchmarks.weight_sync",
+    "reward-service": "rollart.benchmarks.reward_service",
+    "engine": "rollart.benchmarks.engine_throughput",
+    "env-async": "rollart.benchmarks.env_async",
+    "redundant-env": "rollart.benchmarks.redundant_env",
+    "queue-scheduling": "rollart.benchmarks.queue_scheduling",
+    "prompt-replication": "rollart.benchmarks.prompt_replication",
+    "async-train": "rollart.benchmarks.async_train",
+    "weight-sync": "rollart.benchmarks.weight_sync",
 }
 
 

@@ -146,11 +146,30 @@ class PipelineConfig(BaseModel):
         return Path(self.output_dir.format(name=self.name))
 
 
+def shipped_configs() -> dict[str, Path]:
+    """The configs that ship with rollart (``rollart.pipelines``), by name: ``{"quickstart": .../quickstart.yaml}``."""
+    from importlib.resources import files
+
+    folder = files("rollart.pipelines")
+    return {Path(e.name).stem: Path(str(e)) for e in folder.iterdir() if e.name.endswith(".yaml")}
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """``path`` when that file exists, else the shipped config of that name (``quickstart`` or
+    ``quickstart.yaml``), so ``rollart run quickstart`` works from any directory."""
+    p = Path(path)
+    if p.exists():
+        return p
+    name = Path(path).name.removesuffix(".yaml").removesuffix(".yml")
+    shipped = shipped_configs()
+    if name in shipped and (len(p.parts) == 1 or p.parent.name == "pipelines"):
+        return shipped[name]
+    raise ConfigError(f"config file {p} does not exist (shipped configs, usable by name: {', '.join(sorted(shipped))})")
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """Read and validate a YAML config; ``overrides`` are dotted keys (``{"steps": 3}``)."""
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"config file {p} does not exist")
+    p = resolve_config_path(path)
     raw = yaml.safe_load(p.read_text()) or {}
     for dotted, value in (overrides or {}).items():
         node = raw

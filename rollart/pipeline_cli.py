@@ -24,7 +24,7 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pipelines.agentic import AgenticPipeline
+    from rollart.pipelines.agentic import AgenticPipeline
     from rollart.config import ConfigError, load_config
 
     try:

@@ -11,7 +11,7 @@ HEAVY = ("torch", "ray", "transformers", "matplotlib", "fastapi", "uvicorn", "pr
 def _loaded_after(code: str) -> list[str]:
     """The heavy modules (and any bench module) that ``code`` imported, run in a fresh interpreter."""
     probe = code + (f"\nimport sys, json\nprint(json.dumps([m for m in sys.modules if m in {HEAVY!r} "
-                    "or m.startswith('benchmarks.')]))")
+                    "or m.startswith('rollart.benchmarks.')]))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -11,12 +11,12 @@ import time
 import pydantic
 import pytest
 
-from envs import EnvError, EnvSpec, EnvTimeout, make_env, registered_envs
-from envs.actions import parse_direction
-from envs.corpus import task_corpus
-from envs.faults import AsyncFailingEnv, AsyncLatencyEnv, FailingEnv, LatencyEnv, ScaledClock, VirtualClock
-from envs.frozen_lake import MOVES, WORDS, solvable
-from envs.verifiable import AdditionTask, CountdownTask, ReverseTask, sample_prompts, verify
+from rollart.envs import EnvError, EnvSpec, EnvTimeout, make_env, registered_envs
+from rollart.envs.actions import parse_direction
+from rollart.envs.corpus import task_corpus
+from rollart.envs.faults import AsyncFailingEnv, AsyncLatencyEnv, FailingEnv, LatencyEnv, ScaledClock, VirtualClock
+from rollart.envs.frozen_lake import MOVES, WORDS, solvable
+from rollart.envs.verifiable import AdditionTask, CountdownTask, ReverseTask, sample_prompts, verify
 
 ALL = ["frozen_lake", "sokoban", "reverse", "addition", "countdown"]
 

@@ -28,11 +28,11 @@ import logging, sys, types
 for name in {OPTIONAL!r}:
     sys.modules[name] = None  # import raises ImportError
 logging.basicConfig(level=logging.INFO)
-import pipelines.agentic as agentic, rollart.reward.client, rollart.cluster.serverless
+import rollart.pipelines.agentic as agentic, rollart.reward.client, rollart.cluster.serverless
 from rollart.cli import main
 fake = types.SimpleNamespace(metrics_path={str(tmp_path / 'metrics.jsonl')!r}, out_dir={str(tmp_path)!r})
 assert agentic.AgenticPipeline.plot(fake, [{{"step": 0}}]) is None
-assert main(["serve", "rewards", "rollart.reward.builtin:reverse"]) == 2
+assert main(["serve", "rewards", "rollart.envs.rewards:reverse"]) == 2
 print("OK")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)

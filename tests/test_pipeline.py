@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pipelines.agentic import AgenticPipeline
+from rollart.pipelines.agentic import AgenticPipeline
 from rollart.config import ConfigError, PipelineConfig, load_config
 
 pytestmark = pytest.mark.timeout(600)
@@ -108,7 +108,7 @@ def test_shipped_configs_validate():
 
 def test_rewards_come_from_the_reward_service_and_a_dead_service_never_scores_zero(ray_local, tmp_path):
     from reward_fixtures import ThreadServer
-    from rollart.reward.builtin import reverse
+    from rollart.envs.rewards import reverse
     from rollart.reward.server import build_app
 
     calls = {"n": 0}
@@ -219,7 +219,7 @@ def test_make_batch_builds_the_batch_once_then_adds_advantages(tmp_path, monkeyp
     running-mean baseline carries its window from one step to the next."""
     import asyncio
 
-    import pipelines.agentic as agentic
+    import rollart.pipelines.agentic as agentic
     from rollart.algorithms import RunningMeanBaseline
     from rollart.rollout.types import Trajectory
     from rollart.training import columns as C

@@ -18,7 +18,7 @@ def test_ray_serve_deployment_scores_and_scales_from_zero(ray_local):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        app = deployment(["rollart.reward.builtin:reverse"], ServerSettings(), max_replicas=2, downscale_delay_s=1)
+        app = deployment(["rollart.envs.rewards:reverse"], ServerSettings(), max_replicas=2, downscale_delay_s=1)
         serve.run(app, name="rollart-rewards", route_prefix="/")
         body = {"trajectories": [{"response": "cba", "ground_truth": "cba"}, {"response": "abc", "ground_truth": "cba"}]}
         url = f"http://127.0.0.1:{port}/rewards/reverse"

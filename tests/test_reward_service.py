@@ -198,7 +198,7 @@ def test_server_killed_and_restarted_mid_stream_loses_no_reward(tmp_path):
     port = free_port()
 
     def start():
-        return start_reward_server(["rollart.reward.builtin:reverse"], port, dict(os.environ))
+        return start_reward_server(["rollart.envs.rewards:reverse"], port, dict(os.environ))
 
     proc = start()
     words = [f"{a}{b}{c}" for a in "abc" for b in "xyz" for c in "mno"]
@@ -228,7 +228,7 @@ def test_server_killed_and_restarted_mid_stream_loses_no_reward(tmp_path):
 
 
 def rf_reverse(t):
-    from envs.verifiable import ReverseTask
+    from rollart.envs.verifiable import ReverseTask
 
     return ReverseTask.verify(t["response"], t["ground_truth"])
 
@@ -249,7 +249,7 @@ def test_workers_serve_from_separate_processes_with_the_same_settings():
     port = free_port()
     env = dict(os.environ, REWARD_TOKEN="s3cret",
                PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    proc = start_reward_server(["pid=reward_fixtures:process_id", "reverse=rollart.reward.builtin:reverse",
+    proc = start_reward_server(["pid=reward_fixtures:process_id", "reverse=rollart.envs.rewards:reverse",
                                 "--workers", "2", "--token-env", "REWARD_TOKEN"], port, env)
     try:
         children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()

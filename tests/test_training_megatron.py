@@ -222,7 +222,7 @@ def test_pipeline_trains_with_the_megatron_strategy_and_resumes(ray_local, tmp_p
     inference engines load the HF-named weights it publishes, and a checkpoint (megatron names) resumes."""
     from test_pipeline import small_config
 
-    from pipelines.agentic import AgenticPipeline
+    from rollart.pipelines.agentic import AgenticPipeline
 
     cfg = small_config(tmp_path, steps=2, checkpoint_every=2, train={"lr": 0.001, "strategy": "megatron"})
     pipe = AgenticPipeline(cfg, progress=False)

@@ -135,7 +135,7 @@ def test_unpublished_version_times_out(ray_local):
 def test_pipeline_runs_on_the_broadcast_channel(ray_local, tmp_path):
     from test_pipeline import small_config
 
-    from pipelines.agentic import AgenticPipeline
+    from rollart.pipelines.agentic import AgenticPipeline
 
     cfg = small_config(tmp_path, steps=2, checkpoint_every=0, weights={"channel": "dist"})
     pipe = AgenticPipeline(cfg, progress=False)

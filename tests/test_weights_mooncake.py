@@ -179,7 +179,7 @@ def test_pipeline_runs_on_the_mooncake_channel(ray_local, tmp_path):
     _require_mooncake()
     from test_pipeline import read, small_config
 
-    from pipelines.agentic import AgenticPipeline
+    from rollart.pipelines.agentic import AgenticPipeline
 
     cfg = small_config(tmp_path, steps=2, checkpoint_every=0, weights={"channel": "mooncake", "segment_mb": 32})
     pipe = AgenticPipeline(cfg, progress=False)

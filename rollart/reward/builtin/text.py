@@ -57,21 +57,3 @@ def math_answer(trajectory: dict[str, Any]) -> float:
 
 def exact_match(trajectory: dict[str, Any]) -> float:
     return float(trajectory["response"].strip() == str(trajectory["ground_truth"]).strip())
-
-
-def reverse(trajectory: dict[str, Any]) -> float:
-    from envs.verifiable import ReverseTask
-
-    return ReverseTask.verify(trajectory["response"], trajectory["ground_truth"])
-
-
-def addition(trajectory: dict[str, Any]) -> float:
-    from envs.verifiable import AdditionTask
-
-    return AdditionTask.verify(trajectory["response"], trajectory["ground_truth"])
-
-
-def countdown(trajectory: dict[str, Any]) -> float:
-    from envs.verifiable import CountdownTask
-
-    return CountdownTask.verify(trajectory["response"], trajectory["ground_truth"])

@@ -1,0 +1,58 @@
+"""Only ``rollart`` is installed as a top-level name; the top-level folders install under it."""
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _setuptools() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_every_package_folder_is_installed_under_rollart():
+    cfg = _setuptools()
+    mapped = {name: ROOT / folder for name, folder in cfg["package-dir"].items()}
+    found = set()
+    for name, folder in mapped.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder)
+            found.add(".".join([name, *rel.parts]) if rel.parts else name)
+    assert found == set(cfg["packages"]), "pyproject.toml [tool.setuptools] packages must list every package"
+    assert all(p == "rollart" or p.startswith("rollart.") for p in cfg["packages"])
+
+
+def test_no_generic_top_level_names_and_the_core_never_imports_upward(tmp_path):
+    # run outside the checkout, so only what is installed can be imported
+    code = ("import importlib.util as u, json\n"
+            "print(json.dumps({n: u.find_spec(n) is not None for n in "
+            "['envs', 'pipelines', 'benchmarks', 'rollart.envs', 'rollart.pipelines', 'rollart.benchmarks']}))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # conftest puts the checkout there
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True)
+    found = __import__("json").loads(out.stdout)
+    assert found == {"envs": False, "pipelines": False, "benchmarks": False,
+                     "rollart.envs": True, "rollart.pipelines": True, "rollart.benchmarks": True}
+    core = [p for p in (ROOT / "rollart").rglob("*.py") if "testing" not in p.parts]
+    upward = [f"{p.relative_to(ROOT)}" for p in core
+              if any(f"rollart.{top}" in line for line in p.read_text().splitlines()
+                     if line.lstrip().startswith(("from ", "import ")) for top in ("envs", "pipelines"))]
+    allowed = {"rollart/pipeline_cli.py"}  # the CLI mounts the pipeline (imported when `rollart run` runs)
+    assert set(upward) <= allowed, upward
+
+
+def test_shipped_configs_are_found_by_name(tmp_path, monkeypatch):
+    from rollart.config import ConfigError, load_config, resolve_config_path
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config_path("quickstart").name == "quickstart.yaml"
+    assert load_config("pipelines/quickstart.yaml").name == "quickstart"
+    try:
+        load_config("no-such-config")
+    except ConfigError as err:
+        assert "quickstart" in str(err)
+    else:
+        raise AssertionError("a missing config loaded")
