@@ -248,6 +248,11 @@ class WithBlocking(ra.Worker):
         return blocking
 
 
+class Impostor:
+    def leader(self) -> int:
+        return -1
+
+
 def test_a_worker_parameter_named_blocking_is_reported(caplog):
     from rollart.cluster.methods import exposed_methods
 
@@ -272,7 +277,7 @@ async def test_typed_call_and_call_async_match_the_attribute_style(make_rm):
     with pytest.raises(TypeError, match="not an exposed method"):
         c.call(Trainer.not_exposed)
     with pytest.raises(TypeError, match="not a method of Trainer"):
-        c.call(Gen.rendezvous)
+        c.call(Impostor.leader)  # the same name on an unrelated class
     with pytest.raises(TypeError, match="blocking"):
         c.call(Trainer.leader, blocking=False)  # type: ignore[call-arg]
     g = ra.Cluster("gen", Gen, rm, pool="rollout")

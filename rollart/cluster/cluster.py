@@ -474,7 +474,7 @@ class Cluster:
             bound.apply_defaults()
             return {k: v for k, v in bound.arguments.items() if k != self_name}
 
-        opts = {"timeout_s": spec.timeout_s, "retry": retry, "token_env": spec.token_env, "tenant": self.job_id}
+        opts: dict[str, Any] = {"timeout_s": spec.timeout_s, "retry": retry, "token_env": spec.token_env, "tenant": self.job_id}
 
         def call(*args: Any, blocking: bool = True, **kwargs: Any) -> Any:
             payload = payload_of(args, kwargs)

@@ -177,7 +177,7 @@ class InferenceWorker(ra.Worker):
     def _finish(self, out: RequestOutput | None, *, preempted: bool, rid: str | None = None) -> None:
         rid = rid or (out.request_id if out is not None else None)
         pending = self._pending.pop(rid, None) if rid else None
-        if pending is None or pending.future.done():
+        if rid is None or pending is None or pending.future.done():
             return
         tokens = list(out.output_token_ids) if out is not None else []
         logprobs = list(out.output_logprobs) if out is not None else []

@@ -189,11 +189,11 @@ class RolloutScheduler:
         finally:
             if pending:  # redundant members of a complete round, or the round was aborted
                 await asyncio.gather(*(tasks[t].abort() for t in pending))
-                for traj in await asyncio.gather(*pending, return_exceptions=True):
-                    if isinstance(traj, Trajectory):
-                        self.counts[f"trajectories_{traj.status}"] += 1
-                        if traj.status == "ok" and len(kept) < self.config.keep and not rnd.aborted:
-                            kept.append(traj)
+                for late in await asyncio.gather(*pending, return_exceptions=True):
+                    if isinstance(late, Trajectory):
+                        self.counts[f"trajectories_{late.status}"] += 1
+                        if late.status == "ok" and len(kept) < self.config.keep and not rnd.aborted:
+                            kept.append(late)
         if rnd.aborted:
             self.counts["rounds_aborted"] += 1
             return None
