@@ -38,6 +38,18 @@ def test_ppo_clip_value_and_gradient_directions():
     assert lp.grad.item() == pytest.approx(1.25)  # d/dlogp of r * 1 = r
 
 
+def test_decoupled_ppo_centres_on_the_proximal_policy_and_reweights_the_behaviour_policy():
+    lp = torch.tensor([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    proximal, behaviour = t([math.log(0.4)]), t([math.log(0.2)])  # r = 1.25 (clipped to 1.2), w = 0.4/0.2 = 2
+    loss, m = policy_loss("decoupled_ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=proximal,
+                          behaviour_logprobs=behaviour, eps=0.2)
+    assert loss.item() == pytest.approx(-2.0 * 1.2) and m["behave_weight_mean"] == pytest.approx(2.0)
+    assert m["ratio_mean"] == pytest.approx(1.25)  # ratio metrics against the proximal policy
+    capped, _ = policy_loss("decoupled_ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=proximal,
+                            behaviour_logprobs=behaviour, eps=0.2, behave_cap=1.5)
+    assert capped.item() == pytest.approx(-1.5 * 1.2)
+
+
 def test_tis_and_cispo_weights_carry_no_gradient():
     lp = torch.tensor([[math.log(0.9)]], dtype=torch.float64, requires_grad=True)
     old = t([math.log(0.3)])  # ratio 3

@@ -219,7 +219,7 @@ def test_make_batch_builds_the_batch_once_then_adds_advantages(tmp_path, monkeyp
     running-mean baseline carries its window from one step to the next."""
     import asyncio
 
-    import rollart.pipelines.agentic as agentic
+    from rollart.pipelines import agentic
     from rollart.algorithms import RunningMeanBaseline
     from rollart.rollout.types import Trajectory
     from rollart.training import columns as C

@@ -7,6 +7,7 @@ import torch
 import rollart as ra
 from rollart.models import build_tiny
 from rollart.rollout.types import Trajectory
+from rollart.training import columns as C
 from rollart.training.critic import CriticConfig, CriticWorker, gae_batch
 from rollart.training.torch_strategy import free_port
 
@@ -32,13 +33,13 @@ def agentic_groups(n: int) -> list[list[Trajectory]]:
 
 def critic_batch(critic: ra.Cluster, groups) -> ra.Batch:
     """Score the trajectories with the critic, then build the GAE batch its ``train_step`` takes."""
-    values = critic.compute_values(ra.Batch({"input_ids": [t.token_ids for g in groups for t in g]}))
+    values = critic.compute_values(ra.Batch({C.INPUT_IDS: [t.token_ids for g in groups for t in g]}))
     return gae_batch(groups, values, gamma=1.0, lam=1.0)
 
 
 def mse_on_actions(values, batch: ra.Batch) -> float:
     num = den = 0.0
-    for v, r, m in zip(values, batch["returns"], batch["loss_mask"]):
+    for v, r, m in zip(values, batch[C.RETURNS], batch[C.LOSS_MASK]):
         for vt, rt, mt in zip(v, r, m):
             if mt:
                 num += 0.5 * (vt - rt) ** 2
@@ -58,11 +59,11 @@ def test_gae_batch_skips_the_observation_tokens_by_hand():
     t = traj(0, [5, 6, 7, 8, 9, 10], [1, 1, 0, 0, 1, 1], reward=1.0)
     b = gae_batch([[t]], [values], gamma=1.0, lam=1.0, whiten=False)
     # gamma = lam = 1: A_t = reward - V_t on the action tokens, 0 on the observation tokens
-    assert b["advantages"][0] == pytest.approx([0.9, 0.8, 0.0, 0.0, 0.5, 0.4], abs=1e-6)
-    assert b["returns"][0] == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], abs=1e-6)
-    assert b["values"][0] == pytest.approx([0.1, 0.2, 0.0, 0.0, 0.5, 0.6], abs=1e-6)
-    assert b["input_ids"] == [[5, 6, 7, 8, 9, 10]] and b["loss_mask"] == [[1, 1, 0, 0, 1, 1]]
-    assert b["behaviour_logprobs"][0] == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5] and float(b["rewards"][0]) == 1.0
+    assert b[C.ADVANTAGES][0] == pytest.approx([0.9, 0.8, 0.0, 0.0, 0.5, 0.4], abs=1e-6)
+    assert b[C.RETURNS][0] == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], abs=1e-6)
+    assert b[C.VALUES][0] == pytest.approx([0.1, 0.2, 0.0, 0.0, 0.5, 0.6], abs=1e-6)
+    assert b[C.INPUT_IDS] == [[5, 6, 7, 8, 9, 10]] and b[C.LOSS_MASK] == [[1, 1, 0, 0, 1, 1]]
+    assert b[C.BEHAVIOUR_LOGPROBS][0] == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5] and float(b[C.REWARDS][0]) == 1.0
 
     # gamma = 0.9, lam = 0.5; the successor of token 1 is token 4 (V = 0.5), not the observation token 2:
     # A5 = 1 - .6 = .4;  A4 = (.9*.6 - .5) + .45*.4 = .22;  A1 = (.9*.5 - .2) + .45*.22 = .349
@@ -70,20 +71,20 @@ def test_gae_batch_skips_the_observation_tokens_by_hand():
     expected_adv = [0.23705, 0.349, 0.0, 0.0, 0.22, 0.4]
     expected_ret = [0.33705, 0.549, 0.0, 0.0, 0.72, 1.0]
     b = gae_batch([[t]], [values], gamma=0.9, lam=0.5, whiten=False)
-    assert b["advantages"][0] == pytest.approx(expected_adv, abs=1e-6)
-    assert b["returns"][0] == pytest.approx(expected_ret, abs=1e-6)
+    assert b[C.ADVANTAGES][0] == pytest.approx(expected_adv, abs=1e-6)
+    assert b[C.RETURNS][0] == pytest.approx(expected_ret, abs=1e-6)
     # length-adaptive lambda = 1 - 1/(alpha * 4 action tokens) = 0.5 with alpha = 0.5, whatever lam says
     b = gae_batch([[t]], [values], gamma=0.9, lam=0.99, length_adaptive=True, alpha=0.5, whiten=False)
-    assert b["advantages"][0] == pytest.approx(expected_adv, abs=1e-6)
+    assert b[C.ADVANTAGES][0] == pytest.approx(expected_adv, abs=1e-6)
 
     # whitening: mean 0 and std 1 over the action tokens, observations stay 0, returns are pre-whitening
     b = gae_batch([[t]], [values], gamma=0.9, lam=0.5)
     adv = torch.tensor(expected_adv)[[0, 1, 4, 5]]
     white = (adv - adv.mean()) / adv.std(unbiased=False)
-    got = b["advantages"][0]
+    got = b[C.ADVANTAGES][0]
     assert [got[i] for i in (0, 1, 4, 5)] == pytest.approx(white.tolist(), abs=1e-4)
     assert got[2] == got[3] == 0.0
-    assert b["returns"][0] == pytest.approx(expected_ret, abs=1e-6)
+    assert b[C.RETURNS][0] == pytest.approx(expected_ret, abs=1e-6)
 
 
 def test_gae_batch_rejects_misaligned_values():
@@ -106,7 +107,7 @@ def test_k_value_updates_per_actor_step_fit_better_than_one(make_rm, tiny):
     k3 = ra.Cluster("critic_k3", CriticWorker, rm, pool="k3", worker_kwargs={"config": {**base, "epochs": 3}})
     groups = agentic_groups(8)
     batch = critic_batch(k1, groups)
-    assert critic_batch(k3, groups)["values"] == batch["values"]  # same seed: the same critic to start with
+    assert critic_batch(k3, groups)[C.VALUES] == batch[C.VALUES]  # same seed: the same critic to start with
     before = mse_on_actions(k1.compute_values(batch), batch)
     m1 = k1.train_step(batch)
     m3 = k3.train_step(batch)
@@ -140,7 +141,7 @@ def test_frozen_attention_keeps_every_attention_parameter_bit_identical(make_rm,
     for kind in ("head.weight", ".mlp."):
         changed = [n for n in before if kind in n and after[n] != before[n]]
         assert changed, f"no {kind} parameter was trained"
-    assert mse_on_actions(critic.compute_values(batch), batch) < mse_on_actions(batch["values"], batch)
+    assert mse_on_actions(critic.compute_values(batch), batch) < mse_on_actions(batch[C.VALUES], batch)
 
 
 def test_two_ranks_train_the_critic_like_one_rank_on_the_whole_batch(make_rm, tiny):
@@ -151,7 +152,7 @@ def test_two_ranks_train_the_critic_like_one_rank_on_the_whole_batch(make_rm, ti
     assert dp.setup_distributed("127.0.0.1", free_port()) == ["gloo", "gloo"]
     groups = agentic_groups(6)
     batch = critic_batch(one, groups)
-    for a, b in zip(critic_batch(dp, groups)["values"], batch["values"]):
+    for a, b in zip(critic_batch(dp, groups)[C.VALUES], batch[C.VALUES]):
         assert a == pytest.approx(b, abs=1e-6)
     m_dp = dp.train_step(batch)
     m_one = one.train_step(batch)
@@ -162,7 +163,7 @@ def test_two_ranks_train_the_critic_like_one_rank_on_the_whole_batch(make_rm, ti
     sums, ref = dp.param_checksum(), one.param_checksum()[0]
     assert sums[0] == pytest.approx(sums[1], rel=1e-9)
     assert sums[0] == pytest.approx(ref, rel=1e-5)
-    probe = ra.Batch({"input_ids": [t.token_ids for g in groups for t in g]})
+    probe = ra.Batch({C.INPUT_IDS: [t.token_ids for g in groups for t in g]})
     for a, b in zip(dp.compute_values(probe), one.compute_values(probe)):
         assert a == pytest.approx(b, abs=1e-5)
     one_row = batch.rows(0, 1)  # rank 1's share is empty: it still joins the step's collectives
@@ -194,10 +195,10 @@ def test_value_targets_use_the_critic_lambda_and_advantages_the_policy_lambda():
     # A1 = (.5 - .2) + .5 * .3 = .45 ; A0 = (.2 - .1) + .5 * .45 = .325
     adv = [0.325, 0.45, 0.0, 0.0, 0.3, 0.4]
     b = gae_batch([[t]], [values], gamma=1.0, lam=0.5, critic_lam=1.0, whiten=False)
-    assert b["advantages"][0] == pytest.approx(adv, abs=1e-6)
-    assert b["returns"][0] == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], abs=1e-6)  # lambda_critic = 1: R = reward
+    assert b[C.ADVANTAGES][0] == pytest.approx(adv, abs=1e-6)
+    assert b[C.RETURNS][0] == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], abs=1e-6)  # lambda_critic = 1: R = reward
     same = gae_batch([[t]], [values], gamma=1.0, lam=0.5, whiten=False)  # critic_lam None: the policy's lambda
-    assert same["returns"][0] == pytest.approx([a + v * m for a, v, m in zip(adv, values, t.loss_mask)], abs=1e-6)
+    assert same[C.RETURNS][0] == pytest.approx([a + v * m for a, v, m in zip(adv, values, t.loss_mask)], abs=1e-6)
     # SAO: length-adaptive policy lambda with alpha = 1.5 over l = 4 action tokens: 1 - 1/6 = 5/6
     lam = 5 / 6
     a5 = 0.4
@@ -205,8 +206,8 @@ def test_value_targets_use_the_critic_lambda_and_advantages_the_policy_lambda():
     a1 = 0.3 + lam * a4
     a0 = 0.1 + lam * a1
     b = gae_batch([[t]], [values], whiten=False, **CriticConfig(preset="sao").gae_kwargs())
-    assert b["advantages"][0] == pytest.approx([a0, a1, 0.0, 0.0, a4, a5], abs=1e-6)
-    assert b["returns"][0] == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], abs=1e-6)
+    assert b[C.ADVANTAGES][0] == pytest.approx([a0, a1, 0.0, 0.0, a4, a5], abs=1e-6)
+    assert b[C.RETURNS][0] == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0], abs=1e-6)
 
 
 def local_critic(**config) -> CriticWorker:
@@ -219,7 +220,7 @@ def local_critic(**config) -> CriticWorker:
 def test_critic_checkpoint_round_trips_model_optimizer_and_warmup_weights_only(tiny, tmp_path):
     groups = agentic_groups(4)
     critic = local_critic(model=tiny, lr=1e-2, epochs=2, warmup_steps=3)
-    batch = gae_batch(groups, critic.compute_values(ra.Batch({"input_ids": [t.token_ids for g in groups for t in g]})),
+    batch = gae_batch(groups, critic.compute_values(ra.Batch({C.INPUT_IDS: [t.token_ids for g in groups for t in g]})),
                       lam=1.0)
     critic.train_step(batch)
     path = critic.save_checkpoint(str(tmp_path / "ckpt" / "critic.pt"), step=7)

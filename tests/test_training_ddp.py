@@ -3,10 +3,11 @@ one rank on the whole batch: gradients are weighted to the global token mean, an
 
 import pytest
 import torch
+from ray_helpers import kill_and_wait
 
 import rollart as ra
-from ray_helpers import kill_and_wait
 from rollart.models import build_tiny
+from rollart.training import columns as C
 from rollart.training.torch_strategy import TorchTrainWorker, free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,8 +22,8 @@ def batch_of(n: int) -> ra.Batch:
         ids.append(row)
         masks.append([0, 0] + [1] * (length - 2))
         adv.append([float((-1) ** i)] * length)
-    return ra.Batch({"input_ids": ids, "loss_mask": masks, "advantages": adv,
-                     "behaviour_logprobs": [[0.0] * len(r) for r in ids]})
+    return ra.Batch({C.INPUT_IDS: ids, C.LOSS_MASK: masks, C.ADVANTAGES: adv,
+                     C.BEHAVIOUR_LOGPROBS: [[0.0] * len(r) for r in ids]})
 
 
 def test_two_ranks_match_one_rank_on_the_whole_batch(make_rm, tmp_path):
@@ -45,9 +46,9 @@ def test_two_ranks_match_one_rank_on_the_whole_batch(make_rm, tmp_path):
 def rows_of(lengths: list[int]) -> ra.Batch:
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, 60, (n,), generator=g).tolist() for n in lengths]
-    return ra.Batch({"input_ids": ids, "loss_mask": [[0] + [1] * (n - 1) for n in lengths],
-                     "advantages": [[float((-1) ** i)] * n for i, n in enumerate(lengths)],
-                     "behaviour_logprobs": [[0.0] * n for n in lengths]})
+    return ra.Batch({C.INPUT_IDS: ids, C.LOSS_MASK: [[0] + [1] * (n - 1) for n in lengths],
+                     C.ADVANTAGES: [[float((-1) ** i)] * n for i, n in enumerate(lengths)],
+                     C.BEHAVIOUR_LOGPROBS: [[0.0] * n for n in lengths]})
 
 
 def test_ranks_with_uneven_or_empty_shares_still_step_together(make_rm, tmp_path):

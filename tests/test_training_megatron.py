@@ -12,6 +12,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 import rollart as ra  # noqa: E402
 from rollart.models import build_tiny  # noqa: E402
+from rollart.training import columns as C  # noqa: E402
 from rollart.training.megatron_strategy import (  # noqa: E402
     MegatronConfig, MegatronTrainWorker, build_gpt_model, cpu_patches, gpt_logits, hf_to_megatron, init_megatron_parallel,
     megatron_to_hf,
@@ -148,8 +149,8 @@ def batch_of(n: int, vocab: int) -> ra.Batch:
         adv.append([float((-1) ** i) * (1 + i / n)] * length)
         old.append((-3 - torch.rand(length, generator=g)).tolist())
         ref.append((-3 - torch.rand(length, generator=g)).tolist())
-    return ra.Batch({"input_ids": ids, "loss_mask": masks, "advantages": adv, "behaviour_logprobs": old,
-                     "ref_logprobs": ref})
+    return ra.Batch({C.INPUT_IDS: ids, C.LOSS_MASK: masks, C.ADVANTAGES: adv, C.BEHAVIOUR_LOGPROBS: old,
+                     C.REF_LOGPROBS: ref})
 
 
 def test_parallel_sizes_above_one_are_refused_before_any_actor(tiny):
