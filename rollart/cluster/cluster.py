@@ -51,6 +51,7 @@ class _Slot:
     actor: Any = None
     alive: bool = False
     node_id: str = ""
+    node_ip: str = ""
     actor_name: str = ""
     inflight: int = 0
     served: int = 0
@@ -196,10 +197,11 @@ class Cluster:
     def _mark_started(self, slot: _Slot, info: dict[str, Any]) -> None:
         slot.alive = True
         slot.node_id = info["node_id"]
+        slot.node_ip = info.get("node_ip", "")
         slot.device_ids = tuple(info["device_ids"])
         self.resource_manager.store.record_binding(
             self.job_id, self.name, slot.rank, self.pool, slot.hardware, slot.node_id, list(slot.device_ids),
-            slot.actor_name,
+            slot.actor_name, node_ip=slot.node_ip,
         )
 
     def _spawn_all(self, timeout_s: float) -> None:
@@ -209,7 +211,7 @@ class Cluster:
             try:
                 info = ray.get(ref, timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:
-                raise WorkerDiedError(self.name, rank, slot.hardware) from None
+                raise self._died(rank) from None
             except ray.exceptions.RayError as err:
                 raise RuntimeError(
                     f"worker {self.name}[rank {rank}] on {slot.hardware} failed to start: {err}"
@@ -274,8 +276,8 @@ class Cluster:
     def placement(self) -> list[dict[str, Any]]:
         """Rank, hardware, node id, device ids and liveness of every worker."""
         return [
-            {"rank": s.rank, "hardware": s.hardware, "node_id": s.node_id, "device_ids": list(s.device_ids),
-             "alive": s.alive}
+            {"rank": s.rank, "hardware": s.hardware, "node_id": s.node_id, "node_ip": s.node_ip,
+             "device_ids": list(s.device_ids), "alive": s.alive}
             for s in self._slots
         ]
 
@@ -301,12 +303,22 @@ class Cluster:
         slot = self._slots[rank]
         if slot.alive:
             slot.alive = False
-            log.warning("cluster %s: worker rank %d on %s is dead", self.name, rank, slot.hardware)
+            log.warning("cluster %s: worker rank %d on %s (host %s) is dead", self.name, rank, slot.hardware,
+                        slot.node_ip or "?")
             self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, "dead")
+
+    def _died(self, rank: int, err: BaseException | None = None) -> WorkerDiedError:
+        """The error for a dead ``rank``: its cluster, hardware, host IP and the Ray cluster's address."""
+        slot = self._slots[rank]
+        try:
+            gcs = ray.get_runtime_context().gcs_address if ray.is_initialized() else ""
+        except Exception:  # a Ray without it
+            gcs = ""
+        return WorkerDiedError(self.name, rank, slot.hardware, err, node_ip=slot.node_ip, ray_cluster=gcs)
 
     def _dead(self, rank: int, err: BaseException) -> ray.ObjectRef:
         self._mark_dead(rank)
-        raise WorkerDiedError(self.name, rank, self._slots[rank].hardware, err) from err
+        raise self._died(rank, err) from err
 
     # ------------------------------------------------------------------ binding the proxies
     def _bind_method(self, m: ExposedMethod) -> None:
@@ -340,7 +352,7 @@ class Cluster:
             for rank in targets:
                 slot = self._slots[rank]
                 if not slot.alive:
-                    raise WorkerDiedError(self.name, rank, slot.hardware)
+                    raise self._died(rank)
                 a, kw = plan[rank]  # type: ignore[misc]
                 calls.append((rank, getattr(slot.actor, m.name).remote(*a, **kw)))
             fut: ClusterFuture[Any] = ClusterFuture(calls, lambda res: collect(spec, res), self._dead)
@@ -392,7 +404,7 @@ class Cluster:
                 try:
                     nxt = self._route(spec, tag)
                 except NoLiveWorkerError as none_left:
-                    raise WorkerDiedError(self.name, rank, self._slots[rank].hardware, err) from none_left
+                    raise self._died(rank, err) from none_left
                 log.info("%s.%s: rank %d died, tag %r rerouted to rank %d (%s)", self.name, m.name, rank, tag,
                          nxt.rank, nxt.hardware)
                 return nxt.rank, self._submit_routed(nxt, m.name, args, kwargs)

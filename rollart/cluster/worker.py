@@ -65,6 +65,7 @@ class Worker:
             "hardware": self.hardware,
             "device_ids": list(self.device_ids),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
         }
 

@@ -70,6 +70,10 @@ class ResourceManager:
             local_resources = self._resources_asked()
         self.job_id = ensure_ray(local_resources, job_id)
         self.store = store if isinstance(store, MetadataStore) else MetadataStore(store)
+        if self.store.registry is None:  # every host and driver of the Ray cluster sees this job
+            from rollart.resource_manager.registry import ClusterRegistry
+
+            self.store.registry = ClusterRegistry()
         self.capacity = read_capacity()
         self._validate()
         self.groups: dict[str, list[ReservedGroup]] = {}

@@ -53,7 +53,8 @@ from rollart.cluster.batch import Batch
 from rollart.rollout.types import Trajectory
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
-    DP_SPLIT_EVERY_RANK, join_data_parallel, microbatch_count, model_path, sync_grads_on_last, worker_device,
+    DP_SPLIT_EVERY_RANK, DataParallelRank, join_data_parallel, microbatch_count, model_path, sync_grads_on_last,
+    worker_device,
     zero_backward,
 )
 
@@ -98,7 +99,7 @@ class ValueModel(torch.nn.Module):
         return torch.nn.functional.pad(v[:, :-1], (1, 0))
 
 
-class CriticWorker(ra.Worker):
+class CriticWorker(DataParallelRank, ra.Worker):
     """One data-parallel rank of the critic."""
 
     def __init__(self, config: CriticConfig | dict[str, Any] | None = None):

@@ -22,7 +22,8 @@ import rollart as ra
 from rollart.training.config import TrainConfig
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
-    DP_SPLIT_EVERY_RANK, join_data_parallel, microbatch_count, model_path, sync_grads_on_last, worker_device,
+    DP_SPLIT_EVERY_RANK, DataParallelRank, free_port, join_data_parallel, microbatch_count, model_path,
+    sync_grads_on_last, worker_device,
     zero_backward,
 )
 
@@ -56,7 +57,7 @@ def batch_logprobs(model: torch.nn.Module, batch: ra.Batch, max_tokens: int, dev
     return out  # type: ignore[return-value]
 
 
-class TorchTrainWorker(ra.Worker):
+class TorchTrainWorker(DataParallelRank, ra.Worker):
     """One data-parallel rank of the actor."""
 
     def __init__(self, config: TrainConfig | dict[str, Any] | None = None):
@@ -245,11 +246,6 @@ class TorchTrainWorker(ra.Worker):
             return float(sum(p.detach().abs().sum() for p in self.module.parameters()))
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["TorchTrainWorker", "batch_logprobs", "free_port"]  # free_port: rollart.training.placement's
 
 
