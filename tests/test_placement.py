@@ -54,3 +54,35 @@ def test_free_port_is_bindable_on_the_ip():
     port = free_port("127.0.0.1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_bundles_and_actor_requests_follow_devices_per_worker_and_colocation():
+    from rollart.resource_manager.capacity import (
+        COLOCATED_GPU_SHARE,
+        OWNER_GPU_SHARE,
+        HardwareCapacity,
+    )
+
+    gpu = HardwareCapacity("H800", "gpu")
+    assert gpu.bundle(2) == {"GPU": 2.0, "accelerator_type:H800": 0.001}
+    # one-GPU bundles: the owner and its colocated workers hold fractions of the same GPU
+    assert gpu.actor_resources(1) == {"num_gpus": OWNER_GPU_SHARE, "num_cpus": 0.0}
+    assert gpu.actor_resources(1, colocated=True) == {"num_gpus": COLOCATED_GPU_SHARE, "num_cpus": 0.0}
+    assert OWNER_GPU_SHARE + 2 * COLOCATED_GPU_SHARE <= 1.0  # trainer + reference + critic fit one GPU
+    # several GPUs per worker: the owner takes them all (Ray allows no fractions above one)
+    assert gpu.actor_resources(2) == {"num_gpus": 2.0, "num_cpus": 0.0}
+    assert gpu.actor_resources(2, colocated=True) == {"num_cpus": 0.0}
+    logical = HardwareCapacity("H20", "logical")
+    assert logical.bundle(2) == {"accelerator_type:H20": 2.0}
+    assert logical.actor_resources(2) == {"num_cpus": 0.0, "resources": {"accelerator_type:H20": 2.0}}
+    assert HardwareCapacity("CPU", "cpu").actor_resources(3) == {"num_cpus": 3.0}
+
+
+def test_the_torch_engine_gets_the_workers_device_unless_configured():
+    from rollart.rollout.engine_config import build_engine
+
+    assert str(build_engine({"kind": "torch"}, device="cpu").device) == "cpu"
+    assert str(build_engine({"kind": "torch", "options": {"device": "cpu"}}, device="cuda:0").device) == "cpu"
+    if not torch.cuda.is_available():  # the worker's device does reach the engine: here it cannot load there
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA|cuda"):
+            build_engine({"kind": "torch"}, device="cuda:0")

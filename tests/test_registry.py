@@ -43,3 +43,20 @@ def test_the_resource_manager_registers_its_pools_and_bindings_cluster_wide(make
     assert [p["pool"] for p in snap["pools"]] == ["reg_pool"]
     (b,) = snap["bindings"]
     assert (b["cluster"], b["node_ip"], b["state"]) == ("reg_probe", "127.0.0.1", "stopped")
+
+
+def test_devices_per_worker_gives_each_actor_that_many_devices_of_one_bundle(make_rm):
+    import rollart as ra
+
+    class Assigned(ra.Worker):
+        @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+        def assigned(self) -> float:
+            return ray.get_runtime_context().get_assigned_resources().get("accelerator_type:H800", 0.0)
+
+    rm = make_rm({"wide": {"hardware": "H800", "devices": 4}})
+    wide = ra.Cluster("wide", Assigned, rm, pool="wide", devices_per_worker=2)
+    assert wide.assigned() == [2.0, 2.0]
+    assert [p["device_ids"] for p in wide.placement()] == [[0, 1], [2, 3]]
+    ref = ra.Cluster("wide_ref", Assigned, rm, pool="wide", devices_per_worker=2, colocate_with=wide)
+    assert ref.assigned() == [0.0, 0.0]  # it shares its owner's bundle
+    assert [p["node_id"] for p in ref.placement()] == [p["node_id"] for p in wide.placement()]

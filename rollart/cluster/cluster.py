@@ -33,6 +33,7 @@ from rollart.cluster.future import ACTOR_GONE, ClusterFuture
 from rollart.cluster.methods import ExposedMethod, exposed_methods
 from rollart.cluster.worker import Worker, WorkerContext, host_class
 from rollart.decorators.specs import HwMappingSpec, ServerlessSpec
+from rollart.resource_manager.capacity import MAX_COLOCATED_ON_GPU
 from rollart.resource_manager.manager import ReservedGroup, ResourceManager
 from rollart.resource_manager.specs import ResourceSpecError
 
@@ -101,6 +102,8 @@ class Cluster:
 
         self._plan_slots()  # every check runs before any actor exists
         if pool is not None:
+            if devices_per_worker > 1 and colocate_with is None:
+                resource_manager.regroup(pool, devices_per_worker)
             resource_manager.bind(name, pool, colocate_with.name if colocate_with else None)
             try:
                 self._spawn_all(ready_timeout_s)
@@ -140,7 +143,8 @@ class Cluster:
                 )
             for k in range(amount // d):
                 devices = tuple(range(k * d, (k + 1) * d))
-                self._slots.append(_Slot(rank, rg.group.hardware, rg, k * d, devices))
+                # one bundle per worker: d > 1 re-reserves the pool as d-device bundles (ResourceManager.regroup)
+                self._slots.append(_Slot(rank, rg.group.hardware, rg, k if d > 1 else k * d, devices))
                 rank += 1
         pool_hw = {s.hardware for s in self._slots}
         for m in self.methods.values():
@@ -158,6 +162,14 @@ class Cluster:
                 raise ResourceSpecError(
                     f"Cluster({self.name!r}): colocate_with={other.name!r} runs on pool {other.pool!r} with "
                     f"devices_per_worker={other.devices_per_worker}; colocation needs the same pool and devices_per_worker"
+                )
+            binding = self.resource_manager.bindings.get(self.pool)
+            on_gpu = any(s.group.capacity.mode == "gpu" for s in self._slots)
+            if on_gpu and d == 1 and binding is not None and len(binding.colocated) >= MAX_COLOCATED_ON_GPU:
+                raise ResourceSpecError(
+                    f"Cluster({self.name!r}): pool {self.pool!r} already has {len(binding.colocated)} colocated "
+                    f"clusters {binding.colocated}; a one-GPU worker holds its owner and at most "
+                    f"{MAX_COLOCATED_ON_GPU} colocated workers (fractional GPUs); give {self.name!r} its own pool"
                 )
 
     @property
@@ -177,16 +189,22 @@ class Cluster:
             "max_concurrency": self._max_concurrency,
             "name": f"{self.name}:{slot.rank}:{uuid.uuid4().hex[:6]}",
         }
-        if self._colocate_with is None:
-            opts.update(slot.group.capacity.actor_resources())
-        else:
-            opts["num_cpus"] = 0  # a colocated worker shares the owner's bundle and takes nothing of it
+        # a colocated worker shares its owner's bundle: a GPU share on one-GPU bundles, else nothing of it
+        opts.update(slot.group.capacity.actor_resources(self.devices_per_worker, self._colocate_with is not None))
         return opts
+
+    def _shared_devices(self, slot: _Slot) -> tuple[int, ...]:
+        """The owner's GPUs, for a colocated worker that takes no GPU of its multi-GPU bundle."""
+        owner = self._colocate_with
+        if owner is None or slot.group.capacity.mode != "gpu" or self.devices_per_worker == 1:
+            return ()
+        return tuple(owner._slots[slot.rank].device_ids)
 
     def _start_actor(self, slot: _Slot) -> ray.ObjectRef:
         ctx = WorkerContext(
             cluster=self.name, job_id=self.job_id, rank=slot.rank, world_size=self.world_size,
             pool=self.pool, hardware=slot.hardware, device_ids=slot.device_ids,
+            shared_gpus=self._shared_devices(slot),
         )
         opts = self._actor_options(slot)
         actor_cls = ray.remote(host_class(self.worker_cls))

@@ -158,7 +158,7 @@ class Host:
 class HostCluster:
     """N namespace hosts with a Ray cluster on them; host 0 runs the Ray head."""
 
-    def __init__(self, specs: Sequence[HostSpec], *, ray_port: int = RAY_PORT, start_timeout_s: float = 120.0,
+    def __init__(self, specs: Sequence[HostSpec], *, ray_port: int = RAY_PORT, start_timeout_s: float = 300.0,
                  workdir: str | os.PathLike | None = None) -> None:
         reason = skip_reason()
         if reason:
