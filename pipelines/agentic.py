@@ -40,7 +40,7 @@ from rollart.rollout.scheduler import RolloutScheduler
 from rollart.training import columns as C
 from rollart.training.data import add_advantages, trajectories_to_batch
 from rollart.training.strategies import train_worker_class
-from rollart.training.torch_strategy import free_port
+from rollart.training.placement import start_data_parallel
 from rollart.weights.base import WeightChannel
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class AgenticPipeline:
         train_cfg = config.train.model_copy(update={"model": config.train.model or model_path})
         self.train = ra.Cluster("actor_train", train_worker_class(train_cfg.strategy), self.rm, pool=config.train_pool,
                                 worker_kwargs={"config": train_cfg.model_dump()})
-        self.train.setup_distributed("127.0.0.1", free_port())
+        start_data_parallel(self.train)
         self.ref = None
         if config.train.kl_coef > 0:  # the frozen initial policy, colocated with the trainer ranks
             from rollart.training.reference import ReferenceWorker
@@ -124,7 +124,7 @@ class AgenticPipeline:
             critic_cfg = config.critic.model_copy(update={"model": config.critic.model or model_path})
             self.critic = ra.Cluster("critic", CriticWorker, self.rm, pool=config.train_pool, colocate_with=self.train,
                                      worker_kwargs={"config": critic_cfg.model_dump()})
-            self.critic.setup_distributed("127.0.0.1", free_port())
+            start_data_parallel(self.critic)
         self.proxy = LLMProxy(self.infer)
         codec = HFCodec(AutoTokenizer.from_pretrained(model_path))
         self.reward_client = None

@@ -42,32 +42,59 @@ def _pid_alive(pid: int | None) -> bool:
     return True
 
 
+def _cluster_state(address: str, job: str | None) -> dict[str, Any]:
+    """The Ray cluster's registry (every host's and driver's jobs), read through a short-lived driver."""
+    import ray
+
+    from rollart.resource_manager.launcher import _token_auth_for_joining
+    from rollart.resource_manager.registry import ClusterRegistry
+
+    _token_auth_for_joining()
+    os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    ray.init(address=address, namespace="rollart-status", log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        state: dict[str, Any] = {"cluster": address, **ClusterRegistry().snapshot(job)}
+    finally:
+        ray.shutdown()
+    for j in state["jobs"]:  # a driver on another host: its pid cannot be checked from here
+        j["driver_alive"] = None if j["ended_at"] is None else False
+    return state
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print jobs, pools, worker bindings and endpoints from the metadata store."""
-    from rich.console import Console
-    from rich.table import Table
+    """Print jobs, pools, worker bindings and endpoints: the Ray cluster's registry when ``RAY_ADDRESS`` is
+    set (every host's jobs), else the local metadata store (``--local`` forces the store)."""
+    address = os.environ.get("RAY_ADDRESS")
+    if address and not args.local and args.store is None:
+        state = _cluster_state(address, args.job)
+        where = f"Ray cluster: {address}"
+    else:
+        from rollart.resource_manager.store import MetadataStore
 
-    from rollart.resource_manager.store import MetadataStore
-
-    store = MetadataStore(args.store)
-    state = {
-        "store": str(store.path),
-        "jobs": store.jobs(args.job),
-        "pools": store.pools(args.job),
-        "bindings": store.bindings(args.job),
-        "endpoints": store.endpoints(args.job),
-    }
-    for job in state["jobs"]:
-        job["driver_alive"] = job["ended_at"] is None and _pid_alive(job["driver_pid"])
+        store = MetadataStore(args.store)
+        state = {
+            "store": str(store.path),
+            "jobs": store.jobs(args.job),
+            "pools": store.pools(args.job),
+            "bindings": store.bindings(args.job),
+            "endpoints": store.endpoints(args.job),
+        }
+        for job in state["jobs"]:
+            job["driver_alive"] = job["ended_at"] is None and _pid_alive(job["driver_pid"])
+        where = f"metadata store: {store.path}"
     if args.json:
         print(json.dumps(state, indent=2, default=str))
         return 0
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console()
-    console.print(f"metadata store: {store.path}")
+    console.print(where)
     for title, rows, cols in (
         ("jobs", state["jobs"], ["job_id", "driver_pid", "driver_alive", "ray_address", "ended_at"]),
         ("pools", state["pools"], ["job_id", "pool", "group_index", "hardware", "devices", "cpus", "state"]),
-        ("workers", state["bindings"], ["job_id", "cluster", "rank", "pool", "hardware", "node_id", "device_ids", "state"]),
+        ("workers", state["bindings"], ["job_id", "cluster", "rank", "pool", "hardware", "node_ip", "node_id",
+                                        "device_ids", "state"]),
         ("endpoints", state["endpoints"], ["job_id", "cluster", "method", "url", "timeout_s", "retries"]),
     ):
         table = Table(title=title)
@@ -162,6 +189,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     status.add_argument("--store", default=None, help="metadata store file (default $ROLLART_METADATA_DB or ~/.rollart/metadata.sqlite)")
     status.add_argument("--job", default=None, help="only this job id")
     status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--local", action="store_true",
+                        help="read the local metadata store even when RAY_ADDRESS names a cluster")
     status.set_defaults(func=cmd_status)
 
     for module, attr in (("rollart.pipeline_cli", "add_run_parser"), ("rollart.reward.cli", "add_serve_parser")):

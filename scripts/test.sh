@@ -18,6 +18,10 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "${missing[*]} missing and cannot be installed without root: the Mooncake / sandbox-namespace tests will be skipped" >&2
   fi
 fi
+# iproute2's `ip` builds the namespace hosts of the multi-host tests (rollart.testing.hosts; they need root)
+if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+fi
 python3 -m venv .venv
 .venv/bin/pip install -q -c constraints/cpu.txt -e ".[dev]"
 if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm, rollart" 2>/dev/null; then

@@ -8,6 +8,7 @@ from ray_helpers import kill_and_wait
 import rollart as ra
 from rollart.models import build_tiny
 from rollart.training import columns as C
+from rollart.training.placement import start_data_parallel
 from rollart.training.torch_strategy import TorchTrainWorker, free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,7 +33,7 @@ def test_two_ranks_match_one_rank_on_the_whole_batch(make_rm, tmp_path):
     rm = make_rm({"dp": {"hardware": "CPU", "cpus": 2}, "single": {"hardware": "CPU", "cpus": 1}})
     dp = ra.Cluster("dp", TorchTrainWorker, rm, pool="dp", worker_kwargs={"config": cfg})
     one = ra.Cluster("one", TorchTrainWorker, rm, pool="single", worker_kwargs={"config": cfg})
-    assert dp.setup_distributed("127.0.0.1", free_port()) == ["gloo", "gloo"]
+    assert start_data_parallel(dp) == ["gloo", "gloo"]  # rank 0 names the rendezvous (127.0.0.1 here)
     batch = batch_of(7)  # 4 rows on rank 0, 3 on rank 1
     for _ in range(2):
         metrics = dp.train_step(batch)

@@ -40,6 +40,7 @@ from rollart.cluster.future import ACTOR_GONE, ClusterFuture
 from rollart.cluster.methods import ExposedMethod, exposed_methods
 from rollart.cluster.worker import Worker, WorkerContext, host_class
 from rollart.decorators.specs import HwMappingSpec, ServerlessSpec
+from rollart.resource_manager.capacity import MAX_COLOCATED_ON_GPU
 from rollart.resource_manager.manager import ReservedGroup, ResourceManager
 from rollart.resource_manager.specs import ResourceSpecError
 
@@ -61,6 +62,7 @@ class _Slot:
     actor: Any = None
     alive: bool = False
     node_id: str = ""
+    node_ip: str = ""
     actor_name: str = ""
     inflight: int = 0
     served: int = 0
@@ -114,6 +116,8 @@ class Cluster:
 
         self._plan_slots()  # every check runs before any actor exists
         if pool is not None:
+            if devices_per_worker > 1 and colocate_with is None:
+                resource_manager.regroup(pool, devices_per_worker)
             resource_manager.bind(name, pool, colocate_with.name if colocate_with else None)
             try:
                 self._spawn_all(ready_timeout_s)
@@ -153,7 +157,8 @@ class Cluster:
                 )
             for k in range(amount // d):
                 devices = tuple(range(k * d, (k + 1) * d))
-                self._slots.append(_Slot(rank, rg.group.hardware, rg, k * d, devices))
+                # one bundle per worker: d > 1 re-reserves the pool as d-device bundles (ResourceManager.regroup)
+                self._slots.append(_Slot(rank, rg.group.hardware, rg, k if d > 1 else k * d, devices))
                 rank += 1
         pool_hw = {s.hardware for s in self._slots}
         for m in self.methods.values():
@@ -171,6 +176,14 @@ class Cluster:
                 raise ResourceSpecError(
                     f"Cluster({self.name!r}): colocate_with={other.name!r} runs on pool {other.pool!r} with "
                     f"devices_per_worker={other.devices_per_worker}; colocation needs the same pool and devices_per_worker"
+                )
+            binding = self.resource_manager.bindings.get(self.pool)
+            on_gpu = any(s.group.capacity.mode == "gpu" for s in self._slots)
+            if on_gpu and d == 1 and binding is not None and len(binding.colocated) >= MAX_COLOCATED_ON_GPU:
+                raise ResourceSpecError(
+                    f"Cluster({self.name!r}): pool {self.pool!r} already has {len(binding.colocated)} colocated "
+                    f"clusters {binding.colocated}; a one-GPU worker holds its owner and at most "
+                    f"{MAX_COLOCATED_ON_GPU} colocated workers (fractional GPUs); give {self.name!r} its own pool"
                 )
 
     @property
@@ -190,16 +203,22 @@ class Cluster:
             "max_concurrency": self._max_concurrency,
             "name": f"{self.name}:{slot.rank}:{uuid.uuid4().hex[:6]}",
         }
-        if self._colocate_with is None:
-            opts.update(slot.group.capacity.actor_resources())
-        else:
-            opts["num_cpus"] = 0  # a colocated worker shares the owner's bundle and takes nothing of it
+        # a colocated worker shares its owner's bundle: a GPU share on one-GPU bundles, else nothing of it
+        opts.update(slot.group.capacity.actor_resources(self.devices_per_worker, self._colocate_with is not None))
         return opts
+
+    def _shared_devices(self, slot: _Slot) -> tuple[int, ...]:
+        """The owner's GPUs, for a colocated worker that takes no GPU of its multi-GPU bundle."""
+        owner = self._colocate_with
+        if owner is None or slot.group.capacity.mode != "gpu" or self.devices_per_worker == 1:
+            return ()
+        return tuple(owner._slots[slot.rank].device_ids)
 
     def _start_actor(self, slot: _Slot) -> ray.ObjectRef:
         ctx = WorkerContext(
             cluster=self.name, job_id=self.job_id, rank=slot.rank, world_size=self.world_size,
             pool=self.pool, hardware=slot.hardware, device_ids=slot.device_ids,
+            shared_gpus=self._shared_devices(slot),
         )
         opts = self._actor_options(slot)
         actor_cls = ray.remote(host_class(self.worker_cls))
@@ -210,10 +229,11 @@ class Cluster:
     def _mark_started(self, slot: _Slot, info: dict[str, Any]) -> None:
         slot.alive = True
         slot.node_id = info["node_id"]
+        slot.node_ip = info.get("node_ip", "")
         slot.device_ids = tuple(info["device_ids"])
         self.resource_manager.store.record_binding(
             self.job_id, self.name, slot.rank, self.pool, slot.hardware, slot.node_id, list(slot.device_ids),
-            slot.actor_name,
+            slot.actor_name, node_ip=slot.node_ip,
         )
 
     def _spawn_all(self, timeout_s: float) -> None:
@@ -223,7 +243,7 @@ class Cluster:
             try:
                 info = ray.get(ref, timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:
-                raise WorkerDiedError(self.name, rank, slot.hardware) from None
+                raise self._died(rank) from None
             except ray.exceptions.RayError as err:
                 raise RuntimeError(
                     f"worker {self.name}[rank {rank}] on {slot.hardware} failed to start: {err}"
@@ -288,8 +308,8 @@ class Cluster:
     def placement(self) -> list[dict[str, Any]]:
         """Rank, hardware, node id, device ids and liveness of every worker."""
         return [
-            {"rank": s.rank, "hardware": s.hardware, "node_id": s.node_id, "device_ids": list(s.device_ids),
-             "alive": s.alive}
+            {"rank": s.rank, "hardware": s.hardware, "node_id": s.node_id, "node_ip": s.node_ip,
+             "device_ids": list(s.device_ids), "alive": s.alive}
             for s in self._slots
         ]
 
@@ -353,12 +373,22 @@ class Cluster:
         slot = self._slots[rank]
         if slot.alive:
             slot.alive = False
-            log.warning("cluster %s: worker rank %d on %s is dead", self.name, rank, slot.hardware)
+            log.warning("cluster %s: worker rank %d on %s (host %s) is dead", self.name, rank, slot.hardware,
+                        slot.node_ip or "?")
             self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, "dead")
+
+    def _died(self, rank: int, err: BaseException | None = None) -> WorkerDiedError:
+        """The error for a dead ``rank``: its cluster, hardware, host IP and the Ray cluster's address."""
+        slot = self._slots[rank]
+        try:
+            gcs = ray.get_runtime_context().gcs_address if ray.is_initialized() else ""
+        except Exception:  # a Ray without it
+            gcs = ""
+        return WorkerDiedError(self.name, rank, slot.hardware, err, node_ip=slot.node_ip, ray_cluster=gcs)
 
     def _dead(self, rank: int, err: BaseException) -> ray.ObjectRef:
         self._mark_dead(rank)
-        raise WorkerDiedError(self.name, rank, self._slots[rank].hardware, err) from err
+        raise self._died(rank, err) from err
 
     # ------------------------------------------------------------------ binding the proxies
     def _bind_method(self, m: ExposedMethod) -> None:
@@ -392,7 +422,7 @@ class Cluster:
             for rank in targets:
                 slot = self._slots[rank]
                 if not slot.alive:
-                    raise WorkerDiedError(self.name, rank, slot.hardware)
+                    raise self._died(rank)
                 a, kw = plan[rank]  # type: ignore[misc]
                 calls.append((rank, getattr(slot.actor, m.name).remote(*a, **kw)))
             fut: ClusterFuture[Any] = ClusterFuture(calls, lambda res: collect(spec, res), self._dead)
@@ -444,7 +474,7 @@ class Cluster:
                 try:
                     nxt = self._route(spec, tag)
                 except NoLiveWorkerError as none_left:
-                    raise WorkerDiedError(self.name, rank, self._slots[rank].hardware, err) from none_left
+                    raise self._died(rank, err) from none_left
                 log.info("%s.%s: rank %d died, tag %r rerouted to rank %d (%s)", self.name, m.name, rank, tag,
                          nxt.rank, nxt.hardware)
                 return nxt.rank, self._submit_routed(nxt, m.name, args, kwargs)

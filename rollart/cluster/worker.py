@@ -21,6 +21,8 @@ class WorkerContext:
     pool: str | None
     hardware: str
     device_ids: tuple[int, ...] = field(default_factory=tuple)
+    shared_gpus: tuple[int, ...] = ()
+    """Physical GPU ids of the owner a colocated worker shares (multi-GPU bundles; it takes no GPU itself)."""
 
 
 class _TaggedLogger(logging.LoggerAdapter):
@@ -54,6 +56,9 @@ class Worker:
         self.pool = ctx.pool
         self.hardware = ctx.hardware
         gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+        if not gpu_ids and ctx.shared_gpus:  # before anything initialises CUDA in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in ctx.shared_gpus)
+            gpu_ids = list(ctx.shared_gpus)
         self.device_ids = tuple(int(g) for g in gpu_ids) if gpu_ids else tuple(ctx.device_ids)
         tag = f"{ctx.cluster} rank={ctx.rank}/{ctx.world_size} hw={ctx.hardware} dev={list(self.device_ids)}"
         self.logger = _TaggedLogger(logging.getLogger(f"rollart.worker.{ctx.cluster}"), {"tag": tag})
@@ -65,6 +70,7 @@ class Worker:
             "hardware": self.hardware,
             "device_ids": list(self.device_ids),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
         }
 

@@ -3,12 +3,18 @@
 A hardware type is the Ray resource ``accelerator_type:<TYPE>``. On a node with GPUs it marks the GPU
 model and the devices are the node's ``GPU`` resource ("gpu" mode); on a node without GPUs the local
 launcher declares it with one unit per logical device ("logical" mode). CPUs are the ``CPU`` resource.
+
+A bundle holds the devices of one worker (``devices_per_worker``; one by default). Its first worker
+takes them; a colocated worker (reference, critic) shares them: on one-GPU bundles by a fractional GPU
+in the same bundle (Ray then gives both the same ``CUDA_VISIBLE_DEVICES``), on larger ones by taking no
+GPU and seeing its owner's GPUs (set by the Cluster).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 
@@ -16,6 +22,12 @@ from rollart.resource_manager.launcher import ACCEL_PREFIX, accelerator_resource
 from rollart.resource_manager.specs import CPU
 
 log = logging.getLogger(__name__)
+
+OWNER_GPU_SHARE = 0.5
+"""What the owner of a one-GPU bundle takes: the rest stays for colocated workers."""
+COLOCATED_GPU_SHARE = 0.25
+"""What each colocated worker of a one-GPU bundle takes."""
+MAX_COLOCATED_ON_GPU = round((1 - OWNER_GPU_SHARE) / COLOCATED_GPU_SHARE)
 
 
 @dataclass
@@ -26,22 +38,28 @@ class HardwareCapacity:
     available: float = 0.0
     node_ids: list[str] = field(default_factory=list)
 
-    def bundle(self) -> dict[str, float]:
-        """The Ray resources of one device (or one CPU) bundle of this hardware type."""
+    def bundle(self, devices: int = 1) -> dict[str, float]:
+        """The Ray resources of one bundle of ``devices`` devices (or CPUs) of this hardware type."""
         if self.mode == "cpu":
-            return {CPU: 1.0}
+            return {CPU: float(devices)}
         if self.mode == "gpu":
             # the accelerator_type marker is 1 per node: ask a sliver to pin the bundle to such a node
-            return {"GPU": 1.0, accelerator_resource(self.hardware): 0.001}
-        return {accelerator_resource(self.hardware): 1.0}
+            return {"GPU": float(devices), accelerator_resource(self.hardware): 0.001}
+        return {accelerator_resource(self.hardware): float(devices)}
 
-    def actor_resources(self) -> dict[str, float]:
-        """What the first worker of a bundle asks for (it takes the bundle's device)."""
-        if self.mode == "cpu":
-            return {"num_cpus": 1.0}
+    def actor_resources(self, devices: int = 1, colocated: bool = False) -> dict[str, Any]:
+        """What a worker of a ``devices``-device bundle asks for: its owner takes the devices (on a one-GPU
+        bundle :data:`OWNER_GPU_SHARE` of it), a colocated worker :data:`COLOCATED_GPU_SHARE` of a one-GPU
+        bundle and nothing otherwise (it shares its owner's devices)."""
         if self.mode == "gpu":
-            return {"num_gpus": 1.0, "num_cpus": 0.0}
-        return {"num_cpus": 0.0, "resources": {accelerator_resource(self.hardware): 1.0}}
+            if devices == 1:
+                return {"num_gpus": COLOCATED_GPU_SHARE if colocated else OWNER_GPU_SHARE, "num_cpus": 0.0}
+            return {"num_cpus": 0.0} if colocated else {"num_gpus": float(devices), "num_cpus": 0.0}
+        if colocated:
+            return {"num_cpus": 0.0}
+        if self.mode == "cpu":
+            return {"num_cpus": float(devices)}
+        return {"num_cpus": 0.0, "resources": {accelerator_resource(self.hardware): float(devices)}}
 
 
 def read_capacity() -> dict[str, HardwareCapacity]:

@@ -37,6 +37,7 @@ class ReservedGroup:
     capacity: HardwareCapacity
     placement_group: PlacementGroup
     name: str
+    devices_per_bundle: int = 1
 
 
 @dataclass
@@ -70,6 +71,10 @@ class ResourceManager:
             local_resources = self._resources_asked()
         self.job_id = ensure_ray(local_resources, job_id)
         self.store = store if isinstance(store, MetadataStore) else MetadataStore(store)
+        if self.store.registry is None:  # every host and driver of the Ray cluster sees this job
+            from rollart.resource_manager.registry import ClusterRegistry
+
+            self.store.registry = ClusterRegistry()
         self.capacity = read_capacity()
         self._validate()
         self.groups: dict[str, list[ReservedGroup]] = {}
@@ -141,6 +146,34 @@ class ResourceManager:
         if pool not in self.groups:
             raise ResourceSpecError(f"pool={pool!r} is not a pool of this ResourceManager (pools: {list(self.groups)})")
         return self.groups[pool]
+
+    def regroup(self, pool: str, devices_per_bundle: int, ready_timeout_s: float = 60.0) -> None:
+        """Re-reserve ``pool`` as bundles of ``devices_per_bundle`` devices each (one bundle per worker of
+        ``devices_per_worker`` devices: a Ray actor fits in one bundle). Only an unbound pool can change."""
+        groups = self.pool_groups(pool)
+        if all(rg.devices_per_bundle == devices_per_bundle for rg in groups):
+            return
+        if pool in self.bindings:
+            raise ResourceSpecError(
+                f"pool {pool!r} already hosts cluster {self.bindings[pool].owner!r} with "
+                f"{groups[0].devices_per_bundle} device(s) per worker; devices_per_worker={devices_per_bundle} "
+                "needs a pool of its own")
+        for rg in groups:
+            if rg.group.amount % devices_per_bundle:
+                raise ResourceSpecError(f"pools.{pool}[{rg.index}]: {rg.group.amount} devices cannot be split into "
+                                        f"bundles of {devices_per_bundle}")
+        for rg in groups:  # free the one-device bundles first: the new ones need the same devices
+            remove_placement_group(rg.placement_group)
+            rg.placement_group = placement_group(
+                [rg.capacity.bundle(devices_per_bundle) for _ in range(rg.group.amount // devices_per_bundle)],
+                strategy="PACK", name=rg.name)
+            rg.devices_per_bundle = devices_per_bundle
+        ready = [rg.placement_group.ready() for rg in groups]
+        _, pending = ray.wait(ready, num_returns=len(ready), timeout=ready_timeout_s)
+        if pending:
+            raise ResourceSpecError(
+                f"pool {pool!r}: bundles of {devices_per_bundle} devices could not be placed within "
+                f"{ready_timeout_s:.0f}s (each needs {devices_per_bundle} free devices on one node)")
 
     def bind(self, cluster: str, pool: str, colocate_with: str | None) -> None:
         """Record that ``cluster`` uses ``pool``; a second cluster must ask to colocate."""

@@ -3,17 +3,24 @@
 Several jobs and drivers share one file; every row belongs to a job id (the Ray namespace). A
 restarted driver and ``rollart status`` read the same state back. WAL mode and a busy timeout let
 concurrent drivers write safely.
+
+The file is the driver's local history: other hosts never see it. With a ``registry``
+(:class:`~rollart.resource_manager.registry.ClusterRegistry`, given by the ResourceManager once Ray is
+up) every write is mirrored into the Ray cluster's registry, which every host and driver reads.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -45,8 +52,9 @@ def default_store_path() -> Path:
 class MetadataStore:
     """Thin, typed access to the SQLite file. Every method opens its own short transaction."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None):
+    def __init__(self, path: str | os.PathLike[str] | None = None, registry: Any = None):
         self.path = Path(path) if path is not None else default_store_path()
+        self.registry = registry  # a ClusterRegistry mirror, or None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._conn() as db:
             db.executescript(_SCHEMA)
@@ -62,6 +70,15 @@ class MetadataStore:
         finally:
             db.close()
 
+    def _mirror(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Repeat a write in the cluster registry; a failure there is logged (the local row is kept)."""
+        if self.registry is None:
+            return
+        try:
+            getattr(self.registry, method)(*args, **kwargs)
+        except Exception as err:
+            log.warning("cluster registry: %s failed (%s); other hosts will not see this change", method, err)
+
     # writes ---------------------------------------------------------------------------------------
     def record_job(self, job_id: str, ray_address: str | None) -> None:
         with self._conn() as db:
@@ -71,12 +88,14 @@ class MetadataStore:
                 "driver_pid=excluded.driver_pid, started_at=excluded.started_at, ended_at=NULL",
                 (job_id, ray_address, os.getpid(), time.time()),
             )
+        self._mirror("record_job", job_id, ray_address)
 
     def end_job(self, job_id: str) -> None:
         with self._conn() as db:
             db.execute("UPDATE jobs SET ended_at=? WHERE job_id=?", (time.time(), job_id))
             db.execute("UPDATE pools SET state='released', updated_at=? WHERE job_id=?", (time.time(), job_id))
             db.execute("UPDATE bindings SET state='stopped', updated_at=? WHERE job_id=?", (time.time(), job_id))
+        self._mirror("end_job", job_id)
 
     def record_pool(
         self, job_id: str, pool: str, group_index: int, hardware: str, devices: int | None,
@@ -87,10 +106,11 @@ class MetadataStore:
                 "INSERT OR REPLACE INTO pools VALUES (?,?,?,?,?,?,?,?,?)",
                 (job_id, pool, group_index, hardware, devices, cpus, placement_group, state, time.time()),
             )
+        self._mirror("record_pool", job_id, pool, group_index, hardware, devices, cpus, placement_group, state)
 
     def record_binding(
         self, job_id: str, cluster: str, rank: int, pool: str | None, hardware: str, node_id: str,
-        device_ids: list[int], actor_name: str, state: str = "alive",
+        device_ids: list[int], actor_name: str, state: str = "alive", node_ip: str = "",
     ) -> None:
         with self._conn() as db:
             db.execute(
@@ -98,6 +118,8 @@ class MetadataStore:
                 (job_id, cluster, rank, pool, hardware, node_id, json.dumps(device_ids), actor_name, state,
                  time.time()),
             )
+        self._mirror("record_binding", job_id, cluster, rank, pool, hardware, node_id, device_ids, actor_name, state,
+                     node_ip=node_ip)
 
     def set_binding_state(self, job_id: str, cluster: str, rank: int, state: str) -> None:
         with self._conn() as db:
@@ -105,6 +127,7 @@ class MetadataStore:
                 "UPDATE bindings SET state=?, updated_at=? WHERE job_id=? AND cluster=? AND rank=?",
                 (state, time.time(), job_id, cluster, rank),
             )
+        self._mirror("set_binding_state", job_id, cluster, rank, state)
 
     def record_endpoint(self, job_id: str, cluster: str, method: str, url: str, timeout_s: float,
                         retries: int) -> None:
@@ -113,6 +136,7 @@ class MetadataStore:
                 "INSERT OR REPLACE INTO endpoints VALUES (?,?,?,?,?,?,?)",
                 (job_id, cluster, method, url, timeout_s, retries, time.time()),
             )
+        self._mirror("record_endpoint", job_id, cluster, method, url, timeout_s, retries)
 
     # reads ----------------------------------------------------------------------------------------
     def _select(self, table: str, job_id: str | None) -> list[dict[str, Any]]:

@@ -28,8 +28,11 @@ class EngineConfig(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
-def build_engine(cfg: EngineConfig | dict[str, Any]) -> InferenceEngine:
+def build_engine(cfg: EngineConfig | dict[str, Any], device: str | None = None) -> InferenceEngine:
+    """The engine of ``cfg``; the torch engine runs on ``device`` (the worker's) unless its options say."""
     cfg = EngineConfig.model_validate(cfg)
+    if cfg.kind == "torch" and device is not None and "device" not in cfg.options:
+        cfg = cfg.model_copy(update={"options": {**cfg.options, "device": device}})
     target = ENGINE_KINDS.get(cfg.kind, cfg.kind)
     if ":" not in target:
         raise ValueError(f"engine.kind={cfg.kind!r}: use one of {sorted(ENGINE_KINDS)} or 'module:Class'")

@@ -75,7 +75,9 @@ class InferenceWorker(ra.Worker):
     :func:`inference_worker_class`) to choose the hardware per tag."""
 
     def __init__(self, engine: EngineConfig | dict[str, Any] | None = None):
-        self.engine = build_engine(engine or EngineConfig())
+        from rollart.training.placement import worker_device
+
+        self.engine = build_engine(engine or EngineConfig(), device=str(worker_device(getattr(self, "device_ids", ()))))
         self._commands: asyncio.Queue[Command] | None = None
         self._loop_task: asyncio.Task | None = None
         self._loop_error: BaseException | None = None

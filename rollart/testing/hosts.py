@@ -158,7 +158,7 @@ class Host:
 class HostCluster:
     """N namespace hosts with a Ray cluster on them; host 0 runs the Ray head."""
 
-    def __init__(self, specs: Sequence[HostSpec], *, ray_port: int = RAY_PORT, start_timeout_s: float = 120.0,
+    def __init__(self, specs: Sequence[HostSpec], *, ray_port: int = RAY_PORT, start_timeout_s: float = 300.0,
                  workdir: str | os.PathLike | None = None) -> None:
         reason = skip_reason()
         if reason:
@@ -272,6 +272,16 @@ class HostCluster:
         """Kill every process of host ``name`` (its Ray node and whatever runs there); return the pids."""
         return self.host(name).kill_all(sig)
 
+    def restart_host(self, name: str) -> None:
+        """Start host ``name``'s Ray node again (after :meth:`kill_host`) and wait until the cluster lists
+        it alive; the head cannot be restarted (the cluster's GCS lives there)."""
+        h = self.host(name)
+        if h.index == 0:
+            raise HostsError("the head host cannot be restarted: its GCS holds the cluster; build a new HostCluster")
+        h.kill_all()
+        self._ray_start(h, head=False)
+        self._wait_nodes()
+
     # --- building ------------------------------------------------------------------------------------
     def _ip(self, *args: str) -> None:
         proc = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -324,7 +334,8 @@ class HostCluster:
         self._wait_nodes()
 
     def _wait_nodes(self) -> None:
-        """Wait until the head's GCS lists every host as an alive node (ray start returns before that)."""
+        """Wait until the head's GCS lists every host as an alive node (ray start returns before that),
+        and no other node alive at a host's IP."""
         want = sorted(h.ip for h in self.hosts)
         code = ("import json, time, ray\n"
                 "ray.init(log_to_driver=False)\n"

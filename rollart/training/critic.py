@@ -58,10 +58,7 @@ from rollart.training import columns as C
 from rollart.training.accumulation import accumulate_step, global_sum, plan_share
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
-    DP_SPLIT_EVERY_RANK,
-    join_data_parallel,
-    model_path,
-    worker_device,
+    DP_SPLIT_EVERY_RANK, DataParallelRank, join_data_parallel, model_path, worker_device,
 )
 
 SAO_PRESET: dict[str, Any] = {
@@ -136,7 +133,7 @@ class ValueModel(torch.nn.Module):
         return torch.nn.functional.pad(v[:, :-1], (1, 0))
 
 
-class CriticWorker(ra.Worker):
+class CriticWorker(DataParallelRank, ra.Worker):
     """One data-parallel rank of the critic."""
 
     def __init__(self, config: CriticConfig | dict[str, Any] | None = None):

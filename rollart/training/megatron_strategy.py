@@ -72,7 +72,7 @@ import torch.distributed as dist
 
 import rollart as ra
 from rollart.training.config import TrainConfig
-from rollart.training.placement import model_path, worker_device, wrap_ddp
+from rollart.training.placement import init_process_group, model_path, worker_device, wrap_ddp
 from rollart.training.torch_strategy import TorchTrainWorker
 
 __all__ = [
@@ -298,13 +298,13 @@ def init_megatron_parallel(*, backend: str, rank: int = 0, world_size: int = 1, 
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if init_method is None:
             if world_size != 1:
                 raise ValueError("more than one rank needs an init_method (tcp://host:port)")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+            addr, _, port = init_method.removeprefix("tcp://").rpartition(":")
+            init_process_group(backend, rank=rank, world_size=world_size, master_addr=addr, master_port=int(port))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
                                                  pipeline_model_parallel_size=pipeline_parallel)

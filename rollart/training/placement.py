@@ -1,6 +1,15 @@
 """What every training-side worker (actor, critic, reference) sets up the same way: its model folder,
 its device, and its data-parallel group (DDP over gloo on CPU, NCCL on GPU).
 
+Devices (Ray's documented semantics): inside an actor that Ray gave GPUs, ``CUDA_VISIBLE_DEVICES``
+lists exactly those GPUs, so the worker's devices are ``cuda:0 .. cuda:n-1`` whatever their physical
+ids (:func:`worker_device`, :func:`worker_devices`).
+
+Rendezvous (multi-host): rank 0 finds its own node IP and a port free there
+(:meth:`DataParallelRank.rendezvous_address`); every rank joins ``tcp://<that IP>:<port>``; the gloo and
+NCCL socket interface of each rank is the one carrying its node IP (``lo`` only when that IP is a
+loopback address). :func:`start_data_parallel` does both steps from the driver.
+
 The data-parallel invariant: every rank takes part in every collective of a training step in the same
 order, whatever its share of the batch. ``DP_SPLIT_EVERY_RANK`` calls a rank even when its share is
 empty; ``microbatch_count`` makes all ranks run the same number of micro-batches (the short ones pad
@@ -11,13 +20,20 @@ buffers in forward (the only buffers of these models are the rotary caches, equa
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import logging
 import os
+import socket
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
 
 from rollart.cluster.dispatch import RankCall, concat_results, split_batches
+from rollart.decorators.register import register
+from rollart.decorators.specs import Dispatch
+
+log = logging.getLogger(__name__)
 
 
 def model_path(path: str | None) -> str:
@@ -29,23 +45,101 @@ def model_path(path: str | None) -> str:
     return str(default_tiny_path())
 
 
-def worker_device(device_ids: Sequence[int]) -> torch.device:
-    """The worker's first assigned GPU when CUDA is there, else the CPU."""
-    return torch.device(f"cuda:{device_ids[0]}" if torch.cuda.is_available() and device_ids else "cpu")
+def worker_devices(device_ids: Sequence[int], cuda: bool | None = None) -> list[torch.device]:
+    """The worker's devices: ``cuda:0 .. cuda:n-1`` for its ``n`` GPUs (Ray made exactly them visible, so
+    their physical ids do not matter here), ``[cpu]`` without CUDA or without devices."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda or not device_ids:
+        return [torch.device("cpu")]
+    return [torch.device("cuda", i) for i in range(len(device_ids))]
+
+
+def worker_device(device_ids: Sequence[int], cuda: bool | None = None) -> torch.device:
+    """The worker's main device: ``cuda:0`` when it has GPUs (see :func:`worker_devices`), else the CPU."""
+    return worker_devices(device_ids, cuda)[0]
+
+
+def node_ip() -> str:
+    """This process's node IP as Ray knows it (``127.0.0.1`` for a local Ray, or without Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return "127.0.0.1"
+    return str(ray.util.get_node_ip_address())
+
+
+def free_port(ip: str = "127.0.0.1") -> int:
+    """A TCP port free on ``ip`` right now (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+        s.bind((ip, 0))
+        return int(s.getsockname()[1])
+
+
+def interface_of(ip: str, addresses: dict[str, list[Any]] | None = None) -> str:
+    """The name of the network interface that carries ``ip`` (``lo`` for a loopback IP on a usual host).
+    ``addresses`` is ``psutil.net_if_addrs()``'s shape, for tests."""
+    if addresses is None:
+        import psutil
+
+        addresses = psutil.net_if_addrs()
+    want = ipaddress.ip_address(ip)
+    for name, addrs in addresses.items():
+        for a in addrs:
+            try:
+                if ipaddress.ip_address(str(a.address).split("%")[0]) == want:
+                    return name
+            except ValueError:
+                continue  # a MAC address
+    if want.is_loopback:
+        return "lo"
+    raise RuntimeError(f"no network interface of this host carries {ip} (interfaces: {sorted(addresses)}); "
+                       "the node IP Ray reports must be an address of this host")
+
+
+def set_socket_interface(ip: str) -> str:
+    """Point gloo and NCCL at the interface carrying ``ip`` (unless the user set them); return its name."""
+    name = interface_of(ip)
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if os.environ.setdefault(var, name) != name:
+            log.info("%s=%s kept from the environment (the interface of %s is %s)", var, os.environ[var], ip, name)
+    return name
 
 
 def join_data_parallel(module: torch.nn.Module, *, rank: int, world_size: int, backend: str, device: torch.device,
                        master_addr: str, master_port: int) -> tuple[torch.nn.Module, str]:
     """Join the default process group and wrap ``module`` in DDP; ``("single")`` for one rank.
-    ``backend="auto"`` picks NCCL on CUDA and gloo otherwise (gloo on the loopback interface)."""
+    ``backend="auto"`` picks NCCL on CUDA and gloo otherwise."""
     if world_size == 1:
         return module, "single"
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    init_process_group(backend, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
+    return wrap_ddp(module), backend
+
+
+def init_process_group(backend: str, *, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """Join the default process group at ``tcp://master_addr:master_port`` over this node's interface."""
+    iface = set_socket_interface(node_ip())
+    log.info("rank %d/%d joins %s at %s:%d (interface %s)", rank, world_size, backend, master_addr, master_port, iface)
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size)
-    return wrap_ddp(module), backend
+
+
+class DataParallelRank:
+    """Mixin of the data-parallel workers (actor, critic, megatron): rank 0 names the rendezvous."""
+
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's node IP and a port free there: where every rank's ``setup_distributed`` meets."""
+        ip = node_ip()
+        return ip, free_port(ip)
+
+
+def start_data_parallel(cluster: Any) -> list[str]:
+    """From the driver: ask rank 0 of ``cluster`` for the rendezvous, then ``setup_distributed`` on every
+    rank with it; returns each rank's backend (``"single"`` for one rank)."""
+    ip, port = cluster.rendezvous_address()
+    return cluster.setup_distributed(ip, port)
 
 
 def wrap_ddp(module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:

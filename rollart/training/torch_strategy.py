@@ -23,9 +23,7 @@ from rollart.training.accumulation import accumulate_step, global_sum, plan_shar
 from rollart.training.config import TrainConfig
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
-    DP_SPLIT_EVERY_RANK,
-    join_data_parallel,
-    model_path,
+    DP_SPLIT_EVERY_RANK, DataParallelRank, free_port, join_data_parallel, model_path,
     worker_device,
 )
 from rollart.weights.base import WeightChannel
@@ -73,7 +71,7 @@ def batch_logprobs(model: torch.nn.Module, batch: ra.Batch, max_tokens: int, dev
     return out  # type: ignore[return-value]
 
 
-class TorchTrainWorker(ra.Worker):
+class TorchTrainWorker(DataParallelRank, ra.Worker):
     """One data-parallel rank of the actor."""
 
     def __init__(self, config: TrainConfig | dict[str, Any] | None = None):
@@ -272,11 +270,6 @@ class TorchTrainWorker(ra.Worker):
             return float(sum(p.detach().abs().sum() for p in self.module.parameters()))
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["TorchTrainWorker", "batch_logprobs", "free_port"]  # free_port: rollart.training.placement's
 
 
