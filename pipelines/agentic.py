@@ -46,9 +46,8 @@ log = logging.getLogger(__name__)
 
 class AgenticPipeline:
     def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
-        from transformers import AutoTokenizer
-
         from envs import EnvSpec, make_env
+        from transformers import AutoTokenizer
 
         self.config = config
         self.out_dir = config.out_dir
