@@ -100,3 +100,11 @@ def test_mooncake_channel_takes_protocol_and_devices():
         MooncakeChannel("x", "10.0.0.1:5000", protocol="rdma")
     with pytest.raises(ValueError, match="weights.protocol"):
         MooncakeChannel("x", "10.0.0.1:5000", protocol="udp")
+
+
+def test_interface_is_the_one_carrying_the_ip():
+    from rollart.weights.net import interface_of
+
+    assert interface_of("127.0.0.1") == "lo"
+    with pytest.raises(ValueError, match="no interface of this host carries 192.0.2.77"):
+        interface_of("192.0.2.77")  # TEST-NET-1: never on a host
