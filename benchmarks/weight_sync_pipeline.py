@@ -75,10 +75,29 @@ def run_mode(channel: str, out: Path, *, steps: int, warmup: int, hidden: int, l
     }
 
 
+def _wait_released(timeout_s: float = 180.0) -> None:
+    """Until every hardware unit is free again (a finished pipeline's placement groups go away
+    asynchronously); the next mode then gets the same placement."""
+    import time
+
+    import ray
+
+    if not ray.is_initialized():  # the first mode: the pipeline starts or joins Ray itself
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        if all(free.get(k, 0.0) >= v for k, v in total.items() if k.startswith("accelerator_type:")):
+            return
+        time.sleep(0.5)  # polling Ray's resource view; bounded by the deadline
+    log.warning("hardware still held %.0f s after the previous run", timeout_s)
+
+
 def run_modes(modes: list[str], out: Path, *, steps: int, warmup: int, hidden: int, layers: int,
               local: bool) -> dict[str, Any]:
     results = {}
     for mode in modes:
+        _wait_released()
         log.info("weight-sync pipeline: channel %s", mode)
         results[mode] = run_mode(mode, out, steps=steps, warmup=warmup, hidden=hidden, layers=layers, local=local)
         log.info("weight-sync pipeline: channel %s step %.2f s", mode, results[mode]["step_s"])
