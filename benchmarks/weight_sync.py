@@ -15,6 +15,13 @@ ships a snapshot of ``--model-mb`` MB of real tensors:
 Reported: mean step time of each mode and their ratio, rollout tokens/s in each, and the store's
 publish and fetch bandwidth measured on the same snapshot. Ideal ratio for the blocking transfer time
 ``S`` per step: ``(train_s + S) / max(train_s, copy time)``.
+
+``--pipeline`` measures the real pipeline instead (:mod:`benchmarks.weight_sync_pipeline`): the same
+asynchronous multi-task run (real trainer, torch engine) once per weight channel — ``none`` (no
+transfer, the baseline), ``mooncake`` and the blocking ``ray`` transfer — and reports each mean step
+time and its ratio to ``none`` (target for mooncake: at most 1.05). ``--hosts 3`` runs it on a
+three-host namespace cluster (``rollart.testing.hosts``; needs root): the driver and the trainer on
+the head, rollout on H800 and H20 hosts, so every transfer crosses hosts.
 """
 
 from __future__ import annotations
@@ -37,6 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-step", type=float, default=0.01, help="real seconds per simulated decode step")
     p.add_argument("--out", default="runs/bench/weight-sync")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--pipeline", action="store_true", help="measure the real pipeline per weight channel")
+    p.add_argument("--hosts", type=int, default=0, choices=(0, 3),
+                   help="--pipeline: 3 runs it on a three-host namespace cluster (root); 0 on a local Ray")
+    p.add_argument("--modes", default="none,mooncake,ray", help="--pipeline: weight channels, in run order")
+    p.add_argument("--warmup", type=int, default=2, help="--pipeline: first steps not counted")
+    p.add_argument("--hidden", type=int, default=256, help="--pipeline: tiny model hidden size")
+    p.add_argument("--layers", type=int, default=4, help="--pipeline: tiny model layers")
 
 
 def _trainer_class() -> Any:
@@ -129,7 +143,47 @@ async def _run_mode(mode: str, args: argparse.Namespace, cluster: Any, proxy: An
             "tokens_per_s": tokens[0] / elapsed, "final_versions": served}
 
 
+def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
+    from pathlib import Path
+
+    from benchmarks.weight_sync_pipeline import run_modes
+
+    out = Path(args.out).resolve()
+    where = "local Ray"
+    if args.hosts:
+        from rollart.testing import HostSpec, start_hosts
+
+        repo = Path(__file__).resolve().parents[1]
+        specs = [HostSpec("head", {"H800": 1}, num_cpus=2), HostSpec("b", {"H800": 1}, num_cpus=2),
+                 HostSpec("c", {"H20": 2}, num_cpus=2)]
+        with start_hosts(specs, start_timeout_s=300) as cluster:
+            res = cluster.run_driver(
+                ["-m", "benchmarks.weight_sync_pipeline", "--modes", args.modes, "--steps", str(args.steps),
+                 "--warmup", str(args.warmup), "--hidden", str(args.hidden), "--layers", str(args.layers),
+                 "--out", str(out / "runs")],
+                cwd=repo, env={"PYTHONPATH": str(repo)}, timeout=3600).check()
+            modes = res.result
+            where = f"{len(specs)} namespace hosts " + ", ".join(f"{h.name}={h.ip}" for h in cluster.hosts)
+    else:
+        modes = run_modes(args.modes.split(","), out / "runs", steps=args.steps, warmup=args.warmup,
+                          hidden=args.hidden, layers=args.layers, local=True)
+    assert isinstance(modes, dict)
+    base = modes.get("none", {}).get("step_s")
+    result: dict[str, Any] = {"bench": "weight-sync", "pipeline": True, "where": where, "steps": args.steps,
+                              "warmup": args.warmup, "modes": modes}
+    for mode, m in modes.items():
+        result[f"{mode}_step_s"] = m["step_s"]
+        if base:
+            result[f"{mode}_vs_none"] = m["step_s"] / base
+    state_mb = next(iter(modes.values()))["state_mb"] if modes else 0.0
+    title = ", ".join(f"{k} {v['step_s']:.2f}s" for k, v in modes.items())
+    return write_report(args.out, "weight_sync_pipeline", result, {k: v["step_s"] for k, v in modes.items()},
+                        "step time (s)", f"pipeline weight sync, {state_mb:.0f} MB: {title}")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "pipeline", False):
+        return _run_pipeline(args)
     import ray
 
     from rollart.benchmarks.common import start_inference

@@ -1,0 +1,110 @@
+"""Weight channels across hosts: a multi-task asynchronous pipeline on a three-host namespace cluster
+(``rollart.testing.hosts``) with each weight channel (``ray``, ``dist``, ``mooncake``).
+
+Hosts: ``head`` (the driver; H800), ``b`` (H800), ``c`` (H20 x2). Pools: train on one H800, rollout on
+one H800 and two H20. Two tasks: ``reverse-3`` mapped to H800, ``reverse-2`` to H20. Asserted per
+channel: every worker sits on a host of its hardware (by node IP) and the three hosts all serve;
+trajectories of each tag were generated on its hardware only; after every sync every inference worker
+serves the new version; staleness stays within alpha. Mooncake: the master listens on the head's IP
+and each inference host fetched each version once (host C's two workers share one fetch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(1500)
+
+REPO = Path(__file__).resolve().parents[1]
+DRIVER = REPO / "tests" / "scripts" / "multihost_weights_driver.py"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    from rollart.testing import HostSpec, skip_reason, start_hosts
+
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    specs = [HostSpec("head", {"H800": 1}, num_cpus=2), HostSpec("b", {"H800": 1}, num_cpus=2),
+             HostSpec("c", {"H20": 2}, num_cpus=2)]
+    with start_hosts(specs, start_timeout_s=300) as cluster:  # a loaded 2-core machine starts Ray slowly
+        yield cluster
+
+
+@pytest.mark.parametrize("channel", ["ray", "dist", "mooncake"])
+def test_async_multitask_pipeline_syncs_weights_across_hosts(hosts, channel, tmp_path):
+    if channel == "mooncake":
+        pytest.importorskip("mooncake.store")
+    res = hosts.run_driver([str(DRIVER), "--channel", channel, "--steps", str(STEPS), "--out", str(tmp_path / "run")],
+                           cwd=REPO, timeout=900).check()
+    r = res.result
+    print(r)  # shown when an assertion fails
+    head, b, c = (hosts.host(n).ip for n in ("head", "b", "c"))
+    assert r["driver_ip"] == head
+
+    # placement: every worker on a host that has its hardware; the pools use all three hosts
+    has = {"H800": {head, b}, "H20": {c}}
+    for w in r["train"] + r["infer"]:
+        assert w["ip"] in has[w["hardware"]], w
+    [trainer] = r["train"]
+    infer_ips = {w["ip"] for w in r["infer"]}
+    assert sorted(w["hardware"] for w in r["infer"]) == ["H20", "H20", "H800"]
+    assert trainer["ip"] not in infer_ips and infer_ips | {trainer["ip"]} == {head, b, c}
+
+    # routing by tag: reverse-3 only on H800, reverse-2 only on H20
+    assert len(r["hardware_by_tag"]) == STEPS
+    for per_tag in r["hardware_by_tag"]:
+        assert per_tag, "a step trained on nothing"
+        for tag, hw in per_tag.items():
+            assert set(hw) == ({"H800"} if tag == "reverse-3" else {"H20"}), (tag, hw)
+    assert {t for per_tag in r["hardware_by_tag"] for t in per_tag} == {"reverse-3", "reverse-2"}
+
+    # every sync ends with every inference worker serving the new version
+    assert r["versions"] == list(range(1, STEPS + 1))
+    assert [s["version"] for s in r["served"]] == r["versions"]
+    for s in r["served"]:
+        assert s["workers"] == [s["version"]] * 3, s
+    assert max(r["max_staleness"]) <= 1
+
+    if channel == "mooncake":
+        assert r["mooncake_master"].startswith(f"{head}:")
+        fetched = {cache["node_ip"]: cache["fetches"] for cache in r["host_caches"]}
+        assert fetched == {ip: r["versions"] for ip in infer_ips}  # one fetch per host and version
+
+
+def test_rdma_needs_device_names_and_names_the_field(tmp_path):
+    from rollart.config import ConfigError, load_config
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("pools: {train: {hardware: CPU, cpus: 1}, rollout: {hardware: CPU, cpus: 1}}\n"
+                   "envs: [{name: reverse, groups: 8}]\n"
+                   "weights: {channel: mooncake, protocol: rdma}\n")
+    with pytest.raises(ConfigError, match=r"weights\.rdma_devices.*mlx5_0"):
+        load_config(cfg)
+    ok = load_config(cfg, {"weights.rdma_devices": ["mlx5_0", "mlx5_1"]})
+    assert ok.weights.protocol == "rdma" and ok.weights.rdma_devices == ["mlx5_0", "mlx5_1"]
+    with pytest.raises(ConfigError, match="channel mooncake only"):
+        load_config(cfg, {"weights.channel": "dist", "weights.rdma_devices": ["mlx5_0"]})
+
+
+def test_mooncake_channel_takes_protocol_and_devices():
+    from rollart.weights.mooncake_channel import MooncakeChannel
+
+    ch = MooncakeChannel("x", "10.0.0.1:5000", protocol="rdma", rdma_devices=["mlx5_0", "mlx5_1"])
+    assert (ch.protocol, ch.rdma_devices) == ("rdma", "mlx5_0,mlx5_1")
+    with pytest.raises(ValueError, match="weights.rdma_devices"):
+        MooncakeChannel("x", "10.0.0.1:5000", protocol="rdma")
+    with pytest.raises(ValueError, match="weights.protocol"):
+        MooncakeChannel("x", "10.0.0.1:5000", protocol="udp")
+
+
+def test_interface_is_the_one_carrying_the_ip():
+    from rollart.weights.net import interface_of
+
+    assert interface_of("127.0.0.1") == "lo"
+    with pytest.raises(ValueError, match="no interface of this host carries 192.0.2.77"):
+        interface_of("192.0.2.77")  # TEST-NET-1: never on a host
