@@ -29,6 +29,7 @@ BENCHES: dict[str, str] = {
     "prompt-replication": "benchmarks.prompt_replication",
     "async-train": "benchmarks.async_train",
     "weight-sync": "benchmarks.weight_sync",
+    "quickstart": "benchmarks.quickstart",
 }
 
 
