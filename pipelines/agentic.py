@@ -74,7 +74,32 @@ def batch_statistics(batch: Any, trajs: list) -> dict[str, Any]:
             c[k] += 1
     if sums:
         out["credit_by_position"] = {tag: [x / n for x, n in zip(sums[tag], counts[tag])] for tag in sums}
+        out["dead_by_position"] = _dead_by_position(trajs)
     return out
+
+
+def _dead_by_position(trajs: list) -> dict[str, list[float]]:
+    """Per tag and action position: the fraction of groups in which no member got any credit there.
+    Such a position is tied, so its group-relative advantage is exactly 0: it learns nothing until a
+    member happens to get it right (a position stuck at 1.0 is a plateau)."""
+    groups: dict[str, list] = defaultdict(list)
+    for t in trajs:
+        if t.token_rewards is not None:
+            groups[t.group_id].append(t)
+    dead: dict[str, list[int]] = defaultdict(list)
+    seen: dict[str, list[int]] = defaultdict(list)
+    for members in groups.values():
+        tag = members[0].tag
+        credits = [[t.token_rewards[i] if i < len(t.token_rewards) else 0.0 for i, m in enumerate(t.loss_mask) if m]
+                   for t in members]
+        for k in range(max(len(c) for c in credits)):
+            d, s = dead[tag], seen[tag]
+            if k == len(s):
+                d.append(0)
+                s.append(0)
+            s[k] += 1
+            d[k] += all(k >= len(c) or c[k] == 0 for c in credits)
+    return {tag: [d / s for d, s in zip(dead[tag], seen[tag])] for tag in seen}
 
 
 class AgenticPipeline:

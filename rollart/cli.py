@@ -27,6 +27,7 @@ BENCHES: dict[str, str] = {
     "prompt-replication": "rollart.benchmarks.prompt_replication",
     "async-train": "rollart.benchmarks.async_train",
     "weight-sync": "rollart.benchmarks.weight_sync",
+    "quickstart": "rollart.benchmarks.quickstart",
 }
 
 

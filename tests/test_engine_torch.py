@@ -122,3 +122,32 @@ def test_update_weights_changes_outputs_and_a_bad_state_dict_is_refused(tiny):
     engine.add_request(EngineRequest("after", [5, 6], greedy(8)))
     after = run_all(engine)["after"]
     assert engine.weight_version == 1 and after.weight_version == 1 and after.output_token_ids != before
+
+
+def test_a_seeded_request_samples_the_same_alone_or_in_any_batch(tiny):
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=7)
+    engine = TorchEngine(tiny)
+    engine.add_request(EngineRequest("alone", [3, 4, 5], params))
+    alone = run_all(engine)["alone"].output_token_ids
+    engine.add_request(EngineRequest("a", [9, 9], SamplingParams(temperature=1.0, max_new_tokens=6)))
+    engine.add_request(EngineRequest("b", [6, 7, 8, 9], params.model_copy(update={"seed": 8})))
+    engine.add_request(EngineRequest("again", [3, 4, 5], params))
+    assert run_all(engine)["again"].output_token_ids == alone
+
+
+def test_seeded_samples_follow_the_processed_distribution(tiny):
+    # 600 seeds, one token each, from a top-5 distribution: empirical frequencies near the probabilities
+    params = SamplingParams(temperature=2.0, top_k=5, max_new_tokens=1)
+    prompt = [5, 6, 7]
+    engine = TorchEngine(tiny)
+    for s in range(600):
+        engine.add_request(EngineRequest(f"r{s}", prompt, params.model_copy(update={"seed": s})))
+    toks = [o.output_token_ids[0] for o in run_all(engine).values()]
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].float() / 2.0
+    top = torch.topk(logits, 5)
+    probs = torch.softmax(top.values, -1)
+    assert set(toks) <= set(top.indices.tolist())
+    tv = 0.5 * sum(abs(toks.count(int(t)) / len(toks) - float(p)) for t, p in zip(top.indices, probs))
+    assert tv < 0.08

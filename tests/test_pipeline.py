@@ -47,6 +47,7 @@ def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
         assert set(h["advantage"]) == {"mean", "std", "frac_zero"} and 0.0 <= h["advantage"]["frac_zero"] <= 1.0
         credit = h["credit_by_position"]["reverse-3"]
         assert 1 <= len(credit) <= 3 and all(0.0 <= c <= 1.0 for c in credit)
+        assert all(0.0 <= d <= 1.0 for d in h["dead_by_position"]["reverse-3"])
         assert h["train"]["grad_norm"] >= 0.0 and h["train"]["entropy_pos0"] > 0.0
     assert (tmp_path / "run" / "metrics.png").exists()
     assert pipe.checkpoint_path.exists()
@@ -264,3 +265,23 @@ def test_critic_without_gae_is_a_config_error(tmp_path):
 def test_gae_without_a_critic_is_a_config_error(tmp_path):
     with pytest.raises(Exception, match="advantage=gae needs a critic"):
         small_config(tmp_path, advantage="gae")
+
+
+def test_batch_statistics_of_advantages_credit_and_dead_positions():
+    from pipelines.agentic import batch_statistics
+    from rollart.rollout.types import Trajectory
+    from rollart.training.data import trajectories_to_batch
+
+    def traj(group, member, credit):
+        return Trajectory(traj_id=f"{group}:{member}", group_id=group, tag="r", token_ids=[9] * (1 + len(credit)),
+                          loss_mask=[0] + [1] * len(credit), reward=sum(credit) / 3, token_rewards=[0.0] + credit)
+
+    groups = [[traj("0:0", 0, [1.0, 0.0, 0.0]), traj("0:0", 1, [0.0, 0.0, 1.0])],
+              [traj("1:0", 0, [1.0, 0.0, 1.0]), traj("1:0", 1, [1.0, 0.0, 0.0])]]
+    trajs = [t for g in groups for t in g]
+    stats = batch_statistics(trajectories_to_batch(groups, advantage="grpo_token"), trajs)
+    assert stats["credit_by_position"] == {"r": [0.75, 0.0, 0.5]}
+    # position 1: no member of either group got it (dead); position 0 of group 1 is tied at 1 (not dead)
+    assert stats["dead_by_position"] == {"r": [0.0, 1.0, 0.0]}
+    # 12 action tokens; non-zero only where a pair differs: position 0 of group 0, position 2 of both
+    assert stats["advantage"]["frac_zero"] == 0.5 and stats["advantage"]["mean"] == pytest.approx(0.0, abs=1e-12)

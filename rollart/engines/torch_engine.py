@@ -5,7 +5,7 @@ token per row from a batched KV cache (left-padded rows, an attention mask and p
 so rows of different lengths decode together). When the set changes (a request joined, finished or
 was aborted) the next step prefills the whole running batch again, rebuilding the cache — exact, and
 cheap for the short contexts of RL tasks; long-context serving belongs to the vLLM/SGLang adapters.
-Rows that share sampling settings (and no per-request seed) are sampled in one vectorised call.
+Rows that share sampling settings are sampled in one vectorised call (a seeded row with its own uniform draw).
 
 Sampling follows ``rollart.engines.base``: greedy at ``temperature == 0``; otherwise logits /
 temperature, top-k, then top-p (nucleus), renormalised; the behaviour logprob is that of the sampled
@@ -132,24 +132,32 @@ class TorchEngine(InferenceEngine):
         return out.logits[:, -1, :].float().cpu()
 
     def _sample(self, batch: list[_Running], logits: torch.Tensor) -> list[tuple[int, float]]:
-        """(token, behaviour logprob) per row; rows sharing settings and no seed are sampled together."""
+        """(token, behaviour logprob) per row. Rows sharing settings are processed together; a seeded row
+        draws its one uniform number from its own generator (inverse-CDF sampling), so what it samples
+        does not depend on the other rows of the batch."""
         picks: list[tuple[int, float]] = [(0, 0.0)] * len(batch)
         shared: dict[tuple, list[int]] = {}
         for row, run in enumerate(batch):
             p = run.request.params
-            if run.generator is None:
-                shared.setdefault((p.temperature, p.top_k, p.top_p), []).append(row)
-            else:
-                logp = process_logits(logits[row], p)
-                tok = int(torch.multinomial(logp.exp(), 1, generator=run.generator))
-                picks[row] = (tok, float(logp[tok]))
+            shared.setdefault((p.temperature, p.top_k, p.top_p), []).append(row)
         for rows in shared.values():
             params = batch[rows[0]].request.params
             logp = process_logits(logits[rows], params)
             if params.temperature == 0:
                 toks = torch.argmax(logp, dim=-1)
             else:
-                toks = torch.multinomial(logp.exp(), 1).squeeze(-1)
+                probs = logp.exp()
+                toks = torch.empty(len(rows), dtype=torch.long)
+                seeded = [i for i, row in enumerate(rows) if batch[row].generator is not None]
+                free = [i for i, row in enumerate(rows) if batch[row].generator is None]
+                if free:
+                    toks[free] = torch.multinomial(probs[free], 1).squeeze(-1)
+                if seeded:
+                    u = torch.cat([torch.rand(1, generator=batch[rows[i]].generator) for i in seeded])
+                    cdf = probs[seeded].double().cumsum(-1)
+                    # first token whose cumulative mass exceeds u (never a zero-probability token)
+                    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(-1)
+                    toks[seeded] = idx.clamp(max=probs.shape[-1] - 1)
             chosen = logp.gather(-1, toks[:, None]).squeeze(-1)
             for row, tok, lp in zip(rows, toks.tolist(), chosen.tolist()):
                 picks[row] = (int(tok), float(lp))
