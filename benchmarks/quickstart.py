@@ -52,7 +52,7 @@ def summarise(rewards: Sequence[float], *, window: int, threshold: float) -> dic
 def _run_seed(args: argparse.Namespace, seed: int) -> tuple[list[float], float]:
     import ray
 
-    from pipelines.agentic import AgenticPipeline
+    from rollart.pipelines.agentic import AgenticPipeline
     from rollart.config import load_config
     from rollart.pipeline_cli import _parse_sets
 

@@ -7,7 +7,7 @@ call: ``proximal: recompute`` (the extra no-grad forward over every micro-batch 
 ``proximal: auto`` (with ``ppo_epochs: 1`` pi_old is the detached current log-probs, no extra pass).
 The two modes alternate step by step so load on a shared machine hits both alike.
 
-    python -m benchmarks.train_step_proximal --steps 10 --out runs/bench/train_step_proximal.json
+    python -m rollart.benchmarks.train_step_proximal --steps 10 --out runs/bench/train_step_proximal.json
 """
 
 from __future__ import annotations

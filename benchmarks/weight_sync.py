@@ -146,7 +146,7 @@ async def _run_mode(mode: str, args: argparse.Namespace, cluster: Any, proxy: An
 def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     from pathlib import Path
 
-    from benchmarks.weight_sync_pipeline import run_modes
+    from rollart.benchmarks.weight_sync_pipeline import run_modes
 
     out = Path(args.out).resolve()
     where = "local Ray"
@@ -158,7 +158,7 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
                  HostSpec("c", {"H20": 2}, num_cpus=2)]
         with start_hosts(specs, start_timeout_s=300) as cluster:
             res = cluster.run_driver(
-                ["-m", "benchmarks.weight_sync_pipeline", "--modes", args.modes, "--steps", str(args.steps),
+                ["-m", "rollart.benchmarks.weight_sync_pipeline", "--modes", args.modes, "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--hidden", str(args.hidden), "--layers", str(args.layers),
                  "--out", str(out / "runs")],
                 cwd=repo, env={"PYTHONPATH": str(repo)}, timeout=3600).check()

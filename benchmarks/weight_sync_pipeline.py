@@ -4,7 +4,7 @@ One config (a multi-task asynchronous run, alpha 1, a tiny Qwen2 sized by ``--hi
 runs once per mode, changing only ``weights.channel``: ``none`` (no weights move: the baseline),
 ``mooncake`` (published in the background, one fetch per host, swapped between engine steps) and
 ``ray`` (blocking: suspend, every worker loads from the object store, resume). Run as a driver
-(``python -m benchmarks.weight_sync_pipeline ...``, e.g. inside the head host of a namespace cluster)
+(``python -m rollart.benchmarks.weight_sync_pipeline ...``, e.g. inside the head host of a namespace cluster)
 it prints ``RESULT {...}``: per mode, the step times after the warm-up steps and where workers ran.
 """
 
@@ -47,7 +47,7 @@ def run_mode(channel: str, out: Path, *, steps: int, warmup: int, hidden: int, l
              local: bool) -> dict[str, Any]:
     import ray
 
-    from pipelines.agentic import AgenticPipeline
+    from rollart.pipelines.agentic import AgenticPipeline
 
     cfg = bench_config(channel, out, steps=steps + warmup, hidden=hidden, layers=layers, local=local)
     pipe = AgenticPipeline(cfg, progress=False)

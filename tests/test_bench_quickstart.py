@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks.quickstart import smoothed, summarise
+from rollart.benchmarks.quickstart import smoothed, summarise
 from rollart.cli import main
 
 pytestmark = pytest.mark.timeout(600)

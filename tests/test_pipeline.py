@@ -268,7 +268,7 @@ def test_gae_without_a_critic_is_a_config_error(tmp_path):
 
 
 def test_batch_statistics_of_advantages_credit_and_dead_positions():
-    from pipelines.agentic import batch_statistics
+    from rollart.pipelines.agentic import batch_statistics
     from rollart.rollout.types import Trajectory
     from rollart.training.data import trajectories_to_batch
 

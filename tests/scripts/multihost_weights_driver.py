@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from pipelines.agentic import AgenticPipeline
+from rollart.pipelines.agentic import AgenticPipeline
 from rollart.config import PipelineConfig
 
 
