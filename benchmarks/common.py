@@ -7,8 +7,9 @@ import argparse
 import asyncio
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 log = logging.getLogger("rollart.bench")
 
@@ -73,13 +74,19 @@ def start_inference(pools: dict, mapping: dict, engine_options: dict, name: str 
     from rollart.rollout.inference_worker import inference_worker_class
 
     rm = ra.ResourceManager(pools)
-    cluster = ra.Cluster(name, inference_worker_class(mapping), rm, pool=next(iter(pools)),
-                         worker_kwargs={"engine": {"kind": "simulated", "options": engine_options}})
+    cluster = ra.Cluster(
+        name,
+        inference_worker_class(mapping),
+        rm,
+        pool=next(iter(pools)),
+        worker_kwargs={"engine": {"kind": "simulated", "options": engine_options}},
+    )
     return rm, cluster
 
 
-def write_report(out_dir: str | Path, name: str, result: dict[str, Any], bars: dict[str, float],
-                 ylabel: str, title: str) -> dict[str, Any]:
+def write_report(
+    out_dir: str | Path, name: str, result: dict[str, Any], bars: dict[str, float], ylabel: str, title: str
+) -> dict[str, Any]:
     """``<out>/<name>.json`` and a bar chart ``<out>/<name>.png`` (the chart needs the ``plot`` extra)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,8 +94,9 @@ def write_report(out_dir: str | Path, name: str, result: dict[str, Any], bars: d
     try:
         import matplotlib
     except ImportError:
-        logging.getLogger(__name__).info("%s.png skipped: matplotlib is not installed (pip install 'rollart[plot]')",
-                                         name)
+        logging.getLogger(__name__).info(
+            "%s.png skipped: matplotlib is not installed (pip install 'rollart[plot]')", name
+        )
         result["files"] = [str(out / f"{name}.json")]
         return result
     matplotlib.use("Agg")
@@ -108,8 +116,12 @@ def write_report(out_dir: str | Path, name: str, result: dict[str, Any], bars: d
 
 
 def add_common_arguments(p: argparse.ArgumentParser, out: str, time_scale: float = 0.05) -> None:
-    p.add_argument("--time-scale", type=float, default=time_scale,
-                   help="real seconds per simulated second (larger: less Ray call overhead relative to latencies)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=time_scale,
+        help="real seconds per simulated second (larger: less Ray call overhead relative to latencies)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=out, help="output folder for JSON and PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -124,8 +136,18 @@ class StochasticLatencyEnv:
     tag = "Sim"
     max_new_tokens = 2
 
-    def __init__(self, rng: Any, clock: ScaledClock, *, mean: float, std: float, turns: int,
-                 p_slow: float, slow_factor: float, p_stop: float):
+    def __init__(
+        self,
+        rng: Any,
+        clock: ScaledClock,
+        *,
+        mean: float,
+        std: float,
+        turns: int,
+        p_slow: float,
+        slow_factor: float,
+        p_stop: float,
+    ):
         self.rng, self.clock = rng, clock
         self.mean, self.std, self.max_steps = mean, std, turns
         self.p_slow, self.slow_factor, self.p_stop = p_slow, slow_factor, p_stop
@@ -156,8 +178,16 @@ class SimVerifiableEnv:
     tag = "Sim"
     max_steps = 1
 
-    def __init__(self, clock: ScaledClock, rng: Any, *, max_new_tokens: int, reward_mean: float,
-                 reward_std: float, beta: tuple[float, float]):
+    def __init__(
+        self,
+        clock: ScaledClock,
+        rng: Any,
+        *,
+        max_new_tokens: int,
+        reward_mean: float,
+        reward_std: float,
+        beta: tuple[float, float],
+    ):
         self.clock, self.rng = clock, rng
         self.max_new_tokens = max_new_tokens
         self.reward_mean, self.reward_std, self.beta = reward_mean, reward_std, beta

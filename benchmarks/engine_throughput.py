@@ -42,19 +42,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new_tokens,
-                           min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+            model.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
         hf_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for i, row in enumerate(prompts.tolist()):
-            engine.add_request(EngineRequest(f"r{i}", row, SamplingParams(temperature=0, max_new_tokens=args.new_tokens)))
+            engine.add_request(
+                EngineRequest(f"r{i}", row, SamplingParams(temperature=0, max_new_tokens=args.new_tokens))
+            )
         while engine.has_unfinished():
             engine.step()
         eng_s.append(time.perf_counter() - t0)
     tokens = args.batch * args.new_tokens
     hf_tps, eng_tps = tokens / min(hf_s), tokens / min(eng_s)
-    result = {"bench": "engine", "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-              "hf_generate_tokens_per_s": hf_tps, "torch_engine_tokens_per_s": eng_tps, "ratio": eng_tps / hf_tps,
-              "goal": ">= 0.8x of HF generate"}
-    return write_report(args.out, "engine", result, {"HF generate": hf_tps, "rollart torch engine": eng_tps},
-                        "output tokens/s", f"engine throughput: {eng_tps / hf_tps:.2f}x of HF generate")
+    result = {
+        "bench": "engine",
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "hf_generate_tokens_per_s": hf_tps,
+        "torch_engine_tokens_per_s": eng_tps,
+        "ratio": eng_tps / hf_tps,
+        "goal": ">= 0.8x of HF generate",
+    }
+    return write_report(
+        args.out,
+        "engine",
+        result,
+        {"HF generate": hf_tps, "rollart torch engine": eng_tps},
+        "output tokens/s",
+        f"engine throughput: {eng_tps / hf_tps:.2f}x of HF generate",
+    )

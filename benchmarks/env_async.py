@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from rollart.benchmarks.common import ScaledClock, ScriptedLatencyEnv, TinyCodec, add_common_arguments, start_inference, write_report
+from rollart.benchmarks.common import (
+    ScaledClock,
+    ScriptedLatencyEnv,
+    TinyCodec,
+    add_common_arguments,
+    start_inference,
+    write_report,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,8 +50,10 @@ async def _batch_level(proxy: Any, envs: list[ScriptedLatencyEnv], codec: TinyCo
     obs = await asyncio.gather(*(e.reset(i) for i, e in enumerate(envs)))
     history = [codec.encode(o) for o, _ in obs]
     for turn in range(envs[0].max_steps):
-        reqs = [GenerateRequest(request_id=f"b{i}:{turn}", prompt_token_ids=h, sampling=sampling)
-                for i, h in enumerate(history)]
+        reqs = [
+            GenerateRequest(request_id=f"b{i}:{turn}", prompt_token_ids=h, sampling=sampling)
+            for i, h in enumerate(history)
+        ]
         outs = await proxy.cluster.generate_batch(ra.Batch({"requests": reqs}))
         steps = await asyncio.gather(*(e.step(codec.decode(o.output_token_ids)) for e, o in zip(envs, outs)))
         history = [h + o.output_token_ids + codec.encode(s[0]) for h, o, s in zip(history, outs, steps)]
@@ -71,8 +80,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     lat = np.clip(rng.normal(args.mean, args.std, size=(args.batch, args.turns)), 0.0, None)
     clock = ScaledClock(args.time_scale)
-    rm, cluster = start_inference({"rollout": {"hardware": "H20", "devices": args.workers}}, {"*": ["H20"]},
-                                  {"decode_base_s": 0.0005, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0})
+    rm, cluster = start_inference(
+        {"rollout": {"hardware": "H20", "devices": args.workers}},
+        {"*": ["H20"]},
+        {"decode_base_s": 0.0005, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0},
+    )
     from rollart.rollout.llm_proxy import LLMProxy
 
     proxy = LLMProxy(cluster)
@@ -89,11 +101,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ideal = float(lat.max(axis=0).sum() / lat.sum(axis=1).max())
     speedup = batch_s / traj_s
     result = {
-        "bench": "env-async", "mean": args.mean, "std": args.std, "batch": args.batch, "turns": args.turns,
-        "batch_level_sim_s": clock.to_sim(batch_s), "trajectory_level_sim_s": clock.to_sim(traj_s),
-        "speedup": speedup, "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal,
+        "bench": "env-async",
+        "mean": args.mean,
+        "std": args.std,
+        "batch": args.batch,
+        "turns": args.turns,
+        "batch_level_sim_s": clock.to_sim(batch_s),
+        "trajectory_level_sim_s": clock.to_sim(traj_s),
+        "speedup": speedup,
+        "ideal_speedup": ideal,
+        "fraction_of_ideal": speedup / ideal,
         "seed_figure": "2.46x at (10, 10), batch 512 (seed 000 Fig. 9)",
     }
-    return write_report(args.out, f"env-async-mu{args.mean:g}-sd{args.std:g}", result,
-                        {"batch-level": result["batch_level_sim_s"], "trajectory-level": result["trajectory_level_sim_s"]},
-                        "step time (simulated s)", f"env-async μ={args.mean:g} σ={args.std:g}: {speedup:.2f}× (ideal {ideal:.2f}×)")
+    return write_report(
+        args.out,
+        f"env-async-mu{args.mean:g}-sd{args.std:g}",
+        result,
+        {"batch-level": result["batch_level_sim_s"], "trajectory-level": result["trajectory_level_sim_s"]},
+        "step time (simulated s)",
+        f"env-async μ={args.mean:g} σ={args.std:g}: {speedup:.2f}× (ideal {ideal:.2f}×)",
+    )

@@ -63,9 +63,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rollart.rollout.types import GenerateRequest
 
     clock = ScaledClock(args.time_scale)
-    engine = {"decode_base_s": args.step_base, "decode_per_seq_s": args.step_per_seq, "prefill_per_token_s": 0.0,
-              "time_scale": args.time_scale, "length_lognormal": (args.length_median, args.length_sigma),
-              "difficulty_from_first_token": 1 / 16}
+    engine = {
+        "decode_base_s": args.step_base,
+        "decode_per_seq_s": args.step_per_seq,
+        "prefill_per_token_s": 0.0,
+        "time_scale": args.time_scale,
+        "length_lognormal": (args.length_median, args.length_sigma),
+        "difficulty_from_first_token": 1 / 16,
+    }
     rm, cluster = start_inference({"rollout": {"hardware": "H20", "devices": args.workers}}, {"*": ["H20"]}, engine)
     proxy = LLMProxy(cluster)
     rng = np.random.default_rng(args.seed)
@@ -74,16 +79,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     async def pinned() -> tuple[float, list]:
         t0 = time.monotonic()
-        outs = await asyncio.gather(*(cluster.generate_n(
-            GenerateRequest(request_id=f"p{i}", prompt_token_ids=[tok, 7, 7], sampling=sampling), args.samples,
-            tag_name="Sim") for i, tok in enumerate(tokens)))
+        outs = await asyncio.gather(
+            *(
+                cluster.generate_n(
+                    GenerateRequest(request_id=f"p{i}", prompt_token_ids=[tok, 7, 7], sampling=sampling),
+                    args.samples,
+                    tag_name="Sim",
+                )
+                for i, tok in enumerate(tokens)
+            )
+        )
         return time.monotonic() - t0, [o for group in outs for o in group]
 
     async def replicated() -> tuple[float, list]:
         t0 = time.monotonic()
-        outs = await asyncio.gather(*(proxy.generate(
-            GenerateRequest(request_id=f"p{i}#{s}", prompt_token_ids=[tok, 7, 7], sampling=sampling), "Sim")
-            for i, tok in enumerate(tokens) for s in range(args.samples)))
+        outs = await asyncio.gather(
+            *(
+                proxy.generate(
+                    GenerateRequest(request_id=f"p{i}#{s}", prompt_token_ids=[tok, 7, 7], sampling=sampling), "Sim"
+                )
+                for i, tok in enumerate(tokens)
+                for s in range(args.samples)
+            )
+        )
         return time.monotonic() - t0, list(outs)
 
     pin_s, pin_out = asyncio.run(pinned())
@@ -100,11 +118,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_pin = max(_worker_time(args, v) for v in by_rank_pin.values())
     model_rep = max(_worker_time(args, v) for v in by_rank_rep.values())
     speedup = pin_s / rep_s
-    result = {"bench": "prompt-replication", "config": f"{args.prompts}x{args.samples} on {args.workers} workers",
-              "without_replication_sim_s": clock.to_sim(pin_s), "with_replication_sim_s": clock.to_sim(rep_s),
-              "speedup": speedup, "model_speedup": model_pin / model_rep,
-              "seed_figure": "1.84x at 64x16 (seed 000 §5.1.2)"}
-    return write_report(args.out, "prompt-replication", result,
-                        {"n samples / request": result["without_replication_sim_s"],
-                         "replicated": result["with_replication_sim_s"]},
-                        "generation time (simulated s)", f"prompt replication: {speedup:.2f}x (model {model_pin / model_rep:.2f}x)")
+    result = {
+        "bench": "prompt-replication",
+        "config": f"{args.prompts}x{args.samples} on {args.workers} workers",
+        "without_replication_sim_s": clock.to_sim(pin_s),
+        "with_replication_sim_s": clock.to_sim(rep_s),
+        "speedup": speedup,
+        "model_speedup": model_pin / model_rep,
+        "seed_figure": "1.84x at 64x16 (seed 000 §5.1.2)",
+    }
+    return write_report(
+        args.out,
+        "prompt-replication",
+        result,
+        {"n samples / request": result["without_replication_sim_s"], "replicated": result["with_replication_sim_s"]},
+        "generation time (simulated s)",
+        f"prompt replication: {speedup:.2f}x (model {model_pin / model_rep:.2f}x)",
+    )

@@ -22,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from rollart.benchmarks.common import ScaledClock, SimVerifiableEnv, TinyCodec, add_common_arguments, start_inference, write_report
+from rollart.benchmarks.common import (
+    ScaledClock,
+    SimVerifiableEnv,
+    TinyCodec,
+    add_common_arguments,
+    start_inference,
+    write_report,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _env(clock: ScaledClock, rng: Any, args: argparse.Namespace) -> SimVerifiableEnv:
-    return SimVerifiableEnv(clock, rng, max_new_tokens=args.max_new_tokens, reward_mean=1.0, reward_std=0.3,
-                            beta=(0.5, 0.5))
+    return SimVerifiableEnv(
+        clock, rng, max_new_tokens=args.max_new_tokens, reward_mean=1.0, reward_std=0.3, beta=(0.5, 0.5)
+    )
 
 
 async def _batch_rollout(proxy: Any, args: argparse.Namespace, clock: ScaledClock, rng: Any, first_seed: int) -> float:
@@ -58,13 +66,19 @@ async def _batch_rollout(proxy: Any, args: argparse.Namespace, clock: ScaledCloc
                 env = _env(clock, rng, args)
                 obs, _ = await env.reset(seed + p)
                 envs.append(env)
-                reqs.append(GenerateRequest(request_id=f"b{seed + p}:{s}", prompt_token_ids=codec.encode(obs),
-                                            sampling=SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=[0])))
+                reqs.append(
+                    GenerateRequest(
+                        request_id=f"b{seed + p}:{s}",
+                        prompt_token_ids=codec.encode(obs),
+                        sampling=SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=[0]),
+                    )
+                )
         outs = await proxy.cluster.generate_batch(ra.Batch({"requests": reqs}))
-        rewards = [r[1] for r in await asyncio.gather(*(e.step(codec.decode(o.output_token_ids))
-                                                        for e, o in zip(envs, outs)))]
+        rewards = [
+            r[1] for r in await asyncio.gather(*(e.step(codec.decode(o.output_token_ids)) for e, o in zip(envs, outs)))
+        ]
         for p in range(args.prompts):
-            group = rewards[p * args.samples:(p + 1) * args.samples]
+            group = rewards[p * args.samples : (p + 1) * args.samples]
             kept += len(set(group)) > 1
         seed += args.prompts
     return time.monotonic() - t0
@@ -77,10 +91,18 @@ async def _queue(proxy: Any, args: argparse.Namespace, clock: ScaledClock, rng: 
 
     codec = TinyCodec()
     n_groups = args.prompts + args.extra
-    groups = [[EnvManager(_env(clock, rng, args), proxy, codec, sampling=SamplingParams(max_new_tokens=args.max_new_tokens))
-               for _ in range(args.samples)] for _ in range(n_groups)]
-    cfg = RolloutConfig(num_env_groups=n_groups, group_size=args.samples, batch_groups=args.prompts,
-                        alpha=0, filter_zero_variance=True)
+    groups = [
+        [
+            EnvManager(
+                _env(clock, rng, args), proxy, codec, sampling=SamplingParams(max_new_tokens=args.max_new_tokens)
+            )
+            for _ in range(args.samples)
+        ]
+        for _ in range(n_groups)
+    ]
+    cfg = RolloutConfig(
+        num_env_groups=n_groups, group_size=args.samples, batch_groups=args.prompts, alpha=0, filter_zero_variance=True
+    )
     sched = RolloutScheduler(groups, cfg, seed_fn=lambda g, r: first_seed + r * n_groups + g)
     t0 = time.monotonic()
     sched.start()
@@ -93,14 +115,17 @@ async def _queue(proxy: Any, args: argparse.Namespace, clock: ScaledClock, rng: 
 
 def _model(args: argparse.Namespace, rng: Any, trials: int = 300) -> tuple[float, float]:
     """(batch, queue) step times of the length/reward model with no system cost, simulated s."""
+
     def sample_groups(n: int) -> tuple[np.ndarray, np.ndarray]:
-        lengths = np.minimum(args.length_median * rng.lognormal(0, args.length_sigma, (n, args.samples)),
-                             args.max_new_tokens)
+        lengths = np.minimum(
+            args.length_median * rng.lognormal(0, args.length_sigma, (n, args.samples)), args.max_new_tokens
+        )
         done = lengths * args.decode_step + np.clip(rng.normal(1.0, 0.3, (n, args.samples)), 0, None)
         p = rng.beta(0.5, 0.5, n)[:, None]
         r = rng.random((n, args.samples)) < p
         keep = r.any(axis=1) & ~r.all(axis=1)
         return done.max(axis=1), keep
+
     batch_t, queue_t = [], []
     for _ in range(trials):
         kept, t = 0, 0.0
@@ -127,8 +152,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rollart.rollout.llm_proxy import LLMProxy
 
     clock = ScaledClock(args.time_scale)
-    engine = {"decode_base_s": args.decode_step, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0,
-              "time_scale": args.time_scale, "length_lognormal": (args.length_median, args.length_sigma)}
+    engine = {
+        "decode_base_s": args.decode_step,
+        "decode_per_seq_s": 0.0,
+        "prefill_per_token_s": 0.0,
+        "time_scale": args.time_scale,
+        "length_lognormal": (args.length_median, args.length_sigma),
+    }
     rm, cluster = start_inference({"rollout": {"hardware": "H20", "devices": args.workers}}, {"*": ["H20"]}, engine)
     proxy = LLMProxy(cluster)
     rng = np.random.default_rng(args.seed)
@@ -145,10 +175,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rm.shutdown()
     mb, mq = _model(args, np.random.default_rng(args.seed + 1))
     speedup = batch_s / queue_s
-    result = {"bench": "queue-scheduling", "config": f"{args.prompts}x{args.samples}+{args.extra}",
-              "batch_rollout_sim_s": batch_s, "queue_scheduling_sim_s": queue_s, "speedup": speedup,
-              "model_batch_sim_s": mb, "model_queue_sim_s": mq, "model_speedup": mb / mq,
-              "seed_figure": "3.4x at 8x8 with 16 extra prompts (seed 000 Fig. 7: 125 s -> 37 s)"}
-    return write_report(args.out, "queue-scheduling", result, {"batch rollout": batch_s, "queue scheduling": queue_s},
-                        "generation time per step (simulated s)",
-                        f"queue scheduling {args.prompts}x{args.samples}+{args.extra}: {speedup:.2f}x (model {mb / mq:.2f}x)")
+    result = {
+        "bench": "queue-scheduling",
+        "config": f"{args.prompts}x{args.samples}+{args.extra}",
+        "batch_rollout_sim_s": batch_s,
+        "queue_scheduling_sim_s": queue_s,
+        "speedup": speedup,
+        "model_batch_sim_s": mb,
+        "model_queue_sim_s": mq,
+        "model_speedup": mb / mq,
+        "seed_figure": "3.4x at 8x8 with 16 extra prompts (seed 000 Fig. 7: 125 s -> 37 s)",
+    }
+    return write_report(
+        args.out,
+        "queue-scheduling",
+        result,
+        {"batch rollout": batch_s, "queue scheduling": queue_s},
+        "generation time per step (simulated s)",
+        f"queue scheduling {args.prompts}x{args.samples}+{args.extra}: {speedup:.2f}x (model {mb / mq:.2f}x)",
+    )

@@ -23,8 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--threshold", type=float, default=0.9, help="the smoothed reward that counts as learnt")
     p.add_argument("--window", type=int, default=20, help="steps in the trailing mean of the reward")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value for every seed, e.g. --set steps=300")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value for every seed, e.g. --set steps=300",
+    )
     p.add_argument("--out", default="runs/bench/quickstart", help="output folder (one run folder per seed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -45,16 +50,20 @@ def summarise(rewards: Sequence[float], *, window: int, threshold: float) -> dic
     trailing mean of one run's per-step mean rewards."""
     smooth = smoothed(rewards, window)
     first = next((i for i, r in enumerate(smooth) if r >= threshold), None)
-    return {"steps_to_threshold": first, "final_reward": smooth[-1] if smooth else None,
-            "first_reward": rewards[0] if rewards else None, "steps": len(rewards)}
+    return {
+        "steps_to_threshold": first,
+        "final_reward": smooth[-1] if smooth else None,
+        "first_reward": rewards[0] if rewards else None,
+        "steps": len(rewards),
+    }
 
 
 def _run_seed(args: argparse.Namespace, seed: int) -> tuple[list[float], float]:
     import ray
 
-    from rollart.pipelines.agentic import AgenticPipeline
     from rollart.config import load_config
     from rollart.pipeline_cli import _parse_sets
+    from rollart.pipelines.agentic import AgenticPipeline
 
     overrides = {**_parse_sets(args.set), "seed": seed, "output_dir": str(Path(args.out) / f"seed{seed}")}
     cfg = load_config(args.config, overrides)
@@ -104,19 +113,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log.info("seed %d: %s", seed, per_seed[str(seed)])
     reached = [s["steps_to_threshold"] for s in per_seed.values() if s["steps_to_threshold"] is not None]
     result: dict[str, Any] = {
-        "bench": "quickstart", "config": args.config, "overrides": list(args.set),
-        "threshold": args.threshold, "window": args.window,
+        "bench": "quickstart",
+        "config": args.config,
+        "overrides": list(args.set),
+        "threshold": args.threshold,
+        "window": args.window,
         "seeds_reaching_threshold": f"{len(reached)}/{len(per_seed)}",
         "per_seed": per_seed,
     }
     for seed, s in per_seed.items():  # flat rows for the table
         to = s["steps_to_threshold"]
-        result[f"seed {seed}"] = (f"{'never' if to is None else f'step {to}'} to {args.threshold:g}, "
-                                  f"final {s['final_reward']:.3f}, {s['wall_s']:.0f} s")
+        result[f"seed {seed}"] = (
+            f"{'never' if to is None else f'step {to}'} to {args.threshold:g}, "
+            f"final {s['final_reward']:.3f}, {s['wall_s']:.0f} s"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _plot(out / "quickstart.png", curves, args.window, args.threshold)
-    (out / "quickstart.json").write_text(json.dumps({**result, "rewards": {str(k): v for k, v in curves.items()}},
-                                                    indent=2))
+    (out / "quickstart.json").write_text(
+        json.dumps({**result, "rewards": {str(k): v for k, v in curves.items()}}, indent=2)
+    )
     result["files"] = [str(out / "quickstart.json"), str(out / "quickstart.png")]
     return result

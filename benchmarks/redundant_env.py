@@ -52,19 +52,43 @@ def _shape(text: str) -> tuple[int, int]:
     return int(g), int(s)
 
 
-async def _collect(proxy: Any, args: argparse.Namespace, groups: int, size: int, rng: Any,
-                   clock: ScaledClock) -> tuple[float, dict]:
+async def _collect(
+    proxy: Any, args: argparse.Namespace, groups: int, size: int, rng: Any, clock: ScaledClock
+) -> tuple[float, dict]:
     from rollart.rollout.env_manager import EnvManager, EnvManagerConfig
     from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
 
     mcfg = EnvManagerConfig(step_retries=0, step_timeout_s=args.timeout * clock.scale)
     codec = TinyCodec()
-    managers = [[EnvManager(StochasticLatencyEnv(rng, clock, mean=args.mean, std=args.std, turns=args.turns,
-                                                 p_slow=args.p_slow, slow_factor=args.slow_factor,
-                                                 p_stop=args.p_stop), proxy, codec, config=mcfg)
-                 for _ in range(size)] for _ in range(groups)]
-    cfg = RolloutConfig(num_env_groups=groups, group_size=size, group_keep=args.group_keep,
-                        batch_groups=args.batch_groups, alpha=0, max_round_failures=100)
+    managers = [
+        [
+            EnvManager(
+                StochasticLatencyEnv(
+                    rng,
+                    clock,
+                    mean=args.mean,
+                    std=args.std,
+                    turns=args.turns,
+                    p_slow=args.p_slow,
+                    slow_factor=args.slow_factor,
+                    p_stop=args.p_stop,
+                ),
+                proxy,
+                codec,
+                config=mcfg,
+            )
+            for _ in range(size)
+        ]
+        for _ in range(groups)
+    ]
+    cfg = RolloutConfig(
+        num_env_groups=groups,
+        group_size=size,
+        group_keep=args.group_keep,
+        batch_groups=args.batch_groups,
+        alpha=0,
+        max_round_failures=100,
+    )
     sched = RolloutScheduler(managers, cfg)
     t0 = time.monotonic()
     sched.start()
@@ -105,8 +129,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rollart.rollout.llm_proxy import LLMProxy
 
     clock = ScaledClock(args.time_scale)
-    rm, cluster = start_inference({"rollout": {"hardware": "H20", "devices": 2}}, {"*": ["H20"]},
-                                  {"decode_base_s": 0.0005, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0})
+    rm, cluster = start_inference(
+        {"rollout": {"hardware": "H20", "devices": 2}},
+        {"*": ["H20"]},
+        {"decode_base_s": 0.0005, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0},
+    )
     proxy = LLMProxy(cluster)
     rng = np.random.default_rng(args.seed)
     base_shape, red_shape = _shape(args.baseline), _shape(args.redundant)
@@ -128,12 +155,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ideal = _model_expectation(args, *base_shape, model_rng) / _model_expectation(args, *red_shape, model_rng)
     speedup = base_s / red_s
     result = {
-        "bench": "redundant-env", "baseline": args.baseline, "redundant": args.redundant,
-        "baseline_step_sim_s": base_s, "redundant_step_sim_s": red_s, "speedup": speedup,
-        "model_speedup": ideal, "baseline_counts": base_counts, "redundant_counts": red_counts,
+        "bench": "redundant-env",
+        "baseline": args.baseline,
+        "redundant": args.redundant,
+        "baseline_step_sim_s": base_s,
+        "redundant_step_sim_s": red_s,
+        "speedup": speedup,
+        "model_speedup": ideal,
+        "baseline_counts": base_counts,
+        "redundant_counts": red_counts,
         "model": {k: getattr(args, k) for k in ("mean", "std", "turns", "p_slow", "slow_factor", "p_stop", "timeout")},
         "seed_figure": "5.45x for 36x12 vs 32x8 (seed 000 Fig. 10: 243 s -> 45 s)",
     }
-    return write_report(args.out, "redundant-env", result,
-                        {args.baseline: base_s, args.redundant: red_s}, "step time (simulated s)",
-                        f"redundant env rollouts: {speedup:.2f}x (model {ideal:.2f}x)")
+    return write_report(
+        args.out,
+        "redundant-env",
+        result,
+        {args.baseline: base_s, args.redundant: red_s},
+        "step time (simulated s)",
+        f"redundant env rollouts: {speedup:.2f}x (model {ideal:.2f}x)",
+    )

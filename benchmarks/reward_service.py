@@ -54,10 +54,26 @@ def _free_port() -> int:
 
 def _serve(functions: list[str], extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rollart.cli", "serve", "rewards", *functions, "--port", str(port),
-                             "--max-concurrency", "1024", *(extra or [])],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env=dict(os.environ))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollart.cli",
+            "serve",
+            "rewards",
+            *functions,
+            "--port",
+            str(port),
+            "--max-concurrency",
+            "1024",
+            *(extra or []),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=dict(os.environ),
+    )
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 60
     while time.monotonic() < end:
@@ -75,6 +91,7 @@ async def _load(url: str, concurrency: int, n: int) -> dict[str, float]:
     sem = asyncio.Semaphore(concurrency)
     body = {"trajectories": [{"response": "42", "ground_truth": "42"}]}
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=concurrency)) as http:
+
         async def one() -> None:
             async with sem:
                 t0 = time.perf_counter()
@@ -86,8 +103,11 @@ async def _load(url: str, concurrency: int, n: int) -> dict[str, float]:
         await asyncio.gather(*(one() for _ in range(n)))
         wall = time.perf_counter() - t0
     lat.sort()
-    return {"requests_per_s": n / wall, "p50_ms": 1000 * statistics.median(lat),
-            "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
+    return {
+        "requests_per_s": n / wall,
+        "p50_ms": 1000 * statistics.median(lat),
+        "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+    }
 
 
 def _in_process(n: int) -> dict[str, float]:
@@ -128,15 +148,20 @@ async def _jobs(args: argparse.Namespace, shared: bool) -> dict[str, float]:
 
     async def job(j: int) -> list[float]:
         server = 0 if shared else j
-        client = RewardClient(procs[server][1] + "/rewards/exact_match", max_batch=8, max_wait_ms=1,
-                              retry=RetryPolicy(retries=5, backoff_base_s=0.01), tenant=f"job{j}")
+        client = RewardClient(
+            procs[server][1] + "/rewards/exact_match",
+            max_batch=8,
+            max_wait_ms=1,
+            retry=RetryPolicy(retries=5, backoff_base_s=0.01),
+            tenant=f"job{j}",
+        )
         rollout_devices = args.devices - (0 if shared else args.reward_devices)
         step_rollout = args.work / rollout_devices
         times = []
         for _ in range(args.steps):
             t0 = time.monotonic()
             pending = []
-            for i in range(args.batch):  # trajectories finish evenly over the rollout
+            for _ in range(args.batch):  # trajectories finish evenly over the rollout
                 await asyncio.sleep(step_rollout / args.batch * scale)
                 pending.append(asyncio.ensure_future(reward(server, client)))
             await asyncio.gather(*pending)
@@ -152,8 +177,11 @@ async def _jobs(args: argparse.Namespace, shared: bool) -> dict[str, float]:
             proc.wait()
     wall = time.monotonic() - t_start
     provisioned = n_servers * devices_per_server * wall
-    return {"rollout_s": statistics.mean(t for times in per_job for t in times),
-            "reward_utilisation": sum(busy) / provisioned, "reward_devices": n_servers * devices_per_server}
+    return {
+        "rollout_s": statistics.mean(t for times in per_job for t in times),
+        "reward_utilisation": sum(busy) / provisioned,
+        "reward_devices": n_servers * devices_per_server,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,13 +196,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shared = asyncio.run(_jobs(args, shared=True))
     result = {
         "bench": "reward-service",
-        "service": {str(c): v for c, v in service.items()}, "in_process": local,
-        "dedicated": dedicated, "shared": shared,
+        "service": {str(c): v for c, v in service.items()},
+        "in_process": local,
+        "dedicated": dedicated,
+        "shared": shared,
         "rollout_speedup": dedicated["rollout_s"] / shared["rollout_s"],
         "seed_figure": "utilisation 6% -> 88%, rollout 158 s -> 77 s (seed 004 §7.5)",
     }
-    return write_report(args.out, "reward-service", result,
-                        {"dedicated rollout": dedicated["rollout_s"], "shared rollout": shared["rollout_s"]},
-                        "rollout time per step (simulated s)",
-                        f"reward as a service: utilisation {dedicated['reward_utilisation']:.0%} -> "
-                        f"{shared['reward_utilisation']:.0%}")
+    return write_report(
+        args.out,
+        "reward-service",
+        result,
+        {"dedicated rollout": dedicated["rollout_s"], "shared rollout": shared["rollout_s"]},
+        "rollout time per step (simulated s)",
+        f"reward as a service: utilisation {dedicated['reward_utilisation']:.0%} -> {shared['reward_utilisation']:.0%}",
+    )

@@ -68,18 +68,26 @@ def main() -> None:
                 wall[mode].append(time.perf_counter() - t0)
                 cpu[mode].append(time.process_time() - c0)
     report: dict[str, Any] = {
-        "rows": len(batch), "tokens": sum(len(s) for s in batch[C.INPUT_IDS]), "loss": args.loss,
-        "device": str(next(iter(workers.values())).device), "threads": torch.get_num_threads(),
+        "rows": len(batch),
+        "tokens": sum(len(s) for s in batch[C.INPUT_IDS]),
+        "loss": args.loss,
+        "device": str(next(iter(workers.values())).device),
+        "threads": torch.get_num_threads(),
         # CPU seconds of this process: on a shared machine far steadier than wall-clock seconds
         **{f"{mode}_cpu_median_s": statistics.median(v) for mode, v in cpu.items()},
         **{f"{mode}_wall_median_s": statistics.median(v) for mode, v in wall.items()},
-        "cpu_s": cpu, "wall_s": wall,
+        "cpu_s": cpu,
+        "wall_s": wall,
     }
     if len(workers) == 2:
         report["cpu_speedup"] = report["recompute_cpu_median_s"] / report["auto_cpu_median_s"]
-    log.info("train_step median over %d steps: %s", args.steps,
-             ", ".join(f"{m} {report[f'{m}_cpu_median_s']:.3f} s CPU ({report[f'{m}_wall_median_s']:.3f} s wall)"
-                       for m in workers))
+    log.info(
+        "train_step median over %d steps: %s",
+        args.steps,
+        ", ".join(
+            f"{m} {report[f'{m}_cpu_median_s']:.3f} s CPU ({report[f'{m}_wall_median_s']:.3f} s wall)" for m in workers
+        ),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
 

@@ -45,8 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench/weight-sync")
     p.add_argument("--json", action="store_true")
     p.add_argument("--pipeline", action="store_true", help="measure the real pipeline per weight channel")
-    p.add_argument("--hosts", type=int, default=0, choices=(0, 3),
-                   help="--pipeline: 3 runs it on a three-host namespace cluster (root); 0 on a local Ray")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        choices=(0, 3),
+        help="--pipeline: 3 runs it on a three-host namespace cluster (root); 0 on a local Ray",
+    )
     p.add_argument("--modes", default="none,mooncake,ray", help="--pipeline: weight channels, in run order")
     p.add_argument("--warmup", type=int, default=2, help="--pipeline: first steps not counted")
     p.add_argument("--hidden", type=int, default=256, help="--pipeline: tiny model hidden size")
@@ -99,14 +104,16 @@ async def _generate_forever(proxy: Any, stop: asyncio.Event, counter: list[int],
     i = 0
     while not stop.is_set():
         i += 1
-        req = GenerateRequest(request_id=f"{tag}-{i}", prompt_token_ids=[1, 2, 3],
-                              sampling=SamplingParams(max_new_tokens=64))
+        req = GenerateRequest(
+            request_id=f"{tag}-{i}", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=64)
+        )
         out = await proxy.generate(req, "x")
         counter[0] += len(out.output_token_ids)
 
 
-async def _run_mode(mode: str, args: argparse.Namespace, cluster: Any, proxy: Any, trainer: Any,
-                    channel: Any) -> dict[str, Any]:
+async def _run_mode(
+    mode: str, args: argparse.Namespace, cluster: Any, proxy: Any, trainer: Any, channel: Any
+) -> dict[str, Any]:
     stop = asyncio.Event()
     tokens = [0]
     gens = [asyncio.ensure_future(_generate_forever(proxy, stop, tokens, f"{mode}{j}")) for j in range(args.in_flight)]
@@ -139,8 +146,13 @@ async def _run_mode(mode: str, args: argparse.Namespace, cluster: Any, proxy: An
     await asyncio.gather(*gens)
     served = [m["weight_version"] for m in await cluster.metrics()]
     steps, blocked = steps[1:], blocked[1:]
-    return {"step_s": statistics.mean(steps), "steps_s": steps, "trainer_blocked_s": statistics.mean(blocked),
-            "tokens_per_s": tokens[0] / elapsed, "final_versions": served}
+    return {
+        "step_s": statistics.mean(steps),
+        "steps_s": steps,
+        "trainer_blocked_s": statistics.mean(blocked),
+        "tokens_per_s": tokens[0] / elapsed,
+        "final_versions": served,
+    }
 
 
 def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
@@ -154,31 +166,69 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         from rollart.testing import HostSpec, start_hosts
 
         repo = Path(__file__).resolve().parents[1]
-        specs = [HostSpec("head", {"H800": 1}, num_cpus=2), HostSpec("b", {"H800": 1}, num_cpus=2),
-                 HostSpec("c", {"H20": 2}, num_cpus=2)]
+        specs = [
+            HostSpec("head", {"H800": 1}, num_cpus=2),
+            HostSpec("b", {"H800": 1}, num_cpus=2),
+            HostSpec("c", {"H20": 2}, num_cpus=2),
+        ]
         with start_hosts(specs, start_timeout_s=300) as cluster:
             res = cluster.run_driver(
-                ["-m", "rollart.benchmarks.weight_sync_pipeline", "--modes", args.modes, "--steps", str(args.steps),
-                 "--warmup", str(args.warmup), "--hidden", str(args.hidden), "--layers", str(args.layers),
-                 "--out", str(out / "runs")],
-                cwd=repo, env={"PYTHONPATH": str(repo)}, timeout=3600).check()
+                [
+                    "-m",
+                    "rollart.benchmarks.weight_sync_pipeline",
+                    "--modes",
+                    args.modes,
+                    "--steps",
+                    str(args.steps),
+                    "--warmup",
+                    str(args.warmup),
+                    "--hidden",
+                    str(args.hidden),
+                    "--layers",
+                    str(args.layers),
+                    "--out",
+                    str(out / "runs"),
+                ],
+                cwd=repo,
+                env={"PYTHONPATH": str(repo)},
+                timeout=3600,
+            ).check()
             modes = res.result
             where = f"{len(specs)} namespace hosts " + ", ".join(f"{h.name}={h.ip}" for h in cluster.hosts)
     else:
-        modes = run_modes(args.modes.split(","), out / "runs", steps=args.steps, warmup=args.warmup,
-                          hidden=args.hidden, layers=args.layers, local=True)
+        modes = run_modes(
+            args.modes.split(","),
+            out / "runs",
+            steps=args.steps,
+            warmup=args.warmup,
+            hidden=args.hidden,
+            layers=args.layers,
+            local=True,
+        )
     assert isinstance(modes, dict)
     base = modes.get("none", {}).get("step_s")
-    result: dict[str, Any] = {"bench": "weight-sync", "pipeline": True, "where": where, "steps": args.steps,
-                              "warmup": args.warmup, "modes": modes}
+    result: dict[str, Any] = {
+        "bench": "weight-sync",
+        "pipeline": True,
+        "where": where,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "modes": modes,
+    }
     for mode, m in modes.items():
         result[f"{mode}_step_s"] = m["step_s"]
         if base:
             result[f"{mode}_vs_none"] = m["step_s"] / base
     state_mb = next(iter(modes.values()))["state_mb"] if modes else 0.0
     title = ", ".join(f"{k} {v['step_s']:.2f}s" for k, v in modes.items())
-    return write_report(args.out, "weight_sync_pipeline", result, {k: v["step_s"] for k, v in modes.items()},
-                        "step time (s)", f"pipeline weight sync, {state_mb:.0f} MB: {title}")
+    return write_report(
+        args.out,
+        "weight_sync_pipeline",
+        result,
+        {k: v["step_s"] for k, v in modes.items()},
+        "step time (s)",
+        f"pipeline weight sync, {state_mb:.0f} MB: {title}",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,17 +244,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     master = MooncakeMaster().start()
     rm = None
     try:
-        rm, cluster = start_inference({"rollout": {"hardware": "H20", "devices": args.workers}}, {"*": ["H20"]},
-                                      {"decode_base_s": args.decode_step, "decode_per_seq_s": 0.0,
-                                       "prefill_per_token_s": 0.0, "vocab_size": 60}, name="ws_infer")
+        rm, cluster = start_inference(
+            {"rollout": {"hardware": "H20", "devices": args.workers}},
+            {"*": ["H20"]},
+            {"decode_base_s": args.decode_step, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0, "vocab_size": 60},
+            name="ws_infer",
+        )
         proxy = LLMProxy(cluster)
         trainer = _trainer_class().remote(args.model_mb)
         segment = max(64, 3 * args.model_mb)
         channel = MooncakeChannel("weight-sync-bench", master.address, keep=2, segment_mb=segment, timeout_s=300)
 
         async def both() -> dict[str, Any]:
-            return {"blocking": await _run_mode("blocking", args, cluster, proxy, trainer, channel),
-                    "mooncake": await _run_mode("mooncake", args, cluster, proxy, trainer, channel)}
+            return {
+                "blocking": await _run_mode("blocking", args, cluster, proxy, trainer, channel),
+                "mooncake": await _run_mode("mooncake", args, cluster, proxy, trainer, channel),
+            }
 
         modes = asyncio.run(both())
         put_bps = ray.get(trainer.bandwidth.remote(channel, 10_000))
@@ -225,14 +280,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     speedup = b["step_s"] / m["step_s"]
     ideal = (args.train_s + b["trainer_blocked_s"]) / max(args.train_s, m["trainer_blocked_s"])
     result = {
-        "bench": "weight-sync", "model_mb": args.model_mb, "train_s": args.train_s, "workers": args.workers,
-        "blocking_step_s": b["step_s"], "mooncake_step_s": m["step_s"], "speedup": speedup, "ideal": ideal,
-        "blocking_transfer_s": b["trainer_blocked_s"], "mooncake_trainer_blocked_s": m["trainer_blocked_s"],
-        "blocking_tokens_per_s": b["tokens_per_s"], "mooncake_tokens_per_s": m["tokens_per_s"],
-        "mooncake_publish_MBps": put_bps / (1 << 20), "mooncake_fetch_MBps": get_bps / (1 << 20),
-        "ray_put_get_MBps": ray_bps / (1 << 20), "modes": modes, "seed_figure": "1.10-1.16x (seed 004 §7.3)",
+        "bench": "weight-sync",
+        "model_mb": args.model_mb,
+        "train_s": args.train_s,
+        "workers": args.workers,
+        "blocking_step_s": b["step_s"],
+        "mooncake_step_s": m["step_s"],
+        "speedup": speedup,
+        "ideal": ideal,
+        "blocking_transfer_s": b["trainer_blocked_s"],
+        "mooncake_trainer_blocked_s": m["trainer_blocked_s"],
+        "blocking_tokens_per_s": b["tokens_per_s"],
+        "mooncake_tokens_per_s": m["tokens_per_s"],
+        "mooncake_publish_MBps": put_bps / (1 << 20),
+        "mooncake_fetch_MBps": get_bps / (1 << 20),
+        "ray_put_get_MBps": ray_bps / (1 << 20),
+        "modes": modes,
+        "seed_figure": "1.10-1.16x (seed 004 §7.3)",
     }
-    return write_report(args.out, "weight_sync", result,
-                        {"blocking": b["step_s"], "mooncake async": m["step_s"]}, "step time (s)",
-                        f"weight sync, {args.model_mb} MB: {speedup:.2f}x (ideal {ideal:.2f}x)")
-
+    return write_report(
+        args.out,
+        "weight_sync",
+        result,
+        {"blocking": b["step_s"], "mooncake async": m["step_s"]},
+        "step time (s)",
+        f"weight sync, {args.model_mb} MB: {speedup:.2f}x (ideal {ideal:.2f}x)",
+    )

@@ -26,15 +26,23 @@ def bench_config(channel: str, out: Path, *, steps: int, hidden: int, layers: in
 
     raw: dict[str, Any] = {
         "name": f"ws-{channel}",
-        "pools": {"train": {"hardware": "H800", "devices": 1},
-                  "rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 2}]},
+        "pools": {
+            "train": {"hardware": "H800", "devices": 1},
+            "rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 2}],
+        },
         "tags": {"reverse-3": ["H800"], "reverse-2": ["H20"]},
-        "envs": [{"name": "reverse", "groups": 3, "kwargs": {"length": 3}},
-                 {"name": "reverse", "groups": 3, "kwargs": {"length": 2}}],
+        "envs": [
+            {"name": "reverse", "groups": 3, "kwargs": {"length": 3}},
+            {"name": "reverse", "groups": 3, "kwargs": {"length": 2}},
+        ],
         "rollout": {"num_env_groups": 6, "group_size": 4, "batch_groups": 4, "alpha": 1},
-        "sampling": {"temperature": 1.0, "max_new_tokens": 3}, "advantage": "grpo_token",
+        "sampling": {"temperature": 1.0, "max_new_tokens": 3},
+        "advantage": "grpo_token",
         "tiny_model": {"hidden_size": hidden, "num_layers": layers, "intermediate_size": 4 * hidden},
-        "train": {"lr": 0.0005}, "steps": steps, "checkpoint_every": 0, "output_dir": str(out / channel),
+        "train": {"lr": 0.0005},
+        "steps": steps,
+        "checkpoint_every": 0,
+        "output_dir": str(out / channel),
         "cluster": {"metadata_store": str(out / f"{channel}.sqlite")},
         "weights": {"channel": channel, "segment_mb": 512, "timeout_s": 300},
     }
@@ -43,8 +51,9 @@ def bench_config(channel: str, out: Path, *, steps: int, hidden: int, layers: in
     return PipelineConfig.model_validate(raw)
 
 
-def run_mode(channel: str, out: Path, *, steps: int, warmup: int, hidden: int, layers: int,
-             local: bool) -> dict[str, Any]:
+def run_mode(
+    channel: str, out: Path, *, steps: int, warmup: int, hidden: int, layers: int, local: bool
+) -> dict[str, Any]:
     import ray
 
     from rollart.pipelines.agentic import AgenticPipeline
@@ -56,21 +65,25 @@ def run_mode(channel: str, out: Path, *, steps: int, warmup: int, hidden: int, l
         served = [m["weight_version"] for m in pipe.infer.metrics().result()]
         ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         places = ray.get([w._rollart_info.remote() for w in pipe.train.workers + pipe.infer.workers])
-        state_mb = sum(t.numel() * t.element_size() for t in ray.get(
-            pipe.train.workers[0].cpu_state_dict.remote()).values()) / (1 << 20)
+        state_mb = sum(
+            t.numel() * t.element_size() for t in ray.get(pipe.train.workers[0].cpu_state_dict.remote()).values()
+        ) / (1 << 20)
     finally:
         pipe.shutdown()
     measured = history[warmup:]
     steps_s = [h["time"]["step_s"] for h in measured]
     return {
-        "channel": channel, "step_s": statistics.mean(steps_s), "steps_s": steps_s,
+        "channel": channel,
+        "step_s": statistics.mean(steps_s),
+        "steps_s": steps_s,
         "train_s": statistics.mean(h["time"]["train_s"] for h in measured),
         "rollout_wait_s": statistics.mean(h["time"]["rollout_wait_s"] for h in measured),
         "driver_sync_wait_s": statistics.mean(h["time"]["weight_sync_s"] for h in measured),
         "weight_load_s": statistics.mean(h["time"]["weight_load_s"] for h in measured),
         "tokens_per_s": sum(h["tokens"] for h in measured) / max(sum(steps_s), 1e-9),
         "max_staleness": max(h["max_staleness"] for h in history),
-        "final_versions": served, "state_mb": state_mb,
+        "final_versions": served,
+        "state_mb": state_mb,
         "workers": [{"hardware": p["hardware"], "ip": ips.get(p["node_id"], "?")} for p in places],
     }
 
@@ -93,8 +106,9 @@ def _wait_released(timeout_s: float = 180.0) -> None:
     log.warning("hardware still held %.0f s after the previous run", timeout_s)
 
 
-def run_modes(modes: list[str], out: Path, *, steps: int, warmup: int, hidden: int, layers: int,
-              local: bool) -> dict[str, Any]:
+def run_modes(
+    modes: list[str], out: Path, *, steps: int, warmup: int, hidden: int, layers: int, local: bool
+) -> dict[str, Any]:
     results = {}
     for mode in modes:
         _wait_released()
@@ -114,8 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    results = run_modes(args.modes.split(","), Path(args.out), steps=args.steps, warmup=args.warmup,
-                        hidden=args.hidden, layers=args.layers, local=False)
+    results = run_modes(
+        args.modes.split(","),
+        Path(args.out),
+        steps=args.steps,
+        warmup=args.warmup,
+        hidden=args.hidden,
+        layers=args.layers,
+        local=False,
+    )
     print("RESULT " + json.dumps(results), flush=True)
     return 0
 

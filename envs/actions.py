@@ -14,8 +14,20 @@ import re
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
 _WORD = re.compile(r"(?<![a-z])(left|down|right|up|west|south|east|north)(?![a-z])|([←↓→↑])", re.IGNORECASE)
 _LETTER = re.compile(r"(?<![a-z])([ldru])(?![a-z])", re.IGNORECASE)
-_WORD_TO_MOVE = {"left": "L", "down": "D", "right": "R", "up": "U", "west": "L", "south": "D", "east": "R",
-                 "north": "U", "←": "L", "↓": "D", "→": "R", "↑": "U"}
+_WORD_TO_MOVE = {
+    "left": "L",
+    "down": "D",
+    "right": "R",
+    "up": "U",
+    "west": "L",
+    "south": "D",
+    "east": "R",
+    "north": "U",
+    "←": "L",
+    "↓": "D",
+    "→": "R",
+    "↑": "U",
+}
 
 
 def answer_text(text: str) -> str:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -89,8 +90,9 @@ def register_env(name: str) -> Callable[[E], E]:
             raise TypeError(f"register_env({name!r}) needs a TextEnv subclass, got {cls!r}")
         old = _REGISTRY.get(name)
         if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"env name {name!r} is already registered to {old.__module__}.{old.__qualname__}; "
-                             f"pick another name")
+            raise ValueError(
+                f"env name {name!r} is already registered to {old.__module__}.{old.__qualname__}; pick another name"
+            )
         _REGISTRY[name] = cls
         return cls
 
@@ -104,8 +106,8 @@ def registered_envs() -> list[str]:
 
 
 def _load_builtin() -> None:
-    import rollart.envs.frozen_lake  # noqa: F401  (each import registers its env)
-    import rollart.envs.sokoban  # noqa: F401
+    import rollart.envs.frozen_lake
+    import rollart.envs.sokoban
     import rollart.envs.verifiable  # noqa: F401
 
 
@@ -124,8 +126,9 @@ def make_env(spec: EnvSpec | dict[str, Any] | str, **kwargs: Any) -> TextEnv:
     params = {**spec.kwargs, **kwargs}
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     unknown = sorted(set(params) - set(accepted))
-    if unknown and not any(inspect.signature(cls.__init__).parameters[p].kind == inspect.Parameter.VAR_KEYWORD
-                           for p in accepted):
+    if unknown and not any(
+        inspect.signature(cls.__init__).parameters[p].kind == inspect.Parameter.VAR_KEYWORD for p in accepted
+    ):
         raise ValueError(f"env {spec.name!r}: unknown kwargs {unknown}; accepted: {accepted}")
     env = cls(**params)
     if spec.tag is not None:

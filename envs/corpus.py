@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import string
-from typing import Callable
+from collections.abc import Callable
 
 from rollart.envs.addition import AdditionTask
 from rollart.envs.countdown import CountdownTask
@@ -51,9 +51,24 @@ def task_corpus(n: int, seed: int = 0) -> list[str]:
         raise ValueError(f"task_corpus: n must be >= 0, got {n}")
     rng = random.Random(seed)
     lake, sokoban = FrozenLake(size=4), Sokoban(size=6, boxes=2, pulls=4)
-    header = [string.ascii_lowercase, string.ascii_uppercase, string.digits, SYMBOLS,
-              FrozenLake.instructions, Sokoban.instructions, ReverseTask.instructions, AdditionTask.instructions,
-              CountdownTask.instructions, "invalid action; move:", "invalid action; push:"]
+    header = [
+        string.ascii_lowercase,
+        string.ascii_uppercase,
+        string.digits,
+        SYMBOLS,
+        FrozenLake.instructions,
+        Sokoban.instructions,
+        ReverseTask.instructions,
+        AdditionTask.instructions,
+        CountdownTask.instructions,
+        "invalid action; move:",
+        "invalid action; push:",
+    ]
     makers: list[Callable[[random.Random], str]] = [
-        _reverse, _addition, _countdown, lambda r: _grid_episode(lake, r), lambda r: _grid_episode(sokoban, r)]
+        _reverse,
+        _addition,
+        _countdown,
+        lambda r: _grid_episode(lake, r),
+        lambda r: _grid_episode(sokoban, r),
+    ]
     return header + [makers[i % len(makers)](rng) for i in range(n)]

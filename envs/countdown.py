@@ -47,8 +47,10 @@ def evaluate(node: ast.AST, used: list[int]) -> Fraction:
 @register_env("countdown")
 class CountdownTask(VerifiableTask):
     tag: ClassVar[str] = "countdown"
-    instructions: ClassVar[str] = ("Use the numbers before '->', each at most once, with + - * / and parentheses "
-                                   "to make the number after it; answer with the expression, e.g. 3 4 5->12:3*4.")
+    instructions: ClassVar[str] = (
+        "Use the numbers before '->', each at most once, with + - * / and parentheses "
+        "to make the number after it; answer with the expression, e.g. 3 4 5->12:3*4."
+    )
 
     def __init__(self, count: int = 3, max_number: int = 20, with_instructions: bool = False):
         super().__init__(with_instructions)

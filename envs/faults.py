@@ -18,7 +18,8 @@ import inspect
 import random
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rollart.envs.base import EnvError, EnvTimeout, StepResult
 
@@ -95,20 +96,27 @@ class LatencyEnv(_Wrapper):
     of ``env``; negative draws count as 0. ``total_latency`` sums what was waited. Async when ``env`` is
     async or ``clock.sleep`` is a coroutine function (then ``LatencyEnv(...)`` is an :class:`AsyncLatencyEnv`)."""
 
-    def __new__(cls, env: Any = None, *args: Any, clock: Any = None, **kwargs: Any) -> "LatencyEnv":
-        if cls is LatencyEnv and env is not None and (is_async_env(env) or inspect.iscoroutinefunction(getattr(clock, "sleep", None))):
+    def __new__(cls, env: Any = None, *args: Any, clock: Any = None, **kwargs: Any) -> LatencyEnv:
+        if (
+            cls is LatencyEnv
+            and env is not None
+            and (is_async_env(env) or inspect.iscoroutinefunction(getattr(clock, "sleep", None)))
+        ):
             cls = AsyncLatencyEnv
         return super().__new__(cls)
 
-    def __init__(self, env: Any, reset_latency: Latency = _no_latency, step_latency: Latency = _no_latency,
-                 clock: Any = None):
+    def __init__(
+        self, env: Any, reset_latency: Latency = _no_latency, step_latency: Latency = _no_latency, clock: Any = None
+    ):
         super().__init__(env)
         self.reset_latency, self.step_latency = reset_latency, step_latency
         self.clock = clock if clock is not None else RealClock()
         self.total_latency = 0.0
         if is_async_env(env) and not inspect.iscoroutinefunction(self.clock.sleep):
-            raise ValueError("LatencyEnv: an async env needs a clock with an async sleep (e.g. ScaledClock); "
-                             "a blocking sleep would stall the event loop")
+            raise ValueError(
+                "LatencyEnv: an async env needs a clock with an async sleep (e.g. ScaledClock); "
+                "a blocking sleep would stall the event loop"
+            )
 
     def _draw(self, fn: Latency) -> float:
         seconds = max(0.0, float(fn()))
@@ -151,13 +159,21 @@ class FailingEnv(_Wrapper):
     passes, then raises :class:`EnvTimeout`. ``failures`` counts injected faults. Async when ``env`` is
     (then ``FailingEnv(...)`` is an :class:`AsyncFailingEnv`)."""
 
-    def __new__(cls, env: Any = None, *args: Any, **kwargs: Any) -> "FailingEnv":
+    def __new__(cls, env: Any = None, *args: Any, **kwargs: Any) -> FailingEnv:
         if cls is FailingEnv and env is not None and is_async_env(env):
             cls = AsyncFailingEnv
         return super().__new__(cls)
 
-    def __init__(self, env: Any, fail_prob_reset: float = 0.0, fail_prob_step: float = 0.0, hang: bool = False,
-                 *, hang_timeout_s: float | None = None, seed: int = 0):
+    def __init__(
+        self,
+        env: Any,
+        fail_prob_reset: float = 0.0,
+        fail_prob_step: float = 0.0,
+        hang: bool = False,
+        *,
+        hang_timeout_s: float | None = None,
+        seed: int = 0,
+    ):
         super().__init__(env)
         for name, p in (("fail_prob_reset", fail_prob_reset), ("fail_prob_step", fail_prob_step)):
             if not 0.0 <= p <= 1.0:
@@ -228,7 +244,7 @@ class AsyncFailingEnv(FailingEnv):
         self.hung += 1
         try:
             await asyncio.wait_for(event.wait(), self.hang_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             self.hung -= 1

@@ -77,9 +77,17 @@ class FrozenLake(TextEnv):
         "Answer with one move: Left, Down, Right or Up (L, D, R, U)."
     )
 
-    def __init__(self, size: int = 4, hole_prob: float = 0.2, slippery: bool = False, max_steps: int = 8,
-                 max_new_tokens: int = 4, step_penalty: float = 0.0, format_penalty: float = 0.05,
-                 with_instructions: bool = False):
+    def __init__(
+        self,
+        size: int = 4,
+        hole_prob: float = 0.2,
+        slippery: bool = False,
+        max_steps: int = 8,
+        max_new_tokens: int = 4,
+        step_penalty: float = 0.0,
+        format_penalty: float = 0.05,
+        with_instructions: bool = False,
+    ):
         if size < 2:
             raise ValueError(f"frozen_lake: size must be >= 2 (start and goal need two cells), got {size!r}")
         if not 0.0 <= hole_prob < 1.0:
@@ -97,8 +105,10 @@ class FrozenLake(TextEnv):
 
     def render(self) -> str:
         """The grid, one row a line, ``P`` at the player's cell."""
-        return "".join("".join("P" if (r, c) == self.pos else ch for c, ch in enumerate(row)) + "\n"
-                       for r, row in enumerate(self.grid))
+        return "".join(
+            "".join("P" if (r, c) == self.pos else ch for c, ch in enumerate(row)) + "\n"
+            for r, row in enumerate(self.grid)
+        )
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         self.rng = random.Random(seed)
@@ -116,8 +126,13 @@ class FrozenLake(TextEnv):
         a = parse_direction(action)
         if a is None:
             self.done = truncated
-            return (self.render() + "invalid action; move:", -self.format_penalty, False, truncated,
-                    {"valid": False, "steps": self.steps})
+            return (
+                self.render() + "invalid action; move:",
+                -self.format_penalty,
+                False,
+                truncated,
+                {"valid": False, "steps": self.steps},
+            )
         intended = a
         if self.slippery:
             a = self.rng.choice([a, _SIDES[a][0], _SIDES[a][1]])

@@ -60,6 +60,11 @@ class VerifiableTask(TextEnv):
         rows = []
         for i in range(n):
             prompt, truth = self.make(random.Random(seed + i))
-            rows.append({"prompt": self.format_prompt(prompt) if self.with_instructions else prompt,
-                         "ground_truth": truth, "tag": self.tag})
+            rows.append(
+                {
+                    "prompt": self.format_prompt(prompt) if self.with_instructions else prompt,
+                    "ground_truth": truth,
+                    "tag": self.tag,
+                }
+            )
         return rows

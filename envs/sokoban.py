@@ -48,8 +48,9 @@ def push(walls: set[Cell], boxes: frozenset[Cell], player: Cell, a: str) -> tupl
     return boxes, nxt
 
 
-def solve(walls: set[Cell], boxes: frozenset[Cell], targets: frozenset[Cell], player: Cell,
-          limit: int = 200_000) -> list[str] | None:
+def solve(
+    walls: set[Cell], boxes: frozenset[Cell], targets: frozenset[Cell], player: Cell, limit: int = 200_000
+) -> list[str] | None:
     """Shortest move list that puts every box on a target (BFS over (player, boxes)); None when none is
     found within ``limit`` visited states."""
     start = (player, boxes)
@@ -94,14 +95,27 @@ class Sokoban(TextEnv):
         "floor. Boxes can only be pushed. Answer with one move: Up, Down, Left or Right (U, D, L, R)."
     )
 
-    def __init__(self, size: int = 6, boxes: int = 1, pulls: int = 8, wall_prob: float = 0.0, max_steps: int = 10,
-                 max_new_tokens: int = 4, box_reward: float = 0.5, success_reward: float = 1.0,
-                 step_penalty: float = 0.01, format_penalty: float = 0.05, max_solution_steps: int | None = None,
-                 with_instructions: bool = False):
+    def __init__(
+        self,
+        size: int = 6,
+        boxes: int = 1,
+        pulls: int = 8,
+        wall_prob: float = 0.0,
+        max_steps: int = 10,
+        max_new_tokens: int = 4,
+        box_reward: float = 0.5,
+        success_reward: float = 1.0,
+        step_penalty: float = 0.01,
+        format_penalty: float = 0.05,
+        max_solution_steps: int | None = None,
+        with_instructions: bool = False,
+    ):
         check_positive("sokoban", boxes=boxes, pulls=pulls, max_steps=max_steps, max_new_tokens=max_new_tokens)
         if (size - 2) ** 2 < boxes + 2:
-            raise ValueError(f"sokoban: size={size} leaves {(max(size - 2, 0)) ** 2} inner cells, too few for "
-                             f"boxes={boxes}; use size >= {next(s for s in range(3, 99) if (s - 2) ** 2 >= boxes + 2)}")
+            raise ValueError(
+                f"sokoban: size={size} leaves {(max(size - 2, 0)) ** 2} inner cells, too few for "
+                f"boxes={boxes}; use size >= {next(s for s in range(3, 99) if (s - 2) ** 2 >= boxes + 2)}"
+            )
         if not 0.0 <= wall_prob < 0.5:
             raise ValueError(f"sokoban: wall_prob must be in [0, 0.5), got {wall_prob!r}")
         if max_solution_steps is not None:
@@ -130,8 +144,9 @@ class Sokoban(TextEnv):
                     walls.add(cell)
         return walls, [p for p in inner if p not in walls]
 
-    def _reverse_play(self, rng: random.Random) -> tuple[set[Cell], frozenset[Cell], frozenset[Cell], Cell,
-                                                          list[str]] | None:
+    def _reverse_play(
+        self, rng: random.Random
+    ) -> tuple[set[Cell], frozenset[Cell], frozenset[Cell], Cell, list[str]] | None:
         """One reverse-play attempt: (walls, targets, boxes, player, forward solution) or None."""
         walls, free = self._room(rng)
         targets = frozenset(rng.sample(free, self.n_boxes))
@@ -197,15 +212,20 @@ class Sokoban(TextEnv):
                 continue
             break
         else:
-            raise ValueError(f"sokoban: no level found in {_MAX_ATTEMPTS} tries (size={self.size}, "
-                             f"boxes={self.n_boxes}, pulls={self.pulls}, max_solution_steps="
-                             f"{self.max_solution_steps}); raise max_solution_steps or pulls, or lower boxes")
+            raise ValueError(
+                f"sokoban: no level found in {_MAX_ATTEMPTS} tries (size={self.size}, "
+                f"boxes={self.n_boxes}, pulls={self.pulls}, max_solution_steps="
+                f"{self.max_solution_steps}); raise max_solution_steps or pulls, or lower boxes"
+            )
         self.walls, self.targets, self.boxes, self.player = walls, targets, boxes, player
         self.steps, self.done = 0, False
         obs = self.render() + "push:"
         return (self.format_prompt(obs) if self.with_instructions else obs), {
-            "solution": solution, "reverse_solution": reverse_solution,
-            "boxes": sorted(boxes), "targets": sorted(targets)}
+            "solution": solution,
+            "reverse_solution": reverse_solution,
+            "boxes": sorted(boxes),
+            "targets": sorted(targets),
+        }
 
     def step(self, action: str) -> StepResult:
         if self.done:
@@ -215,8 +235,13 @@ class Sokoban(TextEnv):
         a = parse_direction(action)
         if a is None:
             self.done = truncated
-            return (self.render() + "invalid action; push:", -self.format_penalty, False, truncated,
-                    {"valid": False, "steps": self.steps})
+            return (
+                self.render() + "invalid action; push:",
+                -self.format_penalty,
+                False,
+                truncated,
+                {"valid": False, "steps": self.steps},
+            )
         before = len(self.boxes & self.targets)
         moved = push(self.walls, self.boxes, self.player, a)
         if moved is not None:
@@ -225,6 +250,12 @@ class Sokoban(TextEnv):
         success = self.boxes <= self.targets
         reward = -self.step_penalty + self.box_reward * (on_target - before) + (self.success_reward if success else 0.0)
         self.done = success or truncated
-        info = {"valid": True, "action": a, "moved": moved is not None, "boxes_on_target": on_target,
-                "success": success, "steps": self.steps}
+        info = {
+            "valid": True,
+            "action": a,
+            "moved": moved is not None,
+            "boxes_on_target": on_target,
+            "success": success,
+            "steps": self.steps,
+        }
         return self.render() + ("" if success else "push:"), reward, success, truncated and not success, info

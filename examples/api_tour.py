@@ -20,11 +20,11 @@ REWARD_URL = sys.argv[1] if len(sys.argv) > 1 else None
 
 
 class ActorTrain(ra.Worker):
-    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)      # split the batch across ranks, concatenate results
+    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)  # split the batch across ranks, concatenate results
     def train_step(self, batch: ra.Batch) -> dict:
         return {"rank": self.rank, "rows": len(batch), "loss": float(batch["x"].float().mean())}
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)    # "execute_all": same args to every rank, list back
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)  # "execute_all": same args to every rank, list back
     def save_checkpoint(self, path: str) -> None:
         self.logger.info("would save to %s", path)
 
@@ -34,8 +34,13 @@ class ActorInfer(ra.Worker):
     @ra.hw_mapping({"FrozenLake": ["H800", "H20"], "*": ["H20", "H800"]})
     async def generate(self, request: ra.GenerateRequest, tag_name: str) -> ra.GenerateOutput:
         tokens = list(reversed(request.prompt_token_ids))[: request.sampling.max_new_tokens]
-        return ra.GenerateOutput(request_id=request.request_id, output_token_ids=tokens,
-                                 finish_reason="stop", hardware=self.hardware, rank=self.rank)
+        return ra.GenerateOutput(
+            request_id=request.request_id,
+            output_token_ids=tokens,
+            finish_reason="stop",
+            hardware=self.hardware,
+            rank=self.rank,
+        )
 
 
 def reward_class(url: str) -> type:
@@ -49,7 +54,7 @@ def reward_class(url: str) -> type:
 
 def start_local_reward_server() -> str:
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             scores = [float(t["response"] == t["ground_truth"]) for t in body["trajectories"]]
             data = json.dumps({"result": scores}).encode()
@@ -69,22 +74,24 @@ def start_local_reward_server() -> str:
 
 async def main() -> dict:
     url = REWARD_URL or start_local_reward_server()
-    rm = ra.ResourceManager({                      # the same dict is what a YAML config holds
-        "train":   {"hardware": "H800", "devices": 2},
-        "rollout": [{"hardware": "H800", "devices": 2}, {"hardware": "H20", "devices": 4}],
-        "env":     {"hardware": "CPU", "cpus": 2},
-    })
+    rm = ra.ResourceManager(
+        {  # the same dict is what a YAML config holds
+            "train": {"hardware": "H800", "devices": 2},
+            "rollout": [{"hardware": "H800", "devices": 2}, {"hardware": "H20", "devices": 4}],
+            "env": {"hardware": "CPU", "cpus": 2},
+        }
+    )
     train = ra.Cluster("actor_train", ActorTrain, rm, pool="train")
     infer = ra.Cluster("actor_infer", ActorInfer, rm, pool="rollout", devices_per_worker=1)
     reward = ra.Cluster("reward", reward_class(url), rm, pool=None)  # serverless methods need no pool
 
     batch = ra.Batch({"x": torch.arange(5)})
-    metrics = train.train_step(batch)                        # dispatched, executed on all ranks, collected
+    metrics = train.train_step(batch)  # dispatched, executed on all ranks, collected
     req = ra.GenerateRequest(request_id="r0", prompt_token_ids=[1, 2, 3])
     out = await infer.generate(req, tag_name="FrozenLake")  # an H800 worker; H20 only if no H800 is alive
-    other = await infer.generate(req, tag_name="Sokoban")   # every other tag prefers H20
+    other = await infer.generate(req, tag_name="Sokoban")  # every other tag prefers H20
     trajs = [{"response": "cba", "ground_truth": "cba"}, {"response": "abc", "ground_truth": "cba"}]
-    scores = reward.compute_rewards(trajs)                   # HTTP POST, retried, never silently zero
+    scores = reward.compute_rewards(trajs)  # HTTP POST, retried, never silently zero
     train.save_checkpoint("/tmp/ckpt")
     return {"metrics": metrics, "frozenlake_on": out.hardware, "sokoban_on": other.hardware, "scores": scores}
 

@@ -39,8 +39,8 @@ from rollart.rollout.sample_buffer import Group
 from rollart.rollout.scheduler import RolloutScheduler
 from rollart.training import columns as C
 from rollart.training.data import add_advantages, trajectories_to_batch
-from rollart.training.strategies import train_worker_class
 from rollart.training.placement import start_data_parallel
+from rollart.training.strategies import train_worker_class
 from rollart.weights.base import WeightChannel
 
 log = logging.getLogger(__name__)
@@ -52,13 +52,17 @@ def batch_statistics(batch: Any, trajs: list) -> dict[str, Any]:
     credit at each action position (for reverse: the accuracy of each answer character)."""
     import torch
 
-    adv = torch.tensor([a for row, mask in zip(batch["advantages"], batch["loss_mask"])
-                        for a, m in zip(row, mask) if m], dtype=torch.float64)
-    out: dict[str, Any] = {"advantage": {
-        "mean": float(adv.mean()) if adv.numel() else 0.0,
-        "std": float(adv.std(unbiased=False)) if adv.numel() else 0.0,
-        "frac_zero": float((adv == 0).double().mean()) if adv.numel() else 0.0,
-    }}
+    adv = torch.tensor(
+        [a for row, mask in zip(batch["advantages"], batch["loss_mask"]) for a, m in zip(row, mask) if m],
+        dtype=torch.float64,
+    )
+    out: dict[str, Any] = {
+        "advantage": {
+            "mean": float(adv.mean()) if adv.numel() else 0.0,
+            "std": float(adv.std(unbiased=False)) if adv.numel() else 0.0,
+            "frac_zero": float((adv == 0).double().mean()) if adv.numel() else 0.0,
+        }
+    }
     sums: dict[str, list[float]] = defaultdict(list)
     counts: dict[str, list[int]] = defaultdict(list)
     for t in trajs:
@@ -90,8 +94,10 @@ def _dead_by_position(trajs: list) -> dict[str, list[float]]:
     seen: dict[str, list[int]] = defaultdict(list)
     for members in groups.values():
         tag = members[0].tag
-        credits = [[t.token_rewards[i] if i < len(t.token_rewards) else 0.0 for i, m in enumerate(t.loss_mask) if m]
-                   for t in members]
+        credits = [
+            [t.token_rewards[i] if i < len(t.token_rewards) else 0.0 for i, m in enumerate(t.loss_mask) if m]
+            for t in members
+        ]
         for k in range(max(len(c) for c in credits)):
             d, s = dead[tag], seen[tag]
             if k == len(s):
@@ -118,24 +124,46 @@ class AgenticPipeline:
 
             model_path = str(default_tiny_path(**config.tiny_model))
         self.model_path = model_path
-        self.rm = ra.ResourceManager(config.pools, job_id=config.cluster.job_id, store=config.cluster.metadata_store,
-                                     local_resources=config.cluster.local_resources)
+        self.rm = ra.ResourceManager(
+            config.pools,
+            job_id=config.cluster.job_id,
+            store=config.cluster.metadata_store,
+            local_resources=config.cluster.local_resources,
+        )
         pool_hw = [g.hardware for g in self.rm.specs[config.rollout_pool].groups]
         tags = {k: (v or pool_hw) for k, v in config.tags.items()}
         engine = config.engine.model_copy(update={"model": config.engine.model or model_path})
-        self.infer = ra.Cluster("actor_infer", inference_worker_class(tags), self.rm, pool=config.rollout_pool,
-                                worker_kwargs={"engine": engine.model_dump()})
+        self.infer = ra.Cluster(
+            "actor_infer",
+            inference_worker_class(tags),
+            self.rm,
+            pool=config.rollout_pool,
+            worker_kwargs={"engine": engine.model_dump()},
+        )
         train_cfg = config.train.model_copy(update={"model": config.train.model or model_path})
-        self.train = ra.Cluster("actor_train", train_worker_class(train_cfg.strategy), self.rm, pool=config.train_pool,
-                                worker_kwargs={"config": train_cfg.model_dump()})
+        self.train = ra.Cluster(
+            "actor_train",
+            train_worker_class(train_cfg.strategy),
+            self.rm,
+            pool=config.train_pool,
+            worker_kwargs={"config": train_cfg.model_dump()},
+        )
         start_data_parallel(self.train)
         self.ref = None
         if config.train.kl_coef > 0:  # the frozen initial policy, colocated with the trainer ranks
             from rollart.training.reference import ReferenceWorker
 
-            self.ref = ra.Cluster("reference", ReferenceWorker, self.rm, pool=config.train_pool, colocate_with=self.train,
-                                  worker_kwargs={"model": train_cfg.model,
-                                                 "max_tokens_per_microbatch": train_cfg.max_tokens_per_microbatch})
+            self.ref = ra.Cluster(
+                "reference",
+                ReferenceWorker,
+                self.rm,
+                pool=config.train_pool,
+                colocate_with=self.train,
+                worker_kwargs={
+                    "model": train_cfg.model,
+                    "max_tokens_per_microbatch": train_cfg.max_tokens_per_microbatch,
+                },
+            )
         self.baseline = None
         if config.advantage == "running_mean":  # critic-free single-rollout baseline, kept across steps
             from rollart.algorithms import RunningMeanBaseline
@@ -147,8 +175,14 @@ class AgenticPipeline:
 
             assert config.critic is not None
             critic_cfg = config.critic.model_copy(update={"model": config.critic.model or model_path})
-            self.critic = ra.Cluster("critic", CriticWorker, self.rm, pool=config.train_pool, colocate_with=self.train,
-                                     worker_kwargs={"config": critic_cfg.model_dump()})
+            self.critic = ra.Cluster(
+                "critic",
+                CriticWorker,
+                self.rm,
+                pool=config.train_pool,
+                colocate_with=self.train,
+                worker_kwargs={"config": critic_cfg.model_dump()},
+            )
             start_data_parallel(self.critic)
         self.proxy = LLMProxy(self.infer)
         codec = HFCodec(AutoTokenizer.from_pretrained(model_path))
@@ -159,22 +193,47 @@ class AgenticPipeline:
             from rollart.reward.client import RewardClient
 
             rc = config.reward
-            self.reward_client = RewardClient(rc.url, retry=RetryPolicy(retries=rc.retries), timeout_s=rc.timeout_s,
-                                              token_env=rc.token_env, tenant=self.rm.job_id, on_failure=rc.on_failure)
+            self.reward_client = RewardClient(
+                rc.url,
+                retry=RetryPolicy(retries=rc.retries),
+                timeout_s=rc.timeout_s,
+                token_env=rc.token_env,
+                tenant=self.rm.job_id,
+                on_failure=rc.on_failure,
+            )
             reward_fn = self._service_reward(codec)
         groups: list[list[EnvManager]] = []
         for entry in config.envs:
-            spec = EnvSpec(name=entry.name, tag=entry.tag, max_steps=entry.max_steps,
-                           max_new_tokens=entry.max_new_tokens, kwargs=entry.kwargs)
+            spec = EnvSpec(
+                name=entry.name,
+                tag=entry.tag,
+                max_steps=entry.max_steps,
+                max_new_tokens=entry.max_new_tokens,
+                kwargs=entry.kwargs,
+            )
             for _ in range(entry.groups):
-                groups.append([EnvManager(make_env(spec), self.proxy, codec, sampling=config.sampling,
-                                          config=config.env_manager, version_fn=lambda: self.scheduler.version,
-                                          reward_fn=reward_fn)
-                               for _ in range(config.rollout.group_size)])
+                groups.append(
+                    [
+                        EnvManager(
+                            make_env(spec),
+                            self.proxy,
+                            codec,
+                            sampling=config.sampling,
+                            config=config.env_manager,
+                            version_fn=lambda: self.scheduler.version,
+                            reward_fn=reward_fn,
+                        )
+                        for _ in range(config.rollout.group_size)
+                    ]
+                )
         rollout_cfg = config.rollout
         if config.reward is not None:
-            rollout_cfg = rollout_cfg.model_copy(update={"requeue_reward_failures": config.reward.on_failure == "requeue"})
-        self.scheduler = RolloutScheduler(groups, rollout_cfg, seed_fn=lambda g, r: config.seed * 7919 + g * 100_003 + r)
+            rollout_cfg = rollout_cfg.model_copy(
+                update={"requeue_reward_failures": config.reward.on_failure == "requeue"}
+            )
+        self.scheduler = RolloutScheduler(
+            groups, rollout_cfg, seed_fn=lambda g, r: config.seed * 7919 + g * 100_003 + r
+        )
         self.controller = AsyncController(self.scheduler, self.proxy)
         self.mooncake_master: Any = None
         self.channel: WeightChannel | None = self._weight_channel()
@@ -205,14 +264,23 @@ class AgenticPipeline:
             if master is None:  # on the head host (the driver's), reachable by every host
                 self.mooncake_master = MooncakeMaster(host=node_ip(), log_dir=self.out_dir).start()
                 master = self.mooncake_master.address
-            channel = MooncakeChannel(name, master, keep=wc.keep, chunk_mb=wc.chunk_mb, segment_mb=wc.segment_mb,
-                                      timeout_s=wc.timeout_s, protocol=wc.protocol, rdma_devices=wc.rdma_devices)
+            channel = MooncakeChannel(
+                name,
+                master,
+                keep=wc.keep,
+                chunk_mb=wc.chunk_mb,
+                segment_mb=wc.segment_mb,
+                timeout_s=wc.timeout_s,
+                protocol=wc.protocol,
+                rdma_devices=wc.rdma_devices,
+            )
             return HostSharedChannel(channel, keep=wc.keep) if wc.host_shared else channel
         if wc.channel == "dist":
             from rollart.weights.dist_channel import TorchBroadcastChannel
 
-            return TorchBroadcastChannel(name, num_receivers=len(self.infer.workers),
-                                         bucket_bytes=wc.bucket_mb << 20, timeout_s=wc.timeout_s)
+            return TorchBroadcastChannel(
+                name, num_receivers=len(self.infer.workers), bucket_bytes=wc.bucket_mb << 20, timeout_s=wc.timeout_s
+            )
         return None
 
     async def _make_batch(self, groups: list) -> tuple[Any, Any]:
@@ -270,15 +338,20 @@ class AgenticPipeline:
     def _service_reward(self, codec: HFCodec) -> Any:
         """Score a finished trajectory with the reward service: its first prompt, its last answer and
         the env's ground truth. A failure raises (the trajectory becomes ``reward_failed``)."""
+
         async def reward(traj: Any) -> float:
             assert self.reward_client is not None
             steps = traj.info.get("steps") or [{}]
-            return await self.reward_client.score({
-                "prompt": codec.decode(traj.token_ids[: traj.prompt_length]),
-                "response": steps[-1].get("response", codec.decode(traj.token_ids[traj.turns[-1][0]:traj.turns[-1][1]])),
-                "ground_truth": traj.info.get("reset", {}).get("ground_truth"),
-                "tag": traj.tag,
-            })
+            return await self.reward_client.score(
+                {
+                    "prompt": codec.decode(traj.token_ids[: traj.prompt_length]),
+                    "response": steps[-1].get(
+                        "response", codec.decode(traj.token_ids[traj.turns[-1][0] : traj.turns[-1][1]])
+                    ),
+                    "ground_truth": traj.info.get("reset", {}).get("ground_truth"),
+                    "tag": traj.tag,
+                }
+            )
 
         return reward
 
@@ -302,17 +375,23 @@ class AgenticPipeline:
         self.consumed_before = extra.get("consumed", [])
         if self.baseline is not None:
             if "running_mean" not in extra:
-                raise ValueError(f"--resume: {self.checkpoint_path} holds no running-mean baseline (it was written "
-                                 "with another advantage); resume with the advantage it was trained with")
+                raise ValueError(
+                    f"--resume: {self.checkpoint_path} holds no running-mean baseline (it was written "
+                    "with another advantage); resume with the advantage it was trained with"
+                )
             self.baseline.load_state_dict(extra["running_mean"])
         if self.critic is not None:
             if not self.critic_checkpoint_path.exists():
-                raise FileNotFoundError(f"--resume with advantage: gae: no critic checkpoint at "
-                                        f"{self.critic_checkpoint_path}; the run was not trained with a critic")
+                raise FileNotFoundError(
+                    f"--resume with advantage: gae: no critic checkpoint at "
+                    f"{self.critic_checkpoint_path}; the run was not trained with a critic"
+                )
             critic_state = self.critic.load_checkpoint(str(self.critic_checkpoint_path))[0]
             if critic_state["step"] != int(extra["step"]):
-                raise ValueError(f"--resume: the critic checkpoint is from step {critic_state['step']}, the actor's "
-                                 f"from step {extra['step']}; they must come from the same save")
+                raise ValueError(
+                    f"--resume: the critic checkpoint is from step {critic_state['step']}, the actor's "
+                    f"from step {extra['step']}; they must come from the same save"
+                )
         version = asyncio.run(self._push_resumed_weights())
         log.info("resumed from %s at step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
 
@@ -333,8 +412,7 @@ class AgenticPipeline:
                 stale_before = Counter(self.scheduler.staleness)
                 groups = await self.controller.get_batch(self.train_version)
                 # the order groups finished in depends on timing; a fixed order keeps a seeded run repeatable
-                groups = sorted((Group(sorted(g, key=lambda t: t.traj_id), g.gid) for g in groups),
-                                key=lambda g: g.gid)
+                groups = sorted((Group(sorted(g, key=lambda t: t.traj_id), g.gid) for g in groups), key=lambda g: g.gid)
                 t_rollout = time.monotonic() - t0
                 staleness = Counter(self.scheduler.staleness) - stale_before
                 t1 = time.monotonic()
@@ -349,8 +427,9 @@ class AgenticPipeline:
                 version, t_sync = await self._sync_weights()
                 trajs = [t for g in groups for t in g]
                 consumed += [t.traj_id for t in trajs]
-                record = self._record(step, version, trajs, train_metrics, t_rollout, t_train,
-                                      t_sync, time.monotonic() - t0, staleness)
+                record = self._record(
+                    step, version, trajs, train_metrics, t_rollout, t_train, t_sync, time.monotonic() - t0, staleness
+                )
                 record.update(batch_statistics(batch, trajs))
                 history.append(record)
                 with self.metrics_path.open("a") as f:
@@ -376,8 +455,18 @@ class AgenticPipeline:
             await self.controller.stop()
         return history
 
-    def _record(self, step: int, version: int, trajs: list, train_metrics: dict, t_rollout: float, t_train: float,
-                t_sync: float, t_step: float, staleness: Counter) -> dict[str, Any]:
+    def _record(
+        self,
+        step: int,
+        version: int,
+        trajs: list,
+        train_metrics: dict,
+        t_rollout: float,
+        t_train: float,
+        t_sync: float,
+        t_step: float,
+        staleness: Counter,
+    ) -> dict[str, Any]:
         by_tag: dict[str, list[float]] = defaultdict(list)
         hw_by_tag: dict[str, Counter] = defaultdict(Counter)
         for t in trajs:
@@ -388,16 +477,23 @@ class AgenticPipeline:
         counts = self.scheduler.counts
         rewards = [float(t.reward) for t in trajs]
         return {
-            "step": step, "version": version,
+            "step": step,
+            "version": version,
             "groups": sorted({t.group_id for t in trajs}),
             "reward_mean": sum(rewards) / len(rewards),
             "reward_by_tag": {k: sum(v) / len(v) for k, v in by_tag.items()},
             "hardware_by_tag": {k: dict(v) for k, v in hw_by_tag.items()},
-            "time": {"step_s": t_step, "rollout_wait_s": t_rollout, "train_s": t_train, "weight_sync_s": t_sync,
-                     "weight_load_s": self.controller.timings["weight_sync_s"]},
+            "time": {
+                "step_s": t_step,
+                "rollout_wait_s": t_rollout,
+                "train_s": t_train,
+                "weight_sync_s": t_sync,
+                "weight_load_s": self.controller.timings["weight_sync_s"],
+            },
             "staleness": {str(k): v for k, v in sorted(staleness.items())},
             "max_staleness": max((int(k) for k in staleness), default=0),
-            "tokens": tokens, "tokens_per_s": tokens / max(t_step, 1e-9),
+            "tokens": tokens,
+            "tokens_per_s": tokens / max(t_step, 1e-9),
             "trajectories_aborted": counts.get("trajectories_aborted", 0),
             "trajectories_failed": counts.get("trajectories_failed", 0),
             "trajectories_reward_failed": counts.get("trajectories_reward_failed", 0),
@@ -417,8 +513,10 @@ class AgenticPipeline:
         try:
             import matplotlib
         except ImportError:
-            log.info("metrics.png skipped: matplotlib is not installed (pip install 'rollart[plot]'); "
-                     "the metrics are in %s", self.metrics_path)
+            log.info(
+                "metrics.png skipped: matplotlib is not installed (pip install 'rollart[plot]'); the metrics are in %s",
+                self.metrics_path,
+            )
             return None
 
         matplotlib.use("Agg")

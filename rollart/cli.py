@@ -12,7 +12,8 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import rollart
 
@@ -94,8 +95,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     for title, rows, cols in (
         ("jobs", state["jobs"], ["job_id", "driver_pid", "driver_alive", "ray_address", "ended_at"]),
         ("pools", state["pools"], ["job_id", "pool", "group_index", "hardware", "devices", "cpus", "state"]),
-        ("workers", state["bindings"], ["job_id", "cluster", "rank", "pool", "hardware", "node_ip", "node_id",
-                                        "device_ids", "state"]),
+        (
+            "workers",
+            state["bindings"],
+            ["job_id", "cluster", "rank", "pool", "hardware", "node_ip", "node_id", "device_ids", "state"],
+        ),
         ("endpoints", state["endpoints"], ["job_id", "cluster", "method", "url", "timeout_s", "retries"]),
     ):
         table = Table(title=title)
@@ -187,11 +191,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     status = sub.add_parser("status", help="pools, workers and endpoints from the metadata store")
-    status.add_argument("--store", default=None, help="metadata store file (default $ROLLART_METADATA_DB or ~/.rollart/metadata.sqlite)")
+    status.add_argument(
+        "--store", default=None, help="metadata store file (default $ROLLART_METADATA_DB or ~/.rollart/metadata.sqlite)"
+    )
     status.add_argument("--job", default=None, help="only this job id")
     status.add_argument("--json", action="store_true", help="print JSON")
-    status.add_argument("--local", action="store_true",
-                        help="read the local metadata store even when RAY_ADDRESS names a cluster")
+    status.add_argument(
+        "--local", action="store_true", help="read the local metadata store even when RAY_ADDRESS names a cluster"
+    )
     status.set_defaults(func=cmd_status)
 
     for module, attr in (("rollart.pipeline_cli", "add_run_parser"), ("rollart.reward.cli", "add_serve_parser")):

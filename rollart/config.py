@@ -84,10 +84,12 @@ class WeightsConfig(BaseModel):
     timeout_s: float = Field(default=120.0, gt=0)
 
     @model_validator(mode="after")
-    def _check(self) -> "WeightsConfig":
+    def _check(self) -> WeightsConfig:
         if self.protocol == "rdma" and not self.rdma_devices:
-            raise ValueError("weights.rdma_devices: protocol rdma needs the RDMA device names of every host, "
-                             "e.g. rdma_devices: [mlx5_0, mlx5_1] (list them with `ibv_devices`), or use protocol: tcp")
+            raise ValueError(
+                "weights.rdma_devices: protocol rdma needs the RDMA device names of every host, "
+                "e.g. rdma_devices: [mlx5_0, mlx5_1] (list them with `ibv_devices`), or use protocol: tcp"
+            )
         if self.protocol == "rdma" and self.channel != "mooncake":
             raise ValueError(f"weights.protocol: rdma applies to channel mooncake only (channel is {self.channel!r})")
         return self
@@ -121,18 +123,20 @@ class PipelineConfig(BaseModel):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _check(self) -> "PipelineConfig":
+    def _check(self) -> PipelineConfig:
         parse_pools(self.pools)
         for field_name in ("train_pool", "rollout_pool"):
             pool = getattr(self, field_name)
             if pool not in self.pools:
                 raise ValueError(f"{field_name}={pool!r} is not one of pools {sorted(self.pools)}")
         if self.advantage == "gae" and self.critic is None:
-            raise ValueError("advantage=gae needs a critic: add `critic: {epochs: 2}` or `critic: {preset: sao}` "
-                             "(see CriticConfig)")
+            raise ValueError(
+                "advantage=gae needs a critic: add `critic: {epochs: 2}` or `critic: {preset: sao}` (see CriticConfig)"
+            )
         if self.critic is not None and self.advantage != "gae":
-            raise ValueError(f"critic: is set but advantage={self.advantage!r} never uses it; set advantage: gae "
-                             "or remove critic:")
+            raise ValueError(
+                f"critic: is set but advantage={self.advantage!r} never uses it; set advantage: gae or remove critic:"
+            )
         total = sum(e.groups for e in self.envs)
         if total != self.rollout.num_env_groups:
             raise ValueError(

@@ -24,8 +24,8 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rollart.pipelines.agentic import AgenticPipeline
     from rollart.config import ConfigError, load_config
+    from rollart.pipelines.agentic import AgenticPipeline
 
     try:
         cfg = load_config(args.config, _parse_sets(args.set))
@@ -38,9 +38,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         pipe.shutdown()
     last = history[-1] if history else {}
-    summary = {"steps": len(history), "final_reward": last.get("reward_mean"),
-               "first_reward": history[0]["reward_mean"] if history else None,
-               "metrics": str(pipe.metrics_path), "plot": str(pipe.plot_path) if pipe.plot_path else None}
+    summary = {
+        "steps": len(history),
+        "final_reward": last.get("reward_mean"),
+        "first_reward": history[0]["reward_mean"] if history else None,
+        "metrics": str(pipe.metrics_path),
+        "plot": str(pipe.plot_path) if pipe.plot_path else None,
+    }
     log.info("done: %s", json.dumps(summary))
     if args.json:
         sys.stdout.write(json.dumps(summary) + "\n")

@@ -33,8 +33,9 @@ def process_id(trajectory: dict[str, Any]) -> float:
     return float(os.getpid())
 
 
-def start_reward_server(args: list[str], port: int, env: dict[str, str] | None = None,
-                        deadline_s: float = 60.0) -> subprocess.Popen:
+def start_reward_server(
+    args: list[str], port: int, env: dict[str, str] | None = None, deadline_s: float = 60.0
+) -> subprocess.Popen:
     """``rollart serve rewards ARGS --port PORT`` in its own session; returns once ``/healthz`` answers."""
     import sys
     import time
@@ -42,8 +43,14 @@ def start_reward_server(args: list[str], port: int, env: dict[str, str] | None =
     import httpx
 
     cmd = [sys.executable, "-m", "rollart.cli", "serve", "rewards", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         try:
@@ -75,7 +82,7 @@ class ThreadServer:
     def url(self, path: str = "") -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def __enter__(self) -> "ThreadServer":
+    def __enter__(self) -> ThreadServer:
         self.thread.start()
         import time
 

@@ -78,5 +78,4 @@ def simulated_cluster(rm, pool: str, mapping=None, **engine_options):
     cls = inference_worker_class(mapping or {"*": ["H20", "H800"]})
     options = {"decode_base_s": 0.001, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0, "vocab_size": 50}
     options.update(engine_options)
-    return ra.Cluster("infer", cls, rm, pool=pool,
-                      worker_kwargs={"engine": {"kind": "simulated", "options": options}})
+    return ra.Cluster("infer", cls, rm, pool=pool, worker_kwargs={"engine": {"kind": "simulated", "options": options}})

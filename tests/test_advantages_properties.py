@@ -17,7 +17,8 @@ group_sizes = st.integers(min_value=1, max_value=32)
 # rewards on a 0.05 grid: a group that is not tied has a spread of at least 0.05, so the eps in
 # ``std + eps`` moves an advantage by at most ~1e-3 under the scalings below
 grid_rewards = st.lists(st.integers(min_value=0, max_value=20), min_size=2, max_size=32).map(
-    lambda xs: [x * 0.05 for x in xs])
+    lambda xs: [x * 0.05 for x in xs]
+)
 NEAR_TIE = [0.23446236, 0.23033303]
 NEAR_TIE_ADV = 0.99951590  # d / (d + 1e-6), d = (r0 - r1) / 2
 
@@ -28,8 +29,15 @@ def one_group(rewards: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def traj(i: int, credit: list[float]) -> Trajectory:
     n = len(credit)
-    return Trajectory(traj_id=str(i), group_id="0:0", tag="t", token_ids=[1] * (2 + n), loss_mask=[0, 0] + [1] * n,
-                      reward=sum(credit), token_rewards=[0.0, 0.0] + credit)
+    return Trajectory(
+        traj_id=str(i),
+        group_id="0:0",
+        tag="t",
+        token_ids=[1] * (2 + n),
+        loss_mask=[0, 0] + [1] * n,
+        reward=sum(credit),
+        token_rewards=[0.0, 0.0] + credit,
+    )
 
 
 def token_adv(credits: list[list[float]]) -> list[list[float]]:
@@ -57,17 +65,18 @@ def test_equal_non_dyadic_rewards_in_float32_also_give_zeros(value: float, n: in
 
 
 @settings(max_examples=200, deadline=None)
-@given(rewards=grid_rewards, shift=st.floats(min_value=-100, max_value=100),
-       scale=st.floats(min_value=0.5, max_value=100))
-def test_advantages_are_invariant_to_shift_and_positive_scale(rewards: list[float], shift: float,
-                                                              scale: float) -> None:
+@given(
+    rewards=grid_rewards, shift=st.floats(min_value=-100, max_value=100), scale=st.floats(min_value=0.5, max_value=100)
+)
+def test_advantages_are_invariant_to_shift_and_positive_scale(rewards: list[float], shift: float, scale: float) -> None:
     r, g = one_group(rewards)
     moved = r * scale + shift
     base = grpo_advantages(r, g)
     assert grpo_advantages(moved, g).tolist() == pytest.approx(base.tolist(), abs=2e-3)
     # without eps the invariance is exact up to rounding
-    assert grpo_advantages(moved, g, eps=0.0).tolist() == pytest.approx(grpo_advantages(r, g, eps=0.0).tolist(),
-                                                                        abs=1e-9)
+    assert grpo_advantages(moved, g, eps=0.0).tolist() == pytest.approx(
+        grpo_advantages(r, g, eps=0.0).tolist(), abs=1e-9
+    )
     # leave-one-out is shift invariant and scales with the rewards
     loo = reinforce_baseline_advantages(r, g)
     assert (reinforce_baseline_advantages(moved, g) / scale).tolist() == pytest.approx(loo.tolist(), abs=1e-9)

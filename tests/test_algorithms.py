@@ -41,12 +41,21 @@ def test_ppo_clip_value_and_gradient_directions():
 def test_decoupled_ppo_centres_on_the_proximal_policy_and_reweights_the_behaviour_policy():
     lp = torch.tensor([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     proximal, behaviour = t([math.log(0.4)]), t([math.log(0.2)])  # r = 1.25 (clipped to 1.2), w = 0.4/0.2 = 2
-    loss, m = policy_loss("decoupled_ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=proximal,
-                          behaviour_logprobs=behaviour, eps=0.2)
+    loss, m = policy_loss(
+        "decoupled_ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=proximal, behaviour_logprobs=behaviour, eps=0.2
+    )
     assert loss.item() == pytest.approx(-2.0 * 1.2) and m["behave_weight_mean"] == pytest.approx(2.0)
     assert m["ratio_mean"] == pytest.approx(1.25)  # ratio metrics against the proximal policy
-    capped, _ = policy_loss("decoupled_ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=proximal,
-                            behaviour_logprobs=behaviour, eps=0.2, behave_cap=1.5)
+    capped, _ = policy_loss(
+        "decoupled_ppo",
+        lp,
+        t([1.0]),
+        t([1.0]),
+        proximal_logprobs=proximal,
+        behaviour_logprobs=behaviour,
+        eps=0.2,
+        behave_cap=1.5,
+    )
     assert capped.item() == pytest.approx(-1.5 * 1.2)
 
 
@@ -58,8 +67,7 @@ def test_tis_and_cispo_weights_carry_no_gradient():
     loss.backward()
     assert lp.grad.item() == pytest.approx(-4.0)  # only logp is differentiated: -w * A
     lp.grad = None
-    loss, _ = policy_loss("cispo", lp, t([1.0]), t([1.0]), proximal_logprobs=old, eps_low=1.0,
-                          eps_high=0.28)
+    loss, _ = policy_loss("cispo", lp, t([1.0]), t([1.0]), proximal_logprobs=old, eps_low=1.0, eps_high=0.28)
     loss.backward()
     assert lp.grad.item() == pytest.approx(-1.28)  # clip(3, 0, 1.28) = 1.28, stop-gradient
 
@@ -67,8 +75,7 @@ def test_tis_and_cispo_weights_carry_no_gradient():
 def test_dis_masks_tokens_outside_the_band_with_zero_gradient():
     lp = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     rollout = t([math.log(0.45), math.log(0.05)])  # rho = 1.11 (kept), 10 (masked)
-    loss, m = policy_loss("dis", lp, t([1.0, 1.0]), t([1.0, 1.0]), behaviour_logprobs=rollout,
-                          low=0.5, high=2.0)
+    loss, m = policy_loss("dis", lp, t([1.0, 1.0]), t([1.0, 1.0]), behaviour_logprobs=rollout, low=0.5, high=2.0)
     loss.backward()
     assert lp.grad[0, 1].item() == 0.0 and lp.grad[0, 0].item() == pytest.approx(-(0.5 / 0.45) / 2)
     assert m["mask_frac"] == pytest.approx(0.5)
@@ -79,8 +86,9 @@ def test_mismatch_tis_applies_to_any_loss():
     old = t([math.log(0.5)])
     rollout = t([math.log(0.1)])  # old/rollout = 5, capped at 2
     base, _ = policy_loss("ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=old)
-    capped, m = policy_loss("ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=old, behaviour_logprobs=rollout,
-                            tis_cap=2.0)
+    capped, m = policy_loss(
+        "ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=old, behaviour_logprobs=rollout, tis_cap=2.0
+    )
     assert capped.item() == pytest.approx(2.0 * base.item()) and m["mismatch_is_mean"] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="tis_cap=2.0.* needs behaviour_logprobs"):
         policy_loss("ppo", lp, t([1.0]), t([1.0]), proximal_logprobs=old, tis_cap=2.0)

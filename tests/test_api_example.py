@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from http_fixtures import ScriptedServer
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "api_tour.py"
@@ -23,8 +22,14 @@ def test_api_tour_runs_with_a_local_reward_service():
         srv.default = (200, exact, {})
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
-        proc = subprocess.run([sys.executable, str(EXAMPLE), srv.url("/rewards/math")], capture_output=True,
-                              text=True, timeout=280, env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [sys.executable, str(EXAMPLE), srv.url("/rewards/math")],
+            capture_output=True,
+            text=True,
+            timeout=280,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         assert out["metrics"] == {"rank": [0, 1], "rows": [3, 2], "loss": [1.0, 3.5]}

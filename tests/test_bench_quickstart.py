@@ -22,9 +22,32 @@ def test_trailing_mean_and_first_step_reaching_the_threshold():
 def test_bench_runs_each_seed_and_writes_the_report(ray_local, tmp_path, capsys):
     out = tmp_path / "qs"
     small = "{hidden_size: 32, num_layers: 1, intermediate_size: 64}"
-    assert main(["bench", "quickstart", "--seeds", "2", "--first-seed", "3", "--window", "1", "--threshold", "0",
-                 "--set", "steps=2", "--set", "rollout.group_size=2", "--set", f"tiny_model={small}",
-                 "--out", str(out), "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "quickstart",
+                "--seeds",
+                "2",
+                "--first-seed",
+                "3",
+                "--window",
+                "1",
+                "--threshold",
+                "0",
+                "--set",
+                "steps=2",
+                "--set",
+                "rollout.group_size=2",
+                "--set",
+                f"tiny_model={small}",
+                "--out",
+                str(out),
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result["per_seed"]) == {"3", "4"} and result["seeds_reaching_threshold"] == "2/2"
     for seed in ("3", "4"):

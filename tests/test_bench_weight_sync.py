@@ -13,8 +13,28 @@ pytestmark = pytest.mark.timeout(300)
 def test_weight_sync_bench_runs_both_modes_to_the_last_version(ray_local, tmp_path, capsys):
     pytest.importorskip("mooncake.store")
     out = tmp_path / "ws"
-    assert main(["bench", "weight-sync", "--model-mb", "4", "--steps", "2", "--train-s", "0.1", "--workers", "2",
-                 "--in-flight", "4", "--out", str(out), "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "weight-sync",
+                "--model-mb",
+                "4",
+                "--steps",
+                "2",
+                "--train-s",
+                "0.1",
+                "--workers",
+                "2",
+                "--in-flight",
+                "4",
+                "--out",
+                str(out),
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["modes"]["blocking"]["final_versions"] == [3, 3]  # a warm-up step, then 2 measured
     assert result["modes"]["mooncake"]["final_versions"] == [6, 6]  # the trainer's versions go on counting

@@ -29,10 +29,21 @@ def test_a_checkpoint_round_trips_tensors_optimiser_state_and_plain_extra(tmp_pa
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    extra = {"step": 3, "scheduler": {"next_round": [2, 1], "retry": {0: [1]}, "counts": {"a": 1}},
-             "consumed": ["0:0:0:v0"]}
-    path = save_checkpoint_file({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                 "scheduler": sched.state_dict(), "version": 1, "extra": extra}, tmp_path / "c.pt")
+    extra = {
+        "step": 3,
+        "scheduler": {"next_round": [2, 1], "retry": {0: [1]}, "counts": {"a": 1}},
+        "consumed": ["0:0:0:v0"],
+    }
+    path = save_checkpoint_file(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "version": 1,
+            "extra": extra,
+        },
+        tmp_path / "c.pt",
+    )
     state = load_checkpoint_file(path)
     assert torch.equal(state["model"]["weight"], model.state_dict()["weight"])
     assert state["extra"] == extra and state["version"] == 1

@@ -125,7 +125,7 @@ async def test_async_methods_run_concurrently_and_routes_by_tag(make_rm):
     other = await g.generate({"i": 0}, tag_name="Sokoban")
     assert other["hardware"] == "H20"
     with pytest.raises(LookupError):
-        Gen_only_frozen = ra.hw_mapping({"FrozenLake": ["H800"]})(lambda self, r, tag_name: None)  # noqa: N806
+        Gen_only_frozen = ra.hw_mapping({"FrozenLake": ["H800"]})(lambda self, r, tag_name: None)
         Gen_only_frozen.__rollart_hw_mapping__.preference("Sokoban")
 
 
@@ -199,11 +199,20 @@ def _nothing_new(actors: set, pgs: set) -> bool:
     [
         ({"train": {"hardware": "H100", "devices": 1}}, r"pools\.train\.hardware: 'H100' is not in the Ray cluster"),
         ({"train": {"hardware": "H800", "devices": 99}}, r"ask for 99 H800 devices but the cluster has"),
-        ({"a": {"hardware": "H20", "devices": 4}, "b": {"hardware": "H20", "devices": 4}}, r"\['a', 'b'\] ask for 8 H20"),
+        (
+            {"a": {"hardware": "H20", "devices": 4}, "b": {"hardware": "H20", "devices": 4}},
+            r"\['a', 'b'\] ask for 8 H20",
+        ),
         ({"train": {"hardware": "H800"}}, r"pools\.train: hardware 'H800' needs \"devices\""),
-        ({"train": {"hardware": "H800", "devices": 0}}, r"pools\.train\.devices: Input should be greater than or equal to 1"),
+        (
+            {"train": {"hardware": "H800", "devices": 0}},
+            r"pools\.train\.devices: Input should be greater than or equal to 1",
+        ),
         ({"env": {"hardware": "CPU", "devices": 2}}, r"pools\.env: a CPU group takes \"cpus\""),
-        ({"r": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devcies": 1}]}, r"pools\.r\[1\]\.devcies: Extra inputs"),
+        (
+            {"r": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devcies": 1}]},
+            r"pools\.r\[1\]\.devcies: Extra inputs",
+        ),
     ],
 )
 def test_resource_errors_are_raised_before_anything_is_created(ray_local, store_path, pools, message):
@@ -216,7 +225,10 @@ def test_resource_errors_are_raised_before_anything_is_created(ray_local, store_
 def test_cluster_errors_are_raised_before_any_actor(make_rm):
     rm = make_rm({"rollout": {"hardware": "H20", "devices": 3}, "only800": {"hardware": "H800", "devices": 1}})
     actors, pgs = _actors(), _placement_groups()
-    with pytest.raises(ra.ResourceSpecError, match=r"pools\.rollout\[0\]\.devices: 3 H20 devices cannot be split .*devices_per_worker=2"):
+    with pytest.raises(
+        ra.ResourceSpecError,
+        match=r"pools\.rollout\[0\]\.devices: 3 H20 devices cannot be split .*devices_per_worker=2",
+    ):
         ra.Cluster("gen", Gen, rm, pool="rollout", devices_per_worker=2)
 
     class Frozen(ra.Worker):
@@ -224,7 +236,9 @@ def test_cluster_errors_are_raised_before_any_actor(make_rm):
         async def generate(self, request: dict, tag_name: str) -> dict:
             return {}
 
-    with pytest.raises(ra.ResourceSpecError, match=r"tag 'FrozenLake' prefers \['H20'\] but pool 'only800' has only \['H800'\]"):
+    with pytest.raises(
+        ra.ResourceSpecError, match=r"tag 'FrozenLake' prefers \['H20'\] but pool 'only800' has only \['H800'\]"
+    ):
         ra.Cluster("gen", Frozen, rm, pool="only800")
     with pytest.raises(ra.ResourceSpecError, match="need a pool"):
         ra.Cluster("gen", Gen, rm, pool=None)

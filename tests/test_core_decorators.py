@@ -84,7 +84,11 @@ def test_register_serverless_metadata_and_validation():
 
     spec = getattr(compute_rewards, SERVERLESS_ATTR)
     assert (spec.url, spec.timeout_s, spec.retries, spec.token_env) == (
-        "http://127.0.0.1:8100/rewards/math", 30.0, 5, "TOK")
+        "http://127.0.0.1:8100/rewards/math",
+        30.0,
+        5,
+        "TOK",
+    )
     with pytest.raises(ValueError, match="absolute http"):
         ra.register_serverless(url="127.0.0.1:8100/rewards")
     with pytest.raises(ValueError, match="timeout_s"):

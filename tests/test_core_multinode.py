@@ -17,11 +17,15 @@ def test_each_worker_sits_on_the_node_with_its_hardware(tmp_path):
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path / "meta.sqlite")],
-        capture_output=True, text=True, timeout=280, env=env, stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        stdin=subprocess.DEVNULL,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT ") :])
     nodes = out["nodes"]
     assert set(nodes) == {"H800", "H20"} and nodes["H800"] != nodes["H20"]
     assert out["node_addresses"] == ["127.0.0.1"]

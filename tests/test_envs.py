@@ -30,6 +30,7 @@ def wait_until(cond, timeout_s=10.0):
 
 # --- registry -------------------------------------------------------------------------------------
 
+
 def test_registry_builds_every_env_and_rejects_bad_specs_by_name():
     assert set(ALL) <= set(registered_envs())
     env = make_env(EnvSpec(name="frozen_lake", tag="Lake", max_steps=3, max_new_tokens=2, kwargs={"size": 3}))
@@ -68,14 +69,28 @@ def test_instructions_are_prepended_on_request():
 
 # --- action parsing -------------------------------------------------------------------------------
 
+
 def test_direction_parser_reads_noisy_text():
-    cases = {"Left": "L", "d": "D", " RIGHT\n": "R", "I think up is best": "U", "<answer>down</answer> not left": "D",
-             "go north": "U", "→": "R", "r.": "R", "jump": None, "": None, "upward": None, "lemon": None}
+    cases = {
+        "Left": "L",
+        "d": "D",
+        " RIGHT\n": "R",
+        "I think up is best": "U",
+        "<answer>down</answer> not left": "D",
+        "go north": "U",
+        "→": "R",
+        "r.": "R",
+        "jump": None,
+        "": None,
+        "upward": None,
+        "lemon": None,
+    }
     for text, move in cases.items():
         assert parse_direction(text) == move, text
 
 
 # --- FrozenLake -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("size,hole_prob", [(3, 0.2), (4, 0.5), (6, 0.7)])
 def test_frozen_lake_maps_are_solvable_and_the_bfs_plan_reaches_the_goal(size, hole_prob):
@@ -98,8 +113,11 @@ def test_frozen_lake_hole_edge_and_slippery():
     for seed in itertools.count():
         env.reset(seed)
         r, c = env.pos
-        into = [a for a, (dr, dc) in MOVES.items()
-                if 0 <= r + dr < 4 and 0 <= c + dc < 4 and env.grid[r + dr][c + dc] == "H"]
+        into = [
+            a
+            for a, (dr, dc) in MOVES.items()
+            if 0 <= r + dr < 4 and 0 <= c + dc < 4 and env.grid[r + dr][c + dc] == "H"
+        ]
         if into:
             break
     _, reward, terminated, _, info = env.step(WORDS[into[0]])
@@ -113,8 +131,10 @@ def test_frozen_lake_hole_edge_and_slippery():
     obs, reward, terminated, _, info = env.step("Up")  # into the edge: stays in place
     assert env.pos == before and info["valid"] and not terminated and obs == env.reset(seed)[0]
 
-    slip_a, slip_b = make_env("frozen_lake", slippery=True, hole_prob=0.0, max_steps=40), \
-        make_env("frozen_lake", slippery=True, hole_prob=0.0, max_steps=40)
+    slip_a, slip_b = (
+        make_env("frozen_lake", slippery=True, hole_prob=0.0, max_steps=40),
+        make_env("frozen_lake", slippery=True, hole_prob=0.0, max_steps=40),
+    )
     slip_a.reset(3), slip_b.reset(3)
     moved = []
     for i in range(40):
@@ -144,8 +164,11 @@ def test_invalid_actions_and_max_steps_truncation():
 
 # --- Sokoban --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs", [dict(size=6, boxes=1, pulls=8), dict(size=7, boxes=2, pulls=6, wall_prob=0.3),
-                                    dict(size=5, boxes=1, pulls=2)])
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(size=6, boxes=1, pulls=8), dict(size=7, boxes=2, pulls=6, wall_prob=0.3), dict(size=5, boxes=1, pulls=2)],
+)
 def test_sokoban_levels_are_solved_by_replaying_the_generation(kwargs):
     for seed in range(15):
         for key in ("reverse_solution", "solution"):
@@ -189,6 +212,7 @@ def test_sokoban_max_solution_steps_bounds_the_shortest_solution():
 
 
 # --- single-turn verifiable tasks -----------------------------------------------------------------
+
 
 def test_reverse_prompts_and_partial_credit():
     env = make_env("reverse", length=3)
@@ -257,6 +281,7 @@ def test_sample_prompts_match_resets_and_verify_by_name():
 
 # --- corpus ---------------------------------------------------------------------------------------
 
+
 def test_corpus_covers_what_the_envs_show():
     corpus = task_corpus(200, seed=0)
     assert corpus == task_corpus(200, seed=0) and len(corpus) > 200
@@ -274,11 +299,13 @@ def test_corpus_covers_what_the_envs_show():
 
 # --- fault injection ------------------------------------------------------------------------------
 
+
 def test_latency_env_waits_on_its_clock_and_passes_results_through():
     clock = VirtualClock()
     draws = iter([2.0, 0.5, -1.0, 3.0])
-    env = LatencyEnv(make_env("addition"), reset_latency=lambda: next(draws), step_latency=lambda: next(draws),
-                     clock=clock)
+    env = LatencyEnv(
+        make_env("addition"), reset_latency=lambda: next(draws), step_latency=lambda: next(draws), clock=clock
+    )
     assert not isinstance(env, AsyncLatencyEnv) and env.tag == "addition" and env.max_steps == 1
     prompt, info = env.reset(5)
     assert (prompt, info) == make_env("addition").reset(5) and clock.now == 2.0
@@ -344,7 +371,7 @@ def test_failing_env_hang_ends_on_release_or_timeout():
     def call():
         try:
             env.step("abc")
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(err)
 
     t = threading.Thread(target=call)

@@ -28,9 +28,14 @@ class GpuProbe(ra.Worker):
 
         dev = worker_device(self.device_ids)
         x = torch.ones(4, device=dev) * 2  # the device exists in this process
-        return {"gpu_ids": [int(g) for g in ray.get_gpu_ids()], "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "count": torch.cuda.device_count(), "device": str(dev), "sum": float(x.sum()),
-                "uuid": str(torch.cuda.get_device_properties(dev).uuid)}
+        return {
+            "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "count": torch.cuda.device_count(),
+            "device": str(dev),
+            "sum": float(x.sum()),
+            "uuid": str(torch.cuda.get_device_properties(dev).uuid),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +43,14 @@ def gpu_ray():
     import ray
 
     n = torch.cuda.device_count()
-    ray.init(address="local", num_gpus=n, num_cpus=4, resources={"accelerator_type:GPUX": 1},
-             include_dashboard=False, namespace="rollart-gpu-tests")
+    ray.init(
+        address="local",
+        num_gpus=n,
+        num_cpus=4,
+        resources={"accelerator_type:GPUX": 1},
+        include_dashboard=False,
+        namespace="rollart-gpu-tests",
+    )
     yield n
     ray.shutdown()
 

@@ -31,11 +31,18 @@ def test_a_stale_ray_current_cluster_file_does_not_stop_a_local_start():
             f.write("127.0.0.1:9")  # the discard port: no GCS there
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
         env["TMPDIR"] = tmp
-        proc = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True, timeout=280, env=env,
-                              stdin=subprocess.DEVNULL, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", DRIVER],
+            capture_output=True,
+            text=True,
+            timeout=280,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-        assert json.loads(lines[-1][len("RESULT "):]) == 2.0
+        assert json.loads(lines[-1][len("RESULT ") :]) == 2.0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -51,7 +58,7 @@ def test_joining_a_cluster_uses_token_auth_and_never_sets_the_single_host_flag(m
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
     assert launcher.ensure_ray({"H800": 2}, job_id="j") == "j"
-    (kw, env), = calls
+    ((kw, env),) = calls
     assert kw["address"] == "10.201.0.1:6379" and "num_cpus" not in kw
     assert env["RAY_AUTH_MODE"] == "token"
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in env

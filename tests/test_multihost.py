@@ -38,10 +38,15 @@ def test_workers_sit_on_the_hosts_of_their_hardware(hosts3, tmp_path):
     (job,) = state["jobs"]
     assert (job["job_id"], job["driver_ip"]) == ("mh-placement", "10.201.0.1") and job["ended_at"] is not None
     assert sorted((p["pool"], p["group_index"], p["hardware"]) for p in state["pools"]) == [
-        ("rollout", 0, "H800"), ("rollout", 1, "H20"), ("train", 0, "H800")]
+        ("rollout", 0, "H800"),
+        ("rollout", 1, "H20"),
+        ("train", 0, "H800"),
+    ]
     recorded = {(b["cluster"], b["rank"]): b["node_ip"] for b in state["bindings"]}
-    assert recorded == {**{("train_probe", w["rank"]): w["node_ip"] for w in train},
-                        **{("rollout_probe", w["rank"]): w["node_ip"] for w in rollout}}
+    assert recorded == {
+        **{("train_probe", w["rank"]): w["node_ip"] for w in train},
+        **{("rollout_probe", w["rank"]): w["node_ip"] for w in rollout},
+    }
 
 
 def test_two_ddp_ranks_on_two_hosts_take_the_step_of_one_rank_on_the_whole_batch(hosts3, tmp_path):
@@ -60,12 +65,18 @@ def test_two_ddp_ranks_on_two_hosts_take_the_step_of_one_rank_on_the_whole_batch
 
 
 def test_killing_a_host_surfaces_as_an_error_naming_the_host_the_cluster_and_the_rank(hosts3, tmp_path):
-    driver = hosts3.popen("head", [hosts3_python(), SCRIPT, "kill", str(tmp_path / "meta.sqlite")],
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    driver = hosts3.popen(
+        "head",
+        [hosts3_python(), SCRIPT, "kill", str(tmp_path / "meta.sqlite")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = driver.stdout.readline()
         assert line.startswith("READY "), line + driver.stderr.read()[-4000:]
-        ready = json.loads(line[len("READY "):])
+        ready = json.loads(line[len("READY ") :])
         assert ready["seen"] == [H20_HOST]
         assert hosts3.kill_host("c")  # every process of host c: its raylet, the probe actor
         driver.stdin.write("go\n")
@@ -78,7 +89,7 @@ def test_killing_a_host_surfaces_as_an_error_naming_the_host_the_cluster_and_the
         hosts3.restart_host("c")  # the module's later tests get all three hosts back
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert driver.returncode == 0 and lines, stderr[-4000:]
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = json.loads(lines[-1][len("RESULT ") :])
     assert res["type"] == "WorkerDiedError"
     assert (res["node_ip"], res["rank"], res["cluster"]) == (H20_HOST, 0, "probe_c")
     assert f"probe_c[rank 0] on H20 died (host {H20_HOST}, Ray cluster {hosts3.address})" in res["error"]

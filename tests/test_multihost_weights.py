@@ -29,8 +29,11 @@ def hosts():
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
-    specs = [HostSpec("head", {"H800": 1}, num_cpus=2), HostSpec("b", {"H800": 1}, num_cpus=2),
-             HostSpec("c", {"H20": 2}, num_cpus=2)]
+    specs = [
+        HostSpec("head", {"H800": 1}, num_cpus=2),
+        HostSpec("b", {"H800": 1}, num_cpus=2),
+        HostSpec("c", {"H20": 2}, num_cpus=2),
+    ]
     with start_hosts(specs, start_timeout_s=300) as cluster:  # a loaded 2-core machine starts Ray slowly
         yield cluster
 
@@ -39,8 +42,11 @@ def hosts():
 def test_async_multitask_pipeline_syncs_weights_across_hosts(hosts, channel, tmp_path):
     if channel == "mooncake":
         pytest.importorskip("mooncake.store")
-    res = hosts.run_driver([str(DRIVER), "--channel", channel, "--steps", str(STEPS), "--out", str(tmp_path / "run")],
-                           cwd=REPO, timeout=900).check()
+    res = hosts.run_driver(
+        [str(DRIVER), "--channel", channel, "--steps", str(STEPS), "--out", str(tmp_path / "run")],
+        cwd=REPO,
+        timeout=900,
+    ).check()
     r = res.result
     print(r)  # shown when an assertion fails
     head, b, c = (hosts.host(n).ip for n in ("head", "b", "c"))
@@ -80,9 +86,11 @@ def test_rdma_needs_device_names_and_names_the_field(tmp_path):
     from rollart.config import ConfigError, load_config
 
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("pools: {train: {hardware: CPU, cpus: 1}, rollout: {hardware: CPU, cpus: 1}}\n"
-                   "envs: [{name: reverse, groups: 8}]\n"
-                   "weights: {channel: mooncake, protocol: rdma}\n")
+    cfg.write_text(
+        "pools: {train: {hardware: CPU, cpus: 1}, rollout: {hardware: CPU, cpus: 1}}\n"
+        "envs: [{name: reverse, groups: 8}]\n"
+        "weights: {channel: mooncake, protocol: rdma}\n"
+    )
     with pytest.raises(ConfigError, match=r"weights\.rdma_devices.*mlx5_0"):
         load_config(cfg)
     ok = load_config(cfg, {"weights.rdma_devices": ["mlx5_0", "mlx5_1"]})

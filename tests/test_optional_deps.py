@@ -30,7 +30,7 @@ for name in {OPTIONAL!r}:
 logging.basicConfig(level=logging.INFO)
 import rollart.pipelines.agentic as agentic, rollart.reward.client, rollart.cluster.serverless
 from rollart.cli import main
-fake = types.SimpleNamespace(metrics_path={str(tmp_path / 'metrics.jsonl')!r}, out_dir={str(tmp_path)!r})
+fake = types.SimpleNamespace(metrics_path={str(tmp_path / "metrics.jsonl")!r}, out_dir={str(tmp_path)!r})
 assert agentic.AgenticPipeline.plot(fake, [{{"step": 0}}]) is None
 assert main(["serve", "rewards", "rollart.envs.rewards:reverse"]) == 2
 print("OK")

@@ -27,19 +27,35 @@ def test_every_package_folder_is_installed_under_rollart():
 
 def test_no_generic_top_level_names_and_the_core_never_imports_upward(tmp_path):
     # run outside the checkout, so only what is installed can be imported
-    code = ("import importlib.util as u, json\n"
-            "print(json.dumps({n: u.find_spec(n) is not None for n in "
-            "['envs', 'pipelines', 'benchmarks', 'rollart.envs', 'rollart.pipelines', 'rollart.benchmarks']}))")
+    code = (
+        "import importlib.util as u, json\n"
+        "print(json.dumps({n: u.find_spec(n) is not None for n in "
+        "['envs', 'pipelines', 'benchmarks', 'rollart.envs', 'rollart.pipelines', 'rollart.benchmarks']}))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # conftest puts the checkout there
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
+    )
     found = __import__("json").loads(out.stdout)
-    assert found == {"envs": False, "pipelines": False, "benchmarks": False,
-                     "rollart.envs": True, "rollart.pipelines": True, "rollart.benchmarks": True}
+    assert found == {
+        "envs": False,
+        "pipelines": False,
+        "benchmarks": False,
+        "rollart.envs": True,
+        "rollart.pipelines": True,
+        "rollart.benchmarks": True,
+    }
     core = [p for p in (ROOT / "rollart").rglob("*.py") if "testing" not in p.parts]
-    upward = [f"{p.relative_to(ROOT)}" for p in core
-              if any(f"rollart.{top}" in line for line in p.read_text().splitlines()
-                     if line.lstrip().startswith(("from ", "import ")) for top in ("envs", "pipelines"))]
+    upward = [
+        f"{p.relative_to(ROOT)}"
+        for p in core
+        if any(
+            f"rollart.{top}" in line
+            for line in p.read_text().splitlines()
+            if line.lstrip().startswith(("from ", "import "))
+            for top in ("envs", "pipelines")
+        )
+    ]
     allowed = {"rollart/pipeline_cli.py"}  # the CLI mounts the pipeline (imported when `rollart run` runs)
     assert set(upward) <= allowed, upward
 

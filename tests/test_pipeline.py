@@ -5,20 +5,25 @@ import json
 
 import pytest
 
-from rollart.pipelines.agentic import AgenticPipeline
 from rollart.config import ConfigError, PipelineConfig, load_config
+from rollart.pipelines.agentic import AgenticPipeline
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def small_config(tmp_path, **over):
     raw = {
-        "name": "t", "pools": {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}},
+        "name": "t",
+        "pools": {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}},
         "envs": [{"name": "reverse", "groups": 4, "kwargs": {"length": 3}}],
         "rollout": {"num_env_groups": 4, "group_size": 4, "batch_groups": 2, "alpha": 1},
-        "sampling": {"temperature": 1.0, "max_new_tokens": 3}, "advantage": "grpo_token",
+        "sampling": {"temperature": 1.0, "max_new_tokens": 3},
+        "advantage": "grpo_token",
         "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
-        "train": {"lr": 0.001}, "steps": 3, "checkpoint_every": 2, "output_dir": str(tmp_path / "run"),
+        "train": {"lr": 0.001},
+        "steps": 3,
+        "checkpoint_every": 2,
+        "output_dir": str(tmp_path / "run"),
         "cluster": {"metadata_store": str(tmp_path / "meta.sqlite")},
     }
     raw.update(over)
@@ -68,14 +73,21 @@ def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
 def test_a_seeded_synchronous_run_repeats(ray_local, tmp_path):
     """Same config, same seed: the same samples, rewards and advantages at every step (sampling is
     seeded per request, groups enter the batch in a fixed order), whatever the engine's batching."""
+
     def run(name, seed):
-        cfg = small_config(tmp_path, output_dir=str(tmp_path / name), seed=seed, checkpoint_every=0,
-                           rollout={"num_env_groups": 4, "group_size": 4, "batch_groups": 4, "alpha": 0},
-                           sampling={"temperature": 1.0, "max_new_tokens": 3, "seed": 0})
+        cfg = small_config(
+            tmp_path,
+            output_dir=str(tmp_path / name),
+            seed=seed,
+            checkpoint_every=0,
+            rollout={"num_env_groups": 4, "group_size": 4, "batch_groups": 4, "alpha": 0},
+            sampling={"temperature": 1.0, "max_new_tokens": 3, "seed": 0},
+        )
         pipe = AgenticPipeline(cfg, progress=False)
         try:
-            return [(h["reward_mean"], h["credit_by_position"], h["advantage"], h["train"]["entropy"])
-                    for h in pipe.run()]
+            return [
+                (h["reward_mean"], h["credit_by_position"], h["advantage"], h["train"]["entropy"]) for h in pipe.run()
+            ]
         finally:
             pipe.shutdown()
 
@@ -95,7 +107,9 @@ def test_config_errors_name_the_field(tmp_path):
     bad.write_text("pools: {train: {hardware: CPU, cpus: 1}}\nenvs: [{name: reverse, groups: 8}]\n")
     with pytest.raises(ConfigError, match="rollout_pool='rollout' is not one of pools"):
         load_config(bad)
-    bad.write_text("pools: {train: {hardware: CPU}, rollout: {hardware: CPU, cpus: 1}}\nenvs: [{name: reverse, groups: 8}]\n")
+    bad.write_text(
+        "pools: {train: {hardware: CPU}, rollout: {hardware: CPU, cpus: 1}}\nenvs: [{name: reverse, groups: 8}]\n"
+    )
     with pytest.raises(ConfigError, match='a CPU group needs "cpus"'):
         load_config(bad)
     with pytest.raises(ConfigError, match="does not exist"):
@@ -109,6 +123,7 @@ def test_shipped_configs_validate():
 
 def test_rewards_come_from_the_reward_service_and_a_dead_service_never_scores_zero(ray_local, tmp_path):
     from reward_fixtures import ThreadServer
+
     from rollart.envs.rewards import reverse
     from rollart.reward.server import build_app
 
@@ -119,8 +134,9 @@ def test_rewards_come_from_the_reward_service_and_a_dead_service_never_scores_ze
         return reverse(traj)
 
     with ThreadServer(build_app({"reverse": counted_reverse})) as srv:
-        cfg = small_config(tmp_path, steps=1, checkpoint_every=0,
-                           reward={"url": srv.url("/rewards/reverse"), "retries": 1})
+        cfg = small_config(
+            tmp_path, steps=1, checkpoint_every=0, reward={"url": srv.url("/rewards/reverse"), "retries": 1}
+        )
         pipe = AgenticPipeline(cfg, progress=False)
         try:
             history = pipe.run()
@@ -128,7 +144,9 @@ def test_rewards_come_from_the_reward_service_and_a_dead_service_never_scores_ze
             pipe.shutdown()
     assert calls["n"] >= 8 and history[0]["trajectories_reward_failed"] == 0
 
-    dead = small_config(tmp_path, steps=1, checkpoint_every=0, reward={"url": srv.url("/rewards/reverse"), "retries": 0})
+    dead = small_config(
+        tmp_path, steps=1, checkpoint_every=0, reward={"url": srv.url("/rewards/reverse"), "retries": 0}
+    )
     pipe = AgenticPipeline(dead, progress=False)
 
     async def one_round():
@@ -157,8 +175,13 @@ def test_kl_term_uses_a_frozen_reference_model(ray_local, tmp_path):
     """With ``train.kl_coef > 0`` a reference cluster (the initial policy, colocated with the trainer)
     feeds ``ref_logprobs``: KL is exactly 0 before the first update and positive once the policy moved
     (the entropy bonus moves it even when every group has equal rewards)."""
-    cfg = small_config(tmp_path, steps=3, checkpoint_every=0, train={"lr": 0.01, "kl_coef": 0.05, "entropy_coef": 0.05},
-                       rollout={"num_env_groups": 4, "group_size": 4, "batch_groups": 2, "alpha": 0})
+    cfg = small_config(
+        tmp_path,
+        steps=3,
+        checkpoint_every=0,
+        train={"lr": 0.01, "kl_coef": 0.05, "entropy_coef": 0.05},
+        rollout={"num_env_groups": 4, "group_size": 4, "batch_groups": 2, "alpha": 0},
+    )
     pipe = AgenticPipeline(cfg, progress=False)
     try:
         assert pipe.ref is not None
@@ -172,8 +195,13 @@ def test_kl_term_uses_a_frozen_reference_model(ray_local, tmp_path):
 def test_gae_with_a_critic_trained_k_times_per_actor_step(ray_local, tmp_path):
     """``advantage: gae``: a critic cluster scores each batch (skip-observation GAE) and takes K value
     updates on it beside the actor's update; its loss on the batch falls across the K passes."""
-    cfg = small_config(tmp_path, steps=2, checkpoint_every=0, advantage="gae",
-                       critic={"epochs": 3, "lr": 0.003, "freeze_attention": True})
+    cfg = small_config(
+        tmp_path,
+        steps=2,
+        checkpoint_every=0,
+        advantage="gae",
+        critic={"epochs": 3, "lr": 0.003, "freeze_attention": True},
+    )
     pipe = AgenticPipeline(cfg, progress=False)
     try:
         assert pipe.critic is not None
@@ -201,8 +229,11 @@ def test_the_critic_is_checkpointed_with_the_actor_and_restored_on_resume(ray_lo
         pipe.shutdown()
     state = torch.load(pipe.critic_checkpoint_path, weights_only=True)
     assert state["step"] == 1 and state["steps"] == 2 and state["optimizer"]["state"]
-    resumed = AgenticPipeline(small_config(tmp_path, steps=3, checkpoint_every=2, advantage="gae",
-                                           critic={"preset": "sao", "lr": 0.003}), resume=True, progress=False)
+    resumed = AgenticPipeline(
+        small_config(tmp_path, steps=3, checkpoint_every=2, advantage="gae", critic={"preset": "sao", "lr": 0.003}),
+        resume=True,
+        progress=False,
+    )
     try:
         assert resumed.start_step == 2
         assert resumed.critic.param_checksum()[0] == saved  # not the freshly initialised critic
@@ -220,8 +251,8 @@ def test_make_batch_builds_the_batch_once_then_adds_advantages(tmp_path, monkeyp
     running-mean baseline carries its window from one step to the next."""
     import asyncio
 
-    from rollart.pipelines import agentic
     from rollart.algorithms import RunningMeanBaseline
+    from rollart.pipelines import agentic
     from rollart.rollout.types import Trajectory
     from rollart.training import columns as C
 
@@ -235,13 +266,27 @@ def test_make_batch_builds_the_batch_once_then_adds_advantages(tmp_path, monkeyp
             async def values():
                 scored.append(batch)
                 return [[0.25] * len(ids) for ids in batch[C.INPUT_IDS]]
+
             return values()
 
         def train_step(self, batch, blocking=True):
             return ("critic step on", batch)
 
-    groups = [[Trajectory(traj_id=f"t{i}", group_id=f"{i}:0", tag="t", token_ids=[5, 6, 7], loss_mask=[0, 1, 1],
-                          logprobs=[0.0, -1.0, -1.0], versions=[-1, 0, 0], reward=float(i))] for i in range(2)]
+    groups = [
+        [
+            Trajectory(
+                traj_id=f"t{i}",
+                group_id=f"{i}:0",
+                tag="t",
+                token_ids=[5, 6, 7],
+                loss_mask=[0, 1, 1],
+                logprobs=[0.0, -1.0, -1.0],
+                versions=[-1, 0, 0],
+                reward=float(i),
+            )
+        ]
+        for i in range(2)
+    ]
     pipe = AgenticPipeline.__new__(AgenticPipeline)
     pipe.config = small_config(tmp_path, advantage="gae", critic={"preset": "sao"})
     pipe.critic, pipe.baseline = FakeCritic(), None
@@ -273,11 +318,20 @@ def test_batch_statistics_of_advantages_credit_and_dead_positions():
     from rollart.training.data import trajectories_to_batch
 
     def traj(group, member, credit):
-        return Trajectory(traj_id=f"{group}:{member}", group_id=group, tag="r", token_ids=[9] * (1 + len(credit)),
-                          loss_mask=[0] + [1] * len(credit), reward=sum(credit) / 3, token_rewards=[0.0] + credit)
+        return Trajectory(
+            traj_id=f"{group}:{member}",
+            group_id=group,
+            tag="r",
+            token_ids=[9] * (1 + len(credit)),
+            loss_mask=[0] + [1] * len(credit),
+            reward=sum(credit) / 3,
+            token_rewards=[0.0] + credit,
+        )
 
-    groups = [[traj("0:0", 0, [1.0, 0.0, 0.0]), traj("0:0", 1, [0.0, 0.0, 1.0])],
-              [traj("1:0", 0, [1.0, 0.0, 1.0]), traj("1:0", 1, [1.0, 0.0, 0.0])]]
+    groups = [
+        [traj("0:0", 0, [1.0, 0.0, 0.0]), traj("0:0", 1, [0.0, 0.0, 1.0])],
+        [traj("1:0", 0, [1.0, 0.0, 1.0]), traj("1:0", 1, [1.0, 0.0, 0.0])],
+    ]
     trajs = [t for g in groups for t in g]
     stats = batch_statistics(trajectories_to_batch(groups, advantage="grpo_token"), trajs)
     assert stats["credit_by_position"] == {"r": [0.75, 0.0, 0.5]}

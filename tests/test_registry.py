@@ -17,8 +17,10 @@ def test_writes_are_read_back_per_job_and_ending_a_job_releases_its_rows(ray_loc
     snap = reg.snapshot("j1")
     assert [j["job_id"] for j in snap["jobs"]] == ["j1"]
     assert snap["jobs"][0]["driver_ip"] == ray.util.get_node_ip_address()
-    assert [(b["rank"], b["node_ip"], b["state"]) for b in snap["bindings"]] == [(0, "10.0.0.2", "alive"),
-                                                                                   (1, "10.0.0.2", "dead")]
+    assert [(b["rank"], b["node_ip"], b["state"]) for b in snap["bindings"]] == [
+        (0, "10.0.0.2", "alive"),
+        (1, "10.0.0.2", "dead"),
+    ]
     assert snap["endpoints"][0]["url"] == "http://10.0.0.3:8000/r"
     assert {j["job_id"] for j in reg.jobs()} == {"j1", "j10"}
     reg.end_job("j1")

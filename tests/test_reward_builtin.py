@@ -13,15 +13,18 @@ from rollart.reward.errors import RewardInputError
 from rollart.reward.sandbox import run_python
 
 
-@pytest.mark.parametrize("response, truth, score", [
-    ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("2 + 2 = 4", "4", 1.0),
-    ("I think 41, no wait, 42", 42, 1.0),
-    ("\\boxed{x+1}", "x+1", 1.0),
-    ("\\boxed{3}", "4", 0.0),
-    ("no number here", "4", 0.0),
-    ("1,000 apples", "1000", 1.0),
-])
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("2 + 2 = 4", "4", 1.0),
+        ("I think 41, no wait, 42", 42, 1.0),
+        ("\\boxed{x+1}", "x+1", 1.0),
+        ("\\boxed{3}", "4", 0.0),
+        ("no number here", "4", 0.0),
+        ("1,000 apples", "1000", 1.0),
+    ],
+)
 def test_math_answer(response, truth, score):
     assert math_answer({"response": response, "ground_truth": truth}) == score
 
@@ -70,8 +73,9 @@ def test_sandbox_has_no_network_even_to_localhost():
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        net = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('reached')",
-                         timeout_s=5)
+        net = run_python(
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('reached')", timeout_s=5
+        )
     assert not net.ok and "reached" not in net.stdout and "ConnectionRefusedError" in net.stderr
     assert net.isolation == "bwrap"
 
@@ -79,8 +83,10 @@ def test_sandbox_has_no_network_even_to_localhost():
 @needs_bwrap
 def test_sandbox_cannot_write_outside_its_directory_nor_see_host_files(tmp_path):
     target = tmp_path / "written-by-sandbox"
-    code = (f"import os\nopen('here.txt', 'w').write('ok')\nprint(os.path.exists({str(tmp_path)!r}))\n"
-            f"open({str(target)!r}, 'w').write('pwned')")
+    code = (
+        f"import os\nopen('here.txt', 'w').write('ok')\nprint(os.path.exists({str(tmp_path)!r}))\n"
+        f"open({str(target)!r}, 'w').write('pwned')"
+    )
     out = run_python(code, timeout_s=5)
     assert not out.ok and out.stdout.strip() == "False" and not target.exists()
     assert ("FileNotFoundError" in out.stderr) or ("PermissionError" in out.stderr)
@@ -89,7 +95,9 @@ def test_sandbox_cannot_write_outside_its_directory_nor_see_host_files(tmp_path)
 
 
 def test_code_tests_scores_the_fraction_of_passing_tests():
-    gt = {"tests": [{"input": "2 3", "output": "5"}, {"input": "10 -1", "output": "9"}, {"input": "1 1", "output": "3"}]}
+    gt = {
+        "tests": [{"input": "2 3", "output": "5"}, {"input": "10 -1", "output": "9"}, {"input": "1 1", "output": "3"}]
+    }
     out = code_tests({"response": "```python\na, b = map(int, input().split())\nprint(a + b)\n```", "ground_truth": gt})
     assert out["score"] == pytest.approx(2 / 3) and out["tests"] == ["ok", "ok", "wrong"]
 

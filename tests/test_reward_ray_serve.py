@@ -8,6 +8,7 @@ import pytest
 serve = pytest.importorskip("ray.serve")
 
 from reward_fixtures import free_port  # noqa: E402
+
 from rollart.reward.server import ServerSettings  # noqa: E402
 
 
@@ -20,7 +21,9 @@ def test_ray_serve_deployment_scores_and_scales_from_zero(ray_local):
     try:
         app = deployment(["rollart.envs.rewards:reverse"], ServerSettings(), max_replicas=2, downscale_delay_s=1)
         serve.run(app, name="rollart-rewards", route_prefix="/")
-        body = {"trajectories": [{"response": "cba", "ground_truth": "cba"}, {"response": "abc", "ground_truth": "cba"}]}
+        body = {
+            "trajectories": [{"response": "cba", "ground_truth": "cba"}, {"response": "abc", "ground_truth": "cba"}]
+        }
         url = f"http://127.0.0.1:{port}/rewards/reverse"
         r = httpx.post(url, timeout=60, json=body)
         assert r.status_code == 200 and r.json()["result"] == pytest.approx([1.0, 1 / 3])

@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -53,6 +54,7 @@ def test_oversize_body_413_and_unknown_function_404():
 def test_saturation_429_with_retry_after_then_success_on_retry():
     rf.GATE.clear()
     with ThreadServer(app(max_concurrency=1, retry_after_s=0)) as srv:
+
         async def scenario():
             async with httpx.AsyncClient(timeout=60) as http:
                 first = asyncio.ensure_future(http.post(srv.url("/rewards/gated"), json=TRAJ))
@@ -75,8 +77,9 @@ def test_raising_reward_is_500_with_its_message_and_the_client_never_scores_zero
         assert r.status_code == 500 and "divided by zero" in r.json()["detail"]
 
         async def scenario():
-            client = RewardClient(srv.url("/rewards/broken"), retry=RetryPolicy(retries=1, backoff_base_s=0.01),
-                                  on_failure="drop")
+            client = RewardClient(
+                srv.url("/rewards/broken"), retry=RetryPolicy(retries=1, backoff_base_s=0.01), on_failure="drop"
+            )
             with pytest.raises(RewardFailed) as info:
                 await client.score({"response": "x"})
             await client.aclose()
@@ -106,7 +109,7 @@ def test_tenant_labels_are_bounded_and_validated():
         for tenant in ("job-a", "job-b", "job-c", "job-d", "job-a"):
             r = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"X-Rollart-Tenant": tenant})
             assert r.status_code == 200
-        bad = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"X-Rollart-Tenant": "a b\"}"})
+        bad = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"X-Rollart-Tenant": 'a b"}'})
         assert bad.status_code == 422 and "X-Rollart-Tenant" in bad.json()["detail"]
         assert httpx.post(srv.url("/rewards/no-such-fn-1"), json=TRAJ).status_code == 404
         metrics = httpx.get(srv.url("/metrics")).text
@@ -123,8 +126,10 @@ def test_openapi_declares_the_bearer_scheme_and_401_still_holds(monkeypatch):
     with ThreadServer(app(token_env="RW_TOKEN")) as srv:
         spec = httpx.get(srv.url("/openapi.json")).json()
         assert spec["components"]["securitySchemes"]["HTTPBearer"] == {
-            "type": "http", "scheme": "bearer", "description": spec["components"]["securitySchemes"]["HTTPBearer"]
-            .get("description")}
+            "type": "http",
+            "scheme": "bearer",
+            "description": spec["components"]["securitySchemes"]["HTTPBearer"].get("description"),
+        }
         assert {"HTTPBearer": []} in spec["paths"]["/rewards/{name}"]["post"]["security"]
         # unauthenticated: 401 before the body is looked at (a schema error stays hidden)
         r = httpx.post(srv.url("/rewards/length"), json={"nonsense": 1})
@@ -183,6 +188,7 @@ json_values = st.recursive(
 
 def test_malformed_payloads_get_422_never_500():
     with ThreadServer(app()) as srv, httpx.Client() as http:
+
         @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
         @given(body=json_values | st.fixed_dictionaries({"trajectories": json_values}))
         def check(body):
@@ -191,7 +197,12 @@ def test_malformed_payloads_get_422_never_500():
 
         check()
         assert http.post(srv.url("/rewards/exact_match"), content=b"{not json").status_code == 422
-        assert http.post(srv.url("/rewards/exact_match"), content=b"\x80\x81", headers={"Content-Type": "application/json"}).status_code == 422
+        assert (
+            http.post(
+                srv.url("/rewards/exact_match"), content=b"\x80\x81", headers={"Content-Type": "application/json"}
+            ).status_code
+            == 422
+        )
 
 
 def test_server_killed_and_restarted_mid_stream_loses_no_reward(tmp_path):
@@ -205,8 +216,13 @@ def test_server_killed_and_restarted_mid_stream_loses_no_reward(tmp_path):
     trajs = [{"response": w[::-1] if i % 2 == 0 else w, "ground_truth": w[::-1]} for i, w in enumerate(words)]
 
     async def scenario():
-        client = RewardClient(f"http://127.0.0.1:{port}/rewards/reverse", max_batch=4, max_wait_ms=1,
-                              max_concurrency=2, retry=RetryPolicy(retries=40, backoff_base_s=0.05, backoff_max_s=0.5))
+        client = RewardClient(
+            f"http://127.0.0.1:{port}/rewards/reverse",
+            max_batch=4,
+            max_wait_ms=1,
+            max_concurrency=2,
+            retry=RetryPolicy(retries=40, backoff_base_s=0.05, backoff_max_s=0.5),
+        )
         first = await asyncio.gather(*(client.score(t) for t in trajs[:8]))
         os.killpg(proc.pid, signal.SIGKILL)  # the service dies mid-stream
         proc.wait()
@@ -247,14 +263,26 @@ def test_workers_serve_from_separate_processes_with_the_same_settings():
     """``--workers 2``: two uvicorn worker processes, each rebuilt with the functions and settings given
     on the command line (the bearer token included), and every request answered by one of them."""
     port = free_port()
-    env = dict(os.environ, REWARD_TOKEN="s3cret",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    proc = start_reward_server(["pid=reward_fixtures:process_id", "reverse=rollart.envs.rewards:reverse",
-                                "--workers", "2", "--token-env", "REWARD_TOKEN"], port, env)
+    env = dict(
+        os.environ,
+        REWARD_TOKEN="s3cret",
+        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = start_reward_server(
+        [
+            "pid=reward_fixtures:process_id",
+            "reverse=rollart.envs.rewards:reverse",
+            "--workers",
+            "2",
+            "--token-env",
+            "REWARD_TOKEN",
+        ],
+        port,
+        env,
+    )
     try:
-        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
-        workers = {int(c) for c in children
-                   if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()}
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        workers = {int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()}
         assert len(workers) == 2
         url = f"http://127.0.0.1:{port}/rewards"
         assert httpx.post(f"{url}/pid", json=TRAJ).status_code == 401  # the token reached the workers

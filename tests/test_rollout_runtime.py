@@ -5,13 +5,13 @@ import asyncio
 import threading
 
 import pytest
+from rollout_fixtures import BrokenStepEnv, CharCodec, CountEnv, FlakyResetEnv, GatedEnv, simulated_cluster
 
 from rollart.engines.base import SamplingParams
 from rollart.rollout.env_manager import EnvManager, EnvManagerConfig
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
 from rollart.rollout.types import GenerateRequest
-from rollout_fixtures import BrokenStepEnv, CharCodec, CountEnv, FlakyResetEnv, GatedEnv, simulated_cluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,8 +28,9 @@ async def test_trajectories_are_routed_to_the_hardware_of_their_tag(make_rm):
     class OtherEnv(CountEnv):
         tag = "Other"
 
-    managers = [EnvManager(CountEnv(), proxy, codec) for _ in range(3)] + \
-               [EnvManager(OtherEnv(), proxy, codec) for _ in range(3)]
+    managers = [EnvManager(CountEnv(), proxy, codec) for _ in range(3)] + [
+        EnvManager(OtherEnv(), proxy, codec) for _ in range(3)
+    ]
     trajs = await asyncio.gather(*(m.run(seed=i, group_id="g") for i, m in enumerate(managers)))
     for t in trajs:
         assert t.status == "ok" and t.reward == 2.0
@@ -109,8 +110,10 @@ async def test_redundant_collection_stops_early_and_keeps_complete_groups(make_r
     proxy = LLMProxy(simulated_cluster(rm, "rollout"))
     codec = CharCodec()
     gate = threading.Event()  # the slow env of every group never finishes until the test ends
-    groups = [[EnvManager(CountEnv(turns=1), proxy, codec) for _ in range(3)] +
-              [EnvManager(GatedEnv(gate), proxy, codec)] for _ in range(3)]
+    groups = [
+        [EnvManager(CountEnv(turns=1), proxy, codec) for _ in range(3)] + [EnvManager(GatedEnv(gate), proxy, codec)]
+        for _ in range(3)
+    ]
     cfg = RolloutConfig(num_env_groups=3, group_size=4, group_keep=3, batch_groups=2, alpha=0)
     sched = RolloutScheduler(groups, cfg)
     sched.start()

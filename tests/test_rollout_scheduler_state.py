@@ -40,6 +40,7 @@ def test_group_ids_are_typed_and_print_as_before():
     grp = Group([Trajectory(traj_id="a", group_id=str(gid), tag="t")], gid)
     assert grp.gid == gid and len(grp) == 1 and isinstance(grp, list)
     import pickle
+
     again = pickle.loads(pickle.dumps(grp))
     assert again.gid == gid and again == grp
 

@@ -18,8 +18,13 @@ class RecordingProxy:
 
     async def generate(self, req, tag):
         self.seeds.append(req.sampling.seed)
-        return SimpleNamespace(output_token_ids=[3, 4], output_logprobs=[-1.0, -1.0], token_versions=[0, 0],
-                               hardware="CPU", finish_reason="stop")
+        return SimpleNamespace(
+            output_token_ids=[3, 4],
+            output_logprobs=[-1.0, -1.0],
+            token_versions=[0, 0],
+            hardware="CPU",
+            finish_reason="stop",
+        )
 
 
 def seeds_of(sampling_seed, env_seed, traj_id):

@@ -21,20 +21,27 @@ def _namespaces() -> set[str]:
 
 
 def test_every_host_is_a_node_with_its_hardware_and_sees_the_cluster_from_any_host(hosts3):
-    want = {"10.201.0.1": {"accelerator_type:H800": 2.0}, "10.201.0.2": {"accelerator_type:H800": 2.0},
-            "10.201.0.3": {"accelerator_type:H20": 2.0}}
+    want = {
+        "10.201.0.1": {"accelerator_type:H800": 2.0},
+        "10.201.0.2": {"accelerator_type:H800": 2.0},
+        "10.201.0.3": {"accelerator_type:H20": 2.0},
+    }
     assert hosts3.run_python(NODES).check().result == want
     assert hosts3.run_python(NODES, host="c").check().result == want
 
 
-SERVER = ("import socket\n"
-          "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-          "s.bind(('0.0.0.0', 47111)); s.listen(); print('ready', flush=True)\n"
-          "while True:\n    s.accept()[0].close()\n")
-CONNECT = ("import socket, sys\n"
-           "s = socket.socket(); s.settimeout(10)\n"
-           "try:\n    s.connect((sys.argv[1], 47111)); print('RESULT true')\n"
-           "except OSError:\n    print('RESULT false')\n")
+SERVER = (
+    "import socket\n"
+    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('0.0.0.0', 47111)); s.listen(); print('ready', flush=True)\n"
+    "while True:\n    s.accept()[0].close()\n"
+)
+CONNECT = (
+    "import socket, sys\n"
+    "s = socket.socket(); s.settimeout(10)\n"
+    "try:\n    s.connect((sys.argv[1], 47111)); print('RESULT true')\n"
+    "except OSError:\n    print('RESULT false')\n"
+)
 
 
 def test_hosts_do_not_share_a_loopback_but_reach_each_other_by_ip(hosts3):

@@ -15,8 +15,16 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def traj(i: int, token_ids, loss_mask, reward: float, group: str = "g0") -> Trajectory:
-    return Trajectory(traj_id=f"t{i}", group_id=group, tag="test", token_ids=list(token_ids),
-                      loss_mask=list(loss_mask), logprobs=[-0.5 * m for m in loss_mask], versions=[0 if m else -1 for m in loss_mask], reward=reward)
+    return Trajectory(
+        traj_id=f"t{i}",
+        group_id=group,
+        tag="test",
+        token_ids=list(token_ids),
+        loss_mask=list(loss_mask),
+        logprobs=[-0.5 * m for m in loss_mask],
+        versions=[0 if m else -1 for m in loss_mask],
+        reward=reward,
+    )
 
 
 def agentic_groups(n: int) -> list[list[Trajectory]]:
@@ -28,7 +36,7 @@ def agentic_groups(n: int) -> list[list[Trajectory]]:
         mask = [0] * prompt + [1] * act + [0] * obs + [1] * act
         ids = torch.randint(3, 60, (len(mask),), generator=g).tolist()
         trajs.append(traj(i, ids, mask, reward=float(i % 2), group=f"g{i // 2}"))
-    return [trajs[i:i + 2] for i in range(0, n, 2)]
+    return [trajs[i : i + 2] for i in range(0, n, 2)]
 
 
 def critic_batch(critic: ra.Cluster, groups) -> ra.Batch:
@@ -94,7 +102,12 @@ def test_gae_batch_rejects_misaligned_values():
     with pytest.raises(ValueError, match="1 value rows for 2 trajectories"):
         gae_batch([[t, t]], [[0.0] * 3])
     assert CriticConfig(lam=0.9, length_adaptive_lambda=True).gae_kwargs() == {
-        "gamma": 1.0, "lam": 0.9, "critic_lam": None, "length_adaptive": True, "alpha": 0.05}
+        "gamma": 1.0,
+        "lam": 0.9,
+        "critic_lam": None,
+        "length_adaptive": True,
+        "alpha": 0.05,
+    }
     with pytest.raises(ValueError):
         CriticConfig(epoch=3)  # extra fields are refused
 
@@ -125,8 +138,13 @@ def test_k_value_updates_per_actor_step_fit_better_than_one(make_rm, tiny):
 
 def test_frozen_attention_keeps_every_attention_parameter_bit_identical(make_rm, tiny):
     rm = make_rm({"critic": {"hardware": "CPU", "cpus": 1}})
-    critic = ra.Cluster("critic_frozen", CriticWorker, rm, pool="critic",
-                        worker_kwargs={"config": {"model": tiny, "lr": 1e-2, "epochs": 2, "freeze_attention": True}})
+    critic = ra.Cluster(
+        "critic_frozen",
+        CriticWorker,
+        rm,
+        pool="critic",
+        worker_kwargs={"config": {"model": tiny, "lr": 1e-2, "epochs": 2, "freeze_attention": True}},
+    )
     groups = agentic_groups(4)
     batch = critic_batch(critic, groups)
     before = critic.state_summary()
@@ -220,8 +238,9 @@ def local_critic(**config) -> CriticWorker:
 def test_critic_checkpoint_round_trips_model_optimizer_and_warmup_weights_only(tiny, tmp_path):
     groups = agentic_groups(4)
     critic = local_critic(model=tiny, lr=1e-2, epochs=2, warmup_steps=3)
-    batch = gae_batch(groups, critic.compute_values(ra.Batch({C.INPUT_IDS: [t.token_ids for g in groups for t in g]})),
-                      lam=1.0)
+    batch = gae_batch(
+        groups, critic.compute_values(ra.Batch({C.INPUT_IDS: [t.token_ids for g in groups for t in g]})), lam=1.0
+    )
     critic.train_step(batch)
     path = critic.save_checkpoint(str(tmp_path / "ckpt" / "critic.pt"), step=7)
     state = torch.load(path, weights_only=True)  # tensors, dicts, lists and numbers only

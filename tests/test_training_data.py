@@ -13,9 +13,17 @@ from rollart.training.microbatch import plan_microbatches
 
 def traj(tid, reward, token_rewards=None):
     # prompt of 2 tokens, 2 action tokens
-    return Trajectory(traj_id=tid, group_id="0:0", tag="t", token_ids=[5, 6, 7, 8], loss_mask=[0, 0, 1, 1],
-                      logprobs=[0, 0, -1.0, -1.0], versions=[-1, -1, 0, 0], reward=reward,
-                      token_rewards=token_rewards)
+    return Trajectory(
+        traj_id=tid,
+        group_id="0:0",
+        tag="t",
+        token_ids=[5, 6, 7, 8],
+        loss_mask=[0, 0, 1, 1],
+        logprobs=[0, 0, -1.0, -1.0],
+        versions=[-1, -1, 0, 0],
+        reward=reward,
+        token_rewards=token_rewards,
+    )
 
 
 def test_sequence_grpo_broadcasts_over_the_sequence():
@@ -76,9 +84,16 @@ def test_the_batch_is_built_once_and_advantages_are_a_step_over_it():
 
 
 def single(tid, prompt, reward):
-    return Trajectory(traj_id=tid, group_id=tid, tag="t", token_ids=[*prompt, 9, 9], loss_mask=[0] * len(prompt) + [1, 1],
-                      logprobs=[0.0] * len(prompt) + [-1.0, -1.0], versions=[-1] * len(prompt) + [0, 0],
-                      reward=reward)
+    return Trajectory(
+        traj_id=tid,
+        group_id=tid,
+        tag="t",
+        token_ids=[*prompt, 9, 9],
+        loss_mask=[0] * len(prompt) + [1, 1],
+        logprobs=[0.0] * len(prompt) + [-1.0, -1.0],
+        versions=[-1] * len(prompt) + [0, 0],
+        reward=reward,
+    )
 
 
 def test_running_mean_baseline_by_hand():

@@ -23,8 +23,9 @@ def batch_of(n: int) -> ra.Batch:
         ids.append(row)
         masks.append([0, 0] + [1] * (length - 2))
         adv.append([float((-1) ** i)] * length)
-    return ra.Batch({C.INPUT_IDS: ids, C.LOSS_MASK: masks, C.ADVANTAGES: adv,
-                     C.BEHAVIOUR_LOGPROBS: [[0.0] * len(r) for r in ids]})
+    return ra.Batch(
+        {C.INPUT_IDS: ids, C.LOSS_MASK: masks, C.ADVANTAGES: adv, C.BEHAVIOUR_LOGPROBS: [[0.0] * len(r) for r in ids]}
+    )
 
 
 def test_two_ranks_match_one_rank_on_the_whole_batch(make_rm, tmp_path):
@@ -47,9 +48,14 @@ def test_two_ranks_match_one_rank_on_the_whole_batch(make_rm, tmp_path):
 def rows_of(lengths: list[int]) -> ra.Batch:
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, 60, (n,), generator=g).tolist() for n in lengths]
-    return ra.Batch({C.INPUT_IDS: ids, C.LOSS_MASK: [[0] + [1] * (n - 1) for n in lengths],
-                     C.ADVANTAGES: [[float((-1) ** i)] * n for i, n in enumerate(lengths)],
-                     C.BEHAVIOUR_LOGPROBS: [[0.0] * n for n in lengths]})
+    return ra.Batch(
+        {
+            C.INPUT_IDS: ids,
+            C.LOSS_MASK: [[0] + [1] * (n - 1) for n in lengths],
+            C.ADVANTAGES: [[float((-1) ** i)] * n for i, n in enumerate(lengths)],
+            C.BEHAVIOUR_LOGPROBS: [[0.0] * n for n in lengths],
+        }
+    )
 
 
 def test_ranks_with_uneven_or_empty_shares_still_step_together(make_rm, tmp_path):
@@ -79,8 +85,9 @@ def test_a_killed_trainer_is_restarted_and_resumes_from_its_checkpoint(make_rm, 
 
     model = str(build_tiny(tmp_path / "tiny", hidden_size=32, num_layers=1, intermediate_size=64, seed=2))
     rm = make_rm({"train": {"hardware": "CPU", "cpus": 1}})
-    train = ra.Cluster("trainer", TorchTrainWorker, rm, pool="train",
-                       worker_kwargs={"config": {"model": model, "lr": 1e-2}})
+    train = ra.Cluster(
+        "trainer", TorchTrainWorker, rm, pool="train", worker_kwargs={"config": {"model": model, "lr": 1e-2}}
+    )
     batch = batch_of(6)
     train.train_step(batch)
     train.train_step(batch)

@@ -10,14 +10,20 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 
-import rollart as ra  # noqa: E402
-from rollart.models import build_tiny  # noqa: E402
-from rollart.training import columns as C  # noqa: E402
-from rollart.training.megatron_strategy import (  # noqa: E402
-    MegatronConfig, MegatronTrainWorker, build_gpt_model, cpu_patches, gpt_logits, hf_to_megatron, init_megatron_parallel,
+import rollart as ra
+from rollart.models import build_tiny
+from rollart.training import columns as C
+from rollart.training.megatron_strategy import (
+    MegatronConfig,
+    MegatronTrainWorker,
+    build_gpt_model,
+    cpu_patches,
+    gpt_logits,
+    hf_to_megatron,
+    init_megatron_parallel,
     megatron_to_hf,
 )
-from rollart.training.torch_strategy import TorchTrainWorker, free_port  # noqa: E402
+from rollart.training.torch_strategy import TorchTrainWorker, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,15 +79,21 @@ def test_cpu_patches_are_explicit_and_undone():
     code = "import sys, rollart.training.megatron_strategy; print(any(m.startswith('megatron') for m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
-    before = (RotaryEmbedding.__dict__["get_emb"], mcore_utils.GlobalMemoryBuffer.__dict__["get_tensor"],
-              mcore_random._CUDA_RNG_STATE_TRACKER)
+    before = (
+        RotaryEmbedding.__dict__["get_emb"],
+        mcore_utils.GlobalMemoryBuffer.__dict__["get_tensor"],
+        mcore_random._CUDA_RNG_STATE_TRACKER,
+    )
     with cpu_patches():
         assert RotaryEmbedding.__dict__["get_emb"] is ms._cpu_get_emb
         assert mcore_utils.GlobalMemoryBuffer.__dict__["get_tensor"] is ms._cpu_get_tensor
         with mcore_random.get_cuda_rng_tracker().fork():  # no torch.cuda RNG involved
             pass
-    assert (RotaryEmbedding.__dict__["get_emb"], mcore_utils.GlobalMemoryBuffer.__dict__["get_tensor"],
-            mcore_random._CUDA_RNG_STATE_TRACKER) == before
+    assert (
+        RotaryEmbedding.__dict__["get_emb"],
+        mcore_utils.GlobalMemoryBuffer.__dict__["get_tensor"],
+        mcore_random._CUDA_RNG_STATE_TRACKER,
+    ) == before
 
 
 def test_hf_megatron_round_trip_is_exact(tiny, megatron_cpu):
@@ -103,8 +115,15 @@ def test_round_trip_with_untied_embeddings_and_interleaved_heads(megatron_cpu):
     """Untied output layer; each row labelled so a wrong q/k/v interleaving cannot go unnoticed."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=50, hidden_size=24, intermediate_size=40, num_hidden_layers=1,
-                      num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     state = {k: torch.randn_like(v) for k, v in Qwen2ForCausalLM(cfg).state_dict().items()}
     hd = 4
     state["model.layers.0.self_attn.q_proj.bias"] = torch.arange(6 * hd, dtype=torch.float32)
@@ -149,8 +168,9 @@ def batch_of(n: int, vocab: int) -> ra.Batch:
         adv.append([float((-1) ** i) * (1 + i / n)] * length)
         old.append((-3 - torch.rand(length, generator=g)).tolist())
         ref.append((-3 - torch.rand(length, generator=g)).tolist())
-    return ra.Batch({C.INPUT_IDS: ids, C.LOSS_MASK: masks, C.ADVANTAGES: adv, C.BEHAVIOUR_LOGPROBS: old,
-                     C.REF_LOGPROBS: ref})
+    return ra.Batch(
+        {C.INPUT_IDS: ids, C.LOSS_MASK: masks, C.ADVANTAGES: adv, C.BEHAVIOUR_LOGPROBS: old, C.REF_LOGPROBS: ref}
+    )
 
 
 def test_parallel_sizes_above_one_are_refused_before_any_actor(tiny):
@@ -173,10 +193,24 @@ def test_train_step_matches_the_torch_strategy(make_rm, tiny, tmp_path):
 
     from rollart.weights.ray_channel import RayObjectChannel
 
-    cfg = {"model": tiny, "lr": 1e-2, "loss": "ppo", "ppo_epochs": 2, "max_tokens_per_microbatch": 24,
-           "kl_coef": 0.1, "entropy_coef": 0.01, "grad_clip": 0.5, "seed": 7}
-    rm = make_rm({"meg": {"hardware": "CPU", "cpus": 1}, "torch": {"hardware": "CPU", "cpus": 1},
-                  "megdp": {"hardware": "CPU", "cpus": 2}})
+    cfg = {
+        "model": tiny,
+        "lr": 1e-2,
+        "loss": "ppo",
+        "ppo_epochs": 2,
+        "max_tokens_per_microbatch": 24,
+        "kl_coef": 0.1,
+        "entropy_coef": 0.01,
+        "grad_clip": 0.5,
+        "seed": 7,
+    }
+    rm = make_rm(
+        {
+            "meg": {"hardware": "CPU", "cpus": 1},
+            "torch": {"hardware": "CPU", "cpus": 1},
+            "megdp": {"hardware": "CPU", "cpus": 2},
+        }
+    )
     meg = ra.Cluster("meg", MegatronTrainWorker, rm, pool="meg", worker_kwargs={"config": cfg})
     tch = ra.Cluster("torch", TorchTrainWorker, rm, pool="torch", worker_kwargs={"config": cfg})
     assert meg.setup_distributed("127.0.0.1", free_port()) == ["single"]
@@ -237,8 +271,11 @@ def test_pipeline_trains_with_the_megatron_strategy_and_resumes(ray_local, tmp_p
     assert [h["version"] for h in history] == [1, 2] and versions == [2]
     assert all(h["tokens"] > 0 and h["max_staleness"] <= cfg.rollout.alpha for h in history)
 
-    pipe = AgenticPipeline(small_config(tmp_path, steps=3, checkpoint_every=2,
-                                        train={"lr": 0.001, "strategy": "megatron"}), resume=True, progress=False)
+    pipe = AgenticPipeline(
+        small_config(tmp_path, steps=3, checkpoint_every=2, train={"lr": 0.001, "strategy": "megatron"}),
+        resume=True,
+        progress=False,
+    )
     try:
         assert pipe.start_step == 2
         assert pipe.train.weight_checksum()[0] == trained  # the checkpoint restored the trained weights

@@ -124,10 +124,17 @@ def test_accumulate_step_matches_one_pass_over_the_whole_batch_and_zero_passes_a
         seen.append(rows)
         (((model(x[rows]) - y[rows]) ** 2).sum() / 6).backward()
 
-    norm = accumulate_step(model=model, params=list(model.parameters()), optimizer=opt, share=share,
-                           backward=backward, zero_forward=lambda ids, att: model(ids.float().expand(-1, 3)),
-                           device=torch.device("cpu"), grad_clip=None)
+    norm = accumulate_step(
+        model=model,
+        params=list(model.parameters()),
+        optimizer=opt,
+        share=share,
+        backward=backward,
+        zero_forward=lambda ids, att: model(ids.float().expand(-1, 3)),
+        device=torch.device("cpu"),
+        grad_clip=None,
+    )
     assert seen == chunks
     for p, e in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, e)
-    assert norm == pytest.approx(float(torch.sqrt(sum((e ** 2).sum() for e in expected))), rel=1e-6)
+    assert norm == pytest.approx(float(torch.sqrt(sum((e**2).sum() for e in expected))), rel=1e-6)

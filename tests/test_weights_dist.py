@@ -4,7 +4,7 @@ versions, a tampered checksum refused, and a version nobody publishes timing out
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import pytest
 import ray
@@ -18,8 +18,9 @@ pytestmark = pytest.mark.timeout(180)
 
 @ray.remote(num_cpus=0)
 class Publisher:
-    def publish(self, channel: TorchBroadcastChannel, state: dict[str, torch.Tensor], version: int,
-                background: bool = False) -> int:
+    def publish(
+        self, channel: TorchBroadcastChannel, state: dict[str, torch.Tensor], version: int, background: bool = False
+    ) -> int:
         if background:  # as ``publish_to(channel, wait=False)`` does
             channel.publish_async(state, version, copy=False).result(timeout=60)
         else:
@@ -39,7 +40,7 @@ class Receiver:
     def fetch_error(self, channel: TorchBroadcastChannel, version: int) -> str:
         try:
             channel.fetch(version)
-        except Exception as err:  # noqa: BLE001 - the test asserts on the type
+        except Exception as err:
             return type(err).__name__
         return "no error"
 

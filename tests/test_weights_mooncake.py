@@ -21,15 +21,16 @@ def _require_mooncake() -> None:
     except (ImportError, OSError) as err:  # OSError: libibverbs1 missing
         if os.environ.get("CI"):
             raise
-        pytest.skip(f"Mooncake store not importable ({err}): pip install 'rollart[mooncake]', apt-get install libibverbs1")
+        pytest.skip(
+            f"Mooncake store not importable ({err}): pip install 'rollart[mooncake]', apt-get install libibverbs1"
+        )
 
 
 @pytest.fixture(scope="module")
 def master():
     _require_mooncake()
-    from rollart.weights.mooncake_master import MooncakeMaster
-
     from rollart.weights.mooncake_channel import close_clients
+    from rollart.weights.mooncake_master import MooncakeMaster
 
     m = MooncakeMaster(lease_ttl_ms=200).start()
     yield m
@@ -76,8 +77,9 @@ def test_versions_cross_processes_and_only_the_newest_are_kept(ray_local, master
     pub, readers = Publisher.remote(), [Reader.remote(), Reader.remote()]
     # readers wait for a version that is not written yet: fetch blocks until its manifest appears
     waiting = [r.fetch.remote(channel, 0) for r in readers]
-    assert ray.get(pub.publish.remote(channel, 0, True)) >= sum(t.numel() * t.element_size()
-                                                                for t in sample_state(0).values())
+    assert ray.get(pub.publish.remote(channel, 0, True)) >= sum(
+        t.numel() * t.element_size() for t in sample_state(0).values()
+    )
     assert all(same(got, sample_state(0)) for got in ray.get(waiting))
     for step in (1, 2):
         ray.get(pub.publish.remote(channel, step, False))
@@ -114,21 +116,26 @@ def test_only_the_newest_versions_stay_in_the_store(master):
 
 
 async def test_a_torn_snapshot_is_refused_and_the_engine_keeps_serving_its_version(ray_local, make_rm, master):
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    import rollart as ra
+    from rollart.models import build_tiny
     from rollart.rollout.inference_worker import inference_worker_class
     from rollart.rollout.types import GenerateRequest
     from rollart.weights.mooncake_channel import MooncakeChannel, _Client
     from rollart.weights.snapshot import ChecksumMismatch
-    import rollart as ra
-
-    from rollart.models import build_tiny
-    from transformers import AutoModelForCausalLM
-
-    import tempfile
 
     path = build_tiny(tempfile.mkdtemp(prefix="tiny-mc-"), hidden_size=32, num_layers=1, intermediate_size=64)
     rm = make_rm({"rollout": {"hardware": "CPU", "cpus": 1}})
-    cluster = ra.Cluster("mc_infer", inference_worker_class({"*": ["CPU"]}), rm, pool="rollout",
-                         worker_kwargs={"engine": {"kind": "torch", "model": str(path)}})
+    cluster = ra.Cluster(
+        "mc_infer",
+        inference_worker_class({"*": ["CPU"]}),
+        rm,
+        pool="rollout",
+        worker_kwargs={"engine": {"kind": "torch", "model": str(path)}},
+    )
     try:
         channel = MooncakeChannel("torn", master.address, chunk_mb=1, segment_mb=32, timeout_s=30)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -143,8 +150,13 @@ async def test_a_torn_snapshot_is_refused_and_the_engine_keeps_serving_its_versi
         channel.publish(new_state, 1)
         assert (await cluster.load_weights_from(channel, 1)) == [1]
         after = await cluster.generate(req.model_copy(update={"request_id": "b"}), tag_name="x")
-        expected = model.generate(torch.tensor([[1, 5, 6, 7]]), do_sample=False, max_new_tokens=8,
-                                  attention_mask=torch.ones(1, 4, dtype=torch.long), pad_token_id=0)
+        expected = model.generate(
+            torch.tensor([[1, 5, 6, 7]]),
+            do_sample=False,
+            max_new_tokens=8,
+            attention_mask=torch.ones(1, 4, dtype=torch.long),
+            pad_token_id=0,
+        )
         assert after.output_token_ids == expected[0, 4:].tolist()[: len(after.output_token_ids)]
         assert after.token_versions == [1] * len(after.output_token_ids)
         assert after.output_token_ids != before.output_token_ids

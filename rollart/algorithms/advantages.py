@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -28,8 +29,9 @@ def normalise_group(rewards: torch.Tensor, *, norm_std: bool = True, eps: float 
     return centred
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, norm_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, norm_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` over the members of ``i``'s group, computed and
     returned in float64 (see :func:`normalise_group`); a group whose rewards are all equal gets exact
     zeros (never NaN). ``norm_std=False`` only centres."""
@@ -56,15 +58,17 @@ def reinforce_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Tensor
     return out
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level GAE over valid tokens: ``delta_t = r_t + gamma V_{t+1} - V_t``,
     ``A_t = delta_t + gamma lam A_{t+1}``; returns ``(advantages, returns = A + V)``."""
     return skip_observation_gae(rewards, values, torch.ones_like(mask) * mask, gamma, lam)
 
 
-def skip_observation_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor,
-                         gamma: float = 1.0, lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+def skip_observation_gae(
+    rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Skip-observation token GAE (seed 003 eq. 4–5): the recursion runs over action tokens only
     (``loss_mask == 1``); the next value of an action token is the value of the next *action* token,
     skipping the observation tokens between turns, so one TD step links consecutive actions across an
@@ -79,7 +83,7 @@ def skip_observation_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask:
         acc = rewards[b].to(torch.float32).clone()
         for k in range(len(idx)):
             end = idx[k + 1] if k + 1 < len(idx) else T
-            acc[idx[k]] = rewards[b, idx[k]:end].sum()
+            acc[idx[k]] = rewards[b, idx[k] : end].sum()
         for k in reversed(range(len(idx))):
             t = idx[k]
             delta = float(acc[t]) + gamma * next_value - float(values[b, t])
@@ -146,11 +150,12 @@ class RunningMeanBaseline:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain lists and strings (loadable by ``torch.load(weights_only=True)``)."""
-        return {"window": self.window, "scope": self.scope,
-                "windows": {k: list(w) for k, w in self._windows.items()}}
+        return {"window": self.window, "scope": self.scope, "windows": {k: list(w) for k, w in self._windows.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("scope", self.scope) != self.scope:
-            raise ValueError(f"RunningMeanBaseline: the checkpoint's scope is {state['scope']!r}, the config's "
-                             f"{self.scope!r}; resume with the same running_mean.scope")
+            raise ValueError(
+                f"RunningMeanBaseline: the checkpoint's scope is {state['scope']!r}, the config's "
+                f"{self.scope!r}; resume with the same running_mean.scope"
+            )
         self._windows = {k: deque((float(x) for x in w), maxlen=self.window) for k, w in state["windows"].items()}

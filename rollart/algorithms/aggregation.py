@@ -7,8 +7,9 @@ import torch
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "group-mean")
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
-              group_ids: torch.Tensor | None = None) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", group_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Reduce a ``[B, T]`` per-token loss over the tokens where ``mask`` is 1.
 
     - ``token-mean``: ``sum(loss * mask) / sum(mask)``
@@ -27,7 +28,9 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
         if group_ids is None:
             raise ValueError("aggregate(mode='group-mean') needs group_ids")
         groups = torch.unique(group_ids)
-        per = [(loss[group_ids == g] * mask[group_ids == g]).sum() / mask[group_ids == g].sum().clamp(min=1.0)
-               for g in groups]
+        per = [
+            (loss[group_ids == g] * mask[group_ids == g]).sum() / mask[group_ids == g].sum().clamp(min=1.0)
+            for g in groups
+        ]
         return torch.stack(per).mean()
     raise ValueError(f"unknown aggregation {mode!r}; use one of {AGG_MODES}")

@@ -13,7 +13,8 @@ is multiplied per token by ``w = sg(min(exp(proximal_logprobs - behaviour_logpro
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ def register_policy_loss(name: str, *, uses_proximal: bool = True) -> Callable[[
     -> (per_token_loss, metrics)``; either log-prob argument may be ``None`` when the caller has none.
     ``uses_proximal=False`` says the loss never reads ``proximal_logprobs`` (the trainer then skips
     recomputing pi_old when nothing else needs it)."""
+
     def add(fn: LossFn) -> LossFn:
         _LOSSES[name] = fn
         _USES_PROXIMAL[name] = uses_proximal
@@ -54,8 +56,15 @@ def _needs(x: torch.Tensor | None, what: str, loss: str, meaning: str) -> torch.
     return x
 
 
-def _ppo_terms(logprobs: torch.Tensor, proximal: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-               lo: float, hi: float, dual_clip: float | None) -> tuple[torch.Tensor, dict[str, float]]:
+def _ppo_terms(
+    logprobs: torch.Tensor,
+    proximal: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    lo: float,
+    hi: float,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     ratio = torch.exp(logprobs - proximal)
     unclipped = -ratio * advantages
     clipped = -torch.clamp(ratio, 1 - lo, 1 + hi) * advantages
@@ -70,10 +79,18 @@ _BEHAVE = "behaviour_logprobs", "log mu: the inference engine's logprobs of the 
 
 
 @register_policy_loss("ppo")
-def _ppo(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-         proximal_logprobs: torch.Tensor | None, behaviour_logprobs: torch.Tensor | None, eps: float = 0.2,
-         eps_low: float | None = None, eps_high: float | None = None, dual_clip: float | None = None
-         ) -> tuple[torch.Tensor, dict[str, float]]:
+def _ppo(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    proximal_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor | None,
+    eps: float = 0.2,
+    eps_low: float | None = None,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate: ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``; with ``dual_clip=c`` and
     ``A < 0`` the loss is further capped at ``-c A``."""
     prox = _needs(proximal_logprobs, _PROX[0], "ppo", _PROX[1])
@@ -82,9 +99,16 @@ def _ppo(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *
 
 
 @register_policy_loss("decoupled_ppo")
-def _decoupled_ppo(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                   proximal_logprobs: torch.Tensor | None, behaviour_logprobs: torch.Tensor | None,
-                   eps: float = 0.2, behave_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def _decoupled_ppo(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    proximal_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor | None,
+    eps: float = 0.2,
+    behave_cap: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled objective (seed 000 §2.2): the trust region is centred on the proximal policy while the
     behaviour policy (which sampled the tokens) is corrected by ``w = sg(exp(proximal - behaviour))``
     (optionally capped): ``-w * min(r A, clip(r, 1±eps) A)``, ``r = exp(logprobs - proximal)``."""
@@ -98,9 +122,15 @@ def _decoupled_ppo(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch
 
 
 @register_policy_loss("tis")
-def _tis(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-         proximal_logprobs: torch.Tensor | None, behaviour_logprobs: torch.Tensor | None, cap: float = 2.0
-         ) -> tuple[torch.Tensor, dict[str, float]]:
+def _tis(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    proximal_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor | None,
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Truncated importance sampling REINFORCE: ``-sg(min(r, cap)) * A * logprobs``."""
     prox = _needs(proximal_logprobs, _PROX[0], "tis", _PROX[1])
     w = torch.exp(logprobs - prox).clamp(max=cap).detach()
@@ -108,9 +138,16 @@ def _tis(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *
 
 
 @register_policy_loss("cispo")
-def _cispo(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-           proximal_logprobs: torch.Tensor | None, behaviour_logprobs: torch.Tensor | None,
-           eps_low: float = 1.0, eps_high: float = 0.28) -> tuple[torch.Tensor, dict[str, float]]:
+def _cispo(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    proximal_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor | None,
+    eps_low: float = 1.0,
+    eps_high: float = 0.28,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO: the IS weight is clipped and stop-gradiented, every token keeps a gradient:
     ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logprobs``."""
     prox = _needs(proximal_logprobs, _PROX[0], "cispo", _PROX[1])
@@ -119,9 +156,17 @@ def _cispo(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     return -w * advantages * logprobs, {"clip_frac": _masked_mean((w != ratio.detach()).float(), mask)}
 
 
-def _topr(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-          proximal_logprobs: torch.Tensor | None, behaviour_logprobs: torch.Tensor | None, cap: float = 1.0,
-          positive_weight: float = 1.0, negative_weight: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+def _topr(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    proximal_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor | None,
+    cap: float = 1.0,
+    positive_weight: float = 1.0,
+    negative_weight: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Tapered off-policy REINFORCE: positive-advantage tokens get the plain (SFT-like) gradient
     ``-A * logprobs``; negative ones a truncated IS weight ``-sg(min(r, cap)) * A * logprobs``.
     ``weighted_topr`` sets ``positive_weight``/``negative_weight``."""
@@ -137,9 +182,16 @@ register_policy_loss("weighted_topr")(_topr)
 
 
 @register_policy_loss("dis", uses_proximal=False)
-def _dis(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-         proximal_logprobs: torch.Tensor | None, behaviour_logprobs: torch.Tensor | None, low: float = 0.5,
-         high: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+def _dis(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    proximal_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor | None,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Double-sided token IS masking (seed 003 eq. 1–3): with ``rho = exp(logprobs - behaviour_logprobs)``
     tokens whose ratio leaves ``[low, high]`` are masked out; kept tokens contribute
     ``-sg(rho) * A * logprobs``. The proximal policy plays no part."""
@@ -149,10 +201,19 @@ def _dis(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *
     return -keep * rho * advantages * logprobs, {"mask_frac": 1.0 - _masked_mean(keep, mask)}
 
 
-def policy_loss(name: str, logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                proximal_logprobs: torch.Tensor | None = None, behaviour_logprobs: torch.Tensor | None = None,
-                agg: str = "token-mean", group_ids: torch.Tensor | None = None, tis_cap: float | None = None,
-                **params: Any) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(
+    name: str,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    proximal_logprobs: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    agg: str = "token-mean",
+    group_ids: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    **params: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """``(aggregated loss, metrics)`` of the loss ``name`` (see the module docstring). The ratio metrics
     (``ratio_*``, ``kl_k1``, ``kl_k3``) compare ``logprobs`` with the proximal policy, or with the
     behaviour policy when no proximal log-probs are given."""
@@ -162,8 +223,14 @@ def policy_loss(name: str, logprobs: torch.Tensor, advantages: torch.Tensor, mas
         advantages = advantages[:, None].expand_as(logprobs)
     mask = mask.to(logprobs.dtype)
     try:
-        loss_mat, metrics = _LOSSES[name](logprobs, advantages, mask, proximal_logprobs=proximal_logprobs,
-                                          behaviour_logprobs=behaviour_logprobs, **params)
+        loss_mat, metrics = _LOSSES[name](
+            logprobs,
+            advantages,
+            mask,
+            proximal_logprobs=proximal_logprobs,
+            behaviour_logprobs=behaviour_logprobs,
+            **params,
+        )
     except TypeError as err:
         raise ValueError(f"policy_loss({name!r}): {err}") from None
     if tis_cap is not None:
@@ -178,13 +245,15 @@ def policy_loss(name: str, logprobs: torch.Tensor, advantages: torch.Tensor, mas
             log_r = (logprobs - anchor).detach()
             ratio = torch.exp(log_r)
             valid = mask > 0
-            metrics.update({
-                "ratio_mean": _masked_mean(ratio, mask),
-                "ratio_max": float(ratio[valid].max()) if valid.any() else 1.0,
-                "ratio_min": float(ratio[valid].min()) if valid.any() else 1.0,
-                "kl_k1": _masked_mean(-log_r, mask),
-                "kl_k3": _masked_mean(torch.exp(log_r) - 1 - log_r, mask),
-            })
+            metrics.update(
+                {
+                    "ratio_mean": _masked_mean(ratio, mask),
+                    "ratio_max": float(ratio[valid].max()) if valid.any() else 1.0,
+                    "ratio_min": float(ratio[valid].min()) if valid.any() else 1.0,
+                    "kl_k1": _masked_mean(-log_r, mask),
+                    "kl_k3": _masked_mean(torch.exp(log_r) - 1 - log_r, mask),
+                }
+            )
     return aggregate(loss_mat, mask, agg, group_ids), metrics
 
 
@@ -203,8 +272,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
     raise ValueError(f"kl_penalty(kind={kind!r}): use k1, k2, k3 or abs")
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float | None = 0.2) -> torch.Tensor:
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float | None = 0.2
+) -> torch.Tensor:
     """Clipped value loss ``0.5 * max((V - R)^2, (clip(V, V_old ± c) - R)^2)``, token mean."""
     err = (values - returns) ** 2
     if clip is not None:

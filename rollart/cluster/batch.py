@@ -7,7 +7,8 @@ chunks gives back the original rows in order.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeAlias
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -22,9 +23,7 @@ def _length(name: str, col: Any) -> int:
         return int(col.shape[0])
     if isinstance(col, (list, tuple)):
         return len(col)
-    raise TypeError(
-        f"Batch column {name!r} has type {type(col).__name__}; use a torch.Tensor, numpy array or list"
-    )
+    raise TypeError(f"Batch column {name!r} has type {type(col).__name__}; use a torch.Tensor, numpy array or list")
 
 
 class Batch(Mapping[str, Column]):
@@ -42,9 +41,7 @@ class Batch(Mapping[str, Column]):
             if size is None:
                 size, first = n, name
             elif n != size:
-                raise ValueError(
-                    f"Batch columns must have equal length: {first!r} has {size} rows, {name!r} has {n}"
-                )
+                raise ValueError(f"Batch columns must have equal length: {first!r} has {size} rows, {name!r} has {n}")
             self.data[name] = col
         self._size = size or 0
 
@@ -74,11 +71,11 @@ class Batch(Mapping[str, Column]):
     def columns(self) -> list[str]:
         return list(self.data)
 
-    def rows(self, start: int, stop: int) -> "Batch":
+    def rows(self, start: int, stop: int) -> Batch:
         """Rows ``[start, stop)`` as a new Batch (tensors are views)."""
         return Batch({k: v[start:stop] for k, v in self.data.items()}, self.meta)
 
-    def select(self, indices: Sequence[int]) -> "Batch":
+    def select(self, indices: Sequence[int]) -> Batch:
         """The rows at ``indices``, in that order."""
         idx = list(indices)
         out: dict[str, Column] = {}
@@ -91,7 +88,7 @@ class Batch(Mapping[str, Column]):
                 out[k] = [v[i] for i in idx]
         return Batch(out, self.meta)
 
-    def split(self, n: int) -> list["Batch"]:
+    def split(self, n: int) -> list[Batch]:
         """``n`` contiguous chunks, sizes ``ceil`` then ``floor`` of ``len/n`` (may be empty, never padded)."""
         if n <= 0:
             raise ValueError(f"Batch.split(n={n}): n must be >= 1")
@@ -104,7 +101,7 @@ class Batch(Mapping[str, Column]):
         return chunks
 
     @staticmethod
-    def concat(batches: Iterable["Batch"]) -> "Batch":
+    def concat(batches: Iterable[Batch]) -> Batch:
         """Rows of every batch in order; columns must match; meta of the first batch is kept."""
         parts = [b for b in batches]
         if not parts:

@@ -84,7 +84,7 @@ class Cluster:
         resource_manager: ResourceManager,
         pool: str | None = None,
         devices_per_worker: int = 1,
-        colocate_with: "Cluster | None" = None,
+        colocate_with: Cluster | None = None,
         *,
         worker_args: tuple = (),
         worker_kwargs: dict[str, Any] | None = None,
@@ -103,8 +103,9 @@ class Cluster:
         self.methods: dict[str, ExposedMethod] = exposed_methods(worker_cls)
         for taken in ("call", "call_async"):
             if taken in self.methods:
-                raise TypeError(f"{worker_cls.__name__}.{taken}: {taken!r} is a Cluster method of its own; "
-                                "rename the worker method")
+                raise TypeError(
+                    f"{worker_cls.__name__}.{taken}: {taken!r} is a Cluster method of its own; rename the worker method"
+                )
         self._lock = threading.Lock()
         self._slots: list[_Slot] = []
         self._executor: ThreadPoolExecutor | None = None
@@ -128,7 +129,11 @@ class Cluster:
             self._bind_method(m)
             if m.serverless is not None:
                 resource_manager.store.record_endpoint(
-                    resource_manager.job_id, name, m.name, m.serverless.url, m.serverless.timeout_s,
+                    resource_manager.job_id,
+                    name,
+                    m.name,
+                    m.serverless.url,
+                    m.serverless.timeout_s,
                     m.serverless.retries,
                 )
 
@@ -216,8 +221,13 @@ class Cluster:
 
     def _start_actor(self, slot: _Slot) -> ray.ObjectRef:
         ctx = WorkerContext(
-            cluster=self.name, job_id=self.job_id, rank=slot.rank, world_size=self.world_size,
-            pool=self.pool, hardware=slot.hardware, device_ids=slot.device_ids,
+            cluster=self.name,
+            job_id=self.job_id,
+            rank=slot.rank,
+            world_size=self.world_size,
+            pool=self.pool,
+            hardware=slot.hardware,
+            device_ids=slot.device_ids,
             shared_gpus=self._shared_devices(slot),
         )
         opts = self._actor_options(slot)
@@ -232,8 +242,15 @@ class Cluster:
         slot.node_ip = info.get("node_ip", "")
         slot.device_ids = tuple(info["device_ids"])
         self.resource_manager.store.record_binding(
-            self.job_id, self.name, slot.rank, self.pool, slot.hardware, slot.node_id, list(slot.device_ids),
-            slot.actor_name, node_ip=slot.node_ip,
+            self.job_id,
+            self.name,
+            slot.rank,
+            self.pool,
+            slot.hardware,
+            slot.node_id,
+            list(slot.device_ids),
+            slot.actor_name,
+            node_ip=slot.node_ip,
         )
 
     def _spawn_all(self, timeout_s: float) -> None:
@@ -249,8 +266,13 @@ class Cluster:
                     f"worker {self.name}[rank {rank}] on {slot.hardware} failed to start: {err}"
                 ) from err
             self._mark_started(slot, info)
-        log.info("cluster %s: %d workers on pool %s (%s)", self.name, self.world_size, self.pool,
-                 ", ".join(f"{s.hardware}" for s in self._slots))
+        log.info(
+            "cluster %s: %d workers on pool %s (%s)",
+            self.name,
+            self.world_size,
+            self.pool,
+            ", ".join(f"{s.hardware}" for s in self._slots),
+        )
 
     def restart_worker(self, rank: int, timeout_s: float = 300.0) -> None:
         """Replace the actor of ``rank`` (dead or alive) with a fresh one in the same placement bundle."""
@@ -308,8 +330,14 @@ class Cluster:
     def placement(self) -> list[dict[str, Any]]:
         """Rank, hardware, node id, device ids and liveness of every worker."""
         return [
-            {"rank": s.rank, "hardware": s.hardware, "node_id": s.node_id, "node_ip": s.node_ip,
-             "device_ids": list(s.device_ids), "alive": s.alive}
+            {
+                "rank": s.rank,
+                "hardware": s.hardware,
+                "node_id": s.node_id,
+                "node_ip": s.node_ip,
+                "device_ids": list(s.device_ids),
+                "alive": s.alive,
+            }
             for s in self._slots
         ]
 
@@ -322,14 +350,21 @@ class Cluster:
     def _proxy_for(self, method: Callable[..., Any]) -> Callable[..., Any]:
         name = getattr(method, "__name__", None)
         if not isinstance(name, str) or name not in self.methods:
-            raise TypeError(f"cluster {self.name!r}: {method!r} is not an exposed method of "
-                            f"{self.worker_cls.__name__}; exposed methods are {sorted(self.methods)}")
+            raise TypeError(
+                f"cluster {self.name!r}: {method!r} is not an exposed method of "
+                f"{self.worker_cls.__name__}; exposed methods are {sorted(self.methods)}"
+            )
         # the same name on a class of the worker's hierarchy (a subclass may override the method)
-        owners = [c for c in self.worker_cls.__mro__ if c.__dict__.get(name) is method
-                  or getattr(c.__dict__.get(name), "__func__", None) is method]
+        owners = [
+            c
+            for c in self.worker_cls.__mro__
+            if c.__dict__.get(name) is method or getattr(c.__dict__.get(name), "__func__", None) is method
+        ]
         if not owners and self.methods[name].fn is not method:
-            raise TypeError(f"cluster {self.name!r}: {getattr(method, '__qualname__', name)} is not a method of "
-                            f"{self.worker_cls.__name__} (pass {self.worker_cls.__name__}.{name})")
+            raise TypeError(
+                f"cluster {self.name!r}: {getattr(method, '__qualname__', name)} is not a method of "
+                f"{self.worker_cls.__name__} (pass {self.worker_cls.__name__}.{name})"
+            )
         return self.__dict__[name]
 
     def call(self, method: Callable[Concatenate[Any, P], R], /, *args: P.args, **kwargs: P.kwargs) -> Any:
@@ -340,12 +375,12 @@ class Cluster:
         call. The arguments are type-checked against ``method``'s signature. For an ``async def`` method
         this returns its awaitable :class:`ClusterFuture` (as the attribute style does)."""
         if "blocking" in kwargs:
-            raise TypeError(f"{self.name}.call: 'blocking' is not an argument of call(); use call_async() "
-                            "for a future")
+            raise TypeError(f"{self.name}.call: 'blocking' is not an argument of call(); use call_async() for a future")
         return self._proxy_for(method)(*args, **kwargs)
 
-    def call_async(self, method: Callable[Concatenate[Any, P], R], /, *args: P.args,
-                   **kwargs: P.kwargs) -> Awaitable[Any]:
+    def call_async(
+        self, method: Callable[Concatenate[Any, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Awaitable[Any]:
         """Start ``method`` without blocking; await the result (collected as in :meth:`call`). Sync and
         async worker methods alike: a :class:`ClusterFuture` (also ``.result(timeout)``) for worker
         calls, an awaitable for serverless ones."""
@@ -373,8 +408,13 @@ class Cluster:
         slot = self._slots[rank]
         if slot.alive:
             slot.alive = False
-            log.warning("cluster %s: worker rank %d on %s (host %s) is dead", self.name, rank, slot.hardware,
-                        slot.node_ip or "?")
+            log.warning(
+                "cluster %s: worker rank %d on %s (host %s) is dead",
+                self.name,
+                rank,
+                slot.hardware,
+                slot.node_ip or "?",
+            )
             self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, "dead")
 
     def _died(self, rank: int, err: BaseException | None = None) -> WorkerDiedError:
@@ -475,8 +515,15 @@ class Cluster:
                     nxt = self._route(spec, tag)
                 except NoLiveWorkerError as none_left:
                     raise self._died(rank, err) from none_left
-                log.info("%s.%s: rank %d died, tag %r rerouted to rank %d (%s)", self.name, m.name, rank, tag,
-                         nxt.rank, nxt.hardware)
+                log.info(
+                    "%s.%s: rank %d died, tag %r rerouted to rank %d (%s)",
+                    self.name,
+                    m.name,
+                    rank,
+                    tag,
+                    nxt.rank,
+                    nxt.hardware,
+                )
                 return nxt.rank, self._submit_routed(nxt, m.name, args, kwargs)
 
             fut: ClusterFuture[Any] = ClusterFuture(
@@ -493,8 +540,7 @@ class Cluster:
 
         sig = inspect.signature(m.fn)
         self_name = next(iter(sig.parameters))
-        retry = RetryPolicy(retries=spec.retries, backoff_base_s=spec.backoff_base_s,
-                            backoff_max_s=spec.backoff_max_s)
+        retry = RetryPolicy(retries=spec.retries, backoff_base_s=spec.backoff_base_s, backoff_max_s=spec.backoff_max_s)
 
         def payload_of(args: tuple, kwargs: dict) -> dict[str, Any]:
             try:
@@ -504,7 +550,12 @@ class Cluster:
             bound.apply_defaults()
             return {k: v for k, v in bound.arguments.items() if k != self_name}
 
-        opts: dict[str, Any] = {"timeout_s": spec.timeout_s, "retry": retry, "token_env": spec.token_env, "tenant": self.job_id}
+        opts: dict[str, Any] = {
+            "timeout_s": spec.timeout_s,
+            "retry": retry,
+            "token_env": spec.token_env,
+            "tenant": self.job_id,
+        }
 
         def call(*args: Any, blocking: bool = True, **kwargs: Any) -> Any:
             payload = payload_of(args, kwargs)
@@ -535,11 +586,13 @@ def _share_common_args(plan: list[Any]) -> list[Any]:
     live = [p for p in plan if p is not None]
     first_args, first_kwargs = live[0]
     shared_pos = {
-        i: ray.put(a) for i, a in enumerate(first_args)
+        i: ray.put(a)
+        for i, a in enumerate(first_args)
         if all(len(p[0]) > i and p[0][i] is a for p in live) and not isinstance(a, _NOT_SHARED)
     }
     shared_kw = {
-        k: ray.put(v) for k, v in first_kwargs.items()
+        k: ray.put(v)
+        for k, v in first_kwargs.items()
         if all(p[1].get(k) is v for p in live) and not isinstance(v, _NOT_SHARED)
     }
     out: list[Any] = []
@@ -548,10 +601,10 @@ def _share_common_args(plan: list[Any]) -> list[Any]:
             out.append(None)
             continue
         a, kw = p
-        out.append((
-            tuple(shared_pos.get(i, x) for i, x in enumerate(a)),
-            {k: shared_kw.get(k, v) for k, v in kw.items()},
-        ))
+        out.append(
+            (
+                tuple(shared_pos.get(i, x) for i, x in enumerate(a)),
+                {k: shared_kw.get(k, v) for k, v in kw.items()},
+            )
+        )
     return out
-
-

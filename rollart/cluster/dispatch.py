@@ -22,9 +22,7 @@ def plan_calls(spec: RegisterSpec, method: str, world_size: int, args: tuple, kw
     if spec.dispatch_fn is not None:
         plan = list(spec.dispatch_fn(world_size, args, kwargs))
         if len(plan) != world_size:
-            raise ValueError(
-                f"{method}: custom dispatch_fn returned {len(plan)} entries for world_size {world_size}"
-            )
+            raise ValueError(f"{method}: custom dispatch_fn returned {len(plan)} entries for world_size {world_size}")
         return plan
     mode = spec.dispatch
     if mode is Dispatch.RANK_ZERO or spec.execute is Execute.RANK_ZERO:
@@ -36,16 +34,15 @@ def plan_calls(spec: RegisterSpec, method: str, world_size: int, args: tuple, kw
             _check_scatter(method, f"argument {i}", a, world_size)
         for k, a in kwargs.items():
             _check_scatter(method, f"argument {k!r}", a, world_size)
-        return [
-            (tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world_size)
-        ]
+        return [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world_size)]
     if mode is Dispatch.DP_SPLIT:
         return split_batches(method, world_size, args, kwargs)
     raise ValueError(f"{method}: unsupported dispatch mode {mode!r}")
 
 
-def split_batches(method: str, world_size: int, args: tuple, kwargs: dict, *,
-                  call_empty: bool = False) -> list[RankCall]:
+def split_batches(
+    method: str, world_size: int, args: tuple, kwargs: dict, *, call_empty: bool = False
+) -> list[RankCall]:
     """``DP_SPLIT``: every ``Batch`` argument split into ``world_size`` contiguous chunks, the other
     arguments broadcast. A rank whose chunks are all empty does not run (no padding rows, no empty
     calls) unless ``call_empty`` — for methods every rank must join (collectives)."""

@@ -10,13 +10,22 @@ class ClusterError(RuntimeError):
 class WorkerDiedError(ClusterError):
     """A worker actor is dead or unreachable; ``Cluster.restart_worker(rank)`` brings it back."""
 
-    def __init__(self, cluster: str, rank: int, hardware: str, cause: BaseException | None = None, *,
-                 node_ip: str = "", ray_cluster: str = ""):
+    def __init__(
+        self,
+        cluster: str,
+        rank: int,
+        hardware: str,
+        cause: BaseException | None = None,
+        *,
+        node_ip: str = "",
+        ray_cluster: str = "",
+    ):
         self.cluster, self.rank, self.hardware, self.cause = cluster, rank, hardware, cause
         self.node_ip, self.ray_cluster = node_ip, ray_cluster
         detail = f": {type(cause).__name__}" if cause is not None else ""
-        where = ", ".join(x for x in (f"host {node_ip}" if node_ip else "",
-                                      f"Ray cluster {ray_cluster}" if ray_cluster else "") if x)
+        where = ", ".join(
+            x for x in (f"host {node_ip}" if node_ip else "", f"Ray cluster {ray_cluster}" if ray_cluster else "") if x
+        )
         super().__init__(
             f"worker {cluster}[rank {rank}] on {hardware} died{f' ({where})' if where else ''}{detail}; "
             f"call {cluster}.restart_worker({rank}) to bring it back"

@@ -8,7 +8,8 @@ worker surfaces as :class:`WorkerDiedError` naming the cluster, rank and hardwar
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Generator, Generic, TypeVar
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError

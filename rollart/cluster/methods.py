@@ -71,6 +71,10 @@ def _warn_reserved(worker_cls: type, name: str, fn: Callable[..., Any]) -> None:
         return
     for reserved in RESERVED_PARAMETERS:
         if reserved in params:
-            log.warning("%s.%s has a parameter named %r: Cluster calls use that keyword themselves "
-                        "(blocking=False returns a future), so the worker never receives it; rename it",
-                        worker_cls.__name__, name, reserved)
+            log.warning(
+                "%s.%s has a parameter named %r: Cluster calls use that keyword themselves "
+                "(blocking=False returns a future), so the worker never receives it; rename it",
+                worker_cls.__name__,
+                name,
+                reserved,
+            )

@@ -139,8 +139,14 @@ class _Attempts:
         if attempt >= self.retry.retries:
             return None
         delay = self.retry.delay(attempt, self.retry_after)
-        log.warning("serverless %s attempt %d failed (%s %s); retrying in %.2fs", self.url, attempt + 1,
-                    self.status, self.error, delay)
+        log.warning(
+            "serverless %s attempt %d failed (%s %s); retrying in %.2fs",
+            self.url,
+            attempt + 1,
+            self.status,
+            self.error,
+            delay,
+        )
         return delay
 
     def exhausted(self) -> ServerlessRetriesExhausted:
@@ -148,8 +154,15 @@ class _Attempts:
 
 
 def call_serverless(
-    url: str, payload: dict[str, Any], *, timeout_s: float, retry: RetryPolicy, token_env: str | None = None,
-    tenant: str | None = None, idempotency_key: str | None = None, client: httpx.Client | None = None,
+    url: str,
+    payload: dict[str, Any],
+    *,
+    timeout_s: float,
+    retry: RetryPolicy,
+    token_env: str | None = None,
+    tenant: str | None = None,
+    idempotency_key: str | None = None,
+    client: httpx.Client | None = None,
 ) -> Any:
     """POST ``payload`` and return the decoded result, retrying as the module docstring says."""
     headers = _headers(token_env, tenant, idempotency_key or uuid.uuid4().hex)
@@ -173,8 +186,15 @@ def call_serverless(
 
 
 async def acall_serverless(
-    url: str, payload: dict[str, Any], *, timeout_s: float, retry: RetryPolicy, token_env: str | None = None,
-    tenant: str | None = None, idempotency_key: str | None = None, client: httpx.AsyncClient | None = None,
+    url: str,
+    payload: dict[str, Any],
+    *,
+    timeout_s: float,
+    retry: RetryPolicy,
+    token_env: str | None = None,
+    tenant: str | None = None,
+    idempotency_key: str | None = None,
+    client: httpx.AsyncClient | None = None,
 ) -> Any:
     """The asyncio form of :func:`call_serverless`."""
     headers = _headers(token_env, tenant, idempotency_key or uuid.uuid4().hex)

@@ -90,5 +90,9 @@ def host_class(worker_cls: type[Worker]) -> type:
     return type(
         worker_cls.__name__,
         (worker_cls,),
-        {"__init__": __init__, "__module__": worker_cls.__module__, "__qualname__": f"{worker_cls.__qualname__}.hosted"},
+        {
+            "__init__": __init__,
+            "__module__": worker_cls.__module__,
+            "__qualname__": f"{worker_cls.__qualname__}.hosted",
+        },
     )

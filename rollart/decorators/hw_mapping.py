@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from rollart.decorators.specs import HW_MAPPING_ATTR, HwMappingSpec
 
@@ -37,9 +38,7 @@ def hw_mapping(mapping: Mapping[str, Sequence[str]]) -> Callable[[F], F]:
 
     def mark(fn: F) -> F:
         if "tag_name" not in inspect.signature(fn).parameters:
-            raise TypeError(
-                f"@hw_mapping method {fn.__qualname__} must take a 'tag_name' parameter (the routing hint)"
-            )
+            raise TypeError(f"@hw_mapping method {fn.__qualname__} must take a 'tag_name' parameter (the routing hint)")
         setattr(fn, HW_MAPPING_ATTR, spec)
         return fn
 

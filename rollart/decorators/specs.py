@@ -6,9 +6,10 @@ The decorators never wrap or change a method: they set one attribute on the func
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 REGISTER_ATTR = "__rollart_register__"
 HW_MAPPING_ATTR = "__rollart_hw_mapping__"

@@ -13,8 +13,9 @@ top-p and renormalised (greedy decoding reports the log-softmax of the raw logit
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field

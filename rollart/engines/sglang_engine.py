@@ -19,7 +19,8 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -31,8 +32,7 @@ logger = logging.getLogger(__name__)
 class SGLangEngine(InferenceEngine):
     """``engine: {kind: sglang, model: PATH, options: {dtype: bfloat16, mem_fraction_static: 0.5}}``."""
 
-    def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, poll_s: float = 0.05,
-                 **server_args: Any):
+    def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, poll_s: float = 0.05, **server_args: Any):
         try:
             import sglang as sgl
         except ImportError as err:
@@ -43,8 +43,9 @@ class SGLangEngine(InferenceEngine):
         self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-loop", daemon=True)
         self._thread.start()
         # the engine binds its event loop at construction: build it on the private loop's thread
-        self._engine = asyncio.run_coroutine_threadsafe(self._build(sgl, model, dtype, seed, server_args),
-                                                        self._loop).result()
+        self._engine = asyncio.run_coroutine_threadsafe(
+            self._build(sgl, model, dtype, seed, server_args), self._loop
+        ).result()
         self.poll_s = poll_s
         self._partial: dict[str, RequestOutput] = {}
         self._tasks: dict[str, Any] = {}
@@ -58,18 +59,27 @@ class SGLangEngine(InferenceEngine):
 
     def _sampling(self, request: EngineRequest) -> dict[str, Any]:
         p = request.params
-        out: dict[str, Any] = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k if p.top_k > 0 else -1,
-                               "max_new_tokens": p.max_new_tokens, "stop_token_ids": list(p.stop_token_ids),
-                               "ignore_eos": True}
+        out: dict[str, Any] = {
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k if p.top_k > 0 else -1,
+            "max_new_tokens": p.max_new_tokens,
+            "stop_token_ids": list(p.stop_token_ids),
+            "ignore_eos": True,
+        }
         if p.seed is not None:
             out["sampling_seed"] = p.seed
         return out
 
     async def _stream(self, request: EngineRequest) -> None:
         rid = request.request_id
-        gen = await self._engine.async_generate(input_ids=list(request.prompt_token_ids),
-                                                sampling_params=self._sampling(request),
-                                                return_logprob=request.params.logprobs, stream=True, rid=rid)
+        gen = await self._engine.async_generate(
+            input_ids=list(request.prompt_token_ids),
+            sampling_params=self._sampling(request),
+            return_logprob=request.params.logprobs,
+            stream=True,
+            rid=rid,
+        )
         async for chunk in gen:
             with self._lock:
                 out = self._partial.get(rid)
@@ -90,8 +100,9 @@ class SGLangEngine(InferenceEngine):
     def add_request(self, request: EngineRequest) -> None:
         rid = request.request_id
         with self._lock:
-            self._partial[rid] = RequestOutput(request_id=rid, prompt_token_ids=list(request.prompt_token_ids),
-                                               weight_version=self.weight_version)
+            self._partial[rid] = RequestOutput(
+                request_id=rid, prompt_token_ids=list(request.prompt_token_ids), weight_version=self.weight_version
+            )
         self._tasks[rid] = asyncio.run_coroutine_threadsafe(self._stream(request), self._loop)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -144,7 +155,9 @@ class SGLangEngine(InferenceEngine):
         tp = int(getattr(self._engine.server_args, "tp_size", 1) or 1)
         obj = UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=[MultiprocessingSerializer.serialize(named) for _ in range(tp)],
-            load_format=None, flush_cache=True)
+            load_format=None,
+            flush_cache=True,
+        )
         return await self._engine.tokenizer_manager.update_weights_from_tensor(obj, None)
 
     def shutdown(self) -> None:

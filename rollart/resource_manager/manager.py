@@ -12,9 +12,10 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -157,23 +158,29 @@ class ResourceManager:
             raise ResourceSpecError(
                 f"pool {pool!r} already hosts cluster {self.bindings[pool].owner!r} with "
                 f"{groups[0].devices_per_bundle} device(s) per worker; devices_per_worker={devices_per_bundle} "
-                "needs a pool of its own")
+                "needs a pool of its own"
+            )
         for rg in groups:
             if rg.group.amount % devices_per_bundle:
-                raise ResourceSpecError(f"pools.{pool}[{rg.index}]: {rg.group.amount} devices cannot be split into "
-                                        f"bundles of {devices_per_bundle}")
+                raise ResourceSpecError(
+                    f"pools.{pool}[{rg.index}]: {rg.group.amount} devices cannot be split into "
+                    f"bundles of {devices_per_bundle}"
+                )
         for rg in groups:  # free the one-device bundles first: the new ones need the same devices
             remove_placement_group(rg.placement_group)
             rg.placement_group = placement_group(
                 [rg.capacity.bundle(devices_per_bundle) for _ in range(rg.group.amount // devices_per_bundle)],
-                strategy="PACK", name=rg.name)
+                strategy="PACK",
+                name=rg.name,
+            )
             rg.devices_per_bundle = devices_per_bundle
         ready = [rg.placement_group.ready() for rg in groups]
         _, pending = ray.wait(ready, num_returns=len(ready), timeout=ready_timeout_s)
         if pending:
             raise ResourceSpecError(
                 f"pool {pool!r}: bundles of {devices_per_bundle} devices could not be placed within "
-                f"{ready_timeout_s:.0f}s (each needs {devices_per_bundle} free devices on one node)")
+                f"{ready_timeout_s:.0f}s (each needs {devices_per_bundle} free devices on one node)"
+            )
 
     def bind(self, cluster: str, pool: str, colocate_with: str | None) -> None:
         """Record that ``cluster`` uses ``pool``; a second cluster must ask to colocate."""

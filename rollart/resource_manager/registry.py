@@ -53,8 +53,9 @@ class ClusterRegistry:
     def _rows(self, kind: str, job_id: str | None) -> list[dict[str, Any]]:
         kv = _kv()
         prefix = f"{kind}/{job_id}" if job_id is not None else f"{kind}/"
-        keys = sorted(k.decode() if isinstance(k, bytes) else k
-                      for k in kv._internal_kv_list(prefix, namespace=self.namespace))
+        keys = sorted(
+            k.decode() if isinstance(k, bytes) else k for k in kv._internal_kv_list(prefix, namespace=self.namespace)
+        )
         if job_id is not None:  # "jobs/a" must not match "jobs/ab"
             keys = [k for k in keys if k == prefix or k.startswith(prefix + "/")]
         rows = []
@@ -68,8 +69,17 @@ class ClusterRegistry:
     def record_job(self, job_id: str, ray_address: str | None) -> None:
         from rollart.training.placement import node_ip
 
-        self._put(f"jobs/{job_id}", {"job_id": job_id, "ray_address": ray_address, "driver_pid": os.getpid(),
-                                     "driver_ip": node_ip(), "started_at": time.time(), "ended_at": None})
+        self._put(
+            f"jobs/{job_id}",
+            {
+                "job_id": job_id,
+                "ray_address": ray_address,
+                "driver_pid": os.getpid(),
+                "driver_ip": node_ip(),
+                "started_at": time.time(),
+                "ended_at": None,
+            },
+        )
 
     def end_job(self, job_id: str) -> None:
         now = time.time()
@@ -80,17 +90,56 @@ class ClusterRegistry:
             for row in self._rows(kind, job_id):
                 self._put(self._key(kind, row), {**row, "state": state, "updated_at": now})
 
-    def record_pool(self, job_id: str, pool: str, group_index: int, hardware: str, devices: int | None,
-                    cpus: float | None, placement_group: str, state: str = "reserved") -> None:
-        row = {"job_id": job_id, "pool": pool, "group_index": group_index, "hardware": hardware, "devices": devices,
-               "cpus": cpus, "placement_group": placement_group, "state": state, "updated_at": time.time()}
+    def record_pool(
+        self,
+        job_id: str,
+        pool: str,
+        group_index: int,
+        hardware: str,
+        devices: int | None,
+        cpus: float | None,
+        placement_group: str,
+        state: str = "reserved",
+    ) -> None:
+        row = {
+            "job_id": job_id,
+            "pool": pool,
+            "group_index": group_index,
+            "hardware": hardware,
+            "devices": devices,
+            "cpus": cpus,
+            "placement_group": placement_group,
+            "state": state,
+            "updated_at": time.time(),
+        }
         self._put(self._key("pools", row), row)
 
-    def record_binding(self, job_id: str, cluster: str, rank: int, pool: str | None, hardware: str, node_id: str,
-                       device_ids: list[int], actor_name: str, state: str = "alive", node_ip: str = "") -> None:
-        row = {"job_id": job_id, "cluster": cluster, "rank": rank, "pool": pool, "hardware": hardware,
-               "node_id": node_id, "node_ip": node_ip, "device_ids": list(device_ids), "actor_name": actor_name,
-               "state": state, "updated_at": time.time()}
+    def record_binding(
+        self,
+        job_id: str,
+        cluster: str,
+        rank: int,
+        pool: str | None,
+        hardware: str,
+        node_id: str,
+        device_ids: list[int],
+        actor_name: str,
+        state: str = "alive",
+        node_ip: str = "",
+    ) -> None:
+        row = {
+            "job_id": job_id,
+            "cluster": cluster,
+            "rank": rank,
+            "pool": pool,
+            "hardware": hardware,
+            "node_id": node_id,
+            "node_ip": node_ip,
+            "device_ids": list(device_ids),
+            "actor_name": actor_name,
+            "state": state,
+            "updated_at": time.time(),
+        }
         self._put(self._key("bindings", row), row)
 
     def set_binding_state(self, job_id: str, cluster: str, rank: int, state: str) -> None:
@@ -99,16 +148,23 @@ class ClusterRegistry:
         if row is not None:
             self._put(key, {**row, "state": state, "updated_at": time.time()})
 
-    def record_endpoint(self, job_id: str, cluster: str, method: str, url: str, timeout_s: float,
-                        retries: int) -> None:
-        row = {"job_id": job_id, "cluster": cluster, "method": method, "url": url, "timeout_s": timeout_s,
-               "retries": retries, "updated_at": time.time()}
+    def record_endpoint(self, job_id: str, cluster: str, method: str, url: str, timeout_s: float, retries: int) -> None:
+        row = {
+            "job_id": job_id,
+            "cluster": cluster,
+            "method": method,
+            "url": url,
+            "timeout_s": timeout_s,
+            "retries": retries,
+            "updated_at": time.time(),
+        }
         self._put(self._key("endpoints", row), row)
 
     @staticmethod
     def _key(kind: str, row: dict[str, Any]) -> str:
-        tail = {"pools": ("pool", "group_index"), "bindings": ("cluster", "rank"),
-                "endpoints": ("cluster", "method")}[kind]
+        tail = {"pools": ("pool", "group_index"), "bindings": ("cluster", "rank"), "endpoints": ("cluster", "method")}[
+            kind
+        ]
         return "/".join([kind, row["job_id"], *(str(row[f]) for f in tail)])
 
     # reads --------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ pool, or CPUs ``{"hardware": "CPU", "cpus": 8}``. Errors name the pool and the f
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -27,7 +28,7 @@ class HardwareGroup(BaseModel):
     cpus: int | None = Field(default=None, ge=1, description="CPUs, for a CPU pool")
 
     @model_validator(mode="after")
-    def _check_kind(self) -> "HardwareGroup":
+    def _check_kind(self) -> HardwareGroup:
         if self.hardware == CPU:
             if self.devices is not None:
                 raise ValueError('a CPU group takes "cpus", not "devices": {"hardware": "CPU", "cpus": 8}')
@@ -64,9 +65,7 @@ class PoolSpec(BaseModel):
 def parse_pools(pools: Mapping[str, Any]) -> dict[str, PoolSpec]:
     """Validate the pool dict; errors read ``pools.rollout[1].devices: <what is wrong and the fix>``."""
     if not isinstance(pools, Mapping) or not pools:
-        raise ResourceSpecError(
-            'pools must be a non-empty dict such as {"train": {"hardware": "H800", "devices": 2}}'
-        )
+        raise ResourceSpecError('pools must be a non-empty dict such as {"train": {"hardware": "H800", "devices": 2}}')
     out: dict[str, PoolSpec] = {}
     for name, raw in pools.items():
         if not isinstance(name, str) or not name:
@@ -78,7 +77,9 @@ def parse_pools(pools: Mapping[str, Any]) -> dict[str, PoolSpec]:
         for i, item in enumerate(items):
             where = f"pools.{name}[{i}]" if isinstance(raw, list) else f"pools.{name}"
             if not isinstance(item, Mapping):
-                raise ResourceSpecError(f'{where}: expected a dict like {{"hardware": "H20", "devices": 4}}, got {item!r}')
+                raise ResourceSpecError(
+                    f'{where}: expected a dict like {{"hardware": "H20", "devices": 4}}, got {item!r}'
+                )
             try:
                 groups.append(HardwareGroup.model_validate(dict(item)))
             except ValidationError as err:

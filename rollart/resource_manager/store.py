@@ -16,9 +16,10 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,15 @@ class MetadataStore:
         self._mirror("end_job", job_id)
 
     def record_pool(
-        self, job_id: str, pool: str, group_index: int, hardware: str, devices: int | None,
-        cpus: float | None, placement_group: str, state: str = "reserved",
+        self,
+        job_id: str,
+        pool: str,
+        group_index: int,
+        hardware: str,
+        devices: int | None,
+        cpus: float | None,
+        placement_group: str,
+        state: str = "reserved",
     ) -> None:
         with self._conn() as db:
             db.execute(
@@ -109,17 +117,47 @@ class MetadataStore:
         self._mirror("record_pool", job_id, pool, group_index, hardware, devices, cpus, placement_group, state)
 
     def record_binding(
-        self, job_id: str, cluster: str, rank: int, pool: str | None, hardware: str, node_id: str,
-        device_ids: list[int], actor_name: str, state: str = "alive", node_ip: str = "",
+        self,
+        job_id: str,
+        cluster: str,
+        rank: int,
+        pool: str | None,
+        hardware: str,
+        node_id: str,
+        device_ids: list[int],
+        actor_name: str,
+        state: str = "alive",
+        node_ip: str = "",
     ) -> None:
         with self._conn() as db:
             db.execute(
                 "INSERT OR REPLACE INTO bindings VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (job_id, cluster, rank, pool, hardware, node_id, json.dumps(device_ids), actor_name, state,
-                 time.time()),
+                (
+                    job_id,
+                    cluster,
+                    rank,
+                    pool,
+                    hardware,
+                    node_id,
+                    json.dumps(device_ids),
+                    actor_name,
+                    state,
+                    time.time(),
+                ),
             )
-        self._mirror("record_binding", job_id, cluster, rank, pool, hardware, node_id, device_ids, actor_name, state,
-                     node_ip=node_ip)
+        self._mirror(
+            "record_binding",
+            job_id,
+            cluster,
+            rank,
+            pool,
+            hardware,
+            node_id,
+            device_ids,
+            actor_name,
+            state,
+            node_ip=node_ip,
+        )
 
     def set_binding_state(self, job_id: str, cluster: str, rank: int, state: str) -> None:
         with self._conn() as db:
@@ -129,8 +167,7 @@ class MetadataStore:
             )
         self._mirror("set_binding_state", job_id, cluster, rank, state)
 
-    def record_endpoint(self, job_id: str, cluster: str, method: str, url: str, timeout_s: float,
-                        retries: int) -> None:
+    def record_endpoint(self, job_id: str, cluster: str, method: str, url: str, timeout_s: float, retries: int) -> None:
         with self._conn() as db:
             db.execute(
                 "INSERT OR REPLACE INTO endpoints VALUES (?,?,?,?,?,?,?)",
@@ -142,9 +179,9 @@ class MetadataStore:
     def _select(self, table: str, job_id: str | None) -> list[dict[str, Any]]:
         with self._conn() as db:
             if job_id is None:
-                rows = db.execute(f"SELECT * FROM {table}").fetchall()  # noqa: S608 (fixed table names)
+                rows = db.execute(f"SELECT * FROM {table}").fetchall()
             else:
-                rows = db.execute(f"SELECT * FROM {table} WHERE job_id=?", (job_id,)).fetchall()  # noqa: S608
+                rows = db.execute(f"SELECT * FROM {table} WHERE job_id=?", (job_id,)).fetchall()
         out = [dict(r) for r in rows]
         for r in out:
             if "device_ids" in r and isinstance(r["device_ids"], str):

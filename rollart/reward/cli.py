@@ -18,8 +18,10 @@ def app_factory() -> Any:
     from rollart.reward.loader import load_functions
     from rollart.reward.server import ServerSettings, build_app
 
-    return build_app(load_functions(json.loads(os.environ["ROLLART_REWARD_FUNCTIONS"])),
-                     ServerSettings.model_validate_json(os.environ["ROLLART_REWARD_SETTINGS"]))
+    return build_app(
+        load_functions(json.loads(os.environ["ROLLART_REWARD_FUNCTIONS"])),
+        ServerSettings.model_validate_json(os.environ["ROLLART_REWARD_SETTINGS"]),
+    )
 
 
 def cmd_serve_rewards(args: argparse.Namespace) -> int:
@@ -37,8 +39,13 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
     from rollart.reward.loader import load_functions
     from rollart.reward.server import ServerSettings, build_app
 
-    settings = ServerSettings(token_env=args.token_env, max_body_bytes=args.max_body_bytes, timeout_s=args.timeout_s,
-                              max_concurrency=args.max_concurrency, max_tenants=args.max_tenants)
+    settings = ServerSettings(
+        token_env=args.token_env,
+        max_body_bytes=args.max_body_bytes,
+        timeout_s=args.timeout_s,
+        max_concurrency=args.max_concurrency,
+        max_tenants=args.max_tenants,
+    )
     if args.judge_url is not None:
         from rollart.reward.builtin.judge import URL_ENV
 
@@ -62,8 +69,14 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
     if args.workers > 1:
         os.environ["ROLLART_REWARD_FUNCTIONS"] = json.dumps(args.functions)
         os.environ["ROLLART_REWARD_SETTINGS"] = settings.model_dump_json()
-        uvicorn.run("rollart.reward.cli:app_factory", factory=True, host=args.host, port=args.port,
-                    workers=args.workers, log_level="warning")
+        uvicorn.run(
+            "rollart.reward.cli:app_factory",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level="warning",
+        )
     else:
         uvicorn.run(build_app(functions, settings), host=args.host, port=args.port, log_level="warning")
     return 0
@@ -81,11 +94,17 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout (504 past it)")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests computed at once (429 past it)")
-    p.add_argument("--max-tenants", type=int, default=100,
-                   help="distinct X-Rollart-Tenant labels kept in /metrics (later ones count as 'other')")
-    p.add_argument("--judge-url", default=None,
-                   help="llm_judge: the OpenAI-compatible judge's base URL (else $ROLLART_JUDGE_URL); "
-                        "requests cannot choose it")
+    p.add_argument(
+        "--max-tenants",
+        type=int,
+        default=100,
+        help="distinct X-Rollart-Tenant labels kept in /metrics (later ones count as 'other')",
+    )
+    p.add_argument(
+        "--judge-url",
+        default=None,
+        help="llm_judge: the OpenAI-compatible judge's base URL (else $ROLLART_JUDGE_URL); requests cannot choose it",
+    )
     p.add_argument("--ray-serve", action="store_true", help="deploy on Ray Serve with autoscaling from zero")
     p.add_argument("--max-replicas", type=int, default=4, help="Ray Serve: most replicas")
     p.set_defaults(func=cmd_serve_rewards)

@@ -29,9 +29,19 @@ class RewardFailed(RuntimeError):
 
 
 class RewardClient:
-    def __init__(self, url: str, *, max_batch: int = 32, max_wait_ms: float = 20.0, max_concurrency: int = 8,
-                 retry: RetryPolicy | None = None, timeout_s: float = 30.0, token_env: str | None = None,
-                 tenant: str | None = None, on_failure: Literal["requeue", "drop"] = "requeue"):
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_batch: int = 32,
+        max_wait_ms: float = 20.0,
+        max_concurrency: int = 8,
+        retry: RetryPolicy | None = None,
+        timeout_s: float = 30.0,
+        token_env: str | None = None,
+        tenant: str | None = None,
+        on_failure: Literal["requeue", "drop"] = "requeue",
+    ):
         if max_batch < 1 or max_concurrency < 1:
             raise ValueError("RewardClient: max_batch and max_concurrency must be >= 1")
         if on_failure not in ("requeue", "drop"):
@@ -67,10 +77,10 @@ class RewardClient:
             if len(self._queue) < self.max_batch:
                 try:  # wait a little for more to batch with, unless the batch fills first
                     await asyncio.wait_for(self._full(), timeout=self.max_wait_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             while self._queue:
-                batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch:]
+                batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
                 await self._sem.acquire()
                 task = asyncio.get_running_loop().create_task(self._send(batch))
                 self._inflight.add(task)
@@ -87,12 +97,19 @@ class RewardClient:
             payload = {"trajectories": [t for t, _ in batch]}
             self.stats["requests"] += 1
             try:
-                result = await acall_serverless(self.url, payload, timeout_s=self.timeout_s, retry=self.retry,
-                                                token_env=self.token_env, tenant=self.tenant,
-                                                idempotency_key=uuid.uuid4().hex, client=self._http)
+                result = await acall_serverless(
+                    self.url,
+                    payload,
+                    timeout_s=self.timeout_s,
+                    retry=self.retry,
+                    token_env=self.token_env,
+                    tenant=self.tenant,
+                    idempotency_key=uuid.uuid4().hex,
+                    client=self._http,
+                )
                 if not isinstance(result, list) or len(result) != len(batch):
                     raise ServerlessError(self.url, f"expected {len(batch)} scores, got {result!r:.200}")
-            except Exception as err:  # noqa: BLE001 — every trajectory learns why, none gets a score
+            except Exception as err:
                 self.stats["failed"] += len(batch)
                 for _, fut in batch:
                     if not fut.done():

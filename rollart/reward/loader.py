@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def load_functions(specs: list[str]) -> dict[str, Callable[..., Any]]:
@@ -11,7 +12,9 @@ def load_functions(specs: list[str]) -> dict[str, Callable[..., Any]]:
     for spec in specs:
         name, _, target = spec.rpartition("=") if "=" in spec else ("", "", spec)
         if ":" not in target:
-            raise ValueError(f"{spec!r}: give MODULE:FUNC (e.g. rollart.reward.builtin:math_answer) or name=MODULE:FUNC")
+            raise ValueError(
+                f"{spec!r}: give MODULE:FUNC (e.g. rollart.reward.builtin:math_answer) or name=MODULE:FUNC"
+            )
         module, attr = target.split(":", 1)
         try:
             fn = getattr(importlib.import_module(module), attr)

@@ -11,8 +11,9 @@ from rollart.reward.server import ServerSettings
 log = logging.getLogger(__name__)
 
 
-def deployment(function_specs: list[str], settings: ServerSettings, max_replicas: int = 4,
-               downscale_delay_s: float = 60.0) -> Any:
+def deployment(
+    function_specs: list[str], settings: ServerSettings, max_replicas: int = 4, downscale_delay_s: float = 60.0
+) -> Any:
     """A bound Ray Serve application serving the same FastAPI app, ``min_replicas=0``."""
     from ray import serve
 
@@ -23,9 +24,13 @@ def deployment(function_specs: list[str], settings: ServerSettings, max_replicas
 
     @serve.deployment(
         name="rollart-rewards",
-        autoscaling_config={"min_replicas": 0, "initial_replicas": 1, "max_replicas": max_replicas,
-                            "target_ongoing_requests": settings.max_concurrency // 2 or 1,
-                            "downscale_delay_s": downscale_delay_s},
+        autoscaling_config={
+            "min_replicas": 0,
+            "initial_replicas": 1,
+            "max_replicas": max_replicas,
+            "target_ongoing_requests": settings.max_concurrency // 2 or 1,
+            "downscale_delay_s": downscale_delay_s,
+        },
         max_ongoing_requests=settings.max_concurrency,
     )
     @serve.ingress(app)
@@ -35,8 +40,15 @@ def deployment(function_specs: list[str], settings: ServerSettings, max_replicas
     return RewardService.bind()
 
 
-def deploy(function_specs: list[str], settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8100,
-           max_replicas: int = 4, blocking: bool = True) -> None:
+def deploy(
+    function_specs: list[str],
+    settings: ServerSettings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    max_replicas: int = 4,
+    blocking: bool = True,
+) -> None:
     import ray
     from ray import serve
 

@@ -52,7 +52,7 @@ NOBODY = 65534
 
 # Runs first in the child (``python -I -S -c _LAUNCHER LIMITS SOLUTION``): reads the solution, sets hard
 # limits, drops root, then executes the solution in a clean ``__main__`` namespace.
-_LAUNCHER = r'''
+_LAUNCHER = r"""
 import json, os, resource, sys
 limits = json.loads(sys.argv[1])
 drop = limits.pop("drop_root")
@@ -68,7 +68,7 @@ if drop and os.getuid() == 0:
 sys.argv = [path]
 del json, os, resource, limits, drop, f, name, value
 exec(compile(source, "solution.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-'''
+"""
 
 
 @dataclass
@@ -96,8 +96,19 @@ def _python() -> str:
 
 def _bwrap_prefix(work: str) -> list[str]:
     """bubblewrap arguments: a from-scratch root with the system and Python read-only, ``work`` writable."""
-    args = ["bwrap", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL",
-            "--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox"]
+    args = [
+        "bwrap",
+        "--unshare-all",
+        "--die-with-parent",
+        "--cap-drop",
+        "ALL",
+        "--uid",
+        str(NOBODY),
+        "--gid",
+        str(NOBODY),
+        "--hostname",
+        "sandbox",
+    ]
     args += ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
@@ -118,8 +129,12 @@ def _probe_bwrap() -> str | None:
         return "bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
     with tempfile.TemporaryDirectory(prefix="rollart-sandbox-probe-") as work:
         try:
-            done = subprocess.run([*_bwrap_prefix(work), _python(), "-I", "-S", "-c", "pass"],
-                                  check=False, capture_output=True, timeout=30)
+            done = subprocess.run(
+                [*_bwrap_prefix(work), _python(), "-I", "-S", "-c", "pass"],
+                check=False,
+                capture_output=True,
+                timeout=30,
+            )
         except (OSError, subprocess.TimeoutExpired) as err:
             return f"bwrap failed to start: {err}"
     if done.returncode != 0:
@@ -144,8 +159,11 @@ def isolation() -> Isolation:
                 elif wanted == "bwrap":
                     raise RuntimeError(f"ROLLART_SANDBOX=bwrap but {why}")
                 else:
-                    log.warning("code sandbox without namespaces (%s): untrusted code runs with resource limits "
-                                "only and can reach the network and read the server's files", why)
+                    log.warning(
+                        "code sandbox without namespaces (%s): untrusted code runs with resource limits "
+                        "only and can reach the network and read the server's files",
+                        why,
+                    )
                     _isolation = "rlimits"
         return _isolation
 
@@ -168,16 +186,26 @@ def _drop_root(layer: Isolation) -> bool:
         return True
     if not _drop_warned:
         _drop_warned = True
-        log.warning("code sandbox runs as root: user nobody cannot read this Python's standard library (%s)",
-                    os.path.dirname(os.__file__))
+        log.warning(
+            "code sandbox runs as root: user nobody cannot read this Python's standard library (%s)",
+            os.path.dirname(os.__file__),
+        )
     return False
 
 
-def _limits(timeout_s: float, memory_mb: int, max_file_bytes: int, max_processes: int,
-            drop_root: bool) -> dict[str, int]:
+def _limits(
+    timeout_s: float, memory_mb: int, max_file_bytes: int, max_processes: int, drop_root: bool
+) -> dict[str, int]:
     cpu = max(1, int(timeout_s) + 1)
-    return {"drop_root": drop_root, "RLIMIT_CPU": cpu, "RLIMIT_AS": memory_mb * 1024 * 1024, "RLIMIT_FSIZE": max_file_bytes,
-            "RLIMIT_NOFILE": 64, "RLIMIT_CORE": 0, "RLIMIT_NPROC": max_processes}
+    return {
+        "drop_root": drop_root,
+        "RLIMIT_CPU": cpu,
+        "RLIMIT_AS": memory_mb * 1024 * 1024,
+        "RLIMIT_FSIZE": max_file_bytes,
+        "RLIMIT_NOFILE": 64,
+        "RLIMIT_CORE": 0,
+        "RLIMIT_NPROC": max_processes,
+    }
 
 
 def _read(f: IO[bytes], limit: int) -> str:
@@ -210,30 +238,55 @@ def _await_namespace_end(info_r: int) -> None:
         os.close(pidfd)
 
 
-def run_python(code: str, stdin: str = "", *, timeout_s: float = 5.0, memory_mb: int = 256,
-               max_output_bytes: int = 1_000_000, max_processes: int = 64) -> SandboxResult:
+def run_python(
+    code: str,
+    stdin: str = "",
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: int = 256,
+    max_output_bytes: int = 1_000_000,
+    max_processes: int = 64,
+) -> SandboxResult:
     """Run ``code`` with ``stdin``; never raises for the code's own failures. Thread-safe."""
     layer = isolation()
     max_file_bytes = max(10_000_000, max_output_bytes)
-    with tempfile.TemporaryDirectory(prefix="rollart-sandbox-") as work, \
-            tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with (
+        tempfile.TemporaryDirectory(prefix="rollart-sandbox-") as work,
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+    ):
         path = os.path.join(work, "solution.py")
         with open(path, "w") as f:
             f.write(code)
         drop = _drop_root(layer)
         if drop:  # the launcher drops to nobody: it may write here only
             os.chown(work, NOBODY, NOBODY)
-        cmd = [_python(), "-I", "-S", "-c", _LAUNCHER,
-               json.dumps(_limits(timeout_s, memory_mb, max_file_bytes, max_processes, drop)), path]
+        cmd = [
+            _python(),
+            "-I",
+            "-S",
+            "-c",
+            _LAUNCHER,
+            json.dumps(_limits(timeout_s, memory_mb, max_file_bytes, max_processes, drop)),
+            path,
+        ]
         info_r = info_w = -1
         if layer == "bwrap":  # bwrap writes {"child-pid": N}: the PID namespace's init, as seen from here
             info_r, info_w = os.pipe()
             cmd = [*_bwrap_prefix(work), "--info-fd", str(info_w), *cmd]
         env = {"PATH": "/usr/bin:/bin", "HOME": work, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
         try:
-            proc = subprocess.Popen(cmd, cwd=work, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env,
-                                    start_new_session=True, close_fds=True,
-                                    pass_fds=(info_w,) if info_w >= 0 else ())
+            proc = subprocess.Popen(
+                cmd,
+                cwd=work,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=(info_w,) if info_w >= 0 else (),
+            )
         finally:
             if info_w >= 0:
                 os.close(info_w)
@@ -251,5 +304,6 @@ def run_python(code: str, stdin: str = "", *, timeout_s: float = 5.0, memory_mb:
             if info_r >= 0:
                 _await_namespace_end(info_r)
         killed = signal.Signals(-proc.returncode).name if proc.returncode < 0 else None
-        return SandboxResult(proc.returncode, _read(out, max_output_bytes), _read(err, max_output_bytes),
-                             timed_out, killed, layer)
+        return SandboxResult(
+            proc.returncode, _read(out, max_output_bytes), _read(err, max_output_bytes), timed_out, killed, layer
+        )

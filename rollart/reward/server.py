@@ -133,8 +133,13 @@ class BodyLimit:
 
     async def _too_large(self, send: Callable) -> None:
         body = b'{"detail":"request body too large"}'
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -157,7 +162,9 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
     if settings.token_env and not token:
         raise ValueError(f"--token-env {settings.token_env}: the variable is not set; export it or drop the flag")
     registry = CollectorRegistry()
-    requests = Counter("rollart_reward_requests", "reward requests", ["function", "status", "tenant"], registry=registry)
+    requests = Counter(
+        "rollart_reward_requests", "reward requests", ["function", "status", "tenant"], registry=registry
+    )
     scored = Counter("rollart_reward_trajectories", "trajectories scored", ["function", "tenant"], registry=registry)
     latency = Histogram("rollart_reward_latency_seconds", "reward request latency", ["function"], registry=registry)
     in_flight = Gauge("rollart_reward_in_flight", "reward requests being computed", registry=registry)
@@ -192,8 +199,10 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
 
     bearer = HTTPBearer(auto_error=False, description="the token of `--token-env` (when the server has one)")
 
-    async def authenticate(request: Request,
-                           credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
+    async def authenticate(
+        request: Request,
+        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008 (FastAPI's idiom)
+    ) -> None:
         # a dependency runs before the body is validated: an unauthenticated caller learns nothing about the schema
         if token is None:
             return
@@ -202,8 +211,11 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             count(request.path_params.get("name", ""), 401, "unauthenticated")
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
-    @app.post("/rewards/{name}", response_model=RewardResponse,
-              dependencies=[Depends(authenticate)] if token is not None else [])
+    @app.post(
+        "/rewards/{name}",
+        response_model=RewardResponse,
+        dependencies=[Depends(authenticate)] if token is not None else [],
+    )
     async def score(
         name: str,
         body: RewardRequest,
@@ -212,8 +224,11 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
     ) -> Any:
         if x_rollart_tenant is not None and not TenantLabels.valid(x_rollart_tenant):
             count(name, 422, "invalid")
-            raise HTTPException(422, f"X-Rollart-Tenant {x_rollart_tenant[:80]!r}: use 1-64 characters from "
-                                     "[A-Za-z0-9._:-], starting with a letter or digit")
+            raise HTTPException(
+                422,
+                f"X-Rollart-Tenant {x_rollart_tenant[:80]!r}: use 1-64 characters from "
+                "[A-Za-z0-9._:-], starting with a letter or digit",
+            )
         tenant = tenants.label(x_rollart_tenant)
         fn = functions.get(name)
         if fn is None:
@@ -225,8 +240,11 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             return cache[key]
         if state["in_flight"] >= settings.max_concurrency:
             count(name, 429, tenant)
-            return JSONResponse({"detail": "reward service saturated; retry later"}, status_code=429,
-                                headers={"Retry-After": str(settings.retry_after_s)})
+            return JSONResponse(
+                {"detail": "reward service saturated; retry later"},
+                status_code=429,
+                headers={"Retry-After": str(settings.retry_after_s)},
+            )
         state["in_flight"] += 1
         in_flight.inc()
         t0 = time.perf_counter()
@@ -241,7 +259,7 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             except TimeoutError:
                 count(name, 504, tenant)
                 raise HTTPException(504, f"reward function {name!r} took longer than {settings.timeout_s}s") from None
-            except Exception as err:  # noqa: BLE001 — the function's own error, reported, never a score
+            except Exception as err:
                 count(name, 500, tenant)
                 log.warning("reward function %s raised %s: %s", name, type(err).__name__, err)
                 raise HTTPException(500, f"reward function {name!r} raised {type(err).__name__}: {err}") from None

@@ -58,8 +58,9 @@ class AsyncController:
         await self.proxy.model_update_from(channel, version)
         await self.scheduler.set_version(version)
 
-    async def sync_weights(self, weights: Any, version: int, channel: WeightChannel | None = None, *,
-                           pause: bool = True) -> None:
+    async def sync_weights(
+        self, weights: Any, version: int, channel: WeightChannel | None = None, *, pause: bool = True
+    ) -> None:
         """Make ``version`` the serving policy, timed.
 
         From weights in hand (a state dict or its ObjectRef) with ``pause``: ``suspend → model_update →

@@ -19,7 +19,8 @@ import logging
 import random
 import uuid
 import zlib
-from typing import Any, Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -132,12 +133,13 @@ class EnvManager:
                 return await self._env(self.env.reset, seed, timeout_s=cfg.reset_timeout_s)
             except _Aborted:
                 raise
-            except Exception as err:  # noqa: BLE001 — env faults of any kind are retried
+            except Exception as err:
                 if attempt == cfg.reset_retries:
                     raise
                 delay = cfg.reset_backoff_s * (2**attempt) * (1 + random.random() * 0.5)
-                log.warning("%s reset failed (%s: %s); retry %d in %.2fs", self.tag, type(err).__name__, err,
-                            attempt + 1, delay)
+                log.warning(
+                    "%s reset failed (%s: %s); retry %d in %.2fs", self.tag, type(err).__name__, err, attempt + 1, delay
+                )
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -155,8 +157,9 @@ class EnvManager:
 
     async def run(self, seed: int | None = None, group_id: str = "", traj_id: str | None = None) -> Trajectory:
         """One episode. Never raises for env or reward faults: they come back as the trajectory status."""
-        traj = Trajectory(traj_id=traj_id or uuid.uuid4().hex, group_id=group_id, tag=self.tag,
-                          start_version=self.version_fn())
+        traj = Trajectory(
+            traj_id=traj_id or uuid.uuid4().hex, group_id=group_id, tag=self.tag, start_version=self.version_fn()
+        )
         self._aborting = False
         try:
             return await self._episode(traj, seed)
@@ -171,7 +174,7 @@ class EnvManager:
             obs, info = await self._reset(seed)
         except _Aborted:
             raise
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             traj.status, traj.error = "failed", f"reset: {type(err).__name__}: {err}"
             return traj
         traj.info["reset"] = info
@@ -182,8 +185,11 @@ class EnvManager:
             if self._aborting:
                 raise _Aborted()
             self.current_request = f"{traj.traj_id}:{turn}"
-            req = GenerateRequest(request_id=self.current_request, prompt_token_ids=list(traj.token_ids),
-                                  sampling=self._turn_sampling(seed, traj.traj_id, turn))
+            req = GenerateRequest(
+                request_id=self.current_request,
+                prompt_token_ids=list(traj.token_ids),
+                sampling=self._turn_sampling(seed, traj.traj_id, turn),
+            )
             out = await self.proxy.generate(req, self.tag)
             self.current_request = None
             traj.hardware.append(out.hardware)
@@ -201,7 +207,7 @@ class EnvManager:
                 obs, reward, terminated, truncated, step_info = await self._step(action)
             except _Aborted:
                 raise
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 traj.status, traj.error = "failed", f"step {turn}: {type(err).__name__}: {err}"
                 return traj
             traj.env_return += float(reward)
@@ -216,7 +222,7 @@ class EnvManager:
             try:
                 value = self.reward_fn(traj)
                 traj.reward = float(await value) if inspect.isawaitable(value) else float(value)
-            except Exception as err:  # noqa: BLE001 — a failed reward is never a silent 0
+            except Exception as err:
                 traj.reward, traj.status, traj.error = None, "reward_failed", f"{type(err).__name__}: {err}"
         return traj
 
@@ -238,7 +244,7 @@ class EnvManager:
         pos = 0
         for tok in ids:
             n = len(self.codec.decode([tok]))
-            chunk = char_rewards[pos:pos + n]
+            chunk = char_rewards[pos : pos + n]
             traj.token_rewards.append(sum(chunk) / len(chunk) if chunk else 0.0)
             pos += n
 

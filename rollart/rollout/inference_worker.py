@@ -85,8 +85,16 @@ class InferenceWorker(ra.Worker):
         self._pending: dict[str, _Pending] = {}
         self._resumed: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self.stats = {"requests": 0, "finished": 0, "aborted": 0, "preempted": 0, "output_tokens": 0,
-                      "steps": 0, "step_time_s": 0.0, "weight_updates": 0}
+        self.stats = {
+            "requests": 0,
+            "finished": 0,
+            "aborted": 0,
+            "preempted": 0,
+            "output_tokens": 0,
+            "steps": 0,
+            "step_time_s": 0.0,
+            "weight_updates": 0,
+        }
 
     # ------------------------------------------------------------------ the loop
     def _ensure_loop(self) -> None:
@@ -97,8 +105,10 @@ class InferenceWorker(ra.Worker):
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
             self._loop_task.add_done_callback(self._loop_stopped)
         elif self._loop_task.done():
-            raise RuntimeError(f"the inference loop of rank {self.rank} ({self.hardware}) stopped: "
-                               f"{self._loop_error!r}; restart this worker") from self._loop_error
+            raise RuntimeError(
+                f"the inference loop of rank {self.rank} ({self.hardware}) stopped: "
+                f"{self._loop_error!r}; restart this worker"
+            ) from self._loop_error
 
     def _loop_stopped(self, task: asyncio.Task) -> None:
         """The loop ended (it never returns on its own): fail every caller still waiting on it."""
@@ -152,9 +162,11 @@ class InferenceWorker(ra.Worker):
                 if self._pending.get(req.request_id) is not pending or pending.future.done():
                     return  # answered (preempted or aborted) before it reached the engine
                 try:
-                    self.engine.add_request(EngineRequest(request_id=req.request_id,
-                                                          prompt_token_ids=list(req.prompt_token_ids),
-                                                          params=req.sampling))
+                    self.engine.add_request(
+                        EngineRequest(
+                            request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.sampling
+                        )
+                    )
                 except Exception as err:  # the engine refuses this request: its caller gets the error
                     self._fail(req.request_id, err)
             case AbortCommand(request_ids=rids, preempt=preempt, reply=reply):
@@ -191,11 +203,18 @@ class InferenceWorker(ra.Worker):
         else:
             self.stats["finished"] += 1
         self.stats["output_tokens"] += len(tokens)
-        pending.future.set_result(GenerateOutput(
-            request_id=rid, output_token_ids=tokens, output_logprobs=logprobs,
-            token_versions=[pending.version] * len(tokens), finish_reason=reason or "abort",
-            hardware=self.hardware, rank=self.rank, preempted=preempted,
-        ))
+        pending.future.set_result(
+            GenerateOutput(
+                request_id=rid,
+                output_token_ids=tokens,
+                output_logprobs=logprobs,
+                token_versions=[pending.version] * len(tokens),
+                finish_reason=reason or "abort",
+                hardware=self.hardware,
+                rank=self.rank,
+                preempted=preempted,
+            )
+        )
 
     def _fail(self, rid: str, err: BaseException) -> None:
         pending = self._pending.pop(rid, None)
@@ -282,25 +301,40 @@ class InferenceWorker(ra.Worker):
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     async def metrics(self) -> dict[str, Any]:
-        return {"rank": self.rank, "hardware": self.hardware, "weight_version": self.engine.weight_version,
-                "running": len(self._pending), **self.stats}
+        return {
+            "rank": self.rank,
+            "hardware": self.hardware,
+            "weight_version": self.engine.weight_version,
+            "running": len(self._pending),
+            **self.stats,
+        }
 
 
-def inference_worker_class(mapping: Mapping[str, Sequence[str]], base: type[InferenceWorker] = InferenceWorker
-                           ) -> type[InferenceWorker]:
+def inference_worker_class(
+    mapping: Mapping[str, Sequence[str]], base: type[InferenceWorker] = InferenceWorker
+) -> type[InferenceWorker]:
     """An ``InferenceWorker`` subclass whose ``generate`` carries ``@hw_mapping(mapping)`` — the mapping
     comes from the pipeline config (``tags: {FrozenLake: [H800, H20], "*": [H20, H800]}``)."""
 
     async def generate(self: InferenceWorker, request: GenerateRequest, tag_name: str) -> GenerateOutput:
         return await base.generate(self, request, tag_name)
 
-    async def generate_n(self: InferenceWorker, request: GenerateRequest, n: int, tag_name: str
-                         ) -> list[GenerateOutput]:
+    async def generate_n(
+        self: InferenceWorker, request: GenerateRequest, n: int, tag_name: str
+    ) -> list[GenerateOutput]:
         return await base.generate_n(self, request, n, tag_name)
 
     generate.__doc__ = base.generate.__doc__
     generate_n.__doc__ = base.generate_n.__doc__
     ra.hw_mapping(mapping)(generate)
     ra.hw_mapping(mapping)(generate_n)
-    return type("InferenceWorker", (base,), {"generate": generate, "generate_n": generate_n, "__module__": __name__,
-                                             "__qualname__": "InferenceWorker.mapped"})
+    return type(
+        "InferenceWorker",
+        (base,),
+        {
+            "generate": generate,
+            "generate_n": generate_n,
+            "__module__": __name__,
+            "__qualname__": "InferenceWorker.mapped",
+        },
+    )

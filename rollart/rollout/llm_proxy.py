@@ -52,10 +52,12 @@ class LLMProxy:
                 if remaining <= 0:
                     out = out.model_copy(update={"finish_reason": "length", "preempted": False})
                     break
-                req = request.model_copy(update={
-                    "prompt_token_ids": list(request.prompt_token_ids) + out.output_token_ids,
-                    "sampling": request.sampling.model_copy(update={"max_new_tokens": remaining}),
-                })
+                req = request.model_copy(
+                    update={
+                        "prompt_token_ids": list(request.prompt_token_ids) + out.output_token_ids,
+                        "sampling": request.sampling.model_copy(update={"max_new_tokens": remaining}),
+                    }
+                )
             if rid in self._aborted:
                 out = out.model_copy(update={"finish_reason": "abort", "preempted": False})
             stats = self._by_hw[out.hardware]
@@ -99,6 +101,9 @@ class LLMProxy:
         out = {}
         for hw, s in self._by_hw.items():
             n = max(s["requests"], 1)
-            out[hw] = {"requests": s["requests"], "output_tokens": s["output_tokens"],
-                       "mean_latency_s": s["latency_s"] / n}
+            out[hw] = {
+                "requests": s["requests"],
+                "output_tokens": s["output_tokens"],
+                "mean_latency_s": s["latency_s"] / n,
+            }
         return out

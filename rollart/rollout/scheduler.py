@@ -47,7 +47,7 @@ class RolloutConfig(BaseModel):
     seed_offset: int = 0
 
     @model_validator(mode="after")
-    def _check(self) -> "RolloutConfig":
+    def _check(self) -> RolloutConfig:
         keep = self.group_keep if self.group_keep is not None else self.group_size
         if not 1 <= keep <= self.group_size:
             raise ValueError(f"rollout.group_keep={keep} must be between 1 and group_size={self.group_size}")
@@ -102,8 +102,9 @@ class RolloutScheduler:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._cond = asyncio.Condition()
-        self._tasks = [asyncio.get_running_loop().create_task(self._group_loop(g))
-                       for g in range(self.config.num_env_groups)]
+        self._tasks = [
+            asyncio.get_running_loop().create_task(self._group_loop(g)) for g in range(self.config.num_env_groups)
+        ]
 
     async def stop(self) -> None:
         """Abort every running round and end the group loops."""
@@ -170,8 +171,10 @@ class RolloutScheduler:
     async def _run_round(self, rnd: _Round) -> list[Trajectory] | None:
         members = self.groups[rnd.group]
         gid = str(GroupId(rnd.group, rnd.index))
-        tasks = {asyncio.ensure_future(m.run(rnd.seed, gid, f"{gid}:{i}:v{rnd.start_version}")): m
-                 for i, m in enumerate(members)}
+        tasks = {
+            asyncio.ensure_future(m.run(rnd.seed, gid, f"{gid}:{i}:v{rnd.start_version}")): m
+            for i, m in enumerate(members)
+        }
         kept: list[Trajectory] = []
         pending = set(tasks)
         try:
@@ -202,8 +205,12 @@ class RolloutScheduler:
             self._failures[(rnd.group, rnd.index)] += 1
             if self._failures[(rnd.group, rnd.index)] >= self.config.max_round_failures:
                 self.counts["seeds_given_up"] += 1
-                log.warning("group %d seed round %d failed %d times; moving on", rnd.group, rnd.index,
-                            self.config.max_round_failures)
+                log.warning(
+                    "group %d seed round %d failed %d times; moving on",
+                    rnd.group,
+                    rnd.index,
+                    self.config.max_round_failures,
+                )
                 return []  # counted, not retried again
             return None
         return kept[: self.config.keep]
@@ -225,9 +232,12 @@ class RolloutScheduler:
             retry[grp.gid.env_group].insert(0, grp.gid.round)
         for g, rnd in self.running.items():
             retry[g].insert(0, rnd.index)
-        return {"num_env_groups": self.config.num_env_groups, "next_round": list(self._next_round),
-                "retry": {g: sorted(set(rounds)) for g, rounds in retry.items() if rounds},
-                "counts": dict(self.counts)}
+        return {
+            "num_env_groups": self.config.num_env_groups,
+            "next_round": list(self._next_round),
+            "retry": {g: sorted(set(rounds)) for g, rounds in retry.items() if rounds},
+            "counts": dict(self.counts),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` into a scheduler that has not started."""
@@ -236,8 +246,10 @@ class RolloutScheduler:
         n = self.config.num_env_groups
         saved = int(state.get("num_env_groups", len(state["next_round"])))
         if saved != n or len(state["next_round"]) != n:
-            raise ValueError(f"scheduler checkpoint has {saved} env groups but rollout.num_env_groups={n}: resume "
-                             "with the configuration the checkpoint was written with")
+            raise ValueError(
+                f"scheduler checkpoint has {saved} env groups but rollout.num_env_groups={n}: resume "
+                "with the configuration the checkpoint was written with"
+            )
         self._next_round = [int(r) for r in state["next_round"]]
         self._retry = {g: deque() for g in range(n)}
         for g, rounds in state["retry"].items():  # JSON turns the int keys into strings

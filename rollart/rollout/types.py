@@ -34,7 +34,7 @@ class GenerateOutput(BaseModel):
     rank: int = -1
     preempted: bool = False  # aborted by a suspend or weight update, not by its owner: to be continued
 
-    def extend(self, more: "GenerateOutput") -> "GenerateOutput":
+    def extend(self, more: GenerateOutput) -> GenerateOutput:
         """This output followed by the continuation ``more`` (after a suspend/resume)."""
         return GenerateOutput(
             request_id=self.request_id,

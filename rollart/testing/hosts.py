@@ -95,8 +95,11 @@ class HostSpec:
 def three_hosts(num_cpus: int = 2) -> list[HostSpec]:
     """The issue's reference cluster: ``head`` (driver, train pool on ``H800``), ``b`` (rollout ``H800``),
     ``c`` (rollout ``H20``), two devices each."""
-    return [HostSpec("head", {"H800": 2}, num_cpus=num_cpus), HostSpec("b", {"H800": 2}, num_cpus=num_cpus),
-            HostSpec("c", {"H20": 2}, num_cpus=num_cpus)]
+    return [
+        HostSpec("head", {"H800": 2}, num_cpus=num_cpus),
+        HostSpec("b", {"H800": 2}, num_cpus=num_cpus),
+        HostSpec("c", {"H20": 2}, num_cpus=num_cpus),
+    ]
 
 
 class HostsError(RuntimeError):
@@ -115,12 +118,14 @@ class DriverResult:
     @property
     def result(self) -> object | None:
         lines = [ln for ln in self.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-        return json.loads(lines[-1][len(RESULT_PREFIX):]) if lines else None
+        return json.loads(lines[-1][len(RESULT_PREFIX) :]) if lines else None
 
     def check(self) -> DriverResult:
         if self.returncode != 0:
-            raise HostsError(f"driver {self.args} exited with {self.returncode}\n--- stdout ---\n"
-                             f"{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}")
+            raise HostsError(
+                f"driver {self.args} exited with {self.returncode}\n--- stdout ---\n"
+                f"{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
+            )
         return self
 
 
@@ -158,8 +163,14 @@ class Host:
 class HostCluster:
     """N namespace hosts with a Ray cluster on them; host 0 runs the Ray head."""
 
-    def __init__(self, specs: Sequence[HostSpec], *, ray_port: int = RAY_PORT, start_timeout_s: float = 300.0,
-                 workdir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        specs: Sequence[HostSpec],
+        *,
+        ray_port: int = RAY_PORT,
+        start_timeout_s: float = 300.0,
+        workdir: str | os.PathLike | None = None,
+    ) -> None:
         reason = skip_reason()
         if reason:
             raise HostsError(reason)
@@ -177,9 +188,15 @@ class HostCluster:
         self.token_path = self.dir / "auth_token"
         self.bridge_namespace = f"rat{self.run_id}br"
         self.hosts: list[Host] = [
-            Host(index=i, name=s.name, namespace=f"rat{self.run_id}h{i}", ip=f"{SUBNET_PREFIX}.{i + 1}",
-                 hardware={k: float(v) for k, v in s.hardware.items()}, num_cpus=s.num_cpus,
-                 temp_dir=self.dir / f"h{i}")
+            Host(
+                index=i,
+                name=s.name,
+                namespace=f"rat{self.run_id}h{i}",
+                ip=f"{SUBNET_PREFIX}.{i + 1}",
+                hardware={k: float(v) for k, v in s.hardware.items()},
+                num_cpus=s.num_cpus,
+                temp_dir=self.dir / f"h{i}",
+            )
             for i, s in enumerate(specs)
         ]
         self._specs = list(specs)
@@ -222,9 +239,14 @@ class HostCluster:
         ``RAY_ADDRESS`` (unless ``with_address=False``), one thread per library, no
         ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``."""
         env = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
-        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path), RAY_USAGE_STATS_ENABLED="0",
-                   OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false",
-                   PYTHONUNBUFFERED="1")
+        env.update(
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN_PATH=str(self.token_path),
+            RAY_USAGE_STATS_ENABLED="0",
+            OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONUNBUFFERED="1",
+        )
         if with_address:
             env["RAY_ADDRESS"] = self.address
         env.update(extra or {})
@@ -232,39 +254,73 @@ class HostCluster:
         return env
 
     # --- running things in hosts -------------------------------------------------------------------
-    def run(self, host: str | Host, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-            timeout: float | None = 300, cwd: str | os.PathLike | None = None) -> DriverResult:
+    def run(
+        self,
+        host: str | Host,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = 300,
+        cwd: str | os.PathLike | None = None,
+    ) -> DriverResult:
         """Run ``args`` inside ``host`` with :meth:`env`; wait for it and return its output."""
         h = host if isinstance(host, Host) else self.host(host)
         return self._run(h, args, self.env(env), timeout, cwd)
 
-    def _run(self, h: Host, args: Sequence[str], env: Mapping[str, str], timeout: float | None,
-             cwd: str | os.PathLike | None = None) -> DriverResult:
+    def _run(
+        self,
+        h: Host,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        timeout: float | None,
+        cwd: str | os.PathLike | None = None,
+    ) -> DriverResult:
         try:
-            proc = subprocess.run(h.exec_args(list(args)), check=False, capture_output=True, text=True, timeout=timeout,
-                                  env=dict(env), stdin=subprocess.DEVNULL, cwd=cwd)
+            proc = subprocess.run(
+                h.exec_args(list(args)),
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                cwd=cwd,
+            )
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
             return DriverResult(list(args), 124, out, err + f"\n[harness] timed out after {timeout}s")
         return DriverResult(list(args), proc.returncode, proc.stdout, proc.stderr)
 
-    def popen(self, host: str | Host, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-              **kw: object) -> subprocess.Popen:
+    def popen(
+        self, host: str | Host, args: Sequence[str], *, env: Mapping[str, str] | None = None, **kw: object
+    ) -> subprocess.Popen:
         """Start ``args`` inside ``host`` without waiting (the caller owns the process)."""
         h = host if isinstance(host, Host) else self.host(host)
         kw.setdefault("stdin", subprocess.DEVNULL)
         return subprocess.Popen(h.exec_args(list(args)), env=self.env(env), **kw)  # type: ignore[call-overload]
 
-    def run_driver(self, args: Sequence[str], *, host: str | Host | None = None,
-                   env: Mapping[str, str] | None = None, timeout: float | None = 300,
-                   cwd: str | os.PathLike | None = None) -> DriverResult:
+    def run_driver(
+        self,
+        args: Sequence[str],
+        *,
+        host: str | Host | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = 300,
+        cwd: str | os.PathLike | None = None,
+    ) -> DriverResult:
         """Run a Python driver (``["path/to/script.py", ...]`` or ``["-m", "module", ...]``) with this
         Python inside ``host`` (default: the head), ``RAY_ADDRESS`` set to the cluster."""
         return self.run(host or self.head, [sys.executable, *args], env=env, timeout=timeout, cwd=cwd)
 
-    def run_python(self, code: str, *, host: str | Host | None = None, env: Mapping[str, str] | None = None,
-                   timeout: float | None = 300) -> DriverResult:
+    def run_python(
+        self,
+        code: str,
+        *,
+        host: str | Host | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = 300,
+    ) -> DriverResult:
         """Run Python source ``code`` as a driver inside ``host`` (default: the head)."""
         return self.run_driver(["-c", code], host=host, env=env, timeout=timeout)
 
@@ -301,8 +357,9 @@ class HostCluster:
         for h in self.hosts:
             self._add_namespace(h.namespace)
             # both ends are created directly inside their namespaces: no name in the root namespace
-            self._ip("link", "add", "eth0", "netns", h.namespace, "type", "veth",
-                     "peer", "name", f"p{h.index}", "netns", br)
+            self._ip(
+                "link", "add", "eth0", "netns", h.namespace, "type", "veth", "peer", "name", f"p{h.index}", "netns", br
+            )
             self._ip("-n", br, "link", "set", f"p{h.index}", "master", "br0")
             self._ip("-n", br, "link", "set", f"p{h.index}", "up")
             self._ip("-n", h.namespace, "addr", "add", f"{h.ip}/24", "dev", "eth0")
@@ -313,17 +370,27 @@ class HostCluster:
         h.temp_dir.mkdir(parents=True, exist_ok=True)
         resources = {f"accelerator_type:{k}": v for k, v in h.hardware.items() if v > 0}
         spec = self._specs[h.index]
-        args = [_ray_bin(), "start", f"--node-ip-address={h.ip}", f"--num-cpus={h.num_cpus}", "--num-gpus=0",
-                f"--resources={json.dumps(resources)}", f"--temp-dir={h.temp_dir}",
-                f"--object-store-memory={spec.object_store_mb * 1024 * 1024}", "--disable-usage-stats"]
+        args = [
+            _ray_bin(),
+            "start",
+            f"--node-ip-address={h.ip}",
+            f"--num-cpus={h.num_cpus}",
+            "--num-gpus=0",
+            f"--resources={json.dumps(resources)}",
+            f"--temp-dir={h.temp_dir}",
+            f"--object-store-memory={spec.object_store_mb * 1024 * 1024}",
+            "--disable-usage-stats",
+        ]
         if head:
             args += ["--head", f"--port={self.ray_port}", "--include-dashboard=false"]
         else:
             args += [f"--address={self.address}"]
         res = self._run(h, args, self.env(with_address=False), self.start_timeout_s)
         if res.returncode != 0:
-            raise HostsError(f"ray start on host {h.name} ({h.ip}) failed ({res.returncode}):\n"
-                             f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+            raise HostsError(
+                f"ray start on host {h.name} ({h.ip}) failed ({res.returncode}):\n"
+                f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+            )
 
     def _start_ray(self) -> None:
         self.token_path.write_text(secrets.token_hex(32))
@@ -337,19 +404,22 @@ class HostCluster:
         """Wait until the head's GCS lists every host as an alive node (ray start returns before that),
         and no other node alive at a host's IP."""
         want = sorted(h.ip for h in self.hosts)
-        code = ("import json, time, ray\n"
-                "ray.init(log_to_driver=False)\n"
-                f"want = {want!r}\n"
-                f"deadline = time.monotonic() + {self.start_timeout_s}\n"
-                "while True:\n"
-                "    alive = sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])\n"
-                "    if alive == want or time.monotonic() > deadline: break\n"
-                "    time.sleep(0.2)\n"
-                "print('RESULT ' + json.dumps(alive))\n")
+        code = (
+            "import json, time, ray\n"
+            "ray.init(log_to_driver=False)\n"
+            f"want = {want!r}\n"
+            f"deadline = time.monotonic() + {self.start_timeout_s}\n"
+            "while True:\n"
+            "    alive = sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])\n"
+            "    if alive == want or time.monotonic() > deadline: break\n"
+            "    time.sleep(0.2)\n"
+            "print('RESULT ' + json.dumps(alive))\n"
+        )
         res = self.run_python(code, timeout=self.start_timeout_s + 60)
         if res.result != want:
-            raise HostsError(f"the cluster did not list every host as alive: want {want}, got {res.result}\n"
-                             f"{res.stderr[-3000:]}")
+            raise HostsError(
+                f"the cluster did not list every host as alive: want {want}, got {res.result}\n{res.stderr[-3000:]}"
+            )
 
     # --- teardown --------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -377,8 +447,9 @@ def _ray_bin() -> str:
 
 
 def _netns_pids(namespace: str) -> list[int]:
-    proc = subprocess.run(["ip", "netns", "pids", namespace], check=False, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        ["ip", "netns", "pids", namespace], check=False, capture_output=True, text=True, stdin=subprocess.DEVNULL
+    )
     return [int(p) for p in proc.stdout.split() if p.isdigit()]
 
 

@@ -11,8 +11,9 @@ loss so that the sum over micro-batches and ranks is the loss of the whole batch
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,9 @@ class Share(Generic[MB]):
     passes: int
 
 
-def plan_share(lengths: Sequence[int], max_tokens: int, make: Callable[[list[int]], MB], distributed: bool
-               ) -> Share[MB]:
+def plan_share(
+    lengths: Sequence[int], max_tokens: int, make: Callable[[list[int]], MB], distributed: bool
+) -> Share[MB]:
     """Pack rows of ``lengths`` into micro-batches under ``max_tokens`` and agree on the pass count
     with the other ranks (a collective when ``distributed``: every rank must call it)."""
     plans = plan_microbatches(list(lengths), max_tokens)
@@ -56,10 +58,17 @@ def plan_share(lengths: Sequence[int], max_tokens: int, make: Callable[[list[int
     return Share(list(lengths), plans, mbs, microbatch_count(len(mbs), distributed))
 
 
-def accumulate_step(*, model: torch.nn.Module, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                    share: Share[MB], backward: Callable[[MB], Any],
-                    zero_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
-                    grad_clip: float | None) -> float:
+def accumulate_step(
+    *,
+    model: torch.nn.Module,
+    params: Sequence[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    share: Share[MB],
+    backward: Callable[[MB], Any],
+    zero_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    grad_clip: float | None,
+) -> float:
     """One optimiser step over ``share`` (see the module docstring); ``backward(mb)`` computes the
     weighted loss of one micro-batch and calls ``.backward()`` on it. Returns the total gradient norm
     before clipping."""

@@ -37,7 +37,8 @@ def load_checkpoint_file(path: str | os.PathLike[str], map_location: Any = "cpu"
     except pickle.UnpicklingError as err:
         raise UnsafeCheckpointError(
             f"{path}: refused to load, it holds objects other than tensors and plain containers "
-            f"(torch.load weights_only=True): {str(err).splitlines()[0]}") from None
+            f"(torch.load weights_only=True): {str(err).splitlines()[0]}"
+        ) from None
     if not isinstance(state, dict):
         raise UnsafeCheckpointError(f"{path}: a checkpoint is a dict, got {type(state).__name__}")
     return state

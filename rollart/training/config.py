@@ -53,19 +53,23 @@ class TrainConfig(BaseModel):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
     @model_validator(mode="after")
-    def _check_strategy(self) -> "TrainConfig":
+    def _check_strategy(self) -> TrainConfig:
         for name in ("tensor_parallel", "pipeline_parallel"):
             size = getattr(self, name)
             if size > 1:
-                hint = ("model parallelism exists only in the megatron strategy, and "
-                        if self.strategy == "torch" else "")
+                hint = (
+                    "model parallelism exists only in the megatron strategy, and " if self.strategy == "torch" else ""
+                )
                 raise ValueError(
                     f"train.{name}={size}: {hint}sharding the weights across model-parallel ranks is not "
                     f"implemented in this version; set train.{name}: 1 (data parallelism comes from the "
-                    "train pool's size)")
+                    "train pool's size)"
+                )
         if self.strategy == "megatron" and not _importable("megatron.core"):
-            raise ValueError("train.strategy: megatron needs megatron-core; install it with "
-                             "pip install 'rollart[megatron]' or set train.strategy: torch")
+            raise ValueError(
+                "train.strategy: megatron needs megatron-core; install it with "
+                "pip install 'rollart[megatron]' or set train.strategy: torch"
+            )
         return self
 
 

@@ -45,8 +45,9 @@ Seed 003 §3 gives two value-training designs, both here:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -58,7 +59,11 @@ from rollart.training import columns as C
 from rollart.training.accumulation import accumulate_step, global_sum, plan_share
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
-    DP_SPLIT_EVERY_RANK, DataParallelRank, join_data_parallel, model_path, worker_device,
+    DP_SPLIT_EVERY_RANK,
+    DataParallelRank,
+    join_data_parallel,
+    model_path,
+    worker_device,
 )
 
 SAO_PRESET: dict[str, Any] = {
@@ -113,8 +118,13 @@ class CriticConfig(BaseModel):
 
     def gae_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`rollart.training.data.add_advantages` (``gae``) this config names."""
-        return {"gamma": self.gamma, "lam": self.lam, "critic_lam": self.critic_lambda,
-                "length_adaptive": self.length_adaptive_lambda, "alpha": self.lambda_alpha}
+        return {
+            "gamma": self.gamma,
+            "lam": self.lam,
+            "critic_lam": self.critic_lambda,
+            "length_adaptive": self.length_adaptive_lambda,
+            "alpha": self.lambda_alpha,
+        }
 
 
 class ValueModel(torch.nn.Module):
@@ -157,11 +167,13 @@ class CriticWorker(DataParallelRank, ra.Worker):
             if not self.frozen_tensors:
                 raise ValueError(f"freeze_attention: no parameter of {path} has 'self_attn' in its name")
         self.model: torch.nn.Module = self.module
-        self.optimizer = torch.optim.AdamW([p for p in self.module.parameters() if p.requires_grad],
-                                           lr=self.config.lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.module.parameters() if p.requires_grad], lr=self.config.lr, weight_decay=0.0
+        )
         warm = self.config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
+        )
         self.distributed = False
         self.steps = 0
 
@@ -173,16 +185,24 @@ class CriticWorker(DataParallelRank, ra.Worker):
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     def setup_distributed(self, master_addr: str, master_port: int) -> str:
         """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the value model in DDP."""
-        self.model, backend = join_data_parallel(self.module, rank=self.rank, world_size=self.world_size,
-                                                 backend=self.config.backend, device=self.device,
-                                                 master_addr=master_addr, master_port=master_port)
+        self.model, backend = join_data_parallel(
+            self.module,
+            rank=self.rank,
+            world_size=self.world_size,
+            backend=self.config.backend,
+            device=self.device,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
         self.distributed = backend != "single"
         return backend
 
     def _tensors(self, batch: Batch, idx: list[int], with_targets: bool) -> dict[str, torch.Tensor]:
         ids = [batch[C.INPUT_IDS][i] for i in idx]
-        out = {C.INPUT_IDS: pad_right(ids, 0, torch.long),
-               C.ATTENTION_MASK: pad_right([[1] * len(s) for s in ids], 0, torch.long)}
+        out = {
+            C.INPUT_IDS: pad_right(ids, 0, torch.long),
+            C.ATTENTION_MASK: pad_right([[1] * len(s) for s in ids], 0, torch.long),
+        }
         if with_targets:
             out[C.LOSS_MASK] = pad_right([batch[C.LOSS_MASK][i] for i in idx], 0, torch.float32)
             out[C.VALUES] = pad_right([batch[C.VALUES][i] for i in idx], 0.0, torch.float32)
@@ -218,8 +238,12 @@ class CriticWorker(DataParallelRank, ra.Worker):
         lengths = [len(s) for s in batch[C.INPUT_IDS]] if len(batch) else []
         local = float(sum(sum(m) for m in batch[C.LOSS_MASK])) if lengths else 0.0
         total = global_sum([local], self.distributed)[0]
-        share = plan_share(lengths, cfg.max_tokens_per_microbatch,
-                           lambda idx: self._tensors(batch, idx, with_targets=True), self.distributed)
+        share = plan_share(
+            lengths,
+            cfg.max_tokens_per_microbatch,
+            lambda idx: self._tensors(batch, idx, with_targets=True),
+            self.distributed,
+        )
         scale_world = self.world_size if self.distributed else 1
         params = [p for p in self.module.parameters() if p.requires_grad]
         losses, clipfracs, evs, norms = [], [], [], []
@@ -239,15 +263,29 @@ class CriticWorker(DataParallelRank, ra.Worker):
                     vc = old + (v - old).clamp(-cfg.value_clip, cfg.value_clip)
                     clipped = float((((vc - ret) ** 2 > (v - ret) ** 2).float() * mask).sum())
                 err = ret - v
-                sums = [float(loss) * n, clipped, n, float((ret * mask).sum()), float((ret ** 2 * mask).sum()),
-                        float((err * mask).sum()), float((err ** 2 * mask).sum())]
+                sums = [
+                    float(loss) * n,
+                    clipped,
+                    n,
+                    float((ret * mask).sum()),
+                    float((ret**2 * mask).sum()),
+                    float((err * mask).sum()),
+                    float((err**2 * mask).sum()),
+                ]
                 acc[:] = [a + b for a, b in zip(acc, sums)]
 
         for _ in range(cfg.epochs):
             acc[:] = [0.0] * 7
-            norm = accumulate_step(model=self.model, params=params, optimizer=self.optimizer, share=share,
-                                   backward=backward, zero_forward=self.value, device=self.device,
-                                   grad_clip=cfg.grad_clip)
+            norm = accumulate_step(
+                model=self.model,
+                params=params,
+                optimizer=self.optimizer,
+                share=share,
+                backward=backward,
+                zero_forward=self.value,
+                device=self.device,
+                grad_clip=cfg.grad_clip,
+            )
             # the metrics are all-reduced after the optimiser step: the same collective order on every rank
             s_loss, s_clip, s_n, s_r, s_r2, s_e, s_e2 = global_sum(acc, self.distributed)
             n = max(s_n, 1.0)
@@ -262,11 +300,21 @@ class CriticWorker(DataParallelRank, ra.Worker):
         if not lengths:
             return None
         k = float(cfg.epochs)
-        return {"value_loss": sum(losses) / k, "value_loss_first": losses[0], "value_loss_last": losses[-1],
-                "value_clipfrac": sum(clipfracs) / k, "explained_variance": sum(evs) / k,
-                "grad_norm": sum(norms) / k, "epochs": k, "frozen_params": float(self.frozen_params),
-                "frozen_tensors": float(self.frozen_tensors), "tokens": local, "rows": float(len(lengths)),
-                "microbatches": float(len(share.plans)), "lr": self.scheduler.get_last_lr()[0]}
+        return {
+            "value_loss": sum(losses) / k,
+            "value_loss_first": losses[0],
+            "value_loss_last": losses[-1],
+            "value_clipfrac": sum(clipfracs) / k,
+            "explained_variance": sum(evs) / k,
+            "grad_norm": sum(norms) / k,
+            "epochs": k,
+            "frozen_params": float(self.frozen_params),
+            "frozen_tensors": float(self.frozen_tensors),
+            "tokens": local,
+            "rows": float(len(lengths)),
+            "microbatches": float(len(share.plans)),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
 
     # ------------------------------------------------------------------ checkpoints
     @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
@@ -277,8 +325,16 @@ class CriticWorker(DataParallelRank, ra.Worker):
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(".tmp")
-        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "steps": self.steps, "step": int(step)}, tmp)
+        torch.save(
+            {
+                "model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "steps": self.steps,
+                "step": int(step),
+            },
+            tmp,
+        )
         os.replace(tmp, target)  # a crash mid-write never leaves a torn checkpoint
         return str(target)
 
@@ -297,8 +353,12 @@ class CriticWorker(DataParallelRank, ra.Worker):
     def param_checksum(self, kind: str = "all") -> float:
         """Sum of ``|w|`` (float64) over the parameters of ``kind``: ``all``, ``attention`` (names with
         ``self_attn``), ``mlp`` (names with ``mlp``) or ``head`` (the value head)."""
-        keep = {"all": lambda n: True, "attention": lambda n: "self_attn" in n, "mlp": lambda n: ".mlp." in n,
-                "head": lambda n: n.startswith("head.")}[kind]
+        keep = {
+            "all": lambda n: True,
+            "attention": lambda n: "self_attn" in n,
+            "mlp": lambda n: ".mlp." in n,
+            "head": lambda n: n.startswith("head."),
+        }[kind]
         with torch.no_grad():
             return float(sum(p.detach().double().abs().sum() for n, p in self.module.named_parameters() if keep(n)))
 
@@ -308,13 +368,30 @@ class CriticWorker(DataParallelRank, ra.Worker):
         return {n: p.detach().cpu().flatten().tolist() for n, p in self.module.named_parameters()}
 
 
-def gae_batch(groups: Sequence[Sequence[Trajectory]], values: Sequence[Sequence[float]], *, gamma: float = 1.0,
-              lam: float = 0.95, critic_lam: float | None = None, length_adaptive: bool = False,
-              alpha: float = 0.05, whiten: bool = True) -> Batch:
+def gae_batch(
+    groups: Sequence[Sequence[Trajectory]],
+    values: Sequence[Sequence[float]],
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    critic_lam: float | None = None,
+    length_adaptive: bool = False,
+    alpha: float = 0.05,
+    whiten: bool = True,
+) -> Batch:
     """:func:`rollart.training.data.trajectories_to_batch` then :func:`rollart.training.data.add_advantages`
     with ``gae`` under the critic's ``values`` (one row per trajectory, in group order, e.g. the output of
     ``CriticWorker.compute_values``): the batch plus ``advantages``, ``values`` and ``returns``."""
     from rollart.training.data import add_advantages, trajectories_to_batch
 
-    return add_advantages(trajectories_to_batch(groups, advantage=None), "gae", values=values, gamma=gamma, lam=lam,
-                          critic_lam=critic_lam, length_adaptive=length_adaptive, alpha=alpha, whiten=whiten)
+    return add_advantages(
+        trajectories_to_batch(groups, advantage=None),
+        "gae",
+        values=values,
+        gamma=gamma,
+        lam=lam,
+        critic_lam=critic_lam,
+        length_adaptive=length_adaptive,
+        alpha=alpha,
+        whiten=whiten,
+    )

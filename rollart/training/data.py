@@ -14,7 +14,7 @@ GAE under a critic's values, which also adds ``values`` and ``returns``).
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ def token_group_advantages(groups: Sequence[Sequence[Trajectory]], eps: float = 
         for r, (t, pos) in enumerate(zip(group, positions)):
             if t.token_rewards is None:
                 raise ValueError(f"advantage=grpo_token needs token_rewards; trajectory {t.traj_id} ({t.tag}) has none")
-            for k, i in enumerate(pos):
+            for i in pos:
                 credit[r].append(float(t.token_rewards[i]) if i < len(t.token_rewards) else 0.0)
         adv = torch.zeros((len(group), width), dtype=torch.float64)
         for k in range(width):
@@ -62,14 +62,17 @@ def prompt_key(token_ids: Sequence[int], loss_mask: Sequence[int]) -> str:
     return hashlib.sha1(",".join(str(int(x)) for x in token_ids[:first]).encode()).hexdigest()[:16]
 
 
-def trajectories_to_batch(groups: Sequence[Sequence[Trajectory]], *, norm_std: bool = True,
-                          advantage: str | None = "grpo") -> Batch:
+def trajectories_to_batch(
+    groups: Sequence[Sequence[Trajectory]], *, norm_std: bool = True, advantage: str | None = "grpo"
+) -> Batch:
     """The training batch of ``groups`` (see the module docstring). With ``advantage`` set (``grpo``,
     ``grpo_token`` or ``reinforce``, the estimators that need nothing but the batch) the advantages are
     added by :func:`add_advantages`; ``advantage=None`` leaves them to a later :func:`add_advantages`."""
     trajs = [t for g in groups for t in g]
     if any(t.reward is None for t in trajs):
-        raise ValueError("a trajectory without a reward reached the trainer; failed rewards must be dropped or requeued")
+        raise ValueError(
+            "a trajectory without a reward reached the trainer; failed rewards must be dropped or requeued"
+        )
     columns = {
         C.INPUT_IDS: [list(t.token_ids) for t in trajs],
         C.LOSS_MASK: [list(t.loss_mask) for t in trajs],
@@ -86,9 +89,11 @@ def trajectories_to_batch(groups: Sequence[Sequence[Trajectory]], *, norm_std: b
     batch = Batch(columns, meta={"num_groups": len(groups)})
     if advantage is not None:
         if advantage in ("running_mean", "gae"):
-            raise ValueError(f"trajectories_to_batch(advantage={advantage!r}): this estimator needs state "
-                             "(a baseline or the critic's values); build with advantage=None, then call "
-                             "add_advantages(batch, ...)")
+            raise ValueError(
+                f"trajectories_to_batch(advantage={advantage!r}): this estimator needs state "
+                "(a baseline or the critic's values); build with advantage=None, then call "
+                "add_advantages(batch, ...)"
+            )
         add_advantages(batch, advantage, norm_std=norm_std)
     return batch
 
@@ -105,10 +110,20 @@ def _broadcast(batch: Batch, seq_adv: Sequence[float]) -> list[list[float]]:
     return [[float(a)] * len(ids) for a, ids in zip(seq_adv, batch[C.INPUT_IDS])]
 
 
-def add_advantages(batch: Batch, method: str, *, norm_std: bool = True, values: Sequence[Sequence[float]] | None = None,
-                   baseline: RunningMeanBaseline | None = None, gamma: float = 1.0, lam: float = 0.95,
-                   critic_lam: float | None = None, length_adaptive: bool = False, alpha: float = 0.05,
-                   whiten: bool = True) -> Batch:
+def add_advantages(
+    batch: Batch,
+    method: str,
+    *,
+    norm_std: bool = True,
+    values: Sequence[Sequence[float]] | None = None,
+    baseline: RunningMeanBaseline | None = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    critic_lam: float | None = None,
+    length_adaptive: bool = False,
+    alpha: float = 0.05,
+    whiten: bool = True,
+) -> Batch:
     """Add the ``advantages`` column to ``batch`` (in place; returned for chaining) with ``method``:
 
     * ``grpo``: ``(r - mean_g r) / (std_g r + eps)`` within each group (``norm_std=False`` only centres);
@@ -122,8 +137,16 @@ def add_advantages(batch: Batch, method: str, *, norm_std: bool = True, values: 
     if method == "gae":
         if values is None:
             raise ValueError("add_advantages(method='gae') needs the critic's values (values=...)")
-        return gae_advantages(batch, values, gamma=gamma, lam=lam, critic_lam=critic_lam,
-                              length_adaptive=length_adaptive, alpha=alpha, whiten=whiten)
+        return gae_advantages(
+            batch,
+            values,
+            gamma=gamma,
+            lam=lam,
+            critic_lam=critic_lam,
+            length_adaptive=length_adaptive,
+            alpha=alpha,
+            whiten=whiten,
+        )
     rewards = batch[C.REWARDS]
     if method == "grpo":
         per_token = _broadcast(batch, grpo_advantages(rewards, batch[C.GROUP_INDEX], norm_std=norm_std).tolist())
@@ -133,8 +156,9 @@ def add_advantages(batch: Batch, method: str, *, norm_std: bool = True, values: 
         per_token = _broadcast(batch, reinforce_baseline_advantages(rewards, batch[C.GROUP_INDEX]).tolist())
     elif method == "running_mean":
         if baseline is None:
-            raise ValueError("add_advantages(method='running_mean') needs a RunningMeanBaseline (baseline=...), "
-                             "kept across steps")
+            raise ValueError(
+                "add_advantages(method='running_mean') needs a RunningMeanBaseline (baseline=...), kept across steps"
+            )
         per_token = _broadcast(batch, baseline.advantages(list(batch[C.PROMPT_KEY]), rewards.tolist()))
     elif method == "grpo_token":
         # dense credit where the env gives it (char_rewards); sequence GRPO for the other groups
@@ -143,9 +167,17 @@ def add_advantages(batch: Batch, method: str, *, norm_std: bool = True, values: 
         per_token = [[]] * len(batch)
         for rows in _rows_of_groups(batch):
             if all(credit[r] is not None for r in rows):
-                group = [Trajectory(traj_id=batch[C.TRAJ_ID][r], group_id="", tag=batch[C.TAG][r],
-                                    token_ids=batch[C.INPUT_IDS][r], loss_mask=batch[C.LOSS_MASK][r],
-                                    token_rewards=credit[r]) for r in rows]
+                group = [
+                    Trajectory(
+                        traj_id=batch[C.TRAJ_ID][r],
+                        group_id="",
+                        tag=batch[C.TAG][r],
+                        token_ids=batch[C.INPUT_IDS][r],
+                        loss_mask=batch[C.LOSS_MASK][r],
+                        token_rewards=credit[r],
+                    )
+                    for r in rows
+                ]
                 for r, adv in zip(rows, token_group_advantages([group])):
                     per_token[r] = adv
             else:
@@ -157,9 +189,17 @@ def add_advantages(batch: Batch, method: str, *, norm_std: bool = True, values: 
     return batch
 
 
-def gae_advantages(batch: Batch, values: Sequence[Sequence[float]], *, gamma: float = 1.0, lam: float = 0.95,
-                   critic_lam: float | None = None, length_adaptive: bool = False, alpha: float = 0.05,
-                   whiten: bool = True) -> Batch:
+def gae_advantages(
+    batch: Batch,
+    values: Sequence[Sequence[float]],
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    critic_lam: float | None = None,
+    length_adaptive: bool = False,
+    alpha: float = 0.05,
+    whiten: bool = True,
+) -> Batch:
     """Skip-observation GAE (seed 003 eq. 4–5) under the critic's ``values`` (one row per batch row, each
     as long as the row). The sequence reward sits on the last action token. Adds ``advantages`` with the
     policy's lambda (``lam``, or ``1 - 1/(alpha * l)`` per row of ``l`` action tokens with
@@ -181,8 +221,9 @@ def gae_advantages(batch: Batch, values: Sequence[Sequence[float]], *, gamma: fl
         T = len(ids)
         if len(v) != T or len(mask_row) != T:
             tid = batch[C.TRAJ_ID][r] if C.TRAJ_ID in batch else r
-            raise ValueError(f"gae_advantages: trajectory {tid} has {T} tokens, {len(mask_row)} mask entries "
-                             f"and {len(v)} values")
+            raise ValueError(
+                f"gae_advantages: trajectory {tid} has {T} tokens, {len(mask_row)} mask entries and {len(v)} values"
+            )
         mask = torch.tensor(list(mask_row), dtype=torch.float32)
         value = torch.tensor(list(v), dtype=torch.float32) * (mask > 0)
         rewards = torch.zeros(T)

@@ -64,8 +64,9 @@ import functools
 import operator
 import os
 from collections import namedtuple
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -76,8 +77,16 @@ from rollart.training.placement import init_process_group, model_path, worker_de
 from rollart.training.torch_strategy import TorchTrainWorker
 
 __all__ = [
-    "GPTCausalLM", "MegatronConfig", "MegatronTrainWorker", "build_gpt_model", "cpu_patches", "gpt_logits",
-    "hf_to_megatron", "init_megatron_parallel", "load_hf_state_dict", "megatron_to_hf",
+    "GPTCausalLM",
+    "MegatronConfig",
+    "MegatronTrainWorker",
+    "build_gpt_model",
+    "cpu_patches",
+    "gpt_logits",
+    "hf_to_megatron",
+    "init_megatron_parallel",
+    "load_hf_state_dict",
+    "megatron_to_hf",
     "transformer_config",
 ]
 
@@ -109,13 +118,17 @@ def _shape(config: Any) -> tuple[int, int, int, int, bool]:
 
 def _ignored(name: str) -> bool:
     """Entries that carry no weights: rotary caches and Transformer-Engine/megatron ``_extra_state``."""
-    return name.endswith("rotary_emb.inv_freq") or name.endswith("._extra_state") or name.endswith(
-        "rotary_pos_emb.inv_freq")
+    return (
+        name.endswith("rotary_emb.inv_freq")
+        or name.endswith("._extra_state")
+        or name.endswith("rotary_pos_emb.inv_freq")
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- conversion
-def hf_to_megatron(state: Mapping[str, torch.Tensor], config: Any, *, fused_norms: bool = False
-                   ) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    state: Mapping[str, torch.Tensor], config: Any, *, fused_norms: bool = False
+) -> dict[str, torch.Tensor]:
     """A Hugging Face Qwen2/Llama-style state dict in megatron ``GPTModel`` names.
 
     ``config`` is the HF config (object or dict). ``fused_norms`` names the RMSNorm weights as the
@@ -148,10 +161,12 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], config: Any, *, fused_norm
         if attn + "o_proj.bias" in src:
             out[m + "self_attention.linear_proj.bias"] = take(attn + "o_proj.bias")
         out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"))
+            take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")
+        )
         if attn + "q_proj.bias" in src:
             out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias"))
+                take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias")
+            )
         norm_mlp = m + ("mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight")
         out[norm_mlp] = take(h + "post_attention_layernorm.weight")
         out[m + "mlp.linear_fc1.weight"] = torch.cat([take(h + "mlp.gate_proj.weight"), take(h + "mlp.up_proj.weight")])
@@ -190,8 +205,11 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, 
         per_group = heads // groups * head_dim
         g = fused.reshape(groups, per_group + 2 * head_dim, *rest)
         q, k, v = torch.split(g, [per_group, head_dim, head_dim], dim=1)
-        return (q.reshape(heads * head_dim, *rest).contiguous(), k.reshape(groups * head_dim, *rest).contiguous(),
-                v.reshape(groups * head_dim, *rest).contiguous())
+        return (
+            q.reshape(heads * head_dim, *rest).contiguous(),
+            k.reshape(groups * head_dim, *rest).contiguous(),
+            v.reshape(groups * head_dim, *rest).contiguous(),
+        )
 
     embed = take("embedding.word_embeddings.weight")
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
@@ -212,10 +230,12 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, 
         out[h + "mlp.gate_proj.weight"] = gate.contiguous()
         out[h + "mlp.up_proj.weight"] = up.contiguous()
         out[h + "mlp.down_proj.weight"] = take(m + "mlp.linear_fc2.weight")
-        out[h + "input_layernorm.weight"] = take(m + "input_layernorm.weight",
-                                                 m + "self_attention.linear_qkv.layer_norm_weight")
-        out[h + "post_attention_layernorm.weight"] = take(m + "pre_mlp_layernorm.weight",
-                                                          m + "mlp.linear_fc1.layer_norm_weight")
+        out[h + "input_layernorm.weight"] = take(
+            m + "input_layernorm.weight", m + "self_attention.linear_qkv.layer_norm_weight"
+        )
+        out[h + "post_attention_layernorm.weight"] = take(
+            m + "pre_mlp_layernorm.weight", m + "mlp.linear_fc1.layer_norm_weight"
+        )
     out["model.norm.weight"] = take("decoder.final_layernorm.weight")
     out["lm_head.weight"] = embed if tied else take("output_layer.weight")
     unknown = sorted(set(src) - used)
@@ -255,8 +275,9 @@ def _cpu_get_emb(self: Any, max_seq_len: int, offset: int = 0) -> torch.Tensor:
     return emb[:, None, None, :]
 
 
-def _cpu_get_tensor(self: Any, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
-                    ) -> torch.Tensor:
+def _cpu_get_tensor(
+    self: Any, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
+) -> torch.Tensor:
     """``GlobalMemoryBuffer.get_tensor`` of megatron-core 0.16.1 with its cached buffer on the CPU."""
     required = functools.reduce(operator.mul, tensor_shape, 1)
     buf = self.buffer.get((name, dtype))
@@ -278,8 +299,12 @@ def cpu_patches() -> Iterator[None]:
     from megatron.core.tensor_parallel import random as mcore_random
 
     rope_cls, buffer_cls = rotary_pos_embedding.RotaryEmbedding, mcore_utils.GlobalMemoryBuffer
-    saved = (rope_cls.__dict__["get_emb"], buffer_cls.__dict__["get_tensor"],
-             mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    saved = (
+        rope_cls.__dict__["get_emb"],
+        buffer_cls.__dict__["get_tensor"],
+        mcore_random._CUDA_RNG_STATE_TRACKER,
+        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+    )
     rope_cls.get_emb = _cpu_get_emb
     buffer_cls.get_tensor = _cpu_get_tensor
     mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -291,8 +316,15 @@ def cpu_patches() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------------- model
-def init_megatron_parallel(*, backend: str, rank: int = 0, world_size: int = 1, init_method: str | None = None,
-                           tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+def init_megatron_parallel(
+    *,
+    backend: str,
+    rank: int = 0,
+    world_size: int = 1,
+    init_method: str | None = None,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+) -> None:
     """Join the default process group (a private in-memory one for a single rank when ``init_method`` is
     None) and initialise megatron's ``parallel_state``; the data-parallel size is what remains."""
     from megatron.core import parallel_state
@@ -306,8 +338,9 @@ def init_megatron_parallel(*, backend: str, rank: int = 0, world_size: int = 1, 
             addr, _, port = init_method.removeprefix("tcp://").rpartition(":")
             init_process_group(backend, rank=rank, world_size=world_size, master_addr=addr, master_port=int(port))
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                                 pipeline_model_parallel_size=pipeline_parallel)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+        )
 
 
 def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.float32) -> Any:
@@ -327,16 +360,29 @@ def transformer_config(hf_config: Any, *, params_dtype: torch.dtype = torch.floa
         raise NotImplementedError("megatron strategy: sliding-window attention")
     _, heads, groups, head_dim, _ = _shape(hf_config)
     return TransformerConfig(
-        num_layers=int(_cfg(hf_config, "num_hidden_layers")), hidden_size=int(_cfg(hf_config, "hidden_size")),
-        ffn_hidden_size=int(_cfg(hf_config, "intermediate_size")), num_attention_heads=heads,
-        num_query_groups=groups, kv_channels=head_dim, normalization="RMSNorm",
-        layernorm_epsilon=float(_cfg(hf_config, "rms_norm_eps")), gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=bool(_cfg(hf_config, "mlp_bias", False)),
+        num_layers=int(_cfg(hf_config, "num_hidden_layers")),
+        hidden_size=int(_cfg(hf_config, "hidden_size")),
+        ffn_hidden_size=int(_cfg(hf_config, "intermediate_size")),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(_cfg(hf_config, "rms_norm_eps")),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=bool(_cfg(hf_config, "mlp_bias", False)),
         add_qkv_bias=bool(_cfg(hf_config, "attention_bias", model_type == "qwen2")),
-        hidden_dropout=0.0, attention_dropout=float(_cfg(hf_config, "attention_dropout", 0.0) or 0.0),
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        use_cpu_initialization=True, perform_initialization=False, params_dtype=params_dtype,
+        hidden_dropout=0.0,
+        attention_dropout=float(_cfg(hf_config, "attention_dropout", 0.0) or 0.0),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        params_dtype=params_dtype,
     )
 
 
@@ -356,13 +402,16 @@ def build_gpt_model(hf_config: Any, *, params_dtype: torch.dtype = torch.float32
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=int(_cfg(hf_config, "vocab_size")),
         max_sequence_length=int(_cfg(hf_config, "max_position_embeddings")),
-        position_embedding_type="rope", rotary_percent=1.0, rotary_base=_rope_theta(hf_config),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=_rope_theta(hf_config),
         share_embeddings_and_output_weights=bool(_cfg(hf_config, "tie_word_embeddings", True)),
     )
 
 
-def gpt_logits(gpt: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-               ) -> torch.Tensor:
+def gpt_logits(
+    gpt: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Logits ``[b, s, v]`` of a ``GPTModel`` for ``input_ids`` ``[b, s]``.
 
     Position ids are ``0..s-1`` (as Hugging Face uses without explicit positions); the boolean mask
@@ -432,8 +481,10 @@ class MegatronTrainWorker(TorchTrainWorker):
     @property
     def model(self) -> torch.nn.Module:
         if self._model is None:
-            raise RuntimeError(f"MegatronTrainWorker rank {self.rank}/{self.world_size}: call setup_distributed "
-                               "first (several ranks build their model once the process group exists)")
+            raise RuntimeError(
+                f"MegatronTrainWorker rank {self.rank}/{self.world_size}: call setup_distributed "
+                "first (several ranks build their model once the process group exists)"
+            )
         return self._model
 
     @model.setter
@@ -455,18 +506,22 @@ class MegatronTrainWorker(TorchTrainWorker):
         state = hf_to_megatron(load_hf_state_dict(self._path), self.hf_config)
         expected = {k for k in gpt.state_dict() if not _ignored(k)}
         if set(state) != expected:
-            raise KeyError(f"converted weights do not fit the GPTModel: missing {sorted(expected - set(state))[:3]}, "
-                           f"unexpected {sorted(set(state) - expected)[:3]}")
+            raise KeyError(
+                f"converted weights do not fit the GPTModel: missing {sorted(expected - set(state))[:3]}, "
+                f"unexpected {sorted(set(state) - expected)[:3]}"
+            )
         gpt.load_state_dict(state, strict=False)  # strict apart from the weightless _extra_state entries
         self._module = GPTCausalLM(gpt).to(self.device)
         self._module.train()
         self._model = self._module
         cfg = self.config
-        self.optimizer = torch.optim.AdamW(self._module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                           betas=cfg.betas)
+        self.optimizer = torch.optim.AdamW(
+            self._module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas
+        )
         warm = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
+        )
 
     # ------------------------------------------------------------------ set-up
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
@@ -477,8 +532,12 @@ class MegatronTrainWorker(TorchTrainWorker):
             return "single"
         if self._model is not None:
             raise RuntimeError("setup_distributed was already called on this worker")
-        init_megatron_parallel(backend=self.backend, rank=self.rank, world_size=self.world_size,
-                               init_method=f"tcp://{master_addr}:{master_port}")
+        init_megatron_parallel(
+            backend=self.backend,
+            rank=self.rank,
+            world_size=self.world_size,
+            init_method=f"tcp://{master_addr}:{master_port}",
+        )
         self._build()
         self._model = wrap_ddp(self._module)
         self.distributed = True

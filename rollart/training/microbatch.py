@@ -7,7 +7,7 @@ of a micro-batch of neighbours in length, so the padding waste is small and no p
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

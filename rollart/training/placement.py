@@ -24,7 +24,9 @@ import ipaddress
 import logging
 import os
 import socket
-from typing import Any, Callable, ContextManager, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,8 +94,10 @@ def interface_of(ip: str, addresses: dict[str, list[Any]] | None = None) -> str:
                 continue  # a MAC address
     if want.is_loopback:
         return "lo"
-    raise RuntimeError(f"no network interface of this host carries {ip} (interfaces: {sorted(addresses)}); "
-                       "the node IP Ray reports must be an address of this host")
+    raise RuntimeError(
+        f"no network interface of this host carries {ip} (interfaces: {sorted(addresses)}); "
+        "the node IP Ray reports must be an address of this host"
+    )
 
 
 def set_socket_interface(ip: str) -> str:
@@ -105,8 +109,16 @@ def set_socket_interface(ip: str) -> str:
     return name
 
 
-def join_data_parallel(module: torch.nn.Module, *, rank: int, world_size: int, backend: str, device: torch.device,
-                       master_addr: str, master_port: int) -> tuple[torch.nn.Module, str]:
+def join_data_parallel(
+    module: torch.nn.Module,
+    *,
+    rank: int,
+    world_size: int,
+    backend: str,
+    device: torch.device,
+    master_addr: str,
+    master_port: int,
+) -> tuple[torch.nn.Module, str]:
     """Join the default process group and wrap ``module`` in DDP; ``("single")`` for one rank.
     ``backend="auto"`` picks NCCL on CUDA and gloo otherwise."""
     if world_size == 1:
@@ -121,8 +133,7 @@ def init_process_group(backend: str, *, rank: int, world_size: int, master_addr:
     """Join the default process group at ``tcp://master_addr:master_port`` over this node's interface."""
     iface = set_socket_interface(node_ip())
     log.info("rank %d/%d joins %s at %s:%d (interface %s)", rank, world_size, backend, master_addr, master_port, iface)
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size)
 
 
 class DataParallelRank:
@@ -158,7 +169,7 @@ def microbatch_count(local: int, distributed: bool) -> int:
     return int(t.item())
 
 
-def sync_grads_on_last(model: torch.nn.Module, index: int, count: int) -> ContextManager[Any]:
+def sync_grads_on_last(model: torch.nn.Module, index: int, count: int) -> AbstractContextManager[Any]:
     """``model.no_sync()`` for all but the last of ``count`` passes: gradients accumulate locally and the
     last backward all-reduces their sum once, so ranks may differ in real micro-batches."""
     if index < count - 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):

@@ -16,21 +16,26 @@ import ray
 import torch
 
 import rollart as ra
-from rollart.training.checkpoint_io import load_checkpoint_file, save_checkpoint_file
 from rollart.algorithms import loss_uses_proximal
 from rollart.training import columns as C
 from rollart.training.accumulation import accumulate_step, global_sum, plan_share
+from rollart.training.checkpoint_io import load_checkpoint_file, save_checkpoint_file
 from rollart.training.config import TrainConfig
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
-    DP_SPLIT_EVERY_RANK, DataParallelRank, free_port, join_data_parallel, model_path,
+    DP_SPLIT_EVERY_RANK,
+    DataParallelRank,
+    free_port,
+    join_data_parallel,
+    model_path,
     worker_device,
 )
 from rollart.weights.base import WeightChannel
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   with_entropy: bool = False) -> Any:
+def token_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, with_entropy: bool = False
+) -> Any:
     """``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` for ``t >= 1``; ``out[:, 0] = 0``.
     With ``with_entropy`` also the entropy of each of those next-token distributions (same layout)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
@@ -55,8 +60,7 @@ def _entropy_by_position(entropy: torch.Tensor, mask: torch.Tensor, sums: torch.
         counts.index_add_(0, k, torch.ones_like(k, dtype=torch.float64))
 
 
-def batch_logprobs(model: torch.nn.Module, batch: ra.Batch, max_tokens: int, device: torch.device
-                   ) -> list[list[float]]:
+def batch_logprobs(model: torch.nn.Module, batch: ra.Batch, max_tokens: int, device: torch.device) -> list[list[float]]:
     """``token_logprobs`` of every row of ``batch["input_ids"]``, micro-batched, each row cut to its length."""
     lengths = [len(s) for s in batch[C.INPUT_IDS]]
     out: list[list[float] | None] = [None] * len(lengths)
@@ -80,15 +84,18 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         self.config = TrainConfig.model_validate(config or {})
         torch.manual_seed(self.config.seed)
         self.device = worker_device(self.device_ids)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path(self.config.model), dtype=torch.float32
-                                                          ).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path(self.config.model), dtype=torch.float32).to(
+            self.device
+        )
         self.model.train()
         self.module = self.model
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr,
-                                           weight_decay=self.config.weight_decay, betas=self.config.betas)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay, betas=self.config.betas
+        )
         warm = self.config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
+        )
         self.version = 0
         self.distributed = False
 
@@ -96,9 +103,15 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     def setup_distributed(self, master_addr: str, master_port: int) -> str:
         """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the model in DDP."""
-        self.model, backend = join_data_parallel(self.module, rank=self.rank, world_size=self.world_size,
-                                                 backend=self.config.backend, device=self.device,
-                                                 master_addr=master_addr, master_port=master_port)
+        self.model, backend = join_data_parallel(
+            self.module,
+            rank=self.rank,
+            world_size=self.world_size,
+            backend=self.config.backend,
+            device=self.device,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
         self.distributed = backend != "single"
         return backend
 
@@ -140,8 +153,9 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         tokens = float(sum(sum(m) for m in batch[C.LOSS_MASK])) if lengths else 0.0
         local = float(len(lengths)) if seq_level else tokens
         total = global_sum([local], self.distributed)[0]
-        share = plan_share(lengths, cfg.max_tokens_per_microbatch, lambda idx: self._microbatch_tensors(batch, idx),
-                           self.distributed)
+        share = plan_share(
+            lengths, cfg.max_tokens_per_microbatch, lambda idx: self._microbatch_tensors(batch, idx), self.distributed
+        )
         scale_world = self.world_size if self.distributed else 1
         recomputed = self.needs_proximal_pass()
         if recomputed:
@@ -174,8 +188,16 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
             kwargs: dict[str, Any] = dict(cfg.loss_params)
             if cfg.tis_cap is not None:
                 kwargs["tis_cap"] = cfg.tis_cap
-            loss, m = policy_loss(cfg.loss, logp, mb[C.ADVANTAGES], mask, proximal_logprobs=proximal,
-                                  behaviour_logprobs=behaviour, agg=cfg.loss_agg, **kwargs)
+            loss, m = policy_loss(
+                cfg.loss,
+                logp,
+                mb[C.ADVANTAGES],
+                mask,
+                proximal_logprobs=proximal,
+                behaviour_logprobs=behaviour,
+                agg=cfg.loss_agg,
+                **kwargs,
+            )
             mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
             m["entropy"] = float(mean_entropy.detach())
             if epoch == 0:
@@ -194,11 +216,19 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
             n_metric += 1
 
         grad_norms: list[float] = []
-        for epoch in range(cfg.ppo_epochs):
-            grad_norms.append(accumulate_step(
-                model=self.model, params=list(self.model.parameters()), optimizer=self.optimizer, share=share,
-                backward=backward, zero_forward=lambda ids, att: self.model(input_ids=ids, attention_mask=att).logits,
-                device=self.device, grad_clip=cfg.grad_clip))
+        for epoch in range(cfg.ppo_epochs):  # noqa: B007 (`backward` reads it)
+            grad_norms.append(
+                accumulate_step(
+                    model=self.model,
+                    params=list(self.model.parameters()),
+                    optimizer=self.optimizer,
+                    share=share,
+                    backward=backward,
+                    zero_forward=lambda ids, att: self.model(input_ids=ids, attention_mask=att).logits,
+                    device=self.device,
+                    grad_clip=cfg.grad_clip,
+                )
+            )
             self.scheduler.step()
         self.version += 1
         if not lengths:
@@ -206,8 +236,15 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         out = {k: v / max(n_metric, 1) for k, v in metrics.items()}
         out["rollout_abs_logprob_diff"] = drift[0] / max(drift[1], 1.0)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)  # before clipping, mean over the PPO epochs
-        out.update({"tokens": tokens, "rows": float(len(lengths)), "lr": self.scheduler.get_last_lr()[0],
-                    "microbatches": float(len(share.plans)), "proximal_recomputed": float(recomputed)})
+        out.update(
+            {
+                "tokens": tokens,
+                "rows": float(len(lengths)),
+                "lr": self.scheduler.get_last_lr()[0],
+                "microbatches": float(len(share.plans)),
+                "proximal_recomputed": float(recomputed),
+            }
+        )
         for k in range(ENTROPY_POSITIONS):
             if pos_count[k] > 0:
                 out[f"entropy_pos{k}"] = float(pos_sum[k] / pos_count[k])
@@ -250,9 +287,16 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
     @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """Model, optimiser, scheduler, version and ``extra`` (e.g. consumed sample ids) in one file."""
-        return save_checkpoint_file({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                                     "scheduler": self.scheduler.state_dict(), "version": self.version,
-                                     "extra": extra or {}}, path)
+        return save_checkpoint_file(
+            {
+                "model": self.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "version": self.version,
+                "extra": extra or {},
+            },
+            path,
+        )
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
@@ -271,5 +315,3 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
 
 
 __all__ = ["TorchTrainWorker", "batch_logprobs", "free_port"]  # free_port: rollart.training.placement's
-
-

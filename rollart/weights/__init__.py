@@ -30,5 +30,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["ChecksumMismatch", "HostSharedChannel", "MooncakeChannel", "MooncakeMaster", "RayObjectChannel", "TorchBroadcastChannel",
-           "WeightChannel", "state_checksum", "verify"]
+__all__ = [
+    "ChecksumMismatch",
+    "HostSharedChannel",
+    "MooncakeChannel",
+    "MooncakeMaster",
+    "RayObjectChannel",
+    "TorchBroadcastChannel",
+    "WeightChannel",
+    "state_checksum",
+    "verify",
+]

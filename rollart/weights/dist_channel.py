@@ -39,10 +39,11 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import ray
 import torch
@@ -129,7 +130,7 @@ class _Coordinator:
         async with self.posted:
             try:
                 await asyncio.wait_for(self.posted.wait_for(lambda: seq in self.manifests), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
             return self.manifests[seq]
 
@@ -167,7 +168,7 @@ class _Endpoint:
         if self.group is not None:
             try:
                 self.group.shutdown()
-            except Exception as err:  # noqa: BLE001 - best effort on teardown
+            except Exception as err:
                 logger.debug("process group shutdown failed: %s", err)
         self.group = None
         self.store = None
@@ -183,7 +184,7 @@ _ENDPOINTS_LOCK = threading.Lock()
 def _process_key() -> str:
     try:
         actor = ray.get_runtime_context().get_actor_id()
-    except Exception:  # noqa: BLE001 - outside Ray: the pid identifies the process
+    except Exception:
         actor = None
     return f"{socket.gethostname()}:{os.getpid()}:{actor or 'driver'}"
 
@@ -193,8 +194,14 @@ class TorchBroadcastChannel:
     workers alike. The trainer calls :meth:`publish`, each of the ``num_receivers`` worker processes
     calls :meth:`fetch` for the same versions in the same order."""
 
-    def __init__(self, name: str, num_receivers: int, bucket_bytes: int = 32 << 20,
-                 backend: Backend | None = None, timeout_s: float = 120.0):
+    def __init__(
+        self,
+        name: str,
+        num_receivers: int,
+        bucket_bytes: int = 32 << 20,
+        backend: Backend | None = None,
+        timeout_s: float = 120.0,
+    ):
         if num_receivers < 1:
             raise ValueError("num_receivers must be >= 1")
         if bucket_bytes < 1:
@@ -206,8 +213,9 @@ class TorchBroadcastChannel:
         self.bucket_bytes = bucket_bytes
         self.backend = backend
         self.timeout_s = timeout_s
-        self._coordinator = _Coordinator.options(
-            name=f"rollart-weights-dist:{name}", get_if_exists=True).remote(num_receivers)
+        self._coordinator = _Coordinator.options(name=f"rollart-weights-dist:{name}", get_if_exists=True).remote(
+            num_receivers
+        )
 
     @property
     def world_size(self) -> int:
@@ -235,8 +243,14 @@ class TorchBroadcastChannel:
         """Build this process's side of the group (collective: returns once every rank has joined)."""
         timeout = timedelta(seconds=self.timeout_s)
         if ep.store is None:
-            ep.store = dist.TCPStore(store_addr[0], int(store_addr[1]), self.world_size, is_master=ep.rank == 0,
-                                     timeout=timeout, wait_for_workers=False)
+            ep.store = dist.TCPStore(
+                store_addr[0],
+                int(store_addr[1]),
+                self.world_size,
+                is_master=ep.rank == 0,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
         iface = interface_of(node_ip())
         store = dist.PrefixStore(f"rollart-weights-dist/{self.name}", ep.store)
         if backend == "nccl":
@@ -254,8 +268,15 @@ class TorchBroadcastChannel:
             ep.group = dist.ProcessGroupGloo(store, ep.rank, self.world_size, opts)
             ep.device = torch.device("cpu")
         ep.backend = backend
-        logger.info("%r: rank %d joined the %s group of %d on %s (store %s:%s)", self, ep.rank, backend,
-                    self.world_size, iface, *store_addr)
+        logger.info(
+            "%r: rank %d joined the %s group of %d on %s (store %s:%s)",
+            self,
+            ep.rank,
+            backend,
+            self.world_size,
+            iface,
+            *store_addr,
+        )
 
     def _broadcast(self, ep: _Endpoint, buf: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -266,8 +287,9 @@ class TorchBroadcastChannel:
 
     def _check(self, ep: _Endpoint) -> None:
         if ep.broken:
-            raise RuntimeError(f"{self!r} is unusable in this process after an earlier failure ({ep.broken}); "
-                               "create a new channel")
+            raise RuntimeError(
+                f"{self!r} is unusable in this process after an earlier failure ({ep.broken}); create a new channel"
+            )
 
     def _fail(self, ep: _Endpoint, what: str, err: BaseException) -> RuntimeError:
         ep.broken = f"{what}: {err}"
@@ -287,11 +309,23 @@ class TorchBroadcastChannel:
             backend = ep.backend or self.backend or self._auto_backend(state)
             buckets = plan_buckets(state, self.bucket_bytes)
             if ep.store is None:  # serve the store on this node, on a port it picks, before receivers look
-                ep.store = dist.TCPStore(node_ip(), 0, self.world_size, is_master=True,
-                                         timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+                ep.store = dist.TCPStore(
+                    node_ip(),
+                    0,
+                    self.world_size,
+                    is_master=True,
+                    timeout=timedelta(seconds=self.timeout_s),
+                    wait_for_workers=False,
+                )
                 ep.store_addr = (node_ip(), int(ep.store.port))
-            manifest = {"version": version, "seq": ep.seq, "backend": backend, "buckets": buckets,
-                        "checksum": self._checksum(state), "store": list(ep.store_addr)}
+            manifest = {
+                "version": version,
+                "seq": ep.seq,
+                "backend": backend,
+                "buckets": buckets,
+                "checksum": self._checksum(state),
+                "store": list(ep.store_addr),
+            }
             ray.get(self._coordinator.post.remote(manifest))
             ep.seq += 1
             try:
@@ -305,7 +339,7 @@ class TorchBroadcastChannel:
                         sent += bucket["nbytes"]
                 if ep.backend == "nccl":
                     torch.cuda.current_stream(ep.device).synchronize()
-            except Exception as err:  # noqa: BLE001 - the group is unusable after a failed collective
+            except Exception as err:
                 raise self._fail(ep, f"broadcast of version {version}", err) from err
         logger.debug("%r: published version %d, %d bytes in %d buckets", self, version, sent, len(buckets))
 
@@ -342,24 +376,28 @@ class TorchBroadcastChannel:
             self._check(ep)
             seq = ep.seq
             if any(s < seq for s in ray.get(self._coordinator.seq_of.remote(version))):
-                raise ValueError(f"{self!r}: version {version} was broadcast before this receiver's next "
-                                 f"broadcast (#{seq}); a broadcast cannot be replayed")
-            manifest = ray.get(self._coordinator.wait_manifest.remote(seq, self.timeout_s),
-                               timeout=self.timeout_s + 30)
+                raise ValueError(
+                    f"{self!r}: version {version} was broadcast before this receiver's next "
+                    f"broadcast (#{seq}); a broadcast cannot be replayed"
+                )
+            manifest = ray.get(self._coordinator.wait_manifest.remote(seq, self.timeout_s), timeout=self.timeout_s + 30)
             if manifest is None:
-                raise TimeoutError(f"weight channel {self.name!r}: no broadcast of version {version} "
-                                   f"within {self.timeout_s:g}s")
+                raise TimeoutError(
+                    f"weight channel {self.name!r}: no broadcast of version {version} within {self.timeout_s:g}s"
+                )
             ep.seq += 1
             try:
                 if ep.group is None:
                     self._connect(ep, manifest["backend"], tuple(manifest["store"]))
                 state = self._receive(ep, manifest)
-            except Exception as err:  # noqa: BLE001 - the group is unusable after a failed collective
+            except Exception as err:
                 raise self._fail(ep, f"receiving version {manifest['version']}", err) from err
             self._coordinator.received.remote(seq, ep.rank)
         if manifest["version"] != version:
-            raise ValueError(f"weight channel {self.name!r}: asked for version {version} but the next "
-                             f"broadcast carried version {manifest['version']}; snapshot dropped")
+            raise ValueError(
+                f"weight channel {self.name!r}: asked for version {version} but the next "
+                f"broadcast carried version {manifest['version']}; snapshot dropped"
+            )
         verify(state, manifest["checksum"], version)
         logger.debug("%r: rank %d received version %d", self, ep.rank, version)
         return state
@@ -379,7 +417,7 @@ class TorchBroadcastChannel:
                 numel = 1
                 for d in shape:
                     numel *= d
-                state[name] = flat[offset:offset + numel].view(shape).to("cpu", copy=True)
+                state[name] = flat[offset : offset + numel].view(shape).to("cpu", copy=True)
         return state
 
     # ------------------------------------------------------------------ both

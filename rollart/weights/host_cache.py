@@ -77,8 +77,12 @@ class _HostCache:
         return [ray.put(state)]
 
     def stats(self) -> dict[str, Any]:
-        return {"node_ip": node_ip(), "node_id": ray.get_runtime_context().get_node_id(),
-                "fetches": list(self.fetches), "cached": sorted(self.refs)}
+        return {
+            "node_ip": node_ip(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "fetches": list(self.fetches),
+            "cached": sorted(self.refs),
+        }
 
 
 def _cache_name(channel_name: str, node_id: str) -> str:
@@ -112,7 +116,8 @@ class HostSharedChannel:
         with _HANDLES_LOCK:
             if name not in _HANDLES:
                 _HANDLES[name] = _HostCache.options(
-                    name=name, get_if_exists=True,
+                    name=name,
+                    get_if_exists=True,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 ).remote(self.inner, self.keep)
             return _HANDLES[name]

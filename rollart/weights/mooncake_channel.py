@@ -28,8 +28,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -39,8 +40,21 @@ from rollart.weights.snapshot import state_checksum, verify
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 class MooncakeStoreError(RuntimeError):
@@ -54,8 +68,9 @@ def pack_state(state: Mapping[str, torch.Tensor], align: int = 64) -> tuple[torc
     for name in sorted(state):
         t = state[name].detach().to("cpu").contiguous()
         raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        layout.append({"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset,
-                       "nbytes": int(raw.numel())})
+        layout.append(
+            {"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": int(raw.numel())}
+        )
         pad = -int(raw.numel()) % align
         parts += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
         offset += int(raw.numel()) + pad
@@ -67,9 +82,10 @@ def unpack_state(flat: torch.Tensor, layout: list[dict[str, Any]]) -> dict[str, 
     out = {}
     for item in layout:
         dtype = _DTYPES[item["dtype"]]
-        raw = flat[item["offset"]: item["offset"] + item["nbytes"]]
-        out[item["name"]] = raw.view(dtype).reshape(item["shape"]) if item["nbytes"] else torch.empty(
-            item["shape"], dtype=dtype)
+        raw = flat[item["offset"] : item["offset"] + item["nbytes"]]
+        out[item["name"]] = (
+            raw.view(dtype).reshape(item["shape"]) if item["nbytes"] else torch.empty(item["shape"], dtype=dtype)
+        )
     return out
 
 
@@ -97,15 +113,19 @@ class _Client:
             try:
                 socket.create_connection((host_port[0], int(host_port[1])), timeout=3).close()
             except (OSError, ValueError, IndexError) as err:
-                raise MooncakeStoreError(f"no Mooncake master answers at {master!r} ({err}); set "
-                                         "weights.mooncake_master to host:port of a running master, or leave it "
-                                         "empty and rollart starts one") from err
+                raise MooncakeStoreError(
+                    f"no Mooncake master answers at {master!r} ({err}); set "
+                    "weights.mooncake_master to host:port of a running master, or leave it "
+                    "empty and rollart starts one"
+                ) from err
             store = MooncakeDistributedStore()
             rc = store.setup(host, "P2PHANDSHAKE", segment_mb << 20, buffer_mb << 20, protocol, rdma_devices, master)
             if rc != 0:
-                raise MooncakeStoreError(f"could not join the Mooncake master at {master} from {host} over {protocol}"
-                                         f"{' (' + rdma_devices + ')' if rdma_devices else ''} (code {rc}); is "
-                                         "weights.mooncake_master reachable, and are weights.rdma_devices right?")
+                raise MooncakeStoreError(
+                    f"could not join the Mooncake master at {master} from {host} over {protocol}"
+                    f"{' (' + rdma_devices + ')' if rdma_devices else ''} (code {rc}); is "
+                    "weights.mooncake_master reachable, and are weights.rdma_devices right?"
+                )
             logger.info("Mooncake client on %s joined master %s over %s", host, master, protocol)
             cls._by_master[master] = store
             return store
@@ -127,17 +147,29 @@ class MooncakeChannel:
     for that version's manifest, then reads and verifies it.
     """
 
-    def __init__(self, name: str, master: str, *, keep: int = 2, chunk_mb: int = 16, segment_mb: int = 256,
-                 buffer_mb: int = 64, timeout_s: float = 120.0, protocol: str = "tcp",
-                 rdma_devices: list[str] | str = ""):
+    def __init__(
+        self,
+        name: str,
+        master: str,
+        *,
+        keep: int = 2,
+        chunk_mb: int = 16,
+        segment_mb: int = 256,
+        buffer_mb: int = 64,
+        timeout_s: float = 120.0,
+        protocol: str = "tcp",
+        rdma_devices: list[str] | str = "",
+    ):
         if keep < 1:
             raise ValueError("weights.keep must be >= 1")
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"weights.protocol must be 'tcp' or 'rdma', not {protocol!r}")
         devices = rdma_devices if isinstance(rdma_devices, str) else ",".join(rdma_devices)
         if protocol == "rdma" and not devices:
-            raise ValueError("weights.rdma_devices: protocol rdma needs the RDMA device names, "
-                             "e.g. rdma_devices: [mlx5_0, mlx5_1] (see `ibv_devices`)")
+            raise ValueError(
+                "weights.rdma_devices: protocol rdma needs the RDMA device names, "
+                "e.g. rdma_devices: [mlx5_0, mlx5_1] (see `ibv_devices`)"
+            )
         self.protocol = protocol
         self.rdma_devices = devices
         self.name = name
@@ -165,8 +197,10 @@ class MooncakeChannel:
         store = self._store()
         rc = store.upsert(key, data) if upsert else store.put(key, data)
         if rc != 0:
-            raise MooncakeStoreError(f"Mooncake {'upsert' if upsert else 'put'} of {key!r} failed with code {rc} "
-                                     "(a full store? raise weights.segment_mb)")
+            raise MooncakeStoreError(
+                f"Mooncake {'upsert' if upsert else 'put'} of {key!r} failed with code {rc} "
+                "(a full store? raise weights.segment_mb)"
+            )
 
     # ------------------------------------------------------------------ publisher
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> int:
@@ -183,10 +217,16 @@ class MooncakeChannel:
         if again:
             store.remove(f"{base}/manifest")  # refused while a reader holds a lease; the upsert below still lands
         for i in range(n_chunks):
-            self._put(f"{base}/chunk{i}", memoryview(view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]),
-                      upsert=again)
-        manifest = {"version": version, "checksum": checksum, "chunks": n_chunks, "nbytes": len(view),
-                    "tensors": layout}
+            self._put(
+                f"{base}/chunk{i}", memoryview(view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]), upsert=again
+            )
+        manifest = {
+            "version": version,
+            "checksum": checksum,
+            "chunks": n_chunks,
+            "nbytes": len(view),
+            "tensors": layout,
+        }
         self._put(f"{base}/manifest", json.dumps(manifest).encode(), upsert=again)
         self._put(f"{self.prefix}/latest", str(version).encode(), upsert=True)
         self._drop_old_versions(version, n_chunks)
@@ -213,11 +253,10 @@ class MooncakeChannel:
         # publish order, not version order: a trainer restarted from an older checkpoint publishes
         # lower numbers than the versions its predecessor left, and those are the ones to drop
         published = [p for p in index["published"] if p[0] != version] + [[version, n_chunks]]
-        doomed = [d for d in index["doomed"] if d[0] != version] + published[:-self.keep]
-        published = published[-self.keep:]
+        doomed = [d for d in index["doomed"] if d[0] != version] + published[: -self.keep]
+        published = published[-self.keep :]
         still = [[v, chunks] for v, chunks in doomed if not self._remove_version(store, v, chunks)]
-        self._put(f"{self.prefix}/index", json.dumps({"published": published, "doomed": still}).encode(),
-                  upsert=True)
+        self._put(f"{self.prefix}/index", json.dumps({"published": published, "doomed": still}).encode(), upsert=True)
 
     def _remove_version(self, store: Any, version: int, chunks: int) -> bool:
         """Remove a version's manifest, then its chunks; False while a reader's lease still holds one."""
@@ -244,8 +283,10 @@ class MooncakeChannel:
             logger.warning("weight channel %r: v%d chunk %d transfer failed; retrying", self.name, version, index)
             time.sleep(delay)  # backoff before a retry of a failed transfer
             delay *= 2
-        raise MooncakeStoreError(f"weight channel {self.name!r}: v{version} chunk {index} is missing "
-                                 "(evicted, or its holder died); fetch a newer version")
+        raise MooncakeStoreError(
+            f"weight channel {self.name!r}: v{version} chunk {index} is missing "
+            "(evicted, or its holder died); fetch a newer version"
+        )
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
         store = self._store()
@@ -254,19 +295,24 @@ class MooncakeChannel:
         delay = 0.005
         while not (raw := store.get(f"{base}/manifest")):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"weight channel {self.name!r}: version {version} was not published within "
-                                   f"{self.timeout_s} s (latest: {self.latest()})")
+                raise TimeoutError(
+                    f"weight channel {self.name!r}: version {version} was not published within "
+                    f"{self.timeout_s} s (latest: {self.latest()})"
+                )
             time.sleep(delay)  # waiting for a publisher in another process; bounded by timeout_s
             delay = min(delay * 2, 0.2)
         manifest = json.loads(raw)
         if manifest["version"] != version:
-            raise MooncakeStoreError(f"weight channel {self.name!r}: manifest of v{version} says v{manifest['version']}")
+            raise MooncakeStoreError(
+                f"weight channel {self.name!r}: manifest of v{version} says v{manifest['version']}"
+            )
         buf = bytearray()
         for i in range(manifest["chunks"]):
             buf += self._get_chunk(store, f"{base}/chunk{i}", version, i) if manifest["nbytes"] else b""
         if len(buf) != manifest["nbytes"]:
-            raise MooncakeStoreError(f"weight channel {self.name!r}: v{version} has {len(buf)} bytes, "
-                                     f"manifest says {manifest['nbytes']}")
+            raise MooncakeStoreError(
+                f"weight channel {self.name!r}: v{version} has {len(buf)} bytes, manifest says {manifest['nbytes']}"
+            )
         flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
         state = unpack_state(flat, manifest["tensors"])
         verify(state, manifest["checksum"], version)

@@ -31,7 +31,7 @@ def find_master_binary() -> str:
     if found:
         return found
     try:
-        import mooncake  # noqa: F401  (the wheel ships the binary inside the package too)
+        import mooncake
     except ImportError as err:
         raise MooncakeUnavailable(
             "weights.channel=mooncake needs the Mooncake store: pip install 'rollart[mooncake]' "
@@ -59,8 +59,14 @@ class MooncakeMaster:
     """A ``mooncake_master`` bound to ``host`` (an address of this machine every client can reach;
     default 127.0.0.1). ``address`` is what clients pass as ``master_server_address``."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, lease_ttl_ms: int = 5000,
-                 log_dir: str | Path | None = None):
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        lease_ttl_ms: int = 5000,
+        log_dir: str | Path | None = None,
+    ):
         self.host = host
         self.port = port or free_port(host)
         self.metrics_port = free_port(host)
@@ -72,11 +78,13 @@ class MooncakeMaster:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> "MooncakeMaster":
+    def start(self, timeout_s: float = 20.0) -> MooncakeMaster:
         cmd = [
             find_master_binary(),
-            f"--rpc_address={self.host}", f"--rpc_port={self.port}",
-            f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}",
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.port}",
+            f"--metrics_host={self.host}",
+            f"--metrics_port={self.metrics_port}",
             f"--default_kv_lease_ttl={self.lease_ttl_ms}",
         ]
         out = subprocess.DEVNULL
@@ -90,8 +98,9 @@ class MooncakeMaster:
         delay = 0.02
         while not _accepts(self.host, self.port):
             if self._proc.poll() is not None:
-                raise MooncakeUnavailable(f"mooncake_master exited with code {self._proc.returncode} at start "
-                                          f"(command: {' '.join(cmd)})")
+                raise MooncakeUnavailable(
+                    f"mooncake_master exited with code {self._proc.returncode} at start (command: {' '.join(cmd)})"
+                )
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"mooncake_master did not listen on {self.address} within {timeout_s} s")
@@ -119,7 +128,7 @@ class MooncakeMaster:
                 self._proc.wait(timeout=10)
         self._proc = None
 
-    def __enter__(self) -> "MooncakeMaster":
+    def __enter__(self) -> MooncakeMaster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

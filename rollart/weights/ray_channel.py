@@ -7,8 +7,8 @@ registry actor; receivers fetch a version by name, verify the checksum and load.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Mapping
 
 import ray
 import torch

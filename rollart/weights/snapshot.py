@@ -8,7 +8,7 @@ never serves a torn or mixed snapshot.
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

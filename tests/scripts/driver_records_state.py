@@ -6,7 +6,7 @@ import sys
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-import rollart as ra  # noqa: E402
+import rollart as ra
 
 
 class Gen(ra.Worker):
@@ -24,7 +24,9 @@ class Reward(ra.Worker):
 def main(store: str, job_id: str) -> None:
     rm = ra.ResourceManager(
         {"rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 2}]},
-        store=store, job_id=job_id, local_resources={"H800": 2, "H20": 2, "CPU": 2},
+        store=store,
+        job_id=job_id,
+        local_resources={"H800": 2, "H20": 2, "CPU": 2},
     )
     gen = ra.Cluster("gen", Gen, rm, pool="rollout")
     ra.Cluster("reward", Reward, rm, pool=None)

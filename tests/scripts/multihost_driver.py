@@ -34,13 +34,23 @@ class DdpRank(TorchTrainWorker):
 
 
 def placement(store: str, job: str) -> dict:
-    rm = ra.ResourceManager({"train": {"hardware": "H800", "devices": 2},
-                             "rollout": [{"hardware": "H800", "devices": 2}, {"hardware": "H20", "devices": 2}]},
-                            store=store, job_id=job)
+    rm = ra.ResourceManager(
+        {
+            "train": {"hardware": "H800", "devices": 2},
+            "rollout": [{"hardware": "H800", "devices": 2}, {"hardware": "H20", "devices": 2}],
+        },
+        store=store,
+        job_id=job,
+    )
     train = ra.Cluster("train_probe", Probe, rm, pool="train")
     rollout = ra.Cluster("rollout_probe", Probe, rm, pool="rollout")
-    out = {"train": train.placement(), "rollout": rollout.placement(),
-           "train_seen": train.where(), "rollout_seen": rollout.where(), "job": rm.job_id}
+    out = {
+        "train": train.placement(),
+        "rollout": rollout.placement(),
+        "train_seen": train.where(),
+        "rollout_seen": rollout.where(),
+        "job": rm.job_id,
+    }
     # the job stays registered (ended) for `rollart status` on another host
     train.shutdown()
     rollout.shutdown()
@@ -57,15 +67,21 @@ def batch_of(n: int) -> ra.Batch:
         ids.append(row)
         masks.append([0, 0] + [1] * (length - 2))
         adv.append([float((-1) ** i)] * length)
-    return ra.Batch({"input_ids": ids, "loss_mask": masks, "advantages": adv,
-                     "old_logprobs": [[0.0] * len(r) for r in ids]})
+    return ra.Batch(
+        {"input_ids": ids, "loss_mask": masks, "advantages": adv, "old_logprobs": [[0.0] * len(r) for r in ids]}
+    )
 
 
 def ddp(store: str, model: str) -> dict:
     cfg = {"model": model, "lr": 1e-2, "loss": "ppo", "max_tokens_per_microbatch": 16}
     # an H800 group (head or b) and an H20 group (c only): the two ranks sit on two different hosts
-    rm = ra.ResourceManager({"dp": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 1}],
-                             "single": {"hardware": "H800", "devices": 1}}, store=store)
+    rm = ra.ResourceManager(
+        {
+            "dp": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 1}],
+            "single": {"hardware": "H800", "devices": 1},
+        },
+        store=store,
+    )
     dp = ra.Cluster("dp", DdpRank, rm, pool="dp", worker_kwargs={"config": cfg})
     one = ra.Cluster("one", DdpRank, rm, pool="single", worker_kwargs={"config": cfg})
     backends = start_data_parallel(dp)
@@ -73,8 +89,14 @@ def ddp(store: str, model: str) -> dict:
     for _ in range(2):
         metrics = dp.train_step(batch)
         one.train_step(batch)
-    out = {"backends": backends, "rows": metrics["rows"], "ips": [p["node_ip"] for p in dp.placement()],
-           "ifnames": dp.socket_ifname(), "dp_sums": dp.weight_checksum(), "one_sum": one.weight_checksum()[0]}
+    out = {
+        "backends": backends,
+        "rows": metrics["rows"],
+        "ips": [p["node_ip"] for p in dp.placement()],
+        "ifnames": dp.socket_ifname(),
+        "dp_sums": dp.weight_checksum(),
+        "one_sum": one.weight_checksum()[0],
+    }
     rm.shutdown()
     return out
 
@@ -87,8 +109,14 @@ def kill(store: str) -> dict:
     try:
         probe.where()
     except ra.WorkerDiedError as err:
-        return {"error": str(err), "type": type(err).__name__, "node_ip": err.node_ip, "rank": err.rank,
-                "cluster": err.cluster, "ray_cluster": err.ray_cluster}
+        return {
+            "error": str(err),
+            "type": type(err).__name__,
+            "node_ip": err.node_ip,
+            "rank": err.rank,
+            "cluster": err.cluster,
+            "ray_cluster": err.ray_cluster,
+        }
     return {"error": None}
 
 

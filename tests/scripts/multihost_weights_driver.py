@@ -17,25 +17,35 @@ from typing import Any
 
 import ray
 
-from rollart.pipelines.agentic import AgenticPipeline
 from rollart.config import PipelineConfig
+from rollart.pipelines.agentic import AgenticPipeline
 
 
 def config(channel: str, out: Path, steps: int) -> PipelineConfig:
-    return PipelineConfig.model_validate({
-        "name": f"mh-{channel}",
-        "pools": {"train": {"hardware": "H800", "devices": 1},
-                  "rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 2}]},
-        "tags": {"reverse-3": ["H800"], "reverse-2": ["H20"]},
-        "envs": [{"name": "reverse", "groups": 2, "kwargs": {"length": 3}},
-                 {"name": "reverse", "groups": 2, "kwargs": {"length": 2}}],
-        "rollout": {"num_env_groups": 4, "group_size": 2, "batch_groups": 2, "alpha": 1},
-        "sampling": {"temperature": 1.0, "max_new_tokens": 3}, "advantage": "grpo_token",
-        "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
-        "train": {"lr": 0.001}, "steps": steps, "checkpoint_every": 0, "output_dir": str(out),
-        "cluster": {"metadata_store": str(out / "meta.sqlite")},
-        "weights": {"channel": channel, "segment_mb": 16, "timeout_s": 120},
-    })
+    return PipelineConfig.model_validate(
+        {
+            "name": f"mh-{channel}",
+            "pools": {
+                "train": {"hardware": "H800", "devices": 1},
+                "rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 2}],
+            },
+            "tags": {"reverse-3": ["H800"], "reverse-2": ["H20"]},
+            "envs": [
+                {"name": "reverse", "groups": 2, "kwargs": {"length": 3}},
+                {"name": "reverse", "groups": 2, "kwargs": {"length": 2}},
+            ],
+            "rollout": {"num_env_groups": 4, "group_size": 2, "batch_groups": 2, "alpha": 1},
+            "sampling": {"temperature": 1.0, "max_new_tokens": 3},
+            "advantage": "grpo_token",
+            "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
+            "train": {"lr": 0.001},
+            "steps": steps,
+            "checkpoint_every": 0,
+            "output_dir": str(out),
+            "cluster": {"metadata_store": str(out / "meta.sqlite")},
+            "weights": {"channel": channel, "segment_mb": 16, "timeout_s": 120},
+        }
+    )
 
 
 class RecordingPipeline(AgenticPipeline):
@@ -81,7 +91,8 @@ def main() -> int:
         history = pipe.run()
         result: dict[str, Any] = {
             "driver_ip": ray.util.get_node_ip_address(),
-            "train": worker_place(pipe.train), "infer": worker_place(pipe.infer),
+            "train": worker_place(pipe.train),
+            "infer": worker_place(pipe.infer),
             "versions": [h["version"] for h in history],
             "hardware_by_tag": [h["hardware_by_tag"] for h in history],
             "max_staleness": [h["max_staleness"] for h in history],

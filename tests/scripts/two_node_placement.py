@@ -8,10 +8,10 @@ import sys
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster as RayTestCluster  # noqa: E402
+import ray
+from ray.cluster_utils import Cluster as RayTestCluster
 
-import rollart as ra  # noqa: E402
+import rollart as ra
 
 
 class Probe(ra.Worker):
@@ -37,8 +37,9 @@ def main(store: str) -> None:
         for key in n["Resources"]:
             if key.startswith("accelerator_type:"):
                 nodes[key.split(":", 1)[1]] = n["NodeID"]
-    rm = ra.ResourceManager({"rollout": [{"hardware": "H800", "devices": 2}, {"hardware": "H20", "devices": 2}]},
-                            store=store)
+    rm = ra.ResourceManager(
+        {"rollout": [{"hardware": "H800", "devices": 2}, {"hardware": "H20", "devices": 2}]}, store=store
+    )
     probe = ra.Cluster("probe", Probe, rm, pool="rollout")
     out = {
         "nodes": nodes,

@@ -15,10 +15,10 @@ import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from rollart.engines.base import EngineRequest, SamplingParams  # noqa: E402
-from rollart.engines.vllm_engine import VLLMEngine  # noqa: E402
+from rollart.engines.base import EngineRequest, SamplingParams
+from rollart.engines.vllm_engine import VLLMEngine
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 8, 7, 6, 5, 4, 3], [1, 11]]
 
@@ -29,13 +29,19 @@ def run(engine: VLLMEngine, requests: list[EngineRequest]) -> dict[str, dict]:
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
-            done[out.request_id] = {"tokens": out.output_token_ids, "logprobs": out.output_logprobs,
-                                    "reason": out.finish_reason, "version": out.weight_version}
+            done[out.request_id] = {
+                "tokens": out.output_token_ids,
+                "logprobs": out.output_logprobs,
+                "reason": out.finish_reason,
+                "version": out.weight_version,
+            }
     return done
 
 
 def greedy(tag: str, n: int = 12) -> list[EngineRequest]:
-    return [EngineRequest(f"{tag}{i}", p, SamplingParams(temperature=0.0, max_new_tokens=n)) for i, p in enumerate(PROMPTS)]
+    return [
+        EngineRequest(f"{tag}{i}", p, SamplingParams(temperature=0.0, max_new_tokens=n)) for i, p in enumerate(PROMPTS)
+    ]
 
 
 def main(model: str, new_weights: str, out_path: str) -> None:
@@ -49,18 +55,25 @@ def main(model: str, new_weights: str, out_path: str) -> None:
         engine.step()
     partial = engine.abort("long")
     rest = run(engine, [])
-    result["abort"] = {"tokens": partial.output_token_ids, "reason": partial.finish_reason,
-                       "unknown": engine.abort("never-added") is None, "other": rest}
+    result["abort"] = {
+        "tokens": partial.output_token_ids,
+        "reason": partial.finish_reason,
+        "unknown": engine.abort("never-added") is None,
+        "other": rest,
+    }
 
     # stop ids end a request with reason "stop"
     first = result["greedy"]["g0"]["tokens"]
-    stop = run(engine, [EngineRequest("s", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=12,
-                                                                       stop_token_ids=[first[2]]))])
+    stop = run(
+        engine,
+        [EngineRequest("s", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[first[2]]))],
+    )
     result["stop"] = stop["s"]
 
     # sampling: behaviour logprobs under temperature and top-k
-    result["sampled"] = run(engine, [EngineRequest("t", PROMPTS[1], SamplingParams(
-        temperature=0.7, top_k=5, max_new_tokens=10, seed=3))])["t"]
+    result["sampled"] = run(
+        engine, [EngineRequest("t", PROMPTS[1], SamplingParams(temperature=0.7, top_k=5, max_new_tokens=10, seed=3))]
+    )["t"]
 
     state = torch.load(new_weights)
     bad = dict(state)

@@ -22,9 +22,12 @@ def code_tests(trajectory: dict[str, Any]) -> dict[str, Any]:
     code = m.group(1) if m else trajectory["response"]
     passed, reasons = 0, []
     for t in tests:
-        r = run_python(code, t.get("input", ""), timeout_s=float(gt.get("timeout_s", 5)),
-                       memory_mb=int(gt.get("memory_mb", 256)))
+        r = run_python(
+            code, t.get("input", ""), timeout_s=float(gt.get("timeout_s", 5)), memory_mb=int(gt.get("memory_mb", 256))
+        )
         ok = r.ok and r.stdout.strip() == str(t["output"]).strip()
         passed += ok
-        reasons.append("ok" if ok else "timeout" if r.timed_out else f"exit {r.returncode}" if r.returncode else "wrong")
+        reasons.append(
+            "ok" if ok else "timeout" if r.timed_out else f"exit {r.returncode}" if r.returncode else "wrong"
+        )
     return {"score": passed / len(tests), "tests": reasons}

@@ -17,8 +17,10 @@ import httpx
 
 from rollart.reward.errors import RewardInputError
 
-PROMPT = ("Rate how well the response answers the prompt against the reference, from 0 to 10.\n"
-          "Prompt: {prompt}\nReference: {ground_truth}\nResponse: {response}\nAnswer with 'Score: N'.")
+PROMPT = (
+    "Rate how well the response answers the prompt against the reference, from 0 to 10.\n"
+    "Prompt: {prompt}\nReference: {ground_truth}\nResponse: {response}\nAnswer with 'Score: N'."
+)
 _SCORE = re.compile(r"score\s*[:=]\s*(\d+(?:\.\d+)?)", re.IGNORECASE)
 URL_ENV, TOKEN_ENV, MODEL_ENV = "ROLLART_JUDGE_URL", "ROLLART_JUDGE_TOKEN", "ROLLART_JUDGE_MODEL"
 
@@ -29,21 +31,32 @@ def llm_judge(trajectory: dict[str, Any]) -> dict[str, Any]:
     [0, 1]. An unreachable judge or an answer without a score raises — never a default score."""
     meta = trajectory.get("metadata") or {}
     if "judge_url" in meta:
-        raise RewardInputError("metadata.judge_url is not accepted: the judge URL is set by the reward server "
-                               f"(rollart serve rewards --judge-url, or ${URL_ENV}); drop the field")
+        raise RewardInputError(
+            "metadata.judge_url is not accepted: the judge URL is set by the reward server "
+            f"(rollart serve rewards --judge-url, or ${URL_ENV}); drop the field"
+        )
     url = os.environ.get(URL_ENV)
     if not url:
-        raise ValueError(f"llm_judge needs the server's judge URL: start it with --judge-url URL or set ${URL_ENV} "
-                         "(an OpenAI-compatible base URL)")
+        raise ValueError(
+            f"llm_judge needs the server's judge URL: start it with --judge-url URL or set ${URL_ENV} "
+            "(an OpenAI-compatible base URL)"
+        )
     headers = {}
     if os.environ.get(TOKEN_ENV):
         headers["Authorization"] = f"Bearer {os.environ[TOKEN_ENV]}"
-    body = {"model": meta.get("judge_model") or os.environ.get(MODEL_ENV, "judge"),
-            "messages": [{"role": "user", "content": PROMPT.format(**{k: trajectory.get(k) for k in
-                                                                       ("prompt", "ground_truth", "response")})}],
-            "temperature": 0.0}
-    resp = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers, timeout=60,
-                      follow_redirects=False)
+    body = {
+        "model": meta.get("judge_model") or os.environ.get(MODEL_ENV, "judge"),
+        "messages": [
+            {
+                "role": "user",
+                "content": PROMPT.format(**{k: trajectory.get(k) for k in ("prompt", "ground_truth", "response")}),
+            }
+        ],
+        "temperature": 0.0,
+    }
+    resp = httpx.post(
+        url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers, timeout=60, follow_redirects=False
+    )
     resp.raise_for_status()
     text = resp.json()["choices"][0]["message"]["content"]
     m = _SCORE.search(text)
