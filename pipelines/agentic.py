@@ -255,10 +255,10 @@ class AgenticPipeline:
         wc = self.config.weights
         name = f"{self.rm.job_id}-actor"
         if wc.channel == "mooncake":
+            from rollart.cluster.net import node_ip
             from rollart.weights.host_cache import HostSharedChannel
             from rollart.weights.mooncake_channel import MooncakeChannel
             from rollart.weights.mooncake_master import MooncakeMaster
-            from rollart.weights.net import node_ip
 
             master = wc.mooncake_master
             if master is None:  # on the head host (the driver's), reachable by every host

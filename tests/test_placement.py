@@ -28,7 +28,7 @@ def test_the_interface_is_the_one_carrying_the_ip_never_lo_for_a_routable_ip():
 
 
 def test_an_ip_no_interface_carries_is_an_error_naming_it():
-    with pytest.raises(RuntimeError, match="10.9.9.9"):
+    with pytest.raises(ValueError, match="10.9.9.9"):
         interface_of("10.9.9.9", IFACES)
 
 

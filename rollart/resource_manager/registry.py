@@ -67,7 +67,7 @@ class ClusterRegistry:
 
     # writes (the MetadataStore's signatures) --------------------------------------------------------
     def record_job(self, job_id: str, ray_address: str | None) -> None:
-        from rollart.training.placement import node_ip
+        from rollart.cluster.net import node_ip
 
         self._put(
             f"jobs/{job_id}",

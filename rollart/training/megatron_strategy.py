@@ -28,7 +28,7 @@ What it does
 
 What runs where
     * CPU (tests, CI, a laptop): tensor = pipeline parallel = 1, float32, one
-      ``GPTModel`` per process; data parallelism is torch DDP over gloo on 127.0.0.1, as for the torch
+      ``GPTModel`` per process; data parallelism is torch DDP over gloo (on the interface of rank 0's node IP), as for the torch
       strategy. A single rank still needs a process group for megatron's ``parallel_state``: it gets a
       private one-rank gloo group over an in-memory ``HashStore`` (no port). The CPU patches below
       are applied explicitly, by :func:`cpu_patches`, in the worker's ``__init__`` when it runs on CPU.

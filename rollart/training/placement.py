@@ -20,10 +20,8 @@ buffers in forward (the only buffers of these models are the rotary caches, equa
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
-import socket
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -32,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from rollart.cluster.dispatch import RankCall, concat_results, split_batches
+from rollart.cluster.net import free_port, interface_of, node_ip
 from rollart.decorators.register import register
 from rollart.decorators.specs import Dispatch
 
@@ -59,45 +58,6 @@ def worker_devices(device_ids: Sequence[int], cuda: bool | None = None) -> list[
 def worker_device(device_ids: Sequence[int], cuda: bool | None = None) -> torch.device:
     """The worker's main device: ``cuda:0`` when it has GPUs (see :func:`worker_devices`), else the CPU."""
     return worker_devices(device_ids, cuda)[0]
-
-
-def node_ip() -> str:
-    """This process's node IP as Ray knows it (``127.0.0.1`` for a local Ray, or without Ray)."""
-    import ray
-
-    if not ray.is_initialized():
-        return "127.0.0.1"
-    return str(ray.util.get_node_ip_address())
-
-
-def free_port(ip: str = "127.0.0.1") -> int:
-    """A TCP port free on ``ip`` right now (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-        s.bind((ip, 0))
-        return int(s.getsockname()[1])
-
-
-def interface_of(ip: str, addresses: dict[str, list[Any]] | None = None) -> str:
-    """The name of the network interface that carries ``ip`` (``lo`` for a loopback IP on a usual host).
-    ``addresses`` is ``psutil.net_if_addrs()``'s shape, for tests."""
-    if addresses is None:
-        import psutil
-
-        addresses = psutil.net_if_addrs()
-    want = ipaddress.ip_address(ip)
-    for name, addrs in addresses.items():
-        for a in addrs:
-            try:
-                if ipaddress.ip_address(str(a.address).split("%")[0]) == want:
-                    return name
-            except ValueError:
-                continue  # a MAC address
-    if want.is_loopback:
-        return "lo"
-    raise RuntimeError(
-        f"no network interface of this host carries {ip} (interfaces: {sorted(addresses)}); "
-        "the node IP Ray reports must be an address of this host"
-    )
 
 
 def set_socket_interface(ip: str) -> str:

@@ -27,8 +27,8 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rollart.cluster.net import node_ip
 from rollart.weights.base import WeightChannel
-from rollart.weights.net import node_ip
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from rollart.cluster.net import node_ip
 from rollart.weights.mooncake_master import MooncakeUnavailable
-from rollart.weights.net import node_ip
 from rollart.weights.snapshot import state_checksum, verify
 
 logger = logging.getLogger(__name__)

@@ -18,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from rollart.cluster.net import free_port
+
 logger = logging.getLogger(__name__)
 
 
@@ -41,12 +43,6 @@ def find_master_binary() -> str:
     if candidate.exists():
         return str(candidate)
     raise MooncakeUnavailable("the mooncake package is installed but ships no mooncake_master binary")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _accepts(host: str, port: int) -> bool:
