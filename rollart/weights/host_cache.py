@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollart.cluster.net import node_ip
 from rollart.weights.base import WeightChannel
+from rollart.weights.snapshot import owning_storage
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ class _HostCache:
         return boxed
 
     def _fetch(self, version: int) -> list:
-        state = self.channel.fetch(version)
+        # views into one buffer would each put the whole buffer into the object store
+        state = owning_storage(self.channel.fetch(version))
         self.fetches.append(version)
         logger.debug("host cache %s: fetched version %d", node_ip(), version)
         return [ray.put(state)]

@@ -79,12 +79,16 @@ def pack_state(state: Mapping[str, torch.Tensor], align: int = 64) -> tuple[torc
 
 
 def unpack_state(flat: torch.Tensor, layout: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The tensors of ``layout`` copied out of ``flat``, each into a storage of its own: a view of
+    ``flat`` would pickle all of ``flat`` (see :func:`~rollart.weights.snapshot.owning_storage`)."""
     out = {}
     for item in layout:
         dtype = _DTYPES[item["dtype"]]
         raw = flat[item["offset"] : item["offset"] + item["nbytes"]]
         out[item["name"]] = (
-            raw.view(dtype).reshape(item["shape"]) if item["nbytes"] else torch.empty(item["shape"], dtype=dtype)
+            raw.view(dtype).reshape(item["shape"]).clone()
+            if item["nbytes"]
+            else torch.empty(item["shape"], dtype=dtype)
         )
     return out
 

@@ -24,6 +24,19 @@ def state_checksum(state: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def owning_storage(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with every tensor that is a view into a larger buffer copied into a storage of its own.
+
+    Pickling a tensor (``ray.put``, an actor call's arguments or result) writes its whole storage, not
+    just the bytes it views: a snapshot whose N tensors are views of one flat buffer serializes that
+    buffer N times (measured: 24 tensors of a 15 MB state pickle to 360 MB). Tensors that
+    already own their storage are passed through, uncopied."""
+    return {
+        name: t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+        for name, t in state.items()
+    }
+
+
 class ChecksumMismatch(RuntimeError):
     """A fetched snapshot does not hash to what its publisher announced."""
 
