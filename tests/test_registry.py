@@ -41,9 +41,9 @@ def test_the_resource_manager_registers_its_pools_and_bindings_cluster_wide(make
 
     rm = make_rm({"reg_pool": {"hardware": "H20", "devices": 1}})
     ra.Cluster("reg_probe", Probe, rm, pool="reg_pool").shutdown()
-    snap = ClusterRegistry().snapshot(rm.job_id)
-    assert [p["pool"] for p in snap["pools"]] == ["reg_pool"]
-    (b,) = snap["bindings"]
+    snap = ClusterRegistry().snapshot(rm.job_id)  # the shared test Ray: other tests' pools share the job id
+    assert [(p["pool"], p["hardware"]) for p in snap["pools"] if p["pool"] == "reg_pool"] == [("reg_pool", "H20")]
+    (b,) = [b for b in snap["bindings"] if b["cluster"] == "reg_probe"]
     assert (b["cluster"], b["node_ip"], b["state"]) == ("reg_probe", "127.0.0.1", "stopped")
 
 

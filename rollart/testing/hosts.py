@@ -66,7 +66,17 @@ RAY_PORT = 6379
 RESULT_PREFIX = "RESULT "
 """A driver prints ``RESULT <json>`` on stdout; :attr:`DriverResult.result` parses the last one."""
 
-_DROP_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS", "RAY_NAMESPACE", "RAY_AUTH_TOKEN")
+_DROP_ENV = (
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+    "RAY_ADDRESS",
+    "RAY_NAMESPACE",
+    "RAY_AUTH_TOKEN",
+    # one host's address or interface, set in the test process by a single-host run (the Mooncake client
+    # and the DDP set-up write them): inherited by another host, they would bind it to 127.0.0.1 / lo
+    "MC_TCP_BIND_ADDRESS",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+)
 
 
 def skip_reason() -> str | None:

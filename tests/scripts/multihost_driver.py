@@ -15,6 +15,7 @@ import sys
 import torch
 
 import rollart as ra
+from rollart.training import columns as C
 from rollart.training.placement import start_data_parallel
 from rollart.training.torch_strategy import TorchTrainWorker
 
@@ -68,7 +69,12 @@ def batch_of(n: int) -> ra.Batch:
         masks.append([0, 0] + [1] * (length - 2))
         adv.append([float((-1) ** i)] * length)
     return ra.Batch(
-        {"input_ids": ids, "loss_mask": masks, "advantages": adv, "old_logprobs": [[0.0] * len(r) for r in ids]}
+        {
+            C.INPUT_IDS: ids,
+            C.LOSS_MASK: masks,
+            C.ADVANTAGES: adv,
+            C.BEHAVIOUR_LOGPROBS: [[0.0] * len(r) for r in ids],
+        }
     )
 
 
