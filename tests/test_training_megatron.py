@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 
 import rollart as ra
+from rollart.cluster.net import free_port
 from rollart.models import build_tiny
 from rollart.training import columns as C
 from rollart.training.megatron_strategy import (
@@ -23,7 +24,7 @@ from rollart.training.megatron_strategy import (
     init_megatron_parallel,
     megatron_to_hf,
 )
-from rollart.training.torch_strategy import TorchTrainWorker, free_port
+from rollart.training.torch_strategy import TorchTrainWorker
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -44,9 +44,7 @@ Seed 003 §3 gives two value-training designs, both here:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -57,6 +55,7 @@ from rollart.cluster.batch import Batch
 from rollart.rollout.types import Trajectory
 from rollart.training import columns as C
 from rollart.training.accumulation import accumulate_step, global_sum, plan_share
+from rollart.training.checkpoint_io import load_checkpoint_file, save_checkpoint_file
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
     DP_SPLIT_EVERY_RANK,
@@ -322,10 +321,7 @@ class CriticWorker(DataParallelRank, ra.Worker):
         """Value model, optimiser, warm-up schedule and step counters in one file (tensors, dicts, lists and
         numbers only: ``torch.load(weights_only=True)`` reads it). ``step`` is the pipeline step it
         belongs to, checked on resume against the actor's checkpoint."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(".tmp")
-        torch.save(
+        return save_checkpoint_file(
             {
                 "model": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
@@ -333,15 +329,13 @@ class CriticWorker(DataParallelRank, ra.Worker):
                 "steps": self.steps,
                 "step": int(step),
             },
-            tmp,
+            path,
         )
-        os.replace(tmp, target)  # a crash mid-write never leaves a torn checkpoint
-        return str(target)
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict[str, int]:
         """Restore :meth:`save_checkpoint`'s file on every rank; returns its ``step`` and ``steps``."""
-        state = torch.load(path, map_location=self.device, weights_only=True)
+        state = load_checkpoint_file(path, map_location=self.device)  # weights_only: no arbitrary unpickling
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -25,7 +25,6 @@ from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
     DP_SPLIT_EVERY_RANK,
     DataParallelRank,
-    free_port,
     join_data_parallel,
     model_path,
     worker_device,
@@ -314,4 +313,4 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
             return float(sum(p.detach().abs().sum() for p in self.module.parameters()))
 
 
-__all__ = ["TorchTrainWorker", "batch_logprobs", "free_port"]  # free_port: rollart.training.placement's
+__all__ = ["TorchTrainWorker", "batch_logprobs"]
