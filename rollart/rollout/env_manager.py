@@ -5,6 +5,12 @@ to the shared LLMProxy with the whole history so far; the trajectory keeps every
 mask (action tokens 1, observation tokens 0), per-token behaviour logprobs and policy versions,
 turn boundaries and the env's tag.
 
+With a chat template (``chat_template``, see :mod:`rollart.rollout.chat`) the first observation is
+rendered as ``[system, user]`` messages (the env's instructions as system prompt) and each later one
+as a new message; the trajectory's tokens are exactly the tokens the model was given and generated,
+never re-encoded. ``max_prompt_length`` bounds the first prompt (``truncation``: ``left`` keeps its
+last tokens, ``error`` fails the trajectory).
+
 Faults: ``reset`` is retried with exponential backoff; a ``step`` that keeps failing (an error or a
 timeout) ends the trajectory with ``status="failed"``; a reward that fails after its retries gives
 ``status="reward_failed"``. Nothing is ever scored 0 in place of a failure, and the caller counts
@@ -20,11 +26,12 @@ import random
 import uuid
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollart.engines.base import SamplingParams
+from rollart.rollout.chat import ChatFormat, ChatTemplateError, chat_format, check_template_setting
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.types import GenerateRequest, Trajectory
 
@@ -52,12 +59,21 @@ class HFCodec:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
+        self._chat: dict[tuple[str, str], ChatFormat | None] = {}
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_format(self, setting: str = "auto", observation_role: str = "user") -> ChatFormat | None:
+        """The chat template to render with under ``setting`` (``auto``/``none``/path/inline Jinja),
+        None for raw text; built once per setting and shared by every EnvManager of this codec."""
+        key = (setting, observation_role)
+        if key not in self._chat:
+            self._chat[key] = chat_format(self.tokenizer, setting, observation_role)
+        return self._chat[key]
 
 
 class EnvManagerConfig(BaseModel):
@@ -71,6 +87,16 @@ class EnvManagerConfig(BaseModel):
     step_retries: int = 1
     step_timeout_s: float = 60.0
     max_steps: int | None = None  # default: the env's own max_steps
+    # auto: the tokenizer's chat template when it has one; none: raw text; else a file or inline Jinja
+    chat_template: str = "auto"
+    observation_role: Literal["user", "tool"] = "user"  # the role of every observation after the first
+    max_prompt_length: int | None = Field(default=None, ge=1)  # tokens of the first prompt
+    truncation: Literal["left", "error"] = "left"  # a longer first prompt: keep its last tokens, or fail
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        return check_template_setting(value)
 
 
 async def _call_env(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
@@ -99,11 +125,12 @@ class EnvManager:
         self.proxy = proxy
         self.codec = codec
         self.config = config or EnvManagerConfig()
+        self.chat = self._chat_format(codec, self.config)
         base = sampling or SamplingParams()
         max_new = getattr(env, "max_new_tokens", None) or base.max_new_tokens
         stops = list(base.stop_token_ids)
-        if codec.eos_token_id is not None and codec.eos_token_id not in stops:
-            stops.append(codec.eos_token_id)
+        extra = [codec.eos_token_id] + (self.chat.stop_token_ids if self.chat else [])
+        stops += [t for t in dict.fromkeys(extra) if t is not None and t not in stops]
         self.sampling = base.model_copy(update={"max_new_tokens": max_new, "stop_token_ids": stops})
         self.reward_fn = reward_fn
         self.version_fn = version_fn
@@ -111,6 +138,23 @@ class EnvManager:
         self.current_request: str | None = None
         self._env_call: asyncio.Task | None = None
         self._aborting = False
+
+    @staticmethod
+    def _chat_format(codec: TextCodec, config: EnvManagerConfig) -> ChatFormat | None:
+        make = getattr(codec, "chat_format", None)
+        if make is None:
+            if config.chat_template not in ("auto", "none"):
+                raise ValueError(
+                    f"env_manager.chat_template: {type(codec).__name__} has no tokenizer to render a chat "
+                    "template with; use an HFCodec or chat_template: auto"
+                )
+            return None
+        return make(config.chat_template, config.observation_role)
+
+    def _system_prompt(self, observation: str) -> str | None:
+        """The env's instructions, unless the observation already starts with them."""
+        text = getattr(self.env, "instructions", "") or ""
+        return text if text and not observation.startswith(text) else None
 
     async def _env(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
         """An env call that :meth:`abort` can cancel (a fail-slow env must not hold a finished round)."""
@@ -178,7 +222,20 @@ class EnvManager:
             traj.status, traj.error = "failed", f"reset: {type(err).__name__}: {err}"
             return traj
         traj.info["reset"] = info
-        self._append_observation(traj, obs)
+        prompt = self.chat.prompt_ids(obs, self._system_prompt(obs)) if self.chat else self.codec.encode(obs)
+        limit = self.config.max_prompt_length
+        if limit is not None and len(prompt) > limit:
+            if self.config.truncation == "error":
+                traj.status = "failed"
+                traj.error = (
+                    f"prompt_too_long: the first prompt has {len(prompt)} tokens > env_manager.max_prompt_length="
+                    f"{limit} (truncation: error); raise max_prompt_length or set truncation: left"
+                )
+                log.error("%s: %s", self.tag, traj.error)
+                return traj
+            traj.info["prompt_truncated"] = len(prompt) - limit
+            prompt = prompt[-limit:]
+        self._append_ids(traj, prompt)
         traj.prompt_length = len(traj.token_ids)
         max_steps = self.config.max_steps or getattr(self.env, "max_steps", 1)
         for turn in range(max_steps):
@@ -216,7 +273,12 @@ class EnvManager:
                 self._add_token_rewards(traj, start, out.output_token_ids, step_info["char_rewards"])
             if terminated or truncated:
                 break
-            self._append_observation(traj, obs)
+            try:
+                ids = self.chat.observation_ids(obs, out.output_token_ids) if self.chat else self.codec.encode(obs)
+            except ChatTemplateError as err:
+                traj.status, traj.error = "failed", f"step {turn}: {err}"
+                return traj
+            self._append_ids(traj, ids)
         traj.reward = traj.env_return
         if self.reward_fn is not None:
             try:
@@ -248,8 +310,9 @@ class EnvManager:
             traj.token_rewards.append(sum(chunk) / len(chunk) if chunk else 0.0)
             pos += n
 
-    def _append_observation(self, traj: Trajectory, text: str) -> None:
-        ids = self.codec.encode(text)
+    @staticmethod
+    def _append_ids(traj: Trajectory, ids: list[int]) -> None:
+        """Observation tokens: in the context, out of the loss."""
         traj.token_ids += ids
         traj.loss_mask += [0] * len(ids)
         traj.logprobs += [0.0] * len(ids)
