@@ -252,3 +252,20 @@ def test_builtin_tiny_model_has_no_template():
 
     tiny = AutoTokenizer.from_pretrained(str(default_tiny_path()))
     assert HFCodec(tiny).chat_format("auto") is None
+
+
+def test_a_bad_chat_template_in_a_pipeline_config_names_the_field(tmp_path):
+    from rollart.config import ConfigError, load_config
+
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "pools: {train: {hardware: CPU, cpus: 1}, rollout: {hardware: CPU, cpus: 1}}\n"
+        "envs: [{name: addition, groups: 1}]\n"
+        "rollout: {num_env_groups: 1, group_size: 2, batch_groups: 1}\n"
+        "env_manager: {chat_template: chatml.jinja, max_prompt_length: 64, truncation: error}\n"
+    )
+    with pytest.raises(ConfigError, match=r"env_manager\.chat_template: 'chatml.jinja' is not 'auto'"):
+        load_config(path)
+    (tmp_path / "chatml.jinja").write_text(TEMPLATE)
+    cfg = load_config(path, {"env_manager.chat_template": str(tmp_path / "chatml.jinja")})
+    assert cfg.env_manager.max_prompt_length == 64 and cfg.env_manager.truncation == "error"
