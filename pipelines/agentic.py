@@ -344,7 +344,7 @@ class AgenticPipeline:
             steps = traj.info.get("steps") or [{}]
             return await self.reward_client.score(
                 {
-                    "prompt": codec.decode(traj.token_ids[: traj.prompt_length]),
+                    "prompt": traj.info.get("prompt_text", codec.decode(traj.token_ids[: traj.prompt_length])),
                     "response": steps[-1].get(
                         "response", codec.decode(traj.token_ids[traj.turns[-1][0] : traj.turns[-1][1]])
                     ),

@@ -127,6 +127,7 @@ async def test_trajectory_tokens_are_exactly_generated_and_observed(tok):
     first = [{"role": "system", "content": "Add them."}, {"role": "user", "content": "3+4="}]
     assert traj.token_ids[: traj.prompt_length] == tok.encode(_render(tok, first, True), add_special_tokens=False)
     assert tok.decode(traj.token_ids[: traj.prompt_length]) == "System: Add them.\nUser: 3+4=\nAssistant:"
+    assert traj.info["prompt_text"] == "3+4="  # the env's text, for a reward service
 
     # the text is the template's rendering of the whole conversation (minus the closing after the end)
     conversation = [

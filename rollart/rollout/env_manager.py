@@ -222,6 +222,7 @@ class EnvManager:
             traj.status, traj.error = "failed", f"reset: {type(err).__name__}: {err}"
             return traj
         traj.info["reset"] = info
+        traj.info["prompt_text"] = obs  # the env's own text, before any chat template
         prompt = self.chat.prompt_ids(obs, self._system_prompt(obs)) if self.chat else self.codec.encode(obs)
         limit = self.config.max_prompt_length
         if limit is not None and len(prompt) > limit:
