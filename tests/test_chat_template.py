@@ -270,3 +270,10 @@ def test_a_bad_chat_template_in_a_pipeline_config_names_the_field(tmp_path):
     (tmp_path / "chatml.jinja").write_text(TEMPLATE)
     cfg = load_config(path, {"env_manager.chat_template": str(tmp_path / "chatml.jinja")})
     assert cfg.env_manager.max_prompt_length == 64 and cfg.env_manager.truncation == "error"
+
+
+async def test_an_observation_that_carries_the_instructions_gets_no_system_prompt(tok):
+    env = AddEnv(turns=1, prompt="Add them.\n3+4=")  # as an env built with with_instructions=True
+    proxy = ScriptedProxy([(_chars(tok, " 7"), "stop")])
+    traj = await EnvManager(env, proxy, HFCodec(tok)).run(seed=0)  # type: ignore[arg-type]
+    assert tok.decode(traj.token_ids[: traj.prompt_length]) == "User: Add them.\n3+4=\nAssistant:"
