@@ -13,6 +13,7 @@ observation, so the agent can learn the format.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -128,9 +129,11 @@ def env_class(name: str, field: str = "envs[].name") -> type[TextEnv]:
         return cls
     _load_builtin()
     if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise PluginError(
             field,
-            f"env name {name!r} is not registered; known: {sorted(_REGISTRY)} — or name your own class as "
+            f"env name {name!r} is not registered; {hint}known: {sorted(_REGISTRY)} — or name your own class as "
             "MODULE:CLASS (e.g. my_envs:CopyEnv, with my_envs.py next to the config)",
         )
     return _REGISTRY[name]

@@ -312,6 +312,8 @@ def _problem(error: Any) -> str:
     where = _where(tuple(error["loc"]))
     msg = str(error["msg"]).removeprefix("Value error, ")
     msg = msg.removeprefix(f"{where}: ")
+    if where != "(top level)" and msg.startswith((f"{where}.", f"{where}=")):
+        return msg  # a section's own check that names its field (``rollout.batch_groups=9 exceeds ...``)
     kind = error.get("type", "")
     if kind == "extra_forbidden":
         msg = "unknown key; remove it or fix its spelling (see the section's fields in rollart.config)"
