@@ -228,12 +228,11 @@ class PipelineConfig(BaseModel):
                 raise ValueError(f"advantage {info.data['advantage']!r}: " + "; ".join(problems))
         return params
 
-    def pipeline_class(self) -> type[Any]:
-        """The class ``rollart run`` builds: ``pipeline:`` or :class:`~rollart.pipelines.agentic.AgenticPipeline`."""
+    def pipeline_class(self) -> type[Any] | None:
+        """The class of ``pipeline:`` (checked against :class:`rollart.plugins.PipelineLike`); None when
+        unset (``rollart run`` then builds ``AgenticPipeline``)."""
         if self.pipeline is None:
-            from rollart.pipelines.agentic import AgenticPipeline
-
-            return AgenticPipeline
+            return None
         from rollart.plugins import check_pipeline_class, import_object
 
         return check_pipeline_class(import_object(self.pipeline, "pipeline"))

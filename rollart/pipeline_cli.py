@@ -31,7 +31,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         log.error("%s", err)
         return 2
-    pipe = cfg.pipeline_class()(cfg, resume=args.resume)  # AgenticPipeline, or the config's pipeline:
+    pipeline_cls = cfg.pipeline_class()  # the config's pipeline: (checked when it loaded), else the built-in
+    if pipeline_cls is None:
+        from rollart.pipelines.agentic import AgenticPipeline
+
+        pipeline_cls = AgenticPipeline
+    pipe = pipeline_cls(cfg, resume=args.resume)
     try:
         history = pipe.run()
     finally:

@@ -240,7 +240,7 @@ def test_pipeline_class_contract(tmp_path, user_module):
     cls = cfg.pipeline_class()
     pipe: PipelineLike = cls(cfg, resume=False, progress=False)
     assert pipe.run() == [{"step": 0, "reward_mean": 1.0}]
-    assert load_config(write_config(tmp_path, base_raw(), "plain.yaml")).pipeline_class().__name__ == "AgenticPipeline"
+    assert load_config(write_config(tmp_path, base_raw(), "plain.yaml")).pipeline_class() is None  # AgenticPipeline
     for name, pattern in {
         "NoRun": r"has no run\(\) method",
         "WrongInit": r"cannot be called .* must take \(config, \*, resume=False, progress=True\)",
