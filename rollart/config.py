@@ -189,13 +189,14 @@ class PipelineConfig(BaseModel):
     def _plugins_to_train(cls, data: Any, info: ValidationInfo) -> Any:
         """The training workers import the same plug-in modules from the same folders (``TrainConfig``'s
         ``plugins`` / ``plugin_paths``): the config's folder (``load_config`` passes it) and the cwd."""
-        if isinstance(data, dict) and isinstance(data.get("train", {}), dict):
-            from rollart.plugins import add_search_path
+        from rollart.plugins import add_search_path
 
-            folders = [f for f in ((info.context or {}).get("config_dir"), ".") if f]
+        # from here on (and after), modules next to the config import in this process
+        folders = add_search_path([f for f in ((info.context or {}).get("config_dir"), ".") if f])
+        if isinstance(data, dict) and isinstance(data.get("train", {}), dict):
             plugins = data.get("plugins") or []
             data = {**data, "train": {"plugins": plugins if isinstance(plugins, list) else [], **data.get("train", {})}}
-            data["train"].setdefault("plugin_paths", add_search_path(folders))
+            data["train"].setdefault("plugin_paths", folders)
         return data
 
     @field_validator("pipeline")
@@ -307,15 +308,43 @@ def _where(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the config section that holds ``loc``'s last key ([] when unknown)."""
+    import typing
+
+    model: Any = PipelineConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return []
+        todo, model = [field.annotation], None
+        while todo:  # the first pydantic model inside Optional[...] / list[...] / dict[..., ...]
+            t = todo.pop(0)
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                model = t
+                break
+            todo.extend(typing.get_args(t))
+        if model is None:
+            return []
+    return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
+
+
 def _problem(error: Any) -> str:
-    where = _where(tuple(error["loc"]))
+    loc = tuple(error["loc"])
+    where = _where(loc)
     msg = str(error["msg"]).removeprefix("Value error, ")
     msg = msg.removeprefix(f"{where}: ")
-    if where != "(top level)" and msg.startswith((f"{where}.", f"{where}=")):
-        return msg  # a section's own check that names its field (``rollout.batch_groups=9 exceeds ...``)
+    if not loc or msg.startswith((f"{where}.", f"{where}=")):
+        return msg  # a section's own check, which names its fields (``rollout.batch_groups=9 exceeds ...``)
     kind = error.get("type", "")
     if kind == "extra_forbidden":
-        msg = "unknown key; remove it or fix its spelling (see the section's fields in rollart.config)"
+        import difflib
+
+        close = difflib.get_close_matches(str(loc[-1]), _section_fields(loc), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        msg = f"unknown key; {hint}remove it or fix its spelling"
     elif kind == "missing":
         msg = "required; add it"
     elif kind != "value_error" and "input" in error and not isinstance(error["input"], (dict, list)):
