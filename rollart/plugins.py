@@ -39,6 +39,10 @@ def is_spec(value: object) -> bool:
     return isinstance(value, str) and ":" in value
 
 
+_SEARCHED: list[str] = []  # the folders add_search_path put on sys.path, in order
+FAILED_IMPORTS: dict[str, str] = {}  # module -> why it failed to import (already reported once)
+
+
 def add_search_path(paths: Iterable[str | Path]) -> list[str]:
     """Make modules in ``paths`` (folders) importable: each is appended to ``sys.path`` once (after the
     installed packages, so a user's file never shadows one). Returns the absolute folders."""
@@ -47,12 +51,14 @@ def add_search_path(paths: Iterable[str | Path]) -> list[str]:
         folder = str(Path(p).resolve())
         if folder not in sys.path:
             sys.path.append(folder)
+        if folder not in _SEARCHED:
+            _SEARCHED.append(folder)
         added.append(folder)
     return added
 
 
-def _where(search_path: Sequence[str]) -> str:
-    return ", ".join(search_path) if search_path else "the working directory"
+def _where(first: Sequence[str]) -> str:
+    return ", ".join(dict.fromkeys([*first, *_SEARCHED]))
 
 
 def import_module(module: str, field: str, search_path: Sequence[str | Path] = ()) -> Any:
@@ -64,16 +70,16 @@ def import_module(module: str, field: str, search_path: Sequence[str | Path] = (
     except ModuleNotFoundError as err:
         if err.name is not None and module != err.name and not module.startswith(f"{err.name}."):
             # the module exists but imports something missing
-            raise PluginError(
-                field, f"importing module {module!r} failed: it imports {err.name!r}, which is not installed"
-            ) from None
-        raise PluginError(
-            field,
-            f"no module named {module!r} (looked in {_where(folders)} and the installed packages); put "
-            f"{module.split('.')[0]}.py next to the config file or in the working directory, or install it",
-        ) from None
-    except Exception as err:
-        raise PluginError(field, f"importing module {module!r} failed: {type(err).__name__}: {err}") from None
+            why = f"importing module {module!r} failed: it imports {err.name!r}, which is not installed"
+        else:
+            why = (
+                f"no module named {module!r} (looked in {_where(folders)} and the installed packages); put "
+                f"{module.split('.')[0]}.py next to the config file or in the working directory, or install it"
+            )
+    except Exception as err:  # a user's module may raise anything while it is imported
+        why = f"importing module {module!r} failed: {type(err).__name__}: {err}"
+    FAILED_IMPORTS[module] = why
+    raise PluginError(field, why)
 
 
 def import_object(spec: str, field: str, search_path: Sequence[str | Path] = ()) -> Any:

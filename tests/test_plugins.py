@@ -262,6 +262,28 @@ def test_advantage_params_go_to_their_estimator_only():
             PipelineConfig.model_validate(raw)
 
 
+def test_unknown_keys_and_failing_plugin_modules_are_named(tmp_path, user_module):
+    user_module("plug_broken", "import no_such_dependency_xyz\n")
+    raw = base_raw(plugins=["plug_broken", "plug_absent_xyz"], trian={"lr": 1})
+    raw["rollout"] = {**raw["rollout"], "batch_group": 2}
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path, raw))
+    first, second, *rest = sorted(err.value.problems)
+    assert first == (
+        "plugins[0]: importing module 'plug_broken' failed: it imports 'no_such_dependency_xyz', which is not installed"
+    )
+    assert re.fullmatch(
+        rf"plugins\[1\]: no module named 'plug_absent_xyz' \(looked in .*{re.escape(str(tmp_path))}.* and the "
+        r"installed packages\); put plug_absent_xyz\.py next to the config file or in the working directory, or "
+        r"install it",
+        second,
+    )
+    assert rest == [
+        "rollout.batch_group: unknown key; did you mean 'batch_groups'? remove it or fix its spelling",
+        "trian: unknown key; did you mean 'train'? remove it or fix its spelling",
+    ]
+
+
 # ---------------------------------------------------------------- every problem at once, before Ray
 
 

@@ -77,10 +77,12 @@ class TrainConfig(BaseModel):
         """Import the plug-in modules first (a failure is reported by the pipeline config's ``plugins``
         field; here it only leaves the names it would register unknown)."""
         if isinstance(data, dict):
-            from rollart.plugins import PluginError, add_search_path, import_module
+            from rollart.plugins import FAILED_IMPORTS, PluginError, add_search_path, import_module
 
             add_search_path(data.get("plugin_paths") or [])
             for module in data.get("plugins") or []:
+                if str(module) in FAILED_IMPORTS:  # reported already (the pipeline config's plugins field)
+                    continue
                 try:
                     import_module(str(module), "plugins")
                 except PluginError as err:
