@@ -42,7 +42,7 @@ def _resolve(mode: str, field: str) -> tuple[AggFn | None, Unit]:
         return None, "sequence" if mode.startswith("seq") else "token"
     from rollart.plugins import lookup
 
-    known: dict[str, object] = {**dict.fromkeys(AGG_MODES), **{k: v for k, v in _AGGS.items()}}
+    known: dict[str, object] = {**dict.fromkeys(AGG_MODES), **_AGGS}
     found = lookup(mode, known, field, "loss aggregation")
     if isinstance(found, tuple):
         return found
