@@ -289,7 +289,8 @@ class AgenticPipeline:
         update (returned as a future)."""
         batch = trajectories_to_batch(groups, advantage=None)
         if self.critic is None:
-            return add_advantages(batch, self.config.advantage, baseline=self.baseline), None
+            adv = self.config.advantage
+            return add_advantages(batch, adv, baseline=self.baseline, params=self.config.advantage_params), None
         assert self.config.critic is not None
         values = await self.critic.compute_values(batch, blocking=False)
         add_advantages(batch, "gae", values=values, **self.config.critic.gae_kwargs())

@@ -7,10 +7,19 @@ dicts ``ResourceManager`` takes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from rollart.engines.base import SamplingParams
 from rollart.resource_manager.specs import parse_pools
@@ -22,7 +31,29 @@ from rollart.training.critic import CriticConfig
 
 
 class ConfigError(ValueError):
-    """A pipeline config that cannot run; the message names the field."""
+    """A pipeline config that cannot run; the message names the field of every problem (``problems``:
+    one ``"field.path: what is wrong and the fix"`` line each)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
+
+
+def _plain(check: Any, *args: Any) -> Any:
+    """``check(*args)``, a plug-in error's own field prefix dropped (pydantic's location names it)."""
+    from rollart.plugins import PluginError
+
+    try:
+        return check(*args)
+    except PluginError as err:
+        raise ValueError(err.message) from None
+
+
+def _import_plugin(module: str) -> str:
+    from rollart.plugins import import_module
+
+    _plain(import_module, module, "plugins")
+    return module
 
 
 class ClusterConfig(BaseModel):
@@ -34,7 +65,9 @@ class ClusterConfig(BaseModel):
 
 
 class EnvEntry(BaseModel):
-    """One task of the mix: an env from the ``envs`` registry, how many env groups play it."""
+    """One task of the mix: an env from the ``envs`` registry or a user's ``MODULE:CLASS`` (a
+    ``TextEnv`` subclass), how many env groups play it; ``kwargs`` are checked against its
+    constructor here, before anything starts."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -44,6 +77,27 @@ class EnvEntry(BaseModel):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     max_steps: int | None = None
     max_new_tokens: int | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _env_exists(cls, name: str) -> str:
+        from rollart.envs import env_class
+
+        _plain(env_class, name, "name")
+        return name
+
+    @field_validator("kwargs")
+    @classmethod
+    def _kwargs_fit(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "name" not in info.data:  # the env itself failed; reported there
+            return kwargs
+        from rollart.envs import env_class, env_kwargs_problems
+
+        env_cls = env_class(info.data["name"])
+        problems = env_kwargs_problems(env_cls, kwargs)
+        if problems:
+            raise ValueError(f"env {info.data['name']} ({env_cls.__qualname__}): " + "; ".join(problems))
+        return kwargs
 
 
 class RewardConfig(BaseModel):
@@ -98,6 +152,11 @@ class WeightsConfig(BaseModel):
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # user modules imported first (from the config's folder, the working directory or the installed
+    # packages): the names they register (@register_env / @register_loss / @register_loss_agg /
+    # @register_advantage) are then usable below. Declared first: fields are validated in order.
+    plugins: list[Annotated[str, AfterValidator(_import_plugin)]] = Field(default_factory=list)
+    pipeline: str | None = None  # MODULE:CLASS with the entry points of rollart.plugins.PipelineLike
     name: str = "rollart"
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     pools: dict[str, Any]
@@ -114,13 +173,70 @@ class PipelineConfig(BaseModel):
     envs: list[EnvEntry]
     reward: RewardConfig | None = None
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
-    advantage: Literal["grpo", "grpo_token", "reinforce", "running_mean", "gae"] = "grpo"
+    # grpo, grpo_token, reinforce, running_mean, gae, a name registered with @register_advantage, or
+    # MODULE:FUNC; advantage_params go to a registered / MODULE:FUNC estimator
+    advantage: str = "grpo"
+    advantage_params: dict[str, Any] = Field(default_factory=dict)
     critic: CriticConfig | None = None  # advantage: gae — a value model trained K times per actor step
     running_mean: RunningMeanConfig = Field(default_factory=RunningMeanConfig)  # advantage: running_mean
     steps: int = Field(default=20, ge=1)
     checkpoint_every: int = Field(default=0, ge=0)
     output_dir: str = "runs/{name}"
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plugins_to_train(cls, data: Any, info: ValidationInfo) -> Any:
+        """The training workers import the same plug-in modules from the same folders (``TrainConfig``'s
+        ``plugins`` / ``plugin_paths``): the config's folder (``load_config`` passes it) and the cwd."""
+        from rollart.plugins import add_search_path
+
+        # from here on (and after), modules next to the config import in this process
+        folders = add_search_path([f for f in ((info.context or {}).get("config_dir"), ".") if f])
+        if isinstance(data, dict) and isinstance(data.get("train", {}), dict):
+            plugins = data.get("plugins") or []
+            data = {**data, "train": {"plugins": plugins if isinstance(plugins, list) else [], **data.get("train", {})}}
+            data["train"].setdefault("plugin_paths", folders)
+        return data
+
+    @field_validator("pipeline")
+    @classmethod
+    def _pipeline_class(cls, spec: str | None) -> str | None:
+        if spec is not None:
+            from rollart.plugins import check_pipeline_class, import_object
+
+            _plain(check_pipeline_class, _plain(import_object, spec, "pipeline"), "pipeline")
+        return spec
+
+    @field_validator("advantage")
+    @classmethod
+    def _advantage_exists(cls, name: str) -> str:
+        from rollart.algorithms.advantages import advantage_contract_problems
+
+        problems = _plain(advantage_contract_problems, name)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return name
+
+    @field_validator("advantage_params")
+    @classmethod
+    def _advantage_params_fit(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "advantage" in info.data:
+            from rollart.algorithms.advantages import advantage_params_problems
+
+            problems = _plain(advantage_params_problems, info.data["advantage"], params)
+            if problems:
+                raise ValueError(f"advantage {info.data['advantage']!r}: " + "; ".join(problems))
+        return params
+
+    def pipeline_class(self) -> type[Any] | None:
+        """The class of ``pipeline:`` (checked against :class:`rollart.plugins.PipelineLike`); None when
+        unset (``rollart run`` then builds ``AgenticPipeline``)."""
+        if self.pipeline is None:
+            return None
+        from rollart.plugins import check_pipeline_class, import_object
+
+        return check_pipeline_class(import_object(self.pipeline, "pipeline"))
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
@@ -181,9 +297,73 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
+    return validate_config(raw, source=p)
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    """A pydantic location as a config path: ``("envs", 0, "name")`` → ``envs[0].name``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the config section that holds ``loc``'s last key ([] when unknown)."""
+    import typing
+
+    model: Any = PipelineConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return []
+        todo, model = [field.annotation], None
+        while todo:  # the first pydantic model inside Optional[...] / list[...] / dict[..., ...]
+            t = todo.pop(0)
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                model = t
+                break
+            todo.extend(typing.get_args(t))
+        if model is None:
+            return []
+    return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
+
+
+def _problem(error: Any) -> str:
+    loc = tuple(error["loc"])
+    where = _where(loc)
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    msg = msg.removeprefix(f"{where}: ")
+    if not loc or msg.startswith((f"{where}.", f"{where}=")):
+        return msg  # a section's own check, which names its fields (``rollout.batch_groups=9 exceeds ...``)
+    kind = error.get("type", "")
+    if kind == "extra_forbidden":
+        import difflib
+
+        close = difflib.get_close_matches(str(loc[-1]), _section_fields(loc), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        msg = f"unknown key; {hint}remove it or fix its spelling"
+    elif kind == "missing":
+        msg = "required; add it"
+    elif kind != "value_error" and "input" in error and not isinstance(error["input"], (dict, list)):
+        msg = f"{msg} (got {error['input']!r})"
+    return f"{where}: {msg}"
+
+
+def validate_config(raw: dict[str, Any], source: str | Path | None = None) -> PipelineConfig:
+    """``PipelineConfig`` from a YAML mapping, or one :class:`ConfigError` listing every problem with
+    its field path: the fields' own checks, env names and constructor kwargs, loss / aggregation /
+    advantage names and parameters, the pipeline class, the plug-in modules' imports. Nothing is
+    started. ``source`` (the YAML file) adds its folder to where plug-in modules are looked up."""
+    context = {"config_dir": str(Path(source).resolve().parent)} if source is not None else {}
     try:
-        return PipelineConfig.model_validate(raw)
+        return PipelineConfig.model_validate(raw, context=context)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
-        raise ConfigError(f"{p}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
+        problems = list(dict.fromkeys(_problem(e) for e in err.errors()))
+    head = f"{source}: " if source is not None else ""
+    if len(problems) == 1:
+        raise ConfigError(f"{head}{problems[0]}", problems)
+    lines = "\n".join(f"  - {x}" for x in problems)
+    raise ConfigError(f"{head}{len(problems)} problems in the config:\n{lines}", problems)

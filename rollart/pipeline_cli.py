@@ -25,25 +25,30 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from rollart.config import ConfigError, load_config
-    from rollart.pipelines.agentic import AgenticPipeline
 
-    try:
+    try:  # every check, plug-ins included, before anything starts
         cfg = load_config(args.config, _parse_sets(args.set))
     except ConfigError as err:
         log.error("%s", err)
         return 2
-    pipe = AgenticPipeline(cfg, resume=args.resume)
+    pipeline_cls = cfg.pipeline_class()  # the config's pipeline: (checked when it loaded), else the built-in
+    if pipeline_cls is None:
+        from rollart.pipelines.agentic import AgenticPipeline
+
+        pipeline_cls = AgenticPipeline
+    pipe = pipeline_cls(cfg, resume=args.resume)
     try:
         history = pipe.run()
     finally:
         pipe.shutdown()
     last = history[-1] if history else {}
+    metrics, plot = getattr(pipe, "metrics_path", None), getattr(pipe, "plot_path", None)
     summary = {
         "steps": len(history),
         "final_reward": last.get("reward_mean"),
-        "first_reward": history[0]["reward_mean"] if history else None,
-        "metrics": str(pipe.metrics_path),
-        "plot": str(pipe.plot_path) if pipe.plot_path else None,
+        "first_reward": history[0].get("reward_mean") if history else None,
+        "metrics": str(metrics) if metrics else None,
+        "plot": str(plot) if plot else None,
     }
     log.info("done: %s", json.dumps(summary))
     if args.json:

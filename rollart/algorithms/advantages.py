@@ -1,12 +1,78 @@
-"""Advantage estimators, pure functions over tensors (seed 000 §2.2, seed 003 §3 eq. 4–5)."""
+"""Advantage estimators, pure functions over tensors (seed 000 §2.2, seed 003 §3 eq. 4–5), and the
+registry of sequence-level estimators that ``advantage:`` names (``@register_advantage("name")`` or
+``advantage: MODULE:FUNC``)."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
+
+AdvantageFn = Callable[..., Any]
+_ADVANTAGES: dict[str, AdvantageFn] = {}
+# estimators the pipeline runs itself (they need per-token credit, a baseline kept across steps or a
+# critic) and whose settings live in their own config sections, not in advantage_params
+STATEFUL_ADVANTAGES = ("grpo_token", "running_mean", "gae")
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Add a sequence-level estimator ``fn(rewards, group_ids, **params) -> advantages`` for
+    ``advantage: name``: ``rewards`` (float64) and ``group_ids`` are ``[B]`` tensors (one row per
+    trajectory; rows of a group share an id), the result has one value per row (a tensor or a list),
+    spread over the row's action tokens. ``params`` come from the config's ``advantage_params``."""
+
+    def add(fn: AdvantageFn) -> AdvantageFn:
+        if name in STATEFUL_ADVANTAGES:
+            raise ValueError(f"register_advantage({name!r}): that is a built-in estimator; pick another name")
+        _ADVANTAGES[name] = fn
+        return fn
+
+    return add
+
+
+def registered_advantages() -> list[str]:
+    """The names ``advantage:`` accepts besides ``MODULE:FUNC``."""
+    return sorted({*_ADVANTAGES, *STATEFUL_ADVANTAGES})
+
+
+def resolve_advantage(name: str, field: str = "advantage") -> AdvantageFn:
+    """The estimator of a registered ``name`` or ``MODULE:FUNC`` spec (not the stateful built-ins);
+    raises ``ValueError`` naming ``field``."""
+    from rollart.plugins import lookup
+
+    fn = lookup(name, {**dict.fromkeys(STATEFUL_ADVANTAGES), **_ADVANTAGES}, field, "advantage estimator")
+    if fn is None:
+        raise ValueError(f"{field}: {name!r} is computed by the pipeline itself, not by a registered function")
+    if not callable(fn):
+        raise ValueError(f"{field}: {name!r} is {type(fn).__name__}, not a function")
+    return fn
+
+
+def advantage_contract_problems(name: str) -> list[str]:
+    """Why ``advantage: name`` cannot be called as ``fn(rewards, group_ids, **params)`` (empty when it
+    can, and for the stateful built-ins); raises ``ValueError`` for an unknown name."""
+    from rollart.plugins import signature_problems
+
+    if name in STATEFUL_ADVANTAGES:
+        return []
+    bad = signature_problems(resolve_advantage(name), {}, leading=(None, None))
+    return [f"{name!r} must take (rewards, group_ids, **params): {p}" for p in bad]
+
+
+def advantage_params_problems(name: str, params: dict[str, Any]) -> list[str]:
+    """What is wrong with ``advantage_params: params`` for ``advantage: name`` (empty when fine)."""
+    from rollart.plugins import signature_problems
+
+    if name in STATEFUL_ADVANTAGES:
+        section = {"running_mean": "running_mean:", "gae": "critic:"}.get(name, "nothing: it has none")
+        return (
+            [f"advantage {name} takes no advantage_params (its settings go in {section}); remove them"]
+            if params
+            else []
+        )
+    return signature_problems(resolve_advantage(name), params, leading=(None, None))
 
 
 def normalise_group(rewards: torch.Tensor, *, norm_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -43,6 +109,9 @@ def grpo_advantages(
     return out
 
 
+register_advantage("grpo")(grpo_advantages)
+
+
 def reinforce_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Leave-one-out baseline: ``A_i = r_i - mean_{j in g, j != i} r_j`` (0 for a group of one and for
     a group of equal rewards), computed and returned in float64."""
@@ -56,6 +125,9 @@ def reinforce_baseline_advantages(rewards: torch.Tensor, group_ids: torch.Tensor
             # r_i - (S - r_i) / (n - 1) = n / (n - 1) * (r_i - S / n): the centred group, scaled
             out[idx] = normalise_group(r, norm_std=False) * (n / (n - 1))
     return out
+
+
+register_advantage("reinforce")(reinforce_baseline_advantages)
 
 
 def gae(

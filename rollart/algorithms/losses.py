@@ -39,11 +39,60 @@ def register_policy_loss(name: str, *, uses_proximal: bool = True) -> Callable[[
     return add
 
 
+register_loss = register_policy_loss  # the name the plug-in docs use: ``@register_loss("my_loss")``
+
+
+def registered_losses() -> list[str]:
+    """The names ``train.loss`` accepts besides ``MODULE:FUNC``."""
+    return sorted(_LOSSES)
+
+
+def resolve_loss(name: str, field: str = "train.loss") -> LossFn:
+    """The loss function of a registered ``name`` or a ``MODULE:FUNC`` spec (imported; the module is
+    looked up as :func:`rollart.plugins.import_object` does). Raises ``ValueError`` naming ``field``."""
+    from rollart.plugins import lookup
+
+    fn = lookup(name, _LOSSES, field, "policy loss")
+    if not callable(fn):
+        raise ValueError(f"{field}: {name!r} is {type(fn).__name__}, not a function")
+    return fn
+
+
+# what the trainer passes every loss besides loss_params: (logprobs, advantages, mask) and these
+_LOSS_FIXED = {"proximal_logprobs": None, "behaviour_logprobs": None}
+
+
+def loss_contract_problems(name: str) -> list[str]:
+    """Why the loss ``name`` (registered or ``MODULE:FUNC``) cannot be called the way the trainer calls
+    every loss, ``fn(logprobs, advantages, mask, *, proximal_logprobs, behaviour_logprobs, **params)``;
+    empty when it can. Raises ``ValueError`` when ``name`` is unknown."""
+    from rollart.plugins import signature_problems
+
+    bad = signature_problems(resolve_loss(name), {}, leading=(None, None, None), fixed=_LOSS_FIXED)
+    return [
+        f"{name!r} must take (logprobs, advantages, mask, *, proximal_logprobs, behaviour_logprobs, **params): {p}"
+        for p in bad
+    ]
+
+
+def loss_params_problems(name: str, params: dict[str, Any]) -> list[str]:
+    """What is wrong with ``train.loss_params: params`` for the loss ``name``: unknown or missing
+    arguments, values that do not fit an annotation. Empty when fine."""
+    from rollart.plugins import signature_problems
+
+    return signature_problems(resolve_loss(name), params, leading=(None, None, None), fixed=_LOSS_FIXED)
+
+
 def loss_uses_proximal(name: str) -> bool:
-    """Whether the loss ``name`` reads ``proximal_logprobs`` (log pi_old)."""
-    if name not in _LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(_LOSSES)}")
-    return _USES_PROXIMAL[name]
+    """Whether the loss ``name`` (or ``MODULE:FUNC``) reads ``proximal_logprobs`` (log pi_old); a
+    function that was never registered is assumed to."""
+    if name in _USES_PROXIMAL:
+        return _USES_PROXIMAL[name]
+    fn = resolve_loss(name)
+    for key, registered in _LOSSES.items():
+        if registered is fn:
+            return _USES_PROXIMAL[key]
+    return True
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -217,13 +266,12 @@ def policy_loss(
     """``(aggregated loss, metrics)`` of the loss ``name`` (see the module docstring). The ratio metrics
     (``ratio_*``, ``kl_k1``, ``kl_k3``) compare ``logprobs`` with the proximal policy, or with the
     behaviour policy when no proximal log-probs are given."""
-    if name not in _LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {sorted(_LOSSES)}")
+    loss_fn = resolve_loss(name, "loss")
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)
     mask = mask.to(logprobs.dtype)
     try:
-        loss_mat, metrics = _LOSSES[name](
+        loss_mat, metrics = loss_fn(
             logprobs,
             advantages,
             mask,

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+def _plain(check: Any, *args: Any) -> list[str]:
+    """``check(*args)``, with a plug-in error's own field prefix dropped (pydantic adds the field)."""
+    from rollart.plugins import PluginError
+
+    try:
+        return list(check(*args))
+    except PluginError as err:
+        raise ValueError(err.message) from None
 
 
 def _importable(module: str) -> bool:
@@ -17,7 +28,9 @@ def _importable(module: str) -> bool:
 
 class TrainConfig(BaseModel):
     """How the actor is trained. ``model`` is a Hugging Face folder (default: the built-in tiny
-    model); ``loss`` names a policy loss of ``rollart.algorithms`` with ``loss_params``.
+    model); ``loss`` names a policy loss of ``rollart.algorithms`` (or a user's: a name registered with
+    ``@register_loss``, or ``MODULE:FUNC``) with ``loss_params`` (checked against its signature);
+    ``loss_agg`` a built-in aggregation, one registered with ``@register_loss_agg`` or ``MODULE:FUNC``.
 
     ``strategy`` picks the training worker: ``torch`` (``TorchTrainWorker``, the default) or
     ``megatron`` (``MegatronTrainWorker``: the same loop around a megatron-core ``GPTModel``, needs
@@ -51,6 +64,62 @@ class TrainConfig(BaseModel):
     proximal: Literal["auto", "recompute"] = "auto"
     seed: int = 0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # filled from the pipeline config (not written by hand): the modules of its top-level ``plugins:``
+    # and the folders they are looked up in (the config's folder, the working directory). Each training
+    # worker imports them before it looks up ``loss`` / ``loss_agg``, so names a user's module
+    # registers (``@register_loss("my_loss")``) and ``MODULE:FUNC`` specs resolve there too.
+    plugins: list[str] = Field(default_factory=list)
+    plugin_paths: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _import_plugins(cls, data: Any) -> Any:
+        """Import the plug-in modules first (a failure is reported by the pipeline config's ``plugins``
+        field; here it only leaves the names it would register unknown)."""
+        if isinstance(data, dict):
+            from rollart.plugins import FAILED_IMPORTS, PluginError, add_search_path, import_module
+
+            add_search_path(data.get("plugin_paths") or [])
+            for module in data.get("plugins") or []:
+                if str(module) in FAILED_IMPORTS:  # reported already (the pipeline config's plugins field)
+                    continue
+                try:
+                    import_module(str(module), "plugins")
+                except PluginError as err:
+                    logging.getLogger(__name__).warning("%s", err)
+        return data
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_exists(cls, name: str) -> str:
+        from rollart.algorithms.losses import loss_contract_problems
+
+        problems = _plain(loss_contract_problems, name)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return name
+
+    @field_validator("loss_params")
+    @classmethod
+    def _loss_params_fit(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "loss" not in info.data:  # the loss itself failed; reported there
+            return params
+        from rollart.algorithms.losses import loss_params_problems
+
+        problems = _plain(loss_params_problems, info.data["loss"], params)
+        if problems:
+            raise ValueError(f"loss {info.data['loss']!r}: " + "; ".join(problems))
+        return params
+
+    @field_validator("loss_agg")
+    @classmethod
+    def _loss_agg_exists(cls, mode: str) -> str:
+        from rollart.algorithms.aggregation import loss_agg_problems
+
+        problems = _plain(loss_agg_problems, mode)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return mode
 
     @model_validator(mode="after")
     def _check_strategy(self) -> TrainConfig:

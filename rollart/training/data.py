@@ -14,7 +14,8 @@ GAE under a critic's values, which also adds ``values`` and ``returns``).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -123,6 +124,7 @@ def add_advantages(
     length_adaptive: bool = False,
     alpha: float = 0.05,
     whiten: bool = True,
+    params: Mapping[str, Any] | None = None,
 ) -> Batch:
     """Add the ``advantages`` column to ``batch`` (in place; returned for chaining) with ``method``:
 
@@ -132,7 +134,9 @@ def add_advantages(
     * ``reinforce``: leave-one-out group baseline;
     * ``running_mean``: ``r - b`` with ``b`` from ``baseline`` (its window is then updated with the
       batch's rewards), broadcast over the sequence;
-    * ``gae``: skip-observation GAE under the critic's ``values`` (see :func:`gae_advantages`).
+    * ``gae``: skip-observation GAE under the critic's ``values`` (see :func:`gae_advantages`);
+    * any other name registered with :func:`rollart.algorithms.register_advantage`, or ``MODULE:FUNC``:
+      ``fn(rewards, group_ids, **params)``, one advantage per row broadcast over the sequence.
     """
     if method == "gae":
         if values is None:
@@ -148,7 +152,7 @@ def add_advantages(
             whiten=whiten,
         )
     rewards = batch[C.REWARDS]
-    if method == "grpo":
+    if method == "grpo" and not params:
         per_token = _broadcast(batch, grpo_advantages(rewards, batch[C.GROUP_INDEX], norm_std=norm_std).tolist())
     elif method == "reinforce":
         from rollart.algorithms import reinforce_baseline_advantages
@@ -184,7 +188,19 @@ def add_advantages(
                 for r in rows:
                     per_token[r] = [seq_adv[r]] * len(batch[C.INPUT_IDS][r])
     else:
-        raise ValueError(f"advantage={method!r}: use one of {', '.join(ADVANTAGE_METHODS)}")
+        from rollart.algorithms.advantages import resolve_advantage
+
+        try:
+            fn = resolve_advantage(method, "advantage")
+        except ValueError as err:
+            raise ValueError(f"advantage={method!r}: use one of {', '.join(ADVANTAGE_METHODS)}; {err}") from None
+        seq = fn(rewards.to(torch.float64), batch[C.GROUP_INDEX], **dict(params or {}))
+        seq = seq.tolist() if isinstance(seq, torch.Tensor) else list(seq)
+        if len(seq) != len(batch):
+            raise ValueError(
+                f"advantage {method!r} returned {len(seq)} values for {len(batch)} rows; return one per row"
+            )
+        per_token = _broadcast(batch, seq)
     batch[C.ADVANTAGES] = per_token
     return batch
 

@@ -16,7 +16,7 @@ import ray
 import torch
 
 import rollart as ra
-from rollart.algorithms import loss_uses_proximal
+from rollart.algorithms import aggregation_unit, loss_uses_proximal
 from rollart.training import columns as C
 from rollart.training.accumulation import accumulate_step, global_sum, plan_share
 from rollart.training.checkpoint_io import load_checkpoint_file, save_checkpoint_file
@@ -148,7 +148,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         if len(batch):
             C.require(batch, C.INPUT_IDS, C.LOSS_MASK, C.BEHAVIOUR_LOGPROBS, C.ADVANTAGES, who="train_step")
         lengths = [len(s) for s in batch[C.INPUT_IDS]] if len(batch) else []
-        seq_level = cfg.loss_agg.startswith("seq")
+        seq_level = aggregation_unit(cfg.loss_agg) == "sequence"
         tokens = float(sum(sum(m) for m in batch[C.LOSS_MASK])) if lengths else 0.0
         local = float(len(lengths)) if seq_level else tokens
         total = global_sum([local], self.distributed)[0]
