@@ -31,6 +31,8 @@ from typing import Any
 
 import rollart as ra
 from rollart.config import PipelineConfig
+from rollart.data.pipeline import DataTasks, build_evaluator
+from rollart.data.sampler import RoundSeeds
 from rollart.rollout.async_controller import AsyncController
 from rollart.rollout.env_manager import EnvManager, HFCodec
 from rollart.rollout.inference_worker import inference_worker_class
@@ -106,6 +108,25 @@ def _dead_by_position(trajs: list) -> dict[str, list[float]]:
             s[k] += 1
             d[k] += all(k >= len(c) or c[k] == 0 for c in credits)
     return {tag: [d / s for d, s in zip(dead[tag], seen[tag])] for tag in seen}
+
+
+def plot_eval(ax: Any, evals: list[dict[str, Any]]) -> None:
+    """Held-out accuracy per eval tag and overall pass@k, against the step."""
+    steps = [h["step"] for h in evals]
+    tags = sorted({t for h in evals for t in h["eval"]["by_tag"]})
+    for tag in tags:
+        ax.plot(
+            steps,
+            [h["eval"]["by_tag"].get(tag, {}).get("accuracy", float("nan")) for h in evals],
+            "o-",
+            label=f"{tag} accuracy",
+        )
+    for key in sorted(k for k in evals[-1]["eval"] if k.startswith("pass@")):
+        ax.plot(steps, [h["eval"].get(key, float("nan")) for h in evals], "--", label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("eval")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend()
 
 
 class AgenticPipeline:
@@ -203,6 +224,7 @@ class AgenticPipeline:
             )
             reward_fn = self._service_reward(codec)
         groups: list[list[EnvManager]] = []
+        seeds = RoundSeeds(config.seed)  # round r of env group g plays seed seeds.seed(g, r)
         for entry in config.envs:
             spec = EnvSpec(
                 name=entry.name,
@@ -226,14 +248,30 @@ class AgenticPipeline:
                         for _ in range(config.rollout.group_size)
                     ]
                 )
+
+        def manager(env: Any, sampling: Any = config.sampling) -> EnvManager:
+            return EnvManager(
+                env,
+                self.proxy,
+                codec,
+                sampling=sampling,
+                config=config.env_manager,
+                version_fn=lambda: self.scheduler.version,
+                reward_fn=reward_fn,
+            )
+
+        # dataset tasks (data:): their groups follow the envs' groups; eval: held-out sets on the same proxy
+        self.data_tasks = DataTasks(
+            config.data, seeds, run_seed=config.seed, max_new_tokens=config.sampling.max_new_tokens
+        )
+        groups += self.data_tasks.groups(manager, config.rollout.group_size, first_group=len(groups))
+        self.evaluator = build_evaluator(config.eval, config.data, manager, config.sampling)
         rollout_cfg = config.rollout
         if config.reward is not None:
             rollout_cfg = rollout_cfg.model_copy(
                 update={"requeue_reward_failures": config.reward.on_failure == "requeue"}
             )
-        self.scheduler = RolloutScheduler(
-            groups, rollout_cfg, seed_fn=lambda g, r: config.seed * 7919 + g * 100_003 + r
-        )
+        self.scheduler = RolloutScheduler(groups, rollout_cfg, seed_fn=seeds.seed)
         self.controller = AsyncController(self.scheduler, self.proxy)
         self.mooncake_master: Any = None
         self.channel: WeightChannel | None = self._weight_channel()
@@ -373,6 +411,8 @@ class AgenticPipeline:
         self.start_step = int(extra["step"]) + 1
         self.train_version = int(state["version"])
         self.consumed_before = extra.get("consumed", [])
+        if self.data_tasks.samplers:
+            self.data_tasks.load_state_dict(extra.get("data", {}))
         if self.baseline is not None:
             if "running_mean" not in extra:
                 raise ValueError(
@@ -431,6 +471,11 @@ class AgenticPipeline:
                     step, version, trajs, train_metrics, t_rollout, t_train, t_sync, time.monotonic() - t0, staleness
                 )
                 record.update(batch_statistics(batch, trajs))
+                if self.data_tasks.samplers:
+                    record["data_epoch"] = self.data_tasks.metrics()
+                if self.evaluator is not None and self.evaluator.due(step, cfg.steps - 1):
+                    await self._await_loading()  # evaluate the version every worker serves
+                    record["eval"] = await self.evaluator.run(step)
                 history.append(record)
                 with self.metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -439,6 +484,8 @@ class AgenticPipeline:
                     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=version)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     extra = {"step": step, "scheduler": self.scheduler.state_dict(), "consumed": consumed}
+                    if self.data_tasks.samplers:
+                        extra["data"] = self.data_tasks.state_dict()
                     if self.baseline is not None:
                         extra["running_mean"] = self.baseline.state_dict()
                     if self.critic is not None:  # first: the actor's file is the one a resume starts from
@@ -522,7 +569,9 @@ class AgenticPipeline:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        evals = [h for h in history if "eval" in h]
+        fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(16 if evals else 11, 4))
+        a, b = axes[0], axes[1]
         steps = [h["step"] for h in history]
         for tag in sorted({t for h in history for t in h["reward_by_tag"]}):
             a.plot(steps, [h["reward_by_tag"].get(tag, float("nan")) for h in history], label=tag)
@@ -537,6 +586,8 @@ class AgenticPipeline:
         b.set_xlabel("step")
         b.set_ylabel("seconds")
         b.legend()
+        if evals:
+            plot_eval(axes[2], evals)
         fig.suptitle(self.config.name)
         fig.tight_layout()
         path = self.out_dir / "metrics.png"

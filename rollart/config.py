@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rollart.data.config import DataTask, EvalConfig
 from rollart.engines.base import SamplingParams
 from rollart.resource_manager.specs import parse_pools
 from rollart.rollout.engine_config import EngineConfig
@@ -111,7 +112,9 @@ class PipelineConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     env_manager: EnvManagerConfig = Field(default_factory=EnvManagerConfig)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    envs: list[EnvEntry]
+    envs: list[EnvEntry] = Field(default_factory=list)
+    data: list[DataTask] = Field(default_factory=list)  # prompt datasets as tasks (rollart.data); one or a list
+    eval: EvalConfig | None = None  # held-out evaluation every eval.every steps
     reward: RewardConfig | None = None
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     advantage: Literal["grpo", "grpo_token", "reinforce", "running_mean", "gae"] = "grpo"
@@ -122,9 +125,16 @@ class PipelineConfig(BaseModel):
     output_dir: str = "runs/{name}"
     seed: int = 0
 
+    @field_validator("data", mode="before")
+    @classmethod
+    def _one_task(cls, value: Any) -> Any:
+        return [value] if isinstance(value, dict) else value
+
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
         parse_pools(self.pools)
+        if not self.envs and not self.data:
+            raise ValueError("envs: no task to train on; add envs: [{name: reverse}] or data: {train: FILE.jsonl}")
         for field_name in ("train_pool", "rollout_pool"):
             pool = getattr(self, field_name)
             if pool not in self.pools:
@@ -137,10 +147,11 @@ class PipelineConfig(BaseModel):
             raise ValueError(
                 f"critic: is set but advantage={self.advantage!r} never uses it; set advantage: gae or remove critic:"
             )
-        total = sum(e.groups for e in self.envs)
+        total = sum(e.groups for e in self.envs) + sum(t.groups for t in self.data)
         if total != self.rollout.num_env_groups:
+            which = "envs[*].groups + data[*].groups" if self.data else "envs[*].groups"
             raise ValueError(
-                f"envs[*].groups add up to {total} but rollout.num_env_groups is {self.rollout.num_env_groups}; "
+                f"{which} add up to {total} but rollout.num_env_groups is {self.rollout.num_env_groups}; "
                 "make them equal"
             )
         return self
@@ -182,8 +193,25 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
             node = node.setdefault(key, {})
         node[leaf] = value
     try:
-        return PipelineConfig.model_validate(raw)
+        cfg = PipelineConfig.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or "(top level)"
         raise ConfigError(f"{p}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
+    if cfg.data or cfg.eval is not None:
+        cfg = _check_data(cfg, p)
+    return cfg
+
+
+def _check_data(cfg: PipelineConfig, path: Path) -> PipelineConfig:
+    """Data paths resolved against the config's folder (made importable, for verifiers next to it), every
+    dataset, column and verifier loaded once: a missing one is a ConfigError now, not in a running job."""
+    from rollart.data.sources import DataError
+    from rollart.data.tasks import check_config, resolve_paths
+
+    data, eval_cfg = resolve_paths(cfg.data, cfg.eval, path.parent)
+    try:
+        check_config(data, eval_cfg, max_new_tokens=cfg.sampling.max_new_tokens)
+    except DataError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    return cfg.model_copy(update={"data": data, "eval": eval_cfg})

@@ -13,12 +13,13 @@ OPTIONAL = ("fastapi", "uvicorn", "prometheus_client", "matplotlib")
 def test_pyproject_keeps_service_and_plot_libraries_out_of_the_core():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = " ".join(project["dependencies"])
-    for name in ("fastapi", "uvicorn", "prometheus-client", "matplotlib", "requests"):
+    for name in ("fastapi", "uvicorn", "prometheus-client", "matplotlib", "requests", "datasets"):
         assert name not in core
     extras = project["optional-dependencies"]
     assert {"fastapi>=0.110", "uvicorn>=0.29", "prometheus-client>=0.20"} <= set(extras["serve"])
     assert any(d.startswith("matplotlib") for d in extras["plot"])
     assert "rollart[serve,ray-serve,plot]" in extras["dev"]
+    assert any(d.startswith("datasets") for d in extras["data"]) and "rollart[data]" in extras["dev"]
 
 
 def test_the_core_runs_without_the_optional_libraries(tmp_path):
