@@ -31,8 +31,9 @@ from typing import Any
 
 import rollart as ra
 from rollart.config import PipelineConfig
-from rollart.data.pipeline import DataTasks, build_evaluator
+from rollart.data.evaluation import Evaluator
 from rollart.data.sampler import RoundSeeds
+from rollart.pipelines.data_tasks import DataTasks, eval_sets
 from rollart.rollout.async_controller import AsyncController
 from rollart.rollout.env_manager import EnvManager, HFCodec
 from rollart.rollout.inference_worker import inference_worker_class
@@ -145,6 +146,17 @@ class AgenticPipeline:
 
             model_path = str(default_tiny_path(**config.tiny_model))
         self.model_path = model_path
+        # dataset tasks (data:) and eval sets (eval:) load first: a bad file, column, verifier or eval env
+        # fails here, before any actor starts
+        seeds = RoundSeeds(config.seed)  # round r of env group g plays seed seeds.seed(g, r)
+        self.data_tasks = DataTasks(
+            config.data, seeds, run_seed=config.seed, max_new_tokens=config.sampling.max_new_tokens
+        )
+        held_out = (
+            []
+            if config.eval is None
+            else eval_sets(config.data, config.eval, max_new_tokens=config.sampling.max_new_tokens)
+        )
         self.rm = ra.ResourceManager(
             config.pools,
             job_id=config.cluster.job_id,
@@ -224,7 +236,6 @@ class AgenticPipeline:
             )
             reward_fn = self._service_reward(codec)
         groups: list[list[EnvManager]] = []
-        seeds = RoundSeeds(config.seed)  # round r of env group g plays seed seeds.seed(g, r)
         for entry in config.envs:
             spec = EnvSpec(
                 name=entry.name,
@@ -260,12 +271,9 @@ class AgenticPipeline:
                 reward_fn=reward_fn,
             )
 
-        # dataset tasks (data:): their groups follow the envs' groups; eval: held-out sets on the same proxy
-        self.data_tasks = DataTasks(
-            config.data, seeds, run_seed=config.seed, max_new_tokens=config.sampling.max_new_tokens
-        )
+        # the dataset tasks' groups follow the envs' groups; the eval runs on the same proxy
         groups += self.data_tasks.groups(manager, config.rollout.group_size, first_group=len(groups))
-        self.evaluator = build_evaluator(config.eval, config.data, manager, config.sampling)
+        self.evaluator = None if config.eval is None else Evaluator(config.eval, held_out, manager, config.sampling)
         rollout_cfg = config.rollout
         if config.reward is not None:
             rollout_cfg = rollout_cfg.model_copy(

@@ -206,12 +206,12 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
 def _check_data(cfg: PipelineConfig, path: Path) -> PipelineConfig:
     """Data paths resolved against the config's folder (made importable, for verifiers next to it), every
     dataset, column and verifier loaded once: a missing one is a ConfigError now, not in a running job."""
+    from rollart.data.prompts import check_config, resolve_paths
     from rollart.data.sources import DataError
-    from rollart.data.tasks import check_config, resolve_paths
 
     data, eval_cfg = resolve_paths(cfg.data, cfg.eval, path.parent)
     try:
-        check_config(data, eval_cfg, max_new_tokens=cfg.sampling.max_new_tokens)
+        check_config(data, eval_cfg)
     except DataError as err:
         raise ConfigError(f"{path}: {err}") from None
     return cfg.model_copy(update={"data": data, "eval": eval_cfg})

@@ -11,14 +11,23 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from math import comb
 from typing import Any
 
 from rollart.data.config import EvalConfig
-from rollart.data.tasks import EvalSet
 from rollart.engines.base import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalSet:
+    """One held-out set: ``make_env()`` gives a fresh env per episode; ``seeds`` are its prompts' reset seeds."""
+
+    tag: str
+    make_env: Callable[[], Any]
+    seeds: list[int]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -31,15 +40,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def summarise(rewards_by_prompt: list[list[float]], ks: list[int], threshold: float) -> dict[str, float]:
+def summarise(rewards_by_prompt: list[list[float]], ks: list[int], threshold: float) -> dict[str, float | int]:
     """Metrics of one set of prompts, each a list of its samples' rewards. pass@k averages over the
     prompts with at least ``k`` samples."""
     flat = [r for rs in rewards_by_prompt for r in rs]
-    out: dict[str, float] = {
+    out: dict[str, float | int] = {
         "accuracy": sum(r >= threshold for r in flat) / len(flat) if flat else 0.0,
         "mean_reward": sum(flat) / len(flat) if flat else 0.0,
-        "prompts": float(len(rewards_by_prompt)),
-        "samples": float(len(flat)),
+        "prompts": len(rewards_by_prompt),
+        "samples": len(flat),
     }
     for k in ks:
         vals = [pass_at_k(len(rs), sum(r >= threshold for r in rs), k) for rs in rewards_by_prompt if len(rs) >= k]
@@ -49,7 +58,7 @@ def summarise(rewards_by_prompt: list[list[float]], ks: list[int], threshold: fl
 
 class Evaluator:
     """Runs every eval set on the proxy; ``manager_fn(env, sampling)`` builds the EnvManager of one
-    episode (the pipeline's: same codec, reward function and fault handling as training)."""
+    episode (the pipeline's: same proxy, codec, reward function and fault handling as training)."""
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 A config names one as ``MODULE:FUNC`` (a module importable from the config file's folder or
 ``sys.path``), ``FILE.py:FUNC`` (a file, relative to the config file) or a built-in name:
 ``exact_match`` (the default), ``number``, ``contains``, or a built-in task's verifier (``reverse``,
-``addition``, ``countdown``). ``row`` holds the row's other columns (the answer column excepted);
+``addition``, ``countdown``: their ``verify(response, ground_truth)``, imported by name like a user's). ``row`` holds the row's other columns (the answer column excepted);
 a function without ``**kwargs`` gets only the columns it names.
 """
 
@@ -47,21 +47,12 @@ def contains(completion: str, answer: Any, **row: Any) -> float:
     return float(str(answer).strip() in completion)
 
 
-def _task_verifier(name: str) -> Verifier:
-    def verify(completion: str, answer: Any, **row: Any) -> float:
-        from rollart.envs.verifiable import verify as task_verify
-
-        return task_verify(name, completion, answer)
-
-    verify.__name__ = name
-    return verify
-
-
-BUILTIN: dict[str, Verifier] = {
-    "exact_match": exact_match,
-    "number": number,
-    "contains": contains,
-    **{name: _task_verifier(name) for name in ("reverse", "addition", "countdown")},
+BUILTIN: dict[str, Verifier] = {"exact_match": exact_match, "number": number, "contains": contains}
+# the built-in tasks' own verifiers ``verify(response, ground_truth)``, loaded like a user's MODULE:FUNC
+TASK_VERIFIERS: dict[str, str] = {
+    "reverse": "rollart.envs.reverse:ReverseTask.verify",
+    "addition": "rollart.envs.addition:AdditionTask.verify",
+    "countdown": "rollart.envs.countdown:CountdownTask.verify",
 }
 
 
@@ -79,16 +70,19 @@ def resolve_verifier(spec: str | None, *, field: str, base_dir: str | Path | Non
         return exact_match
     if spec in BUILTIN:
         return BUILTIN[spec]
+    spec = TASK_VERIFIERS.get(spec, spec)
     if ":" not in spec:
         raise DataError(
-            f"{field}: {spec!r} is not a built-in verifier ({', '.join(sorted(BUILTIN))}); "
+            f"{field}: {spec!r} is not a built-in verifier ({', '.join(sorted([*BUILTIN, *TASK_VERIFIERS]))}); "
             "name your own as MODULE:FUNC (e.g. my_rewards:score for a my_rewards.py next to the config)"
         )
     module_name, func_name = spec.rsplit(":", 1)
     if base_dir is not None:
         add_import_dir(base_dir)
     module = _import(module_name, field=field, base_dir=base_dir)
-    fn = getattr(module, func_name, None)
+    fn: Any = module
+    for part in func_name.split("."):  # FUNC or Class.method
+        fn = getattr(fn, part, None)
     if fn is None:
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         raise DataError(

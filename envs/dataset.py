@@ -1,46 +1,15 @@
-"""A single-turn env over a prompt dataset: ``reset(seed)`` shows the prompt of the row the sampler
-picks for that seed, ``step(completion)`` ends the episode with the verifier's reward."""
+"""A single-turn env over a prompt dataset (``data:`` tasks, :mod:`rollart.data`): ``reset(seed)``
+shows the prompt of the row its sampler picks for that seed, ``step(completion)`` ends the episode with
+the verifier's reward (a verifier that raises fails the trajectory; it is never scored 0)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from rollart.data.prompts import PromptSet
 from rollart.data.sampler import EpochSampler
-from rollart.data.verifiers import Verifier, call_verifier
 from rollart.envs.base import EnvError, StepResult, TextEnv
-
-
-class PromptSet:
-    """A loaded dataset with its prompt/answer columns, system prompt and verifier (shared, read-only)."""
-
-    def __init__(
-        self,
-        rows: Any,
-        *,
-        tag: str,
-        verifier: Verifier,
-        prompt_key: str = "prompt",
-        answer_key: str = "answer",
-        system_prompt: str | None = None,
-        source: str = "",
-    ):
-        self.rows, self.tag, self.verifier = rows, tag, verifier
-        self.prompt_key, self.answer_key, self.system_prompt = prompt_key, answer_key, system_prompt
-        self.source = source
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def row(self, index: int) -> dict[str, Any]:
-        return dict(self.rows[index])
-
-    def prompt(self, row: dict[str, Any]) -> str:
-        text = str(row[self.prompt_key])
-        return f"{self.system_prompt}\n{text}" if self.system_prompt else text
-
-    def score(self, completion: str, row: dict[str, Any]) -> float:
-        return call_verifier(self.verifier, completion, row[self.answer_key], row, self.answer_key)
 
 
 class DatasetEnv(TextEnv):
@@ -82,6 +51,6 @@ class DatasetEnv(TextEnv):
         row = self.current
         if row is None:
             raise EnvError(f"{self.tag}: step() after the episode ended; call reset() first")
-        reward = self.prompts.score(action, row)  # a verifier error fails the trajectory, never scores 0
+        reward = self.prompts.score(action, row)
         self.current = None
         return "", reward, True, False, {"ground_truth": row[self.prompts.answer_key], "response": action}

@@ -1,5 +1,6 @@
-"""The pipeline's side of dataset tasks: their env groups (seeded through :class:`RoundSeeds`, so a
-round's seed names its prompt), their samplers' checkpoint state, and the evaluator."""
+"""The pipeline's side of dataset tasks (``data:``) and evaluation (``eval:``): their env groups, seeded
+through :class:`~rollart.data.sampler.RoundSeeds` so a round's seed names its prompt, their samplers'
+checkpoint state, and the eval sets."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rollart.data.config import DataTask, EvalConfig
-from rollart.data.env import DatasetEnv, PromptSet
-from rollart.data.evaluation import Evaluator
+from rollart.data.evaluation import EvalSet
+from rollart.data.prompts import PromptSet, eval_prompts, load_prompts
 from rollart.data.sampler import EpochSampler, RoundSeeds
-from rollart.data.tasks import eval_sets, load_prompts
-from rollart.engines.base import SamplingParams
+from rollart.envs import EnvSpec, make_env
+from rollart.envs.dataset import DatasetEnv
 
 ManagerFn = Callable[..., Any]  # (env, sampling=...) -> EnvManager
 
@@ -28,10 +29,9 @@ class DataTasks:
         out: list[list[Any]] = []
         for task, prompts in zip(self.tasks, self.prompts):
             sampler = self.samplers[prompts.tag]
+            tokens = task.max_new_tokens or self.max_new_tokens
             for k in range(task.groups):
-                g = first_group + len(out)
-                position_of = self._position_fn(g, k, task.groups)
-                tokens = task.max_new_tokens or self.max_new_tokens
+                position_of = self._position_fn(first_group + len(out), k, task.groups)
                 out.append(
                     [
                         manager_fn(DatasetEnv(prompts, sampler, position_of=position_of, max_new_tokens=tokens))
@@ -61,10 +61,31 @@ class DataTasks:
         return {tag: s.epoch for tag, s in self.samplers.items()}
 
 
-def build_evaluator(
-    cfg: EvalConfig | None, tasks: list[DataTask], manager_fn: ManagerFn, sampling: SamplingParams
-) -> Evaluator | None:
-    if cfg is None:
-        return None
-    sets = eval_sets(tasks, cfg, max_new_tokens=sampling.max_new_tokens)
-    return Evaluator(cfg, sets, lambda env, s: manager_fn(env, sampling=s), sampling)
+def eval_sets(data: list[DataTask], cfg: EvalConfig, *, max_new_tokens: int) -> list[EvalSet]:
+    """The sets ``cfg`` evaluates (see :class:`~rollart.data.config.EvalConfig`), at most ``max_prompts``
+    prompts each. An unknown ``eval.env`` name raises ``ValueError`` naming the field."""
+    out: list[EvalSet] = []
+    from_file = eval_prompts(data, cfg)
+    if from_file is not None:
+        out.append(_dataset_set(*from_file, cfg, max_new_tokens))
+    if cfg.env is not None:
+        e = cfg.env
+        spec = EnvSpec(name=e.name, tag=e.tag, kwargs=e.kwargs, max_steps=e.max_steps, max_new_tokens=e.max_new_tokens)
+        try:
+            probe = make_env(spec)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"eval.env: {err}") from None
+        out.append(EvalSet(str(probe.tag), lambda: make_env(spec), [e.seed + i for i in range(cfg.max_prompts or 64)]))
+        probe.close()
+    if cfg.data is None and cfg.env is None:
+        for i, task in enumerate(data):
+            if task.val is not None:
+                out.append(_dataset_set(load_prompts(task, f"data[{i}]", split="val"), task, cfg, max_new_tokens))
+    return out
+
+
+def _dataset_set(prompts: PromptSet, task: DataTask, cfg: EvalConfig, max_new_tokens: int) -> EvalSet:
+    n = len(prompts) if cfg.max_prompts is None else min(cfg.max_prompts, len(prompts))
+    sampler = EpochSampler(len(prompts), shuffle=False)  # eval prompt i is row i
+    tokens = task.max_new_tokens or max_new_tokens
+    return EvalSet(prompts.tag, lambda: DatasetEnv(prompts, sampler, max_new_tokens=tokens), list(range(n)))

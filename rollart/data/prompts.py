@@ -1,21 +1,49 @@
-"""From the ``data:`` / ``eval:`` config sections to loaded prompt sets, verifiers and eval sets; and the
-config-load check that reports a missing file, column, module or function before any actor starts."""
+"""Prompt sets (a loaded dataset with its columns, system prompt and verifier) from the ``data:`` /
+``eval:`` config sections, and the config-load check that reports a missing file, column, module or
+function before any actor starts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rollart.data.config import DataTask, EvalConfig
-from rollart.data.env import DatasetEnv, PromptSet
-from rollart.data.sampler import EpochSampler
 from rollart.data.sources import DataError, check_columns, load_rows
-from rollart.data.verifiers import add_import_dir, required_columns, resolve_verifier
-from rollart.envs.base import TextEnv
+from rollart.data.verifiers import Verifier, add_import_dir, call_verifier, required_columns, resolve_verifier
 
 VAL_SPLITS = ("validation", "test", "val")
+
+
+class PromptSet:
+    """A loaded dataset with its prompt/answer columns, system prompt and verifier (shared, read-only)."""
+
+    def __init__(
+        self,
+        rows: Any,
+        *,
+        tag: str,
+        verifier: Verifier,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        system_prompt: str | None = None,
+        source: str = "",
+    ):
+        self.rows, self.tag, self.verifier = rows, tag, verifier
+        self.prompt_key, self.answer_key, self.system_prompt = prompt_key, answer_key, system_prompt
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row(self, index: int) -> dict[str, Any]:
+        return dict(self.rows[index])
+
+    def prompt(self, row: dict[str, Any]) -> str:
+        text = str(row[self.prompt_key])
+        return f"{self.system_prompt}\n{text}" if self.system_prompt else text
+
+    def score(self, completion: str, row: dict[str, Any]) -> float:
+        return call_verifier(self.verifier, completion, row[self.answer_key], row, self.answer_key)
 
 
 def load_prompts(task: DataTask, field: str, split: str = "train", path: str | None = None) -> PromptSet:
@@ -44,45 +72,6 @@ def load_prompts(task: DataTask, field: str, split: str = "train", path: str | N
     )
 
 
-@dataclass
-class EvalSet:
-    """One held-out set: a fresh env per episode, the reset seeds of its prompts."""
-
-    tag: str
-    make_env: Callable[[], TextEnv]
-    seeds: list[int]
-
-
-def eval_sets(data: list[DataTask], cfg: EvalConfig, *, max_new_tokens: int) -> list[EvalSet]:
-    """The sets ``cfg`` evaluates (see :class:`EvalConfig`), prompts limited to ``max_prompts``."""
-    out: list[EvalSet] = []
-    if cfg.data is not None:
-        task = data[0] if data else DataTask(train=cfg.data)
-        prompts = load_prompts(task, "data[0]" if data else "eval", split="eval.data", path=cfg.data)
-        out.append(_dataset_set(prompts, task, cfg, max_new_tokens))
-    if cfg.env is not None:
-        from rollart.envs import EnvSpec, make_env
-
-        e = cfg.env
-        spec = EnvSpec(name=e.name, tag=e.tag, kwargs=e.kwargs, max_steps=e.max_steps, max_new_tokens=e.max_new_tokens)
-        probe = make_env(spec)
-        n = cfg.max_prompts or 64
-        out.append(EvalSet(str(probe.tag), lambda: make_env(spec), [e.seed + i for i in range(n)]))
-        probe.close()
-    if cfg.data is None and cfg.env is None:
-        for i, task in enumerate(data):
-            if task.val is not None:
-                out.append(_dataset_set(load_prompts(task, f"data[{i}]", split="val"), task, cfg, max_new_tokens))
-    return out
-
-
-def _dataset_set(prompts: PromptSet, task: DataTask, cfg: EvalConfig, max_new_tokens: int) -> EvalSet:
-    n = len(prompts) if cfg.max_prompts is None else min(cfg.max_prompts, len(prompts))
-    sampler = EpochSampler(len(prompts), shuffle=False)  # eval prompt i is row i
-    tokens = task.max_new_tokens or max_new_tokens
-    return EvalSet(prompts.tag, lambda: DatasetEnv(prompts, sampler, max_new_tokens=tokens), list(range(n)))
-
-
 def resolve_paths(data: list[DataTask], eval_cfg: EvalConfig | None, base_dir: Path) -> tuple[list[DataTask], Any]:
     """Relative data paths (and ``FILE.py:FUNC`` verifiers) resolved against the config file's folder,
     which also becomes importable (``MODULE:FUNC`` verifiers next to the config)."""
@@ -105,8 +94,18 @@ def resolve_paths(data: list[DataTask], eval_cfg: EvalConfig | None, base_dir: P
     return tasks, eval_cfg
 
 
-def check_config(data: list[DataTask], eval_cfg: EvalConfig | None, *, max_new_tokens: int = 32) -> None:
-    """Load every dataset and verifier once: a :class:`DataError` naming the field on the first problem."""
+def eval_prompts(data: list[DataTask], cfg: EvalConfig) -> tuple[PromptSet, DataTask] | None:
+    """The prompts of ``eval.data``, read with the keys and verifier of the only data task (defaults
+    without one), and that task; None without ``eval.data``."""
+    if cfg.data is None:
+        return None
+    task = data[0] if data else DataTask(train=cfg.data)
+    return load_prompts(task, "data[0]" if data else "eval", split="eval.data", path=cfg.data), task
+
+
+def check_config(data: list[DataTask], eval_cfg: EvalConfig | None) -> None:
+    """Load every dataset and verifier once: a :class:`DataError` naming the field on the first problem.
+    (``eval.env`` is an env name, checked where the envs are built.)"""
     seen: dict[str, int] = {}
     for i, task in enumerate(data):
         if task.name in seen:
@@ -126,12 +125,4 @@ def check_config(data: list[DataTask], eval_cfg: EvalConfig | None, *, max_new_t
         )
     if eval_cfg.data is None and eval_cfg.env is None and not any(t.val for t in data):
         raise DataError("eval: nothing to evaluate; set eval.data: PATH, eval.env: {name: ...} or val: on a data task")
-    if eval_cfg.data is not None:
-        eval_sets(data, eval_cfg.model_copy(update={"env": None}), max_new_tokens=max_new_tokens)
-    if eval_cfg.env is not None:
-        try:
-            eval_sets([], eval_cfg.model_copy(update={"data": None, "max_prompts": 1}), max_new_tokens=max_new_tokens)
-        except DataError:
-            raise
-        except (ValueError, TypeError) as err:
-            raise DataError(f"eval.env: {err}") from None
+    eval_prompts(data, eval_cfg)
