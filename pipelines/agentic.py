@@ -112,16 +112,17 @@ def _dead_by_position(trajs: list) -> dict[str, list[float]]:
 
 
 def plot_eval(ax: Any, evals: list[dict[str, Any]]) -> None:
-    """Held-out accuracy per eval tag and overall pass@k, against the step."""
+    """Held-out accuracy and mean reward per eval tag, and overall pass@k, against the step."""
     steps = [h["step"] for h in evals]
     tags = sorted({t for h in evals for t in h["eval"]["by_tag"]})
     for tag in tags:
-        ax.plot(
-            steps,
-            [h["eval"]["by_tag"].get(tag, {}).get("accuracy", float("nan")) for h in evals],
-            "o-",
-            label=f"{tag} accuracy",
-        )
+        for key, style in (("accuracy", "o-"), ("mean_reward", "s:")):
+            ax.plot(
+                steps,
+                [h["eval"]["by_tag"].get(tag, {}).get(key, float("nan")) for h in evals],
+                style,
+                label=f"{tag} {key.replace('_', ' ')}",
+            )
     for key in sorted(k for k in evals[-1]["eval"] if k.startswith("pass@")):
         ax.plot(steps, [h["eval"].get(key, float("nan")) for h in evals], "--", label=key)
     ax.set_xlabel("step")
