@@ -290,3 +290,48 @@ def test_eval_sets_from_val_splits_an_eval_file_or_an_env(tmp_path):
     assert e.tag == "reverse-3" and len(e.seeds) == 4
     with pytest.raises(ValueError, match="eval.env: env name 'nosuch' is not registered"):
         eval_sets([], EvalConfig(env={"name": "nosuch"}), max_new_tokens=4)
+
+
+def test_a_verifier_that_raises_fails_the_step_and_never_scores(tmp_path):
+    from rollart.envs.dataset import DatasetEnv
+
+    write_jsonl(tmp_path / "a.jsonl", ROWS)
+    (tmp_path / "boom.py").write_text("def score(completion, answer):\n    raise KeyError('no judge')\n")
+    task = DataTask(train=str(tmp_path / "a.jsonl"), verifier=f"{tmp_path / 'boom.py'}:score")
+    env = DatasetEnv(load_prompts(task, "data[0]"), EpochSampler(len(ROWS)), max_new_tokens=3)
+    prompt, info = env.reset(4)
+    assert prompt == ROWS[info["index"]]["prompt"] and info["ground_truth"] == ROWS[info["index"]]["answer"]
+    for _ in range(2):  # the EnvManager retries a failed step: the same error, not "episode ended"
+        with pytest.raises(KeyError, match="no judge"):
+            env.step("7")
+
+
+async def test_the_evaluator_aggregates_per_tag_and_counts_failures(tmp_path):
+    from rollart.data import EvalSet, Evaluator
+    from rollart.engines.base import SamplingParams
+
+    class Fake:
+        def __init__(self, env, sampling):
+            self.env, self.sampling = env, sampling
+
+        async def run(self, seed, group_id, traj_id):
+            sample = int(traj_id.rsplit(":", 1)[1])
+            if self.env == "b" and seed == 1 and sample == 0:
+                return Trajectory(traj_id=traj_id, group_id=group_id, tag="b", status="failed", error="x")
+            reward = 1.0 if (self.env == "a" and sample < seed) else 0.25
+            assert self.sampling.temperature == 0.5
+            return Trajectory(traj_id=traj_id, group_id=group_id, tag=self.env, reward=reward)
+
+    class Env(str):
+        def close(self):
+            return None
+
+    sets = [EvalSet("a", lambda: Env("a"), [0, 1, 2]), EvalSet("b", lambda: Env("b"), [0, 1])]
+    cfg = EvalConfig(samples_per_prompt=2, temperature=0.5, concurrency=3)
+    ev = await Evaluator(cfg, sets, Fake, SamplingParams(temperature=1.0)).run(step=4)
+    a, b = ev["by_tag"]["a"], ev["by_tag"]["b"]
+    assert a["accuracy"] == pytest.approx(3 / 6) and a["pass@1"] == pytest.approx((0 + 0.5 + 1) / 3)
+    assert a["pass@2"] == pytest.approx(2 / 3) and a["samples"] == 6
+    assert b["accuracy"] == 0.0 and b["mean_reward"] == 0.25 and b["samples"] == 3 and ev["failed"] == 1
+    # prompt 1 of b kept one sample: it counts for pass@1, not for pass@2
+    assert b["pass@2"] == 0.0 and ev["samples"] == 9 and ev["prompts"] == 5
