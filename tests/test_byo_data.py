@@ -335,3 +335,47 @@ async def test_the_evaluator_aggregates_per_tag_and_counts_failures(tmp_path):
     assert b["accuracy"] == 0.0 and b["mean_reward"] == 0.25 and b["samples"] == 3 and ev["failed"] == 1
     # prompt 1 of b kept one sample: it counts for pass@1, not for pass@2
     assert b["pass@2"] == 0.0 and ev["samples"] == 9 and ev["prompts"] == 5
+
+
+async def test_with_a_reward_service_a_dataset_trajectory_is_sent_with_its_answer(tmp_path):
+    """The ``reward:`` section scores dataset tasks too: the service gets the prompt, the response and the
+    row's answer as ``ground_truth``."""
+    from types import SimpleNamespace
+
+    from rollart.envs.dataset import DatasetEnv
+    from rollart.pipelines.agentic import AgenticPipeline
+
+    class Codec:
+        eos_token_id = None
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    sent = []
+
+    class Client:
+        async def score(self, payload):
+            sent.append(payload)
+            return 0.75
+
+    write_jsonl(tmp_path / "a.jsonl", ROWS)
+    env = DatasetEnv(load_prompts(DataTask(train=str(tmp_path / "a.jsonl")), "data[0]"), EpochSampler(len(ROWS)))
+    prompt, info = env.reset(2)
+    codec = Codec()
+    ids = codec.encode(prompt)
+    traj = Trajectory(
+        traj_id="t",
+        group_id="0:0",
+        tag=env.tag,
+        token_ids=[*ids, *codec.encode("5")],
+        prompt_length=len(ids),
+        turns=[(len(ids), len(ids) + 1)],
+        info={"reset": info, "steps": [env.step("5")[4]]},
+    )
+    reward = await AgenticPipeline._service_reward(SimpleNamespace(reward_client=Client()), codec)(traj)
+    row = ROWS[info["index"]]
+    assert reward == 0.75
+    assert sent == [{"prompt": row["prompt"], "response": "5", "ground_truth": row["answer"], "tag": "a"}]
