@@ -1,5 +1,6 @@
-"""fastapi, uvicorn, prometheus-client and matplotlib are extras: the core runs without them, the plot is
-skipped with a hint, and ``rollart serve rewards`` says which extra it needs."""
+"""fastapi, uvicorn, prometheus-client, matplotlib and datasets are extras: the core runs without them,
+the plot is skipped with a hint, and ``rollart serve rewards`` and reading a dataset say which extra
+they need."""
 
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONAL = ("fastapi", "uvicorn", "prometheus_client", "matplotlib")
+OPTIONAL = ("fastapi", "uvicorn", "prometheus_client", "matplotlib", "datasets")
 
 
 def test_pyproject_keeps_service_and_plot_libraries_out_of_the_core():
@@ -34,6 +35,13 @@ from rollart.cli import main
 fake = types.SimpleNamespace(metrics_path={str(tmp_path / "metrics.jsonl")!r}, out_dir={str(tmp_path)!r})
 assert agentic.AgenticPipeline.plot(fake, [{{"step": 0}}]) is None
 assert main(["serve", "rewards", "rollart.envs.rewards:reverse"]) == 2
+from rollart.data import DataError, load_rows
+try:
+    load_rows({str(ROOT / "README.md")!r}, field="data[0].train")
+except DataError as err:
+    assert "pip install 'rollart[data]'" in str(err), err
+else:
+    raise AssertionError("read a dataset without the datasets library")
 print("OK")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
