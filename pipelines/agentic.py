@@ -31,6 +31,9 @@ from typing import Any
 
 import rollart as ra
 from rollart.config import PipelineConfig
+from rollart.data.evaluation import Evaluator
+from rollart.data.sampler import RoundSeeds
+from rollart.pipelines.data_tasks import DataTasks, eval_sets
 from rollart.rollout.async_controller import AsyncController
 from rollart.rollout.env_manager import EnvManager, HFCodec
 from rollart.rollout.inference_worker import inference_worker_class
@@ -108,6 +111,26 @@ def _dead_by_position(trajs: list) -> dict[str, list[float]]:
     return {tag: [d / s for d, s in zip(dead[tag], seen[tag])] for tag in seen}
 
 
+def plot_eval(ax: Any, evals: list[dict[str, Any]]) -> None:
+    """Held-out accuracy and mean reward per eval tag, and overall pass@k, against the step."""
+    steps = [h["step"] for h in evals]
+    tags = sorted({t for h in evals for t in h["eval"]["by_tag"]})
+    for tag in tags:
+        for key, style in (("accuracy", "o-"), ("mean_reward", "s:")):
+            ax.plot(
+                steps,
+                [h["eval"]["by_tag"].get(tag, {}).get(key, float("nan")) for h in evals],
+                style,
+                label=f"{tag} {key.replace('_', ' ')}",
+            )
+    for key in sorted(k for k in evals[-1]["eval"] if k.startswith("pass@")):
+        ax.plot(steps, [h["eval"].get(key, float("nan")) for h in evals], "--", label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("eval")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend()
+
+
 class AgenticPipeline:
     def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
         from transformers import AutoTokenizer
@@ -124,6 +147,17 @@ class AgenticPipeline:
 
             model_path = str(default_tiny_path(**config.tiny_model))
         self.model_path = model_path
+        # dataset tasks (data:) and eval sets (eval:) load first: a bad file, column, verifier or eval env
+        # fails here, before any actor starts
+        seeds = RoundSeeds(config.seed)  # round r of env group g plays seed seeds.seed(g, r)
+        self.data_tasks = DataTasks(
+            config.data, seeds, run_seed=config.seed, max_new_tokens=config.sampling.max_new_tokens
+        )
+        held_out = (
+            []
+            if config.eval is None
+            else eval_sets(config.data, config.eval, max_new_tokens=config.sampling.max_new_tokens)
+        )
         self.rm = ra.ResourceManager(
             config.pools,
             job_id=config.cluster.job_id,
@@ -226,14 +260,27 @@ class AgenticPipeline:
                         for _ in range(config.rollout.group_size)
                     ]
                 )
+
+        def manager(env: Any, sampling: Any = config.sampling) -> EnvManager:
+            return EnvManager(
+                env,
+                self.proxy,
+                codec,
+                sampling=sampling,
+                config=config.env_manager,
+                version_fn=lambda: self.scheduler.version,
+                reward_fn=reward_fn,
+            )
+
+        # the dataset tasks' groups follow the envs' groups; the eval runs on the same proxy
+        groups += self.data_tasks.groups(manager, config.rollout.group_size, first_group=len(groups))
+        self.evaluator = None if config.eval is None else Evaluator(config.eval, held_out, manager, config.sampling)
         rollout_cfg = config.rollout
         if config.reward is not None:
             rollout_cfg = rollout_cfg.model_copy(
                 update={"requeue_reward_failures": config.reward.on_failure == "requeue"}
             )
-        self.scheduler = RolloutScheduler(
-            groups, rollout_cfg, seed_fn=lambda g, r: config.seed * 7919 + g * 100_003 + r
-        )
+        self.scheduler = RolloutScheduler(groups, rollout_cfg, seed_fn=seeds.seed)
         self.controller = AsyncController(self.scheduler, self.proxy)
         self.mooncake_master: Any = None
         self.channel: WeightChannel | None = self._weight_channel()
@@ -374,6 +421,8 @@ class AgenticPipeline:
         self.start_step = int(extra["step"]) + 1
         self.train_version = int(state["version"])
         self.consumed_before = extra.get("consumed", [])
+        if self.data_tasks.samplers:
+            self.data_tasks.load_state_dict(extra.get("data", {}))
         if self.baseline is not None:
             if "running_mean" not in extra:
                 raise ValueError(
@@ -432,6 +481,11 @@ class AgenticPipeline:
                     step, version, trajs, train_metrics, t_rollout, t_train, t_sync, time.monotonic() - t0, staleness
                 )
                 record.update(batch_statistics(batch, trajs))
+                if self.data_tasks.samplers:
+                    record["data_epoch"] = self.data_tasks.metrics()
+                if self.evaluator is not None and self.evaluator.due(step, cfg.steps - 1):
+                    await self._await_loading()  # evaluate the version every worker serves
+                    record["eval"] = await self.evaluator.run(step)
                 history.append(record)
                 with self.metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -440,6 +494,8 @@ class AgenticPipeline:
                     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=version)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     extra = {"step": step, "scheduler": self.scheduler.state_dict(), "consumed": consumed}
+                    if self.data_tasks.samplers:
+                        extra["data"] = self.data_tasks.state_dict()
                     if self.baseline is not None:
                         extra["running_mean"] = self.baseline.state_dict()
                     if self.critic is not None:  # first: the actor's file is the one a resume starts from
@@ -523,7 +579,9 @@ class AgenticPipeline:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        evals = [h for h in history if "eval" in h]
+        fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(16 if evals else 11, 4))
+        a, b = axes[0], axes[1]
         steps = [h["step"] for h in history]
         for tag in sorted({t for h in history for t in h["reward_by_tag"]}):
             a.plot(steps, [h["reward_by_tag"].get(tag, float("nan")) for h in history], label=tag)
@@ -538,6 +596,8 @@ class AgenticPipeline:
         b.set_xlabel("step")
         b.set_ylabel("seconds")
         b.legend()
+        if evals:
+            plot_eval(axes[2], evals)
         fig.suptitle(self.config.name)
         fig.tight_layout()
         path = self.out_dir / "metrics.png"

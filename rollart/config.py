@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from rollart.data.config import DataTask, EvalConfig
 from rollart.engines.base import SamplingParams
 from rollart.resource_manager.specs import parse_pools
 from rollart.rollout.engine_config import EngineConfig
@@ -170,7 +171,9 @@ class PipelineConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     env_manager: EnvManagerConfig = Field(default_factory=EnvManagerConfig)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    envs: list[EnvEntry]
+    envs: list[EnvEntry] = Field(default_factory=list)
+    data: list[DataTask] = Field(default_factory=list)  # prompt datasets as tasks (rollart.data); one or a list
+    eval: EvalConfig | None = None  # held-out evaluation every eval.every steps
     reward: RewardConfig | None = None
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     # grpo, grpo_token, reinforce, running_mean, gae, a name registered with @register_advantage, or
@@ -238,9 +241,16 @@ class PipelineConfig(BaseModel):
 
         return check_pipeline_class(import_object(self.pipeline, "pipeline"))
 
+    @field_validator("data", mode="before")
+    @classmethod
+    def _one_task(cls, value: Any) -> Any:
+        return [value] if isinstance(value, dict) else value
+
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
         parse_pools(self.pools)
+        if not self.envs and not self.data:
+            raise ValueError("envs: no task to train on; add envs: [{name: reverse}] or data: {train: FILE.jsonl}")
         for field_name in ("train_pool", "rollout_pool"):
             pool = getattr(self, field_name)
             if pool not in self.pools:
@@ -253,10 +263,11 @@ class PipelineConfig(BaseModel):
             raise ValueError(
                 f"critic: is set but advantage={self.advantage!r} never uses it; set advantage: gae or remove critic:"
             )
-        total = sum(e.groups for e in self.envs)
+        total = sum(e.groups for e in self.envs) + sum(t.groups for t in self.data)
         if total != self.rollout.num_env_groups:
+            which = "envs[*].groups + data[*].groups" if self.data else "envs[*].groups"
             raise ValueError(
-                f"envs[*].groups add up to {total} but rollout.num_env_groups is {self.rollout.num_env_groups}; "
+                f"{which} add up to {total} but rollout.num_env_groups is {self.rollout.num_env_groups}; "
                 "make them equal"
             )
         return self
@@ -359,11 +370,29 @@ def validate_config(raw: dict[str, Any], source: str | Path | None = None) -> Pi
     started. ``source`` (the YAML file) adds its folder to where plug-in modules are looked up."""
     context = {"config_dir": str(Path(source).resolve().parent)} if source is not None else {}
     try:
-        return PipelineConfig.model_validate(raw, context=context)
+        cfg = PipelineConfig.model_validate(raw, context=context)
     except ValidationError as err:
         problems = list(dict.fromkeys(_problem(e) for e in err.errors()))
+    else:
+        if cfg.data or cfg.eval is not None:
+            cfg = _check_data(cfg, Path(source) if source is not None else Path("config.yaml"))
+        return cfg
     head = f"{source}: " if source is not None else ""
     if len(problems) == 1:
         raise ConfigError(f"{head}{problems[0]}", problems)
     lines = "\n".join(f"  - {x}" for x in problems)
     raise ConfigError(f"{head}{len(problems)} problems in the config:\n{lines}", problems)
+
+
+def _check_data(cfg: PipelineConfig, path: Path) -> PipelineConfig:
+    """Data paths resolved against the config's folder (made importable, for verifiers next to it), every
+    dataset, column and verifier loaded once: a missing one is a ConfigError now, not in a running job."""
+    from rollart.data.prompts import check_config, resolve_paths
+    from rollart.data.sources import DataError
+
+    data, eval_cfg = resolve_paths(cfg.data, cfg.eval, path.parent)
+    try:
+        check_config(data, eval_cfg)
+    except DataError as err:
+        raise ConfigError(f"{path}: {err}", [str(err)]) from None
+    return cfg.model_copy(update={"data": data, "eval": eval_cfg})

@@ -1,5 +1,6 @@
-"""fastapi, uvicorn, prometheus-client and matplotlib are extras: the core runs without them, the plot is
-skipped with a hint, and ``rollart serve rewards`` says which extra it needs."""
+"""fastapi, uvicorn, prometheus-client, matplotlib and datasets are extras: the core runs without them,
+the plot is skipped with a hint, and ``rollart serve rewards`` and reading a dataset say which extra
+they need."""
 
 import subprocess
 import sys
@@ -7,18 +8,19 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONAL = ("fastapi", "uvicorn", "prometheus_client", "matplotlib")
+OPTIONAL = ("fastapi", "uvicorn", "prometheus_client", "matplotlib", "datasets")
 
 
 def test_pyproject_keeps_service_and_plot_libraries_out_of_the_core():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = " ".join(project["dependencies"])
-    for name in ("fastapi", "uvicorn", "prometheus-client", "matplotlib", "requests"):
+    for name in ("fastapi", "uvicorn", "prometheus-client", "matplotlib", "requests", "datasets"):
         assert name not in core
     extras = project["optional-dependencies"]
     assert {"fastapi>=0.110", "uvicorn>=0.29", "prometheus-client>=0.20"} <= set(extras["serve"])
     assert any(d.startswith("matplotlib") for d in extras["plot"])
     assert "rollart[serve,ray-serve,plot]" in extras["dev"]
+    assert any(d.startswith("datasets") for d in extras["data"]) and "rollart[data]" in extras["dev"]
 
 
 def test_the_core_runs_without_the_optional_libraries(tmp_path):
@@ -33,6 +35,13 @@ from rollart.cli import main
 fake = types.SimpleNamespace(metrics_path={str(tmp_path / "metrics.jsonl")!r}, out_dir={str(tmp_path)!r})
 assert agentic.AgenticPipeline.plot(fake, [{{"step": 0}}]) is None
 assert main(["serve", "rewards", "rollart.envs.rewards:reverse"]) == 2
+from rollart.data import DataError, load_rows
+try:
+    load_rows({str(ROOT / "README.md")!r}, field="data[0].train")
+except DataError as err:
+    assert "pip install 'rollart[data]'" in str(err), err
+else:
+    raise AssertionError("read a dataset without the datasets library")
 print("OK")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -1,0 +1,90 @@
+"""The ``data:`` and ``eval:`` sections of a pipeline config (validated shapes only; files, columns and
+verifiers are checked by :func:`rollart.data.tasks.check_config` when the config is loaded).
+
+``data:`` is one task or a list of tasks; each task is a prompt dataset with its own tag, verifier and
+number of env groups::
+
+    data:
+      - {train: arith.jsonl, val: arith_val.jsonl, tag: arith, verifier: my_rewards:score, groups: 4}
+      - {train: words.parquet, tag: words, prompt_key: question, answer_key: solution, groups: 4}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class DataTask(BaseModel):
+    """One task trained from a prompt dataset: a JSONL file, a Parquet file or a folder written by
+    ``datasets.Dataset.save_to_disk`` (a ``DatasetDict`` folder: its ``train`` split for ``train`` and
+    its ``validation`` or ``test`` split for ``val``). Relative paths are relative to the config file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    train: str = Field(min_length=1)
+    val: str | None = None  # held-out prompts for eval: (default eval set of this task)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    system_prompt: str | None = None  # prepended to every prompt, followed by a newline
+    tag: str | None = None  # routing tag and metrics key (default: the train file's name without suffix)
+    verifier: str | None = None  # MODULE:FUNC, FILE.py:FUNC or a built-in name (default exact_match)
+    groups: int = Field(default=1, ge=1)  # env groups playing this task (count toward rollout.num_env_groups)
+    max_new_tokens: int | None = Field(default=None, ge=1)  # default: sampling.max_new_tokens
+
+    @property
+    def name(self) -> str:
+        """The task's tag: ``tag`` or the train file's stem."""
+        if self.tag:
+            return self.tag
+        stem = self.train.rstrip("/").rsplit("/", 1)[-1]
+        for suffix in (".jsonl", ".json", ".parquet"):
+            stem = stem.removesuffix(suffix)
+        return stem
+
+
+class EvalEnv(BaseModel):
+    """A procedural env to evaluate on (``envs`` registry name), on held-out reset seeds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    tag: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    max_steps: int | None = Field(default=None, ge=1)
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    seed: int = 1_000_000_007  # first reset seed of the eval prompts (far from the training seeds)
+
+
+class EvalConfig(BaseModel):
+    """Held-out evaluation with the current policy, through the same inference workers, every ``every``
+    steps and after the last step. The eval sets: ``data`` (a file read with the keys and verifier of
+    the only data task), ``env`` (a procedural env), else the ``val`` split of every data task."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every: int = Field(default=10, ge=1)
+    data: str | None = None
+    env: EvalEnv | None = None
+    samples_per_prompt: int = Field(default=4, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    max_prompts: int | None = Field(default=64, ge=1)  # per eval set; None: all of it
+    pass_k: list[int] | None = None  # default [1, samples_per_prompt]
+    success_threshold: float = 1.0  # a sample with reward >= this counts as correct
+    concurrency: int = Field(default=64, ge=1)  # episodes in flight at once
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        for k in self.ks:
+            if not 1 <= k <= self.samples_per_prompt:
+                raise ValueError(
+                    f"eval.pass_k: {k} needs 1 <= k <= samples_per_prompt={self.samples_per_prompt}; "
+                    "raise samples_per_prompt or drop it"
+                )
+        return self
+
+    @property
+    def ks(self) -> list[int]:
+        """The k of every pass@k reported."""
+        return sorted(set(self.pass_k if self.pass_k is not None else [1, self.samples_per_prompt]))
