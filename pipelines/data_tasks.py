@@ -74,7 +74,7 @@ def eval_sets(data: list[DataTask], cfg: EvalConfig, *, max_new_tokens: int) -> 
         try:
             probe = make_env(spec)
         except (ValueError, TypeError) as err:
-            raise ValueError(f"eval.env: {err}") from None
+            raise ValueError(f"eval.env: {str(err).removeprefix('env: ')}") from None
         out.append(EvalSet(str(probe.tag), lambda: make_env(spec), [e.seed + i for i in range(cfg.max_prompts or 64)]))
         probe.close()
     if cfg.data is None and cfg.env is None:
