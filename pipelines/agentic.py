@@ -22,7 +22,6 @@ produced it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter, defaultdict
@@ -400,6 +399,7 @@ class AgenticPipeline:
         cfg = self.config
         history: list[dict[str, Any]] = []
         consumed: list[str] = list(getattr(self, "consumed_before", []))
+        tracker = self._make_tracker()
         self.controller.start()
         bar = None
         if self.progress:
@@ -432,8 +432,7 @@ class AgenticPipeline:
                 )
                 record.update(batch_statistics(batch, trajs))
                 history.append(record)
-                with self.metrics_path.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
+                tracker.log(record, step)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=version)
@@ -452,8 +451,22 @@ class AgenticPipeline:
                 self._loading = None
             if bar is not None:
                 bar.close()
+            tracker.close()
             await self.controller.stop()
         return history
+
+    def _make_tracker(self) -> Any:
+        """``metrics.jsonl`` (always) and the backends of ``tracking:`` (TensorBoard, W&B, MLflow)."""
+        from rollart.tracking import make_tracker
+
+        cfg = self.config
+        return make_tracker(
+            ["jsonl", *cfg.tracking],
+            self.out_dir,
+            run_name=cfg.name,
+            config=cfg.model_dump(mode="json"),
+            resume=True,  # a fresh run's metrics.jsonl was removed in __init__; a resumed one appends
+        )
 
     def _record(
         self,

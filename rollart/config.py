@@ -6,6 +6,7 @@ dicts ``ResourceManager`` takes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,8 @@ from rollart.rollout.env_manager import EnvManagerConfig
 from rollart.rollout.scheduler import RolloutConfig
 from rollart.training.config import RunningMeanConfig, TrainConfig
 from rollart.training.critic import CriticConfig
+
+TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]  # rollart.tracking's backends
 
 
 class ConfigError(ValueError):
@@ -121,6 +124,8 @@ class PipelineConfig(BaseModel):
     checkpoint_every: int = Field(default=0, ge=0)
     output_dir: str = "runs/{name}"
     seed: int = 0
+    # metrics.jsonl is always written; tensorboard / wandb (offline) / mlflow (file store) are extras
+    tracking: list[TrackerName] = Field(default_factory=lambda: list[TrackerName](["jsonl"]))
 
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
@@ -137,6 +142,7 @@ class PipelineConfig(BaseModel):
             raise ValueError(
                 f"critic: is set but advantage={self.advantage!r} never uses it; set advantage: gae or remove critic:"
             )
+        _check_tracking(self.tracking)
         total = sum(e.groups for e in self.envs)
         if total != self.rollout.num_env_groups:
             raise ValueError(
@@ -148,6 +154,18 @@ class PipelineConfig(BaseModel):
     @property
     def out_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
+
+
+def _check_tracking(names: Sequence[str]) -> None:
+    """Every tracker's library is importable (each is a pip extra of the same name)."""
+    import importlib.util
+
+    for name in names:
+        if name != "jsonl" and importlib.util.find_spec(name) is None:
+            raise ValueError(
+                f"tracking: {name} needs the {name} package; install it with pip install 'rollart[{name}]' "
+                f"or remove {name} from tracking"
+            )
 
 
 def shipped_configs() -> dict[str, Path]:
