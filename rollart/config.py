@@ -98,6 +98,15 @@ class WeightsConfig(BaseModel):
         return self
 
 
+class ExportConfig(BaseModel):
+    """What a finished run exports: ``hf: true`` writes ``RUN_DIR/hf``, a Hugging Face folder of the
+    final policy (``rollart export RUN_DIR --hf OUT`` does the same from the latest checkpoint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hf: bool = True
+
+
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -122,6 +131,8 @@ class PipelineConfig(BaseModel):
     running_mean: RunningMeanConfig = Field(default_factory=RunningMeanConfig)  # advantage: running_mean
     steps: int = Field(default=20, ge=1)
     checkpoint_every: int = Field(default=0, ge=0)
+    checkpoint_keep: int = Field(default=1, ge=1)  # checkpoint folders kept (the newest K; older ones deleted)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     output_dir: str = "runs/{name}"
     seed: int = 0
     # metrics.jsonl is always written; tensorboard / wandb (offline) / mlflow (file store) are extras
