@@ -23,7 +23,8 @@ def config(tmp_path, **over):
         "sampling": {"temperature": 1.0, "max_new_tokens": 3, "seed": 0},
         "advantage": "grpo_token",
         "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
-        "train": {"lr": 0.05, "lora": {"r": 4, "alpha": 8}},
+        # the entropy bonus gives a gradient even when no sample of the random-init model earns credit
+        "train": {"lr": 0.05, "entropy_coef": 0.1, "lora": {"r": 4, "alpha": 8}},
         "steps": 3,
         "checkpoint_every": 1,
         "checkpoint_keep": 2,
