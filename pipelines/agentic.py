@@ -378,7 +378,7 @@ class AgenticPipeline:
         at it and all but the newest ``checkpoint_keep`` folders are deleted."""
         from rollart.training.checkpoint_io import commit_checkpoint, step_dir
 
-        folder = step_dir(self.checkpoint_root, step + 1)
+        folder = step_dir(self.checkpoint_root.resolve(), step + 1)
         if self.critic is not None:
             await self.critic.save_checkpoint(str(folder / "critic.pt"), step, blocking=False)
         await self.train.save_checkpoint(str(folder), extra, blocking=False)
@@ -464,7 +464,9 @@ class AgenticPipeline:
                     await self._save_checkpoint(step, extra)
             await self._await_loading()  # the run ends with every worker serving the last version
             if cfg.export.hf and self.start_step < cfg.steps:
-                self.export_path = Path(await self.train.export_hf(str(self.out_dir / "hf"), blocking=False))
+                self.export_path = Path(
+                    await self.train.export_hf(str((self.out_dir / "hf").resolve()), blocking=False)
+                )
         finally:
             if self._loading is not None:  # a failed step: nothing waits for the fetch any more
                 self._loading.cancel()

@@ -120,4 +120,4 @@ def test_rollart_run_quickstart_trains_from_outside_the_checkout(installed):
     run = outside / "runs" / "quickstart"  # relative output_dir: under the working directory
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
     assert (run / "checkpoint" / "step-00000002" / "model.safetensors").exists()
-    assert (run / "hf" / "config.json").exists() and summary["hf"] == "runs/quickstart/hf"
+    assert (run / "hf" / "config.json").exists() and summary["hf"] == str(run.resolve() / "hf")
