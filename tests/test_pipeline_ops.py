@@ -89,3 +89,14 @@ def test_tracking_and_checkpoint_keep_config_errors(tmp_path, monkeypatch):
         ConfigError, match=r"tracking: mlflow needs the mlflow package; install it with pip install 'rollart\[mlflow\]'"
     ):
         config(tmp_path, tracking=["mlflow"])
+
+
+def test_run_list_shows_the_shipped_configs(capsys):
+    from rollart.cli import main
+    from rollart.config import shipped_configs
+
+    assert main(["run", "--list"]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert {r[0]: r[1] for r in rows} == {k: str(v) for k, v in shipped_configs().items()}
+    assert "quickstart" in {r[0] for r in rows} and all(len(r) == 3 and r[2] for r in rows)  # with a description
+    assert main(["run"]) == 2  # no config: an error naming --list, not a traceback
