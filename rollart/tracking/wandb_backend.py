@@ -34,4 +34,9 @@ class WandbTracker:
         self.run.log(flatten_metrics(metrics), step=step)
 
     def close(self) -> None:
+        """Finish the run, then wait for the process's W&B service to shut down: ``run.finish()`` can
+        return before the service has written the run file's last records (seen under load)."""
+        import wandb
+
         self.run.finish()
+        wandb.teardown()
