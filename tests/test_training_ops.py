@@ -214,3 +214,23 @@ def test_config_errors_name_the_field():
         TrainConfig.model_validate({"dtype": "fp16"})
     with pytest.raises(ValueError, match="target_modules"):
         TrainConfig.model_validate({"lora": {"target_modules": []}})
+
+
+def test_a_megatron_named_checkpoint_exports_in_hugging_face_names(tiny, tmp_path):
+    from transformers import AutoConfig
+
+    from rollart.training.checkpoint_io import save_checkpoint_dir
+    from rollart.training.megatron_strategy import hf_to_megatron
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with torch.no_grad():
+        hf.model.norm.weight.mul_(1.5)  # not the base model's weights
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    meg = hf_to_megatron(state, AutoConfig.from_pretrained(tiny))
+    root = tmp_path / "run" / "checkpoint"
+    folder = save_checkpoint_dir(
+        step_dir(root, 1), meg, {"version": 1, "extra": {}}, {"base_model": tiny, "weights": "megatron"}
+    )
+    commit_checkpoint(root, folder, keep=1)
+    out = export_run(tmp_path / "run", tmp_path / "hf")
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out)), logits(hf), rtol=0, atol=0)
