@@ -22,7 +22,6 @@ produced it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import Counter, defaultdict
@@ -291,6 +290,7 @@ class AgenticPipeline:
         self.start_step = 0
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.plot_path: Path | None = None
+        self.export_path: Path | None = None  # RUN_DIR/hf once the run finished (export.hf)
         if resume:
             self._resume()
         elif self.metrics_path.exists():
@@ -405,16 +405,36 @@ class AgenticPipeline:
 
     # ------------------------------------------------------------------ checkpoints
     @property
+    def checkpoint_root(self) -> Path:
+        return self.out_dir / "checkpoint"
+
+    @property
     def checkpoint_path(self) -> Path:
-        return self.out_dir / "checkpoint" / "last.pt"
+        """The checkpoint ``--resume`` starts from: the newest ``checkpoint/step-N`` folder (an earlier
+        release's ``checkpoint/last.pt`` file is read too)."""
+        from rollart.training.checkpoint_io import LEGACY_FILE, latest_checkpoint
+
+        return latest_checkpoint(self.checkpoint_root) or self.checkpoint_root / LEGACY_FILE
 
     @property
     def critic_checkpoint_path(self) -> Path:
-        return self.out_dir / "checkpoint" / "critic.pt"
+        ckpt = self.checkpoint_path
+        return ckpt / "critic.pt" if ckpt.is_dir() else ckpt.with_name("critic.pt")
+
+    async def _save_checkpoint(self, step: int, extra: dict[str, Any]) -> None:
+        """``checkpoint/step-N`` (N = steps done): critic first, then the actor, then ``latest`` points
+        at it and all but the newest ``checkpoint_keep`` folders are deleted."""
+        from rollart.training.checkpoint_io import commit_checkpoint, step_dir
+
+        folder = step_dir(self.checkpoint_root.resolve(), step + 1)
+        if self.critic is not None:
+            await self.critic.save_checkpoint(str(folder / "critic.pt"), step, blocking=False)
+        await self.train.save_checkpoint(str(folder), extra, blocking=False)
+        commit_checkpoint(self.checkpoint_root, folder, self.config.checkpoint_keep)
 
     def _resume(self) -> None:
         if not self.checkpoint_path.exists():
-            raise FileNotFoundError(f"--resume: no checkpoint at {self.checkpoint_path}; run without --resume first")
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.checkpoint_root}; run without --resume first")
         state = self.train.load_checkpoint(str(self.checkpoint_path))[0]
         extra = state["extra"]
         self.scheduler.load_state_dict(extra["scheduler"])
@@ -450,6 +470,7 @@ class AgenticPipeline:
         cfg = self.config
         history: list[dict[str, Any]] = []
         consumed: list[str] = list(getattr(self, "consumed_before", []))
+        tracker = self._make_tracker()
         self.controller.start()
         bar = None
         if self.progress:
@@ -487,8 +508,7 @@ class AgenticPipeline:
                     await self._await_loading()  # evaluate the version every worker serves
                     record["eval"] = await self.evaluator.run(step)
                 history.append(record)
-                with self.metrics_path.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
+                tracker.log(record, step)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=version)
@@ -498,10 +518,12 @@ class AgenticPipeline:
                         extra["data"] = self.data_tasks.state_dict()
                     if self.baseline is not None:
                         extra["running_mean"] = self.baseline.state_dict()
-                    if self.critic is not None:  # first: the actor's file is the one a resume starts from
-                        await self.critic.save_checkpoint(str(self.critic_checkpoint_path), step, blocking=False)
-                    await self.train.save_checkpoint(str(self.checkpoint_path), extra, blocking=False)
+                    await self._save_checkpoint(step, extra)
             await self._await_loading()  # the run ends with every worker serving the last version
+            if cfg.export.hf and self.start_step < cfg.steps:
+                self.export_path = Path(
+                    await self.train.export_hf(str((self.out_dir / "hf").resolve()), blocking=False)
+                )
         finally:
             if self._loading is not None:  # a failed step: nothing waits for the fetch any more
                 self._loading.cancel()
@@ -509,8 +531,22 @@ class AgenticPipeline:
                 self._loading = None
             if bar is not None:
                 bar.close()
+            tracker.close()
             await self.controller.stop()
         return history
+
+    def _make_tracker(self) -> Any:
+        """``metrics.jsonl`` (always) and the backends of ``tracking:`` (TensorBoard, W&B, MLflow)."""
+        from rollart.tracking import make_tracker
+
+        cfg = self.config
+        return make_tracker(
+            ["jsonl", *cfg.tracking],
+            self.out_dir,
+            run_name=cfg.name,
+            config=cfg.model_dump(mode="json"),
+            resume=True,  # a fresh run's metrics.jsonl was removed in __init__; a resumed one appends
+        )
 
     def _record(
         self,

@@ -1,4 +1,4 @@
-"""The ``rollart`` command: ``--version``, ``status``, ``run``, ``serve``, ``bench``.
+"""The ``rollart`` command: ``--version``, ``status``, ``run``, ``serve``, ``bench``, ``export``.
 
 Subcommands live in the modules that own them; this file only mounts them, importing each lazily so
 ``rollart --version`` and ``rollart status`` stay fast.
@@ -201,7 +201,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     status.set_defaults(func=cmd_status)
 
-    for module, attr in (("rollart.pipeline_cli", "add_run_parser"), ("rollart.reward.cli", "add_serve_parser")):
+    for module, attr in (
+        ("rollart.pipeline_cli", "add_run_parser"),
+        ("rollart.reward.cli", "add_serve_parser"),
+        ("rollart.export_cli", "add_export_parser"),
+    ):
         add = _optional(module, attr)
         if add is not None:
             add(sub)

@@ -6,6 +6,7 @@ dicts ``ResourceManager`` takes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -29,6 +30,8 @@ from rollart.rollout.env_manager import EnvManagerConfig
 from rollart.rollout.scheduler import RolloutConfig
 from rollart.training.config import RunningMeanConfig, TrainConfig
 from rollart.training.critic import CriticConfig
+
+TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]  # rollart.tracking's backends
 
 
 class ConfigError(ValueError):
@@ -150,6 +153,15 @@ class WeightsConfig(BaseModel):
         return self
 
 
+class ExportConfig(BaseModel):
+    """What a finished run exports: ``hf: true`` writes ``RUN_DIR/hf``, a Hugging Face folder of the
+    final policy (``rollart export RUN_DIR --hf OUT`` does the same from the latest checkpoint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hf: bool = True
+
+
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -184,8 +196,12 @@ class PipelineConfig(BaseModel):
     running_mean: RunningMeanConfig = Field(default_factory=RunningMeanConfig)  # advantage: running_mean
     steps: int = Field(default=20, ge=1)
     checkpoint_every: int = Field(default=0, ge=0)
+    checkpoint_keep: int = Field(default=1, ge=1)  # checkpoint folders kept (the newest K; older ones deleted)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     output_dir: str = "runs/{name}"
     seed: int = 0
+    # metrics.jsonl is always written; tensorboard / wandb (offline) / mlflow (file store) are extras
+    tracking: list[TrackerName] = Field(default_factory=lambda: list[TrackerName](["jsonl"]))
 
     @model_validator(mode="before")
     @classmethod
@@ -263,6 +279,7 @@ class PipelineConfig(BaseModel):
             raise ValueError(
                 f"critic: is set but advantage={self.advantage!r} never uses it; set advantage: gae or remove critic:"
             )
+        _check_tracking(self.tracking)
         total = sum(e.groups for e in self.envs) + sum(t.groups for t in self.data)
         if total != self.rollout.num_env_groups:
             which = "envs[*].groups + data[*].groups" if self.data else "envs[*].groups"
@@ -275,6 +292,18 @@ class PipelineConfig(BaseModel):
     @property
     def out_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
+
+
+def _check_tracking(names: Sequence[str]) -> None:
+    """Every tracker's library is importable (each is a pip extra of the same name)."""
+    import importlib.util
+
+    for name in names:
+        if name != "jsonl" and importlib.util.find_spec(name) is None:
+            raise ValueError(
+                f"tracking: {name} needs the {name} package; install it with pip install 'rollart[{name}]' "
+                f"or remove {name} from tracking"
+            )
 
 
 def shipped_configs() -> dict[str, Path]:

@@ -23,7 +23,24 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def list_configs() -> str:
+    """The shipped configs, one per line: name, path, and the first comment line of the file."""
+    from rollart.config import shipped_configs
+
+    lines = []
+    for name, path in sorted(shipped_configs().items()):
+        first = next((x for x in path.read_text().splitlines() if x.startswith("#")), "").lstrip("# ").strip()
+        lines.append(f"{name}\t{path}\t{first}".rstrip())
+    return "\n".join(lines)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.list:
+        sys.stdout.write(list_configs() + "\n")
+        return 0
+    if args.config is None:
+        log.error("rollart run: give a CONFIG (a YAML path or a shipped name; --list shows them)")
+        return 2
     from rollart.config import ConfigError, load_config
 
     try:  # every check, plug-ins included, before anything starts
@@ -49,6 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "first_reward": history[0].get("reward_mean") if history else None,
         "metrics": str(metrics) if metrics else None,
         "plot": str(plot) if plot else None,
+        "hf": str(getattr(pipe, "export_path", None) or "") or None,
     }
     log.info("done: %s", json.dumps(summary))
     if args.json:
@@ -58,7 +76,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def add_run_parser(sub: Any) -> None:
     p = sub.add_parser("run", help="run a pipeline from a YAML config")
-    p.add_argument("config", help="pipeline YAML, e.g. pipelines/quickstart.yaml")
+    p.add_argument("config", nargs="?", help="pipeline YAML, e.g. pipelines/quickstart.yaml, or a shipped name")
+    p.add_argument("--list", action="store_true", help="list the shipped configs (usable by name) and exit")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")

@@ -108,13 +108,13 @@ def test_the_readme_walk_through_runs_as_written(tmp_path):
             files[first.removeprefix("# file: ").strip()] = body
         elif lang == "bash":
             commands.append(body.strip())
-    assert set(files) == {"make_data.py", "my_rewards.py", "sums.yaml"} and len(commands) == 2
+    assert set(files) == {"make_data.py", "my_rewards.py", "sums.yaml"} and len(commands) == 3
     for name, body in files.items():
         (tmp_path / name).write_text(body)
-    run_cmd, read_cmd = commands
+    run_cmd, read_cmd, export_cmd = commands
     assert "rollart run sums.yaml" in run_cmd
     # a few steps instead of 200, evaluating after each, fewer prompts
-    few = ["--set", "steps=2", "--set", "eval.every=1", "--set", "eval.max_prompts=4", "--set", "checkpoint_every=0"]
+    few = ["--set", "steps=2", "--set", "eval.every=1", "--set", "eval.max_prompts=4", "--set", "checkpoint_every=2"]
     # the subprocesses import the rollart this test imports
     here = str(Path(rollart.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
@@ -138,3 +138,21 @@ def test_the_readme_walk_through_runs_as_written(tmp_path):
     out = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert [line.split()[0] for line in out.stdout.splitlines()] == ["0", "1"]
+    # the run's own export, then `rollart export` from its checkpoint, loaded by transformers
+    assert (tmp_path / "runs" / "sums" / "hf" / "model.safetensors").exists()
+    export, load = (shlex.split(part) for part in export_cmd.split("&&"))
+    assert export[:2] == ["rollart", "export"] and load[0] == "python"
+    out = subprocess.run(
+        [sys.executable, "-m", "rollart.cli", *export[1:]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = subprocess.run(
+        [sys.executable, *load[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[0] == "Qwen2ForCausalLM" and int(out.stdout.split()[1]) > 0

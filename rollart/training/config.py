@@ -26,6 +26,20 @@ def _importable(module: str) -> bool:
         return False
 
 
+class LoraSettings(BaseModel):
+    """``train.lora``: train low-rank adapters (``peft``) instead of the full weights. ``r`` is the rank,
+    ``alpha`` the scale numerator (updates are scaled by ``alpha / r``), ``target_modules`` the linear
+    layers that get an adapter (names as in the Hugging Face model). The inference engines and exports
+    always get the merged full weights."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(default=8, ge=1)
+    alpha: float = Field(default=16.0, gt=0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+
+
 class TrainConfig(BaseModel):
     """How the actor is trained. ``model`` is a Hugging Face folder (default: the built-in tiny
     model); ``loss`` names a policy loss of ``rollart.algorithms`` (or a user's: a name registered with
@@ -64,6 +78,11 @@ class TrainConfig(BaseModel):
     proximal: Literal["auto", "recompute"] = "auto"
     seed: int = 0
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # bf16: forward/backward under bf16 autocast, fp32 master weights and optimiser state
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory)
+    lora: LoraSettings | None = None  # train.lora: {r, alpha, target_modules} (extra `lora`: peft)
+
     # filled from the pipeline config (not written by hand): the modules of its top-level ``plugins:``
     # and the folders they are looked up in (the config's folder, the working directory). Each training
     # worker imports them before it looks up ``loss`` / ``loss_agg``, so names a user's module
@@ -134,6 +153,19 @@ class TrainConfig(BaseModel):
                     f"implemented in this version; set train.{name}: 1 (data parallelism comes from the "
                     "train pool's size)"
                 )
+        if self.strategy == "megatron":
+            for name, value in (
+                ("dtype", self.dtype != "fp32"),
+                ("gradient_checkpointing", self.gradient_checkpointing),
+                ("lora", self.lora is not None),
+            ):
+                if value:
+                    raise ValueError(
+                        f"train.{name} is implemented for train.strategy: torch only in this version; "
+                        f"remove train.{name} or use strategy: torch"
+                    )
+        if self.lora is not None and not _importable("peft"):
+            raise ValueError("train.lora needs peft; install it with pip install 'rollart[lora]' or remove train.lora")
         if self.strategy == "megatron" and not _importable("megatron.core"):
             raise ValueError(
                 "train.strategy: megatron needs megatron-core; install it with "

@@ -10,6 +10,7 @@ micro-batches and ranks equals the aggregation over the whole batch: for ``token
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import ray
@@ -19,7 +20,7 @@ import rollart as ra
 from rollart.algorithms import aggregation_unit, loss_uses_proximal
 from rollart.training import columns as C
 from rollart.training.accumulation import accumulate_step, global_sum, plan_share
-from rollart.training.checkpoint_io import load_checkpoint_file, save_checkpoint_file
+from rollart.training.checkpoint_io import load_checkpoint_any, save_checkpoint_dir
 from rollart.training.config import TrainConfig
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
@@ -83,13 +84,32 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         self.config = TrainConfig.model_validate(config or {})
         torch.manual_seed(self.config.seed)
         self.device = worker_device(self.device_ids)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path(self.config.model), dtype=torch.float32).to(
-            self.device
-        )
+        if self.config.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(
+                f"train.dtype: bf16: {torch.cuda.get_device_name(self.device)} does not support bfloat16; "
+                "set train.dtype: fp32"
+            )
+        # fp32 master weights (and optimiser state) whatever train.dtype: bf16 is autocast in the passes
+        model = AutoModelForCausalLM.from_pretrained(model_path(self.config.model), dtype=torch.float32)
+        if self.config.gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            model.config.use_cache = False
+        if self.config.lora is not None:
+            from rollart.training.lora import apply_lora
+
+            model = apply_lora(model, self.config.lora)
+        self.model = model.to(self.device)
         self.model.train()
         self.module = self.model
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay, betas=self.config.betas
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.config.lr,
+            weight_decay=self.config.weight_decay,
+            betas=self.config.betas,
         )
         warm = self.config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -97,6 +117,12 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         )
         self.version = 0
         self.distributed = False
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast around the forward passes when ``train.dtype: bf16`` (weights stay fp32)."""
+        if self.config.dtype == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ set-up
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
@@ -158,7 +184,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         scale_world = self.world_size if self.distributed else 1
         recomputed = self.needs_proximal_pass()
         if recomputed:
-            with torch.no_grad():  # the policy before this update: pi_old (local forwards)
+            with torch.no_grad(), self.autocast():  # the policy before this update: pi_old (local forwards)
                 for mb in share.microbatches:
                     mb[C.PROXIMAL_LOGPROBS] = token_logprobs(self.module, mb[C.INPUT_IDS], mb[C.ATTENTION_MASK])
         metrics: dict[str, float] = {}
@@ -172,7 +198,8 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
 
         def backward(mb: dict[str, torch.Tensor]) -> None:
             nonlocal n_metric
-            logp, entropy = token_logprobs(self.model, mb[C.INPUT_IDS], mb[C.ATTENTION_MASK], with_entropy=True)
+            with self.autocast():
+                logp, entropy = token_logprobs(self.model, mb[C.INPUT_IDS], mb[C.ATTENTION_MASK], with_entropy=True)
             mask, behaviour = mb[C.LOSS_MASK], mb[C.BEHAVIOUR_LOGPROBS]
             if recomputed:
                 proximal: torch.Tensor | None = mb[C.PROXIMAL_LOGPROBS]
@@ -219,7 +246,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
             grad_norms.append(
                 accumulate_step(
                     model=self.model,
-                    params=list(self.model.parameters()),
+                    params=[p for p in self.model.parameters() if p.requires_grad],
                     optimizer=self.optimizer,
                     share=share,
                     backward=backward,
@@ -252,11 +279,32 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
     @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
     def compute_logprobs(self, batch: ra.Batch) -> list[list[float]]:
         """Per-token logprobs of each row under the current weights."""
-        return batch_logprobs(self.module, batch, self.config.max_tokens_per_microbatch, self.device)
+        with self.autocast():
+            return batch_logprobs(self.module, batch, self.config.max_tokens_per_microbatch, self.device)
 
     # ------------------------------------------------------------------ weights and checkpoints
     def cpu_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full weights in Hugging Face names, as CPU copies: what engines load and exports write
+        (a LoRA model's adapters merged in)."""
+        if self.config.lora is not None:
+            from rollart.training.lora import merged_state_dict
+
+            return merged_state_dict(self.module)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def weight_naming(self) -> str:
+        """How the checkpoint's ``model.safetensors`` names its weights: ``hf``, ``peft`` (LoRA) or
+        ``megatron``."""
+        if self.config.strategy == "megatron":
+            return "megatron"
+        return "peft" if self.config.lora is not None else "hf"
+
+    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
+    def export_hf(self, out: str) -> str:
+        """Rank 0 writes the current policy as a Hugging Face folder (see ``rollart.training.export``)."""
+        from rollart.training.export import export_hf
+
+        return str(export_hf(self.cpu_state_dict(), model_path(self.config.model), out))
 
     @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
     def publish_weights(self) -> list:
@@ -285,21 +333,39 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
 
     @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
-        """Model, optimiser, scheduler, version and ``extra`` (e.g. consumed sample ids) in one file."""
-        return save_checkpoint_file(
+        """A checkpoint folder at ``path``: the module's weights in ``model.safetensors``; optimiser,
+        scheduler, version and ``extra`` (e.g. consumed sample ids) in ``trainer.pt``; ``meta.json``
+        (``rollart.training.checkpoint_io``)."""
+        cfg = self.config
+        return save_checkpoint_dir(
+            path,
+            self.module.state_dict(),
             {
-                "model": self.module.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "version": self.version,
                 "extra": extra or {},
             },
-            path,
+            {
+                "base_model": model_path(cfg.model),
+                "strategy": cfg.strategy,
+                "weights": self.weight_naming(),
+                "lora": cfg.lora.model_dump() if cfg.lora is not None else None,
+                "version": self.version,
+            },
         )
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
-        state = load_checkpoint_file(path, map_location=self.device)  # weights_only: no arbitrary unpickling
+        """Restore a checkpoint folder, or an earlier release's single ``last.pt`` file; neither is
+        unpickled beyond tensors and plain containers."""
+        state = load_checkpoint_any(path, map_location=self.device)
+        saved = state["meta"].get("weights", "hf" if state["meta"]["format"] == 1 else None)
+        if state["meta"]["format"] > 1 and saved != self.weight_naming():
+            raise ValueError(
+                f"{path}: the checkpoint holds {saved} weights, this trainer trains {self.weight_naming()} "
+                "ones (train.lora / train.strategy differ from the run that wrote it); resume with that config"
+            )
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
