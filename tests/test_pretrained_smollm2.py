@@ -43,7 +43,6 @@ def test_rlvr_steps_with_smollm2_on_addition(ray_local, tmp_path, smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollart.envs.addition import AdditionTask
-    from rollart.training.checkpoint_io import load_checkpoint_file
 
     cfg = PipelineConfig.model_validate(
         {
@@ -82,13 +81,13 @@ def test_rlvr_steps_with_smollm2_on_addition(ray_local, tmp_path, smollm2):
         assert t.reward in (0.0, 1.0)  # the verifier scored it
         assert sum(t.loss_mask) == t.turns[0][1] - t.turns[0][0] > 0
 
-    # the trained weights load back into the model and differ from the pretrained ones
-    state = load_checkpoint_file(pipe.checkpoint_path)["model"]
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
-    before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all(k.endswith("lm_head.weight") for k in missing)
-    assert not torch.equal(before, model.model.layers[0].self_attn.q_proj.weight)
+    # the run's Hugging Face export loads back (chat template included) and differs from the pretrained weights
+    assert pipe.export_path is not None
+    model = AutoModelForCausalLM.from_pretrained(str(pipe.export_path), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    trained_q, base_q = model.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight
+    assert trained_q.shape == base_q.shape and not torch.equal(trained_q, base_q)
+    assert AutoTokenizer.from_pretrained(str(pipe.export_path)).chat_template == tok.chat_template
     ids = tok.encode("<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n", return_tensors="pt")
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > ids.shape[1]
