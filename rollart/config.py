@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rollart.cluster.fault import FaultConfig
 from rollart.engines.base import SamplingParams
 from rollart.resource_manager.specs import parse_pools
 from rollart.rollout.engine_config import EngineConfig
@@ -114,6 +115,7 @@ class PipelineConfig(BaseModel):
     envs: list[EnvEntry]
     reward: RewardConfig | None = None
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)  # restart policy per role (rollart.cluster.fault)
     advantage: Literal["grpo", "grpo_token", "reinforce", "running_mean", "gae"] = "grpo"
     critic: CriticConfig | None = None  # advantage: gae — a value model trained K times per actor step
     running_mean: RunningMeanConfig = Field(default_factory=RunningMeanConfig)  # advantage: running_mean
