@@ -277,3 +277,67 @@ async def test_scheduler_bookkeeping_stays_bounded_over_many_steps(make_rm):
     assert max(s[0] for s in sizes) <= 2 * 3 * 2
     assert max(s[1] for s in sizes) <= 3 + (cfg.alpha + 2) * cfg.num_env_groups  # watermarks + unsettled rounds
     assert max(s[2] for s in sizes[40:]) <= 2 * max(s[2] for s in sizes[:40]) + 200  # checkpoint state too
+
+
+# ---------------------------------------------------------------------- the whole pipeline
+@pytest.mark.timeout(900)
+def test_an_asynchronous_run_survives_a_killed_inference_worker_and_the_ledger_holds(ray_local, tmp_path):
+    """The tiny model, alpha 1, two inference workers; at step 1 the process of rank 0 is SIGKILLed.
+    The run completes its steps; the worker comes back with the served version; every trajectory
+    started is accounted for once: trained, or dropped with its round (aborted, redundant, evicted as
+    stale, still in the buffer at the end) and played again, or reported failed."""
+    from test_pipeline import small_config
+
+    from rollart.pipelines.agentic import AgenticPipeline
+
+    cfg = small_config(
+        tmp_path,
+        pools={"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 2}},
+        steps=5,
+        checkpoint_every=0,
+        fault={"inference": {"max_restarts": 2, "backoff_s": 0}},
+    )
+    trained: list = []
+    killed: list[int] = []
+
+    class Killing(AgenticPipeline):
+        def _record(self, step, version, trajs, *rest):
+            trained.extend(trajs)
+            if step == 1:
+                killed.append(kill(self.infer, 0))
+            return super()._record(step, version, trajs, *rest)
+
+    pipe = Killing(cfg, progress=False)
+    try:
+        history = pipe.run()
+        assert [h["step"] for h in history] == list(range(5)) and killed
+        ok = asyncio.run(
+            asyncio.to_thread(
+                pipe.proxy.supervisor.wait_for, lambda ev: any(e["event"] == "restarted" for e in ev), 120
+            )
+        )
+        assert ok, pipe.proxy.supervisor.events
+        metrics = ray.get([w.metrics.remote() for w in pipe.infer.workers], timeout=60)
+        assert [m["weight_version"] for m in metrics] == [history[-1]["version"]] * 2  # the restarted one too
+        assert pipe.infer.pids()[0] != killed[0]
+        buffered = [t for g in pipe.scheduler.buffer.groups() for t in g]
+        faults = pipe.proxy.fault_metrics()
+    finally:
+        pipe.shutdown()
+    c = pipe.scheduler.counts
+    assert history[-1]["faults"]["deaths"] == 1  # in metrics.jsonl
+    assert faults["deaths"] == 1 and faults["restarts"] == 1 and faults["removed"] == 0
+    # the ledger
+    ended = (
+        c["trajectories_ok"] + c["trajectories_aborted"] + c["trajectories_failed"] + c["trajectories_reward_failed"]
+    )
+    assert c["trajectories_started"] == ended
+    assert c["trajectories_trained"] == len(trained) == 5 * cfg.rollout.batch_groups * cfg.rollout.group_size
+    assert len({t.traj_id for t in trained}) == len(trained) and c["rounds_trained_twice"] == 0
+    assert c["trajectories_kept"] == len(trained) + c["trajectories_evicted"] + len(buffered)
+    assert all(t.status == "ok" for t in trained)
+    # the staleness bound held through the restart; every token records a version no older than its start
+    for h in history:
+        assert h["max_staleness"] <= cfg.rollout.alpha
+    for t in trained:
+        assert t.min_version >= t.start_version
