@@ -341,3 +341,46 @@ def test_an_asynchronous_run_survives_a_killed_inference_worker_and_the_ledger_h
         assert h["max_staleness"] <= cfg.rollout.alpha
     for t in trained:
         assert t.min_version >= t.start_version
+
+
+# ---------------------------------------------------------------------- a whole rollout host lost
+@pytest.mark.timeout(900)
+def test_losing_every_process_of_a_rollout_host_leaves_the_job_on_the_other_hosts(hosts3, tmp_path):
+    """Host c (the only H20) is killed, raylet and all, while a request runs there: the request goes
+    on on H800 (the tag's next preference), the H20 rank leaves the pool, a weight push reaches the
+    rest, new requests are served on H800."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).parent / "scripts" / "fault_hosts_driver.py")
+    driver = hosts3.popen(
+        "head",
+        [sys.executable, script, str(tmp_path / "meta.sqlite")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = driver.stdout.readline()
+        assert line.startswith("READY "), line + driver.stderr.read()[-4000:]
+        ready = json.loads(line[len("READY ") :])
+        assert ready["hardware"] == "H20" and "10.201.0.3" in ready["ips"].values()
+        assert hosts3.kill_host("c")
+        driver.stdin.write("go\n")
+        driver.stdin.flush()
+        stdout, stderr = driver.communicate(timeout=600)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        hosts3.restart_host("c")
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert driver.returncode == 0 and lines, stderr[-4000:]
+    res = json.loads(lines[-1][len("RESULT ") :])
+    assert res["moved"] == {"hardware": "H800", "tokens": 300}
+    assert all(hw == "H800" and versions == [1] * 4 for hw, versions in res["after"])
+    assert [(hw, v) for _, hw, v in res["metrics"]] == [("H800", 1)]
+    assert res["faults"]["deaths"] == 1 and res["faults"]["removed"] == 1 and res["events"] == ["removed"]
