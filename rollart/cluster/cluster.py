@@ -7,6 +7,7 @@ the Cluster instance under the same name:
 - ``@hw_mapping``: the call's ``tag_name`` picks the ordered hardware preference; the first hardware
   type with a live worker serves it, the least-loaded one (fewest calls in flight) within that type.
   A worker found dead is marked so and the call is routed to the next candidate.
+- ``@register_serverless``: the arguments are POSTed as JSON to the URL; nothing runs on a worker.
 
 Faults: with ``skip_dead_ranks=True`` a ``ONE_TO_ALL`` control call (suspend, weight updates, aborts)
 goes to the live ranks only; a rank found dead during the call is marked dead and left out of the
@@ -14,7 +15,6 @@ answer. Each death is reported to the death listeners (a :class:`~rollart.cluste
 restarts the rank under its policy). Such a call fails (``WorkerDiedError`` with the cause) only when no
 rank is alive and none is being restarted. A rank taken out for good (``remove_worker``) never serves
 again; ``fail(err)`` makes every later call raise ``err``.
-- ``@register_serverless``: the arguments are POSTed as JSON to the URL; nothing runs on a worker.
 
 Sync worker methods block and return the collected value unless ``blocking=False`` is passed (then
 a :class:`ClusterFuture`); ``async def`` worker methods always return an awaitable ``ClusterFuture``.

@@ -35,7 +35,9 @@ class RoundLedger:
         return True
 
     def __contains__(self, gid: object) -> bool:
-        group, round_ = gid  # type: ignore[misc]
+        if not isinstance(gid, tuple) or len(gid) != 2:
+            return False
+        group, round_ = int(gid[0]), int(gid[1])
         return round_ < self.watermark[group] or round_ in self.above[group]
 
     def settled(self) -> int:
