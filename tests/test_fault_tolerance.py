@@ -161,9 +161,9 @@ async def test_a_request_in_flight_moves_to_the_next_hardware_from_its_stored_st
     cluster = simulated_cluster(rm, "rollout", {"Count": ["H800", "H20"]}, decode_base_s=0.01)
     proxy = LLMProxy(cluster, restart=RestartPolicy(max_restarts=0))
     try:
-        reference = await proxy.generate(request("ref", n=60), "Count")
+        reference = await proxy.generate(request("ref", n=400), "Count")
         assert reference.hardware == "H800"
-        task = asyncio.ensure_future(proxy.generate(request("moved", n=60), "Count"))
+        task = asyncio.ensure_future(proxy.generate(request("moved", n=400), "Count"))
         assert await running_on(cluster) == 0
         await proxy.suspend()  # the proxy now holds the tokens generated so far under version 0
         await proxy.model_update({}, 1)
@@ -175,7 +175,7 @@ async def test_a_request_in_flight_moves_to_the_next_hardware_from_its_stored_st
         assert out.output_token_ids == reference.output_token_ids  # nothing lost, nothing doubled
         assert out.output_logprobs[:3] == reference.output_logprobs[:3]
         v = out.token_versions
-        assert v[0] == 0 and v[-1] == 1 and v == sorted(v) and len(v) == 60
+        assert v[0] == 0 and v[-1] == 1 and v == sorted(v) and len(v) == 400
         assert cluster.fault_counts["rerouted"] == 1
     finally:
         proxy.close()
@@ -188,11 +188,11 @@ async def test_a_request_waits_for_the_restart_of_the_only_worker_and_resumes_th
     proxy = LLMProxy(cluster, restart=RestartPolicy(max_restarts=1, backoff_s=0.0))
     try:
         await proxy.model_update({}, 2)
-        task = asyncio.ensure_future(proxy.generate(request("only", n=60), "x"))
+        task = asyncio.ensure_future(proxy.generate(request("only", n=400), "x"))
         await running_on(cluster)
         kill(cluster, 0)
         out = await task
-        assert len(out.output_token_ids) == 60 and out.token_versions == [2] * 60
+        assert len(out.output_token_ids) == 400 and out.token_versions == [2] * 400
         assert proxy.fault_metrics()["migrated"] == 1 and cluster.fault_counts["restarts"] == 1
     finally:
         proxy.close()
