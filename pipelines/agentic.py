@@ -217,7 +217,10 @@ class AgenticPipeline:
                 worker_kwargs={"config": critic_cfg.model_dump()},
             )
             start_data_parallel(self.critic)
-        self.proxy = LLMProxy(self.infer)
+        # a restarted inference worker loads the served version (ray or mooncake channel; a dist
+        # broadcast needs every receiver at once, so with it dead workers are not restarted)
+        restart = config.fault.inference if config.weights.channel != "dist" else None
+        self.proxy = LLMProxy(self.infer, restart=restart)
         codec = HFCodec(AutoTokenizer.from_pretrained(model_path))
         self.reward_client = None
         reward_fn = None
@@ -440,7 +443,8 @@ class AgenticPipeline:
         self.scheduler.load_state_dict(extra["scheduler"])
         self.start_step = int(extra["step"]) + 1
         self.train_version = int(state["version"])
-        self.consumed_before = extra.get("consumed", [])
+        if "consumed" in extra and "settled" not in extra["scheduler"]:  # older checkpoints: a list of ids
+            self.scheduler.settled.load_state_dict(extra["consumed"])
         if self.data_tasks.samplers:
             self.data_tasks.load_state_dict(extra.get("data", {}))
         if self.baseline is not None:
@@ -469,7 +473,6 @@ class AgenticPipeline:
     async def _run(self) -> list[dict[str, Any]]:
         cfg = self.config
         history: list[dict[str, Any]] = []
-        consumed: list[str] = list(getattr(self, "consumed_before", []))
         tracker = self._make_tracker()
         self.controller.start()
         bar = None
@@ -497,7 +500,6 @@ class AgenticPipeline:
                 self.train_version += 1
                 version, t_sync = await self._sync_weights()
                 trajs = [t for g in groups for t in g]
-                consumed += [t.traj_id for t in trajs]
                 record = self._record(
                     step, version, trajs, train_metrics, t_rollout, t_train, t_sync, time.monotonic() - t0, staleness
                 )
@@ -513,7 +515,8 @@ class AgenticPipeline:
                     bar.update(1)
                     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=version)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                    extra = {"step": step, "scheduler": self.scheduler.state_dict(), "consumed": consumed}
+                    # the consumed rounds are in the scheduler's state (per group: a watermark and a small set)
+                    extra = {"step": step, "scheduler": self.scheduler.state_dict()}
                     if self.data_tasks.samplers:
                         extra["data"] = self.data_tasks.state_dict()
                     if self.baseline is not None:
@@ -591,6 +594,7 @@ class AgenticPipeline:
             "trajectories_failed": counts.get("trajectories_failed", 0),
             "trajectories_reward_failed": counts.get("trajectories_reward_failed", 0),
             "groups_evicted_stale": counts.get("groups_evicted_stale", 0),
+            "faults": self.proxy.fault_metrics(),
             "train": {k: (sum(v) / len(v) if isinstance(v, list) else v) for k, v in train_metrics.items()},
         }
 
@@ -645,6 +649,7 @@ class AgenticPipeline:
         for extra in (self.ref, self.critic):
             if extra is not None:
                 extra.shutdown()
+        self.proxy.close()
         self.train.shutdown()
         self.infer.shutdown()
         self.rm.shutdown()

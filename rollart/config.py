@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from rollart.cluster.fault import FaultConfig
 from rollart.data.config import DataTask, EvalConfig
 from rollart.engines.base import SamplingParams
 from rollart.resource_manager.specs import parse_pools
@@ -188,6 +189,7 @@ class PipelineConfig(BaseModel):
     eval: EvalConfig | None = None  # held-out evaluation every eval.every steps
     reward: RewardConfig | None = None
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)  # restart policy per role (rollart.cluster.fault)
     # grpo, grpo_token, reinforce, running_mean, gae, a name registered with @register_advantage, or
     # MODULE:FUNC; advantage_params go to a registered / MODULE:FUNC estimator
     advantage: str = "grpo"

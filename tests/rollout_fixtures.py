@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import rollart as ra
+from rollart.engines.simulated import SimulatedEngine
 from rollart.rollout.inference_worker import inference_worker_class
 
 
@@ -79,3 +80,13 @@ def simulated_cluster(rm, pool: str, mapping=None, **engine_options):
     options = {"decode_base_s": 0.001, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0, "vocab_size": 50}
     options.update(engine_options)
     return ra.Cluster("infer", cls, rm, pool=pool, worker_kwargs={"engine": {"kind": "simulated", "options": options}})
+
+
+class RefusingEngine(SimulatedEngine):
+    """An engine (``{"kind": "rollout_fixtures:RefusingEngine", "model": "-"}``) refusing every request."""
+
+    def __init__(self, model: str, **options):
+        super().__init__(**options)
+
+    def add_request(self, request):
+        raise ValueError("prompt is longer than this engine's context")

@@ -73,7 +73,7 @@ def test_rlvr_steps_with_smollm2_on_addition(ray_local, tmp_path, smollm2):
     tok = AutoTokenizer.from_pretrained(smollm2)
     head = tok.encode(f"<|im_start|>system\n{AdditionTask.instructions}<|im_end|>\n<|im_start|>user\n")
     tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n")
-    assert len(trajs) >= 8
+    assert len(trajs) >= 4  # the scheduler keeps the last 2 x groups x group_size trajectories
     for t in trajs:
         prompt = t.token_ids[: t.prompt_length]
         # the chat template was used: system prompt (the env's instructions), user turn, generation prompt

@@ -9,6 +9,13 @@ the Cluster instance under the same name:
   A worker found dead is marked so and the call is routed to the next candidate.
 - ``@register_serverless``: the arguments are POSTed as JSON to the URL; nothing runs on a worker.
 
+Faults: with ``skip_dead_ranks=True`` a ``ONE_TO_ALL`` control call (suspend, weight updates, aborts)
+goes to the live ranks only; a rank found dead during the call is marked dead and left out of the
+answer. Each death is reported to the death listeners (a :class:`~rollart.cluster.fault.WorkerSupervisor`
+restarts the rank under its policy). Such a call fails (``WorkerDiedError`` with the cause) only when no
+rank is alive and none is being restarted. A rank taken out for good (``remove_worker``) never serves
+again; ``fail(err)`` makes every later call raise ``err``.
+
 Sync worker methods block and return the collected value unless ``blocking=False`` is passed (then
 a :class:`ClusterFuture`); ``async def`` worker methods always return an awaitable ``ClusterFuture``.
 ``blocking`` is therefore a reserved keyword for exposed methods (a worker method with a parameter of
@@ -36,10 +43,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollart.cluster.dispatch import collect, plan_calls
 from rollart.cluster.errors import NoLiveWorkerError, WorkerDiedError
-from rollart.cluster.future import ACTOR_GONE, ClusterFuture
+from rollart.cluster.future import ACTOR_GONE, SKIPPED, ClusterFuture
 from rollart.cluster.methods import ExposedMethod, exposed_methods
 from rollart.cluster.worker import Worker, WorkerContext, host_class
-from rollart.decorators.specs import HwMappingSpec, ServerlessSpec
+from rollart.decorators.specs import Dispatch, HwMappingSpec, ServerlessSpec
 from rollart.resource_manager.capacity import MAX_COLOCATED_ON_GPU
 from rollart.resource_manager.manager import ReservedGroup, ResourceManager
 from rollart.resource_manager.specs import ResourceSpecError
@@ -64,6 +71,9 @@ class _Slot:
     node_id: str = ""
     node_ip: str = ""
     actor_name: str = ""
+    pid: int = 0
+    removed: bool = False  # taken out of the pool for good (its restart policy is spent)
+    restarting: bool = False  # a supervisor is bringing it back
     inflight: int = 0
     served: int = 0
 
@@ -90,6 +100,7 @@ class Cluster:
         worker_kwargs: dict[str, Any] | None = None,
         max_concurrency: int | None = None,
         ready_timeout_s: float = 300.0,
+        skip_dead_ranks: bool = False,
     ):
         if not isinstance(name, str) or not name:
             raise ValueError("Cluster(name=...) must be a non-empty string")
@@ -107,6 +118,12 @@ class Cluster:
                     f"{worker_cls.__name__}.{taken}: {taken!r} is a Cluster method of its own; rename the worker method"
                 )
         self._lock = threading.Lock()
+        self._live_changed = threading.Condition(self._lock)
+        self.skip_dead_ranks = skip_dead_ranks
+        self._death_listeners: list[Callable[[int, BaseException | None], None]] = []
+        self._fatal: BaseException | None = None
+        self._last_death: BaseException | None = None
+        self.fault_counts: dict[str, int] = {"deaths": 0, "rerouted": 0, "skipped": 0, "restarts": 0, "removed": 0}
         self._slots: list[_Slot] = []
         self._executor: ThreadPoolExecutor | None = None
         self._worker_args = tuple(worker_args)
@@ -237,8 +254,8 @@ class Cluster:
         return slot.actor._rollart_info.remote()
 
     def _mark_started(self, slot: _Slot, info: dict[str, Any]) -> None:
-        slot.alive = True
         slot.node_id = info["node_id"]
+        slot.pid = int(info.get("pid", 0))
         slot.node_ip = info.get("node_ip", "")
         slot.device_ids = tuple(info["device_ids"])
         self.resource_manager.store.record_binding(
@@ -266,6 +283,7 @@ class Cluster:
                     f"worker {self.name}[rank {rank}] on {slot.hardware} failed to start: {err}"
                 ) from err
             self._mark_started(slot, info)
+            slot.alive = True
         log.info(
             "cluster %s: %d workers on pool %s (%s)",
             self.name,
@@ -274,19 +292,90 @@ class Cluster:
             ", ".join(f"{s.hardware}" for s in self._slots),
         )
 
-    def restart_worker(self, rank: int, timeout_s: float = 300.0) -> None:
-        """Replace the actor of ``rank`` (dead or alive) with a fresh one in the same placement bundle."""
+    def restart_worker(self, rank: int, timeout_s: float = 300.0, *, mark_alive: bool = True) -> None:
+        """Replace the actor of ``rank`` (dead or alive) with a fresh one in the same placement bundle.
+
+        ``mark_alive=False`` leaves it out of routing and control calls until :meth:`mark_alive` (a
+        supervisor first loads the current weights into it)."""
         slot = self._slot(rank)
+        with self._lock:
+            slot.alive = False
         try:
             ray.kill(slot.actor, no_restart=True)
         except Exception as err:  # already dead
             log.debug("kill %s[%d]: %s", self.name, rank, err)
-        slot.alive = False
         info = ray.get(self._start_actor(slot), timeout=timeout_s)
         with self._lock:
             slot.inflight = 0
+            self.fault_counts["restarts"] += 1
         self._mark_started(slot, info)
         log.info("cluster %s: rank %d restarted on %s", self.name, rank, slot.hardware)
+        if mark_alive:
+            self.mark_alive(rank)
+
+    def mark_alive(self, rank: int) -> None:
+        """Let ``rank`` take traffic again (after :meth:`restart_worker` with ``mark_alive=False``)."""
+        slot = self._slot(rank)
+        with self._lock:
+            slot.alive, slot.restarting, slot.removed = True, False, False
+            self._live_changed.notify_all()
+        self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, "running")
+
+    def mark_restarting(self, rank: int, restarting: bool = True) -> None:
+        """A supervisor is (or no longer is) bringing ``rank`` back: control calls skip it meanwhile."""
+        with self._lock:
+            self._slot(rank).restarting = restarting
+            self._live_changed.notify_all()
+
+    def remove_worker(self, rank: int) -> None:
+        """Take ``rank`` out of the pool for good: no routed call or control call reaches it again."""
+        slot = self._slot(rank)
+        with self._lock:
+            slot.alive, slot.restarting, slot.removed = False, False, True
+            self.fault_counts["removed"] += 1
+            self._live_changed.notify_all()
+        try:
+            ray.kill(slot.actor, no_restart=True)
+        except Exception as err:
+            log.debug("kill %s[%d]: %s", self.name, rank, err)
+        self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, "removed")
+
+    def fail(self, err: BaseException, cause: BaseException | None = None) -> None:
+        """Every later call on this cluster raises ``err`` (a restart policy gave up with ``fail``)."""
+        if cause is not None and err.__cause__ is None:
+            err.__cause__ = cause
+        with self._lock:
+            self._fatal = err
+            self._live_changed.notify_all()
+
+    def _check_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    def add_death_listener(self, fn: Callable[[int, BaseException | None], None]) -> None:
+        """``fn(rank, cause)`` runs (in the caller's thread) each time a live rank is found dead."""
+        self._death_listeners.append(fn)
+
+    def remove_death_listener(self, fn: Callable[[int, BaseException | None], None]) -> None:
+        if fn in self._death_listeners:
+            self._death_listeners.remove(fn)
+
+    def recoverable(self) -> bool:
+        """Whether a rank is alive or being restarted (a control call may then skip the dead ones)."""
+        return any(s.alive or s.restarting for s in self._slots)
+
+    def wait_until_serving(self, timeout_s: float) -> bool:
+        """Block until a rank is alive (True), or none can come back / ``timeout_s`` passes (False)."""
+        with self._live_changed:
+            self._live_changed.wait_for(
+                lambda: self._fatal is not None or not self.recoverable() or any(s.alive for s in self._slots),
+                timeout=timeout_s,
+            )
+            return self._fatal is None and any(s.alive for s in self._slots)
+
+    def pids(self) -> dict[int, int]:
+        """The process id of each rank's actor (as reported when it started)."""
+        return {s.rank: s.pid for s in self._slots}
 
     def health_check(self, timeout_s: float = 10.0) -> dict[int, bool]:
         """Ping every worker; mark the unreachable ones dead. Returns rank → alive."""
@@ -404,10 +493,15 @@ class Cluster:
         return f"Cluster({self.name!r}, {self.worker_cls.__name__}, pool={self.pool!r}, world_size={self.world_size})"
 
     # ------------------------------------------------------------------ liveness
-    def _mark_dead(self, rank: int) -> None:
+    def _mark_dead(self, rank: int, cause: BaseException | None = None) -> None:
         slot = self._slots[rank]
-        if slot.alive:
-            slot.alive = False
+        with self._lock:
+            was_alive, slot.alive = slot.alive, False
+            if was_alive:
+                self.fault_counts["deaths"] += 1
+                self._last_death = cause or self._last_death
+                self._live_changed.notify_all()
+        if was_alive:
             log.warning(
                 "cluster %s: worker rank %d on %s (host %s) is dead",
                 self.name,
@@ -416,6 +510,11 @@ class Cluster:
                 slot.node_ip or "?",
             )
             self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, "dead")
+            for listener in list(self._death_listeners):
+                try:
+                    listener(rank, cause)
+                except Exception:
+                    log.exception("cluster %s: death listener of rank %d failed", self.name, rank)
 
     def _died(self, rank: int, err: BaseException | None = None) -> WorkerDiedError:
         """The error for a dead ``rank``: its cluster, hardware, host IP and the Ray cluster's address."""
@@ -427,8 +526,18 @@ class Cluster:
         return WorkerDiedError(self.name, rank, slot.hardware, err, node_ip=slot.node_ip, ray_cluster=gcs)
 
     def _dead(self, rank: int, err: BaseException) -> ray.ObjectRef:
-        self._mark_dead(rank)
+        self._mark_dead(rank, err)
         raise self._died(rank, err) from err
+
+    def _dead_skip(self, rank: int, err: BaseException) -> Any:
+        """``skip_dead_ranks``: a rank that died during a control call is left out of its answer."""
+        self._mark_dead(rank, err)
+        if not self.recoverable():
+            raise self._died(rank, err) from err
+        with self._lock:
+            self.fault_counts["skipped"] += 1
+        log.warning("%s: rank %d died during a control call; skipped", self.name, rank)
+        return SKIPPED
 
     # ------------------------------------------------------------------ binding the proxies
     def _bind_method(self, m: ExposedMethod) -> None:
@@ -453,9 +562,18 @@ class Cluster:
         assert spec is not None
         qual = f"{self.name}.{m.name}"
 
+        skippable = spec.dispatch is Dispatch.ONE_TO_ALL and spec.dispatch_fn is None
+
         def call(*args: Any, blocking: bool = True, **kwargs: Any) -> Any:
+            self._check_fatal()
             plan = plan_calls(spec, qual, self.world_size, args, kwargs)
+            skip = skippable and self.skip_dead_ranks
             targets = [r for r, c in enumerate(plan) if c is not None]
+            if skip:
+                dead = [r for r in targets if not self._slots[r].alive]
+                if dead and not self.recoverable():
+                    raise self._died(dead[0], self._last_death) from self._last_death
+                targets = [r for r in targets if self._slots[r].alive]
             if len(targets) > 1:  # put shared arguments into the object store once, not once per rank
                 plan = _share_common_args(plan)
             calls = []
@@ -465,7 +583,9 @@ class Cluster:
                     raise self._died(rank)
                 a, kw = plan[rank]  # type: ignore[misc]
                 calls.append((rank, getattr(slot.actor, m.name).remote(*a, **kw)))
-            fut: ClusterFuture[Any] = ClusterFuture(calls, lambda res: collect(spec, res), self._dead)
+            fut: ClusterFuture[Any] = ClusterFuture(
+                calls, lambda res: collect(spec, res), self._dead_skip if skip else self._dead
+            )
             if m.is_async or not blocking:
                 return fut
             return fut.result()
@@ -507,14 +627,18 @@ class Cluster:
             tag = bound.arguments.get("tag_name")
             if not isinstance(tag, str):
                 raise TypeError(f"{self.name}.{m.name}: tag_name must be a string, got {tag!r}")
+            self._check_fatal()
             slot = self._route(spec, tag)
 
             def reroute(rank: int, err: BaseException) -> tuple[int, ray.ObjectRef]:
-                self._mark_dead(rank)
+                self._mark_dead(rank, err)
+                self._check_fatal()
                 try:
                     nxt = self._route(spec, tag)
                 except NoLiveWorkerError as none_left:
                     raise self._died(rank, err) from none_left
+                with self._lock:
+                    self.fault_counts["rerouted"] += 1
                 log.info(
                     "%s.%s: rank %d died, tag %r rerouted to rank %d (%s)",
                     self.name,

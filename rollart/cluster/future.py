@@ -19,9 +19,20 @@ T = TypeVar("T")
 ACTOR_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
+class _Skipped:
+    """What ``on_dead`` returns to drop a dead rank from the call (its result is left out)."""
+
+    def __repr__(self) -> str:
+        return "SKIPPED"
+
+
+SKIPPED: Any = _Skipped()
+
+
 class ClusterFuture(Generic[T]):
     """Pending per-rank calls. ``on_dead(rank, err)`` converts a dead-actor error (and may reroute:
-    returning a new ``ObjectRef`` retries the call there)."""
+    returning a new ``ObjectRef`` retries the call there; returning ``SKIPPED`` leaves the rank's
+    result out of the collected answer)."""
 
     def __init__(
         self,
@@ -50,25 +61,36 @@ class ClusterFuture(Generic[T]):
             try:
                 return ray.get(ref, timeout=timeout)
             except ACTOR_GONE as err:
-                rank, ref = self._retry(rank, err)
+                nxt = self._retry(rank, err)
+                if nxt is SKIPPED:
+                    return SKIPPED
+                rank, ref = nxt
 
-    def _retry(self, rank: int, err: BaseException) -> tuple[int, ray.ObjectRef]:
+    def _retry(self, rank: int, err: BaseException) -> Any:
         nxt = self._on_dead(rank, err)  # raises WorkerDiedError when it cannot reroute
+        if nxt is SKIPPED:
+            return SKIPPED
         return nxt if isinstance(nxt, tuple) else (rank, nxt)
 
+    def _finish(self, values: list[Any]) -> T:
+        return self._collect([v for v in values if v is not SKIPPED])
+
     def result(self, timeout: float | None = None) -> T:
-        return self._collect([self._get_one(rank, ref, timeout) for rank, ref in self._calls])
+        return self._finish([self._get_one(rank, ref, timeout) for rank, ref in self._calls])
 
     async def _await_one(self, rank: int, ref: ray.ObjectRef) -> Any:
         while True:
             try:
                 return await ref
             except ACTOR_GONE as err:
-                rank, ref = self._retry(rank, err)
+                nxt = self._retry(rank, err)
+                if nxt is SKIPPED:
+                    return SKIPPED
+                rank, ref = nxt
 
     async def _await_all(self) -> T:
         values = await asyncio.gather(*(self._await_one(rank, ref) for rank, ref in self._calls))
-        return self._collect(list(values))
+        return self._finish(list(values))
 
     def __await__(self) -> Generator[Any, None, T]:
         return self._await_all().__await__()

@@ -13,8 +13,11 @@ last tokens, ``error`` fails the trajectory).
 
 Faults: ``reset`` is retried with exponential backoff; a ``step`` that keeps failing (an error or a
 timeout) ends the trajectory with ``status="failed"``; a reward that fails after its retries gives
-``status="reward_failed"``. Nothing is ever scored 0 in place of a failure, and the caller counts
-every status.
+``status="reward_failed"``. A generation that fails (the engine refused the request, its loop
+stopped) ends the trajectory with ``status="failed"`` and the cause in ``error``; a generation no worker
+can serve any more (every inference worker dead or removed, or the restart policy failed the job)
+raises ``ClusterError`` out of :meth:`EnvManager.run`, so the scheduler stops and ``get_batch`` raises
+it. Nothing is ever scored 0 in place of a failure, and the caller counts every status.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollart.cluster.errors import ClusterError
 from rollart.engines.base import SamplingParams
 from rollart.rollout.chat import ChatFormat, ChatTemplateError, chat_format, check_template_setting
 from rollart.rollout.llm_proxy import LLMProxy
@@ -248,8 +252,17 @@ class EnvManager:
                 prompt_token_ids=list(traj.token_ids),
                 sampling=self._turn_sampling(seed, traj.traj_id, turn),
             )
-            out = await self.proxy.generate(req, self.tag)
-            self.current_request = None
+            try:
+                out = await self.proxy.generate(req, self.tag)
+            except ClusterError:
+                raise  # no worker can serve it: the rollout cannot go on
+            except Exception as err:
+                root = err.cause if isinstance(getattr(err, "cause", None), BaseException) else err  # Ray's wrapper
+                traj.status, traj.error = "failed", f"generate turn {turn}: {type(root).__name__}: {root}"
+                log.warning("%s %s: %s", self.tag, traj.traj_id, traj.error)
+                return traj
+            finally:
+                self.current_request = None
             traj.hardware.append(out.hardware)
             start = len(traj.token_ids)
             traj.token_ids += out.output_token_ids

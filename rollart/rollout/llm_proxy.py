@@ -5,16 +5,30 @@ hardware type of the tag's preference, least-loaded worker within it), and carri
 across ``suspend`` / ``model_update`` / ``resume``: a preempted request is continued with its prompt
 plus the tokens generated so far (the prefix is recomputed under the new weights), and its output
 records, per token, the policy version and behaviour logprob that produced it.
+
+Faults: a request whose worker dies is sent again from its stored state — the prompt plus the tokens
+already returned (with their logprobs and versions) — to a live worker (the Cluster reroutes it, or,
+while every worker of its tag is being restarted, the proxy waits for one to come back, bounded by
+``wait_for_worker_s``). Tokens a dead worker had not returned yet are generated again. When no worker
+can serve it (all removed, or the restart policy failed the job) the request raises with the cause.
+With a :class:`~rollart.cluster.fault.WorkerSupervisor`, every weight push records the version it
+sends under the supervisor's lock, and a restarted worker loads that version before it takes traffic.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
+import ray
+
 from rollart.cluster import Cluster
+from rollart.cluster.errors import NoLiveWorkerError, WorkerDiedError
+from rollart.cluster.fault import RestartPolicy, WorkerSupervisor
 from rollart.rollout.types import GenerateOutput, GenerateRequest
 from rollart.weights.base import WeightChannel
 
@@ -24,12 +38,44 @@ log = logging.getLogger(__name__)
 class LLMProxy:
     """Shared by many EnvManagers; every method is a coroutine on the caller's event loop."""
 
-    def __init__(self, cluster: Cluster):
+    def __init__(self, cluster: Cluster, *, restart: RestartPolicy | None = None, wait_for_worker_s: float = 300.0):
         self.cluster = cluster
         self._aborted: set[str] = set()
         self._inflight: set[str] = set()
         self.version = 0
         self._by_hw: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.wait_for_worker_s = wait_for_worker_s
+        self.counts: Counter[str] = Counter()  # "migrated": requests sent again after their worker died
+        # the weights being served: (state dict or its ObjectRef, channel, version); what a restart loads
+        self._serving: tuple[Any, Any, int] = (None, None, 0)
+        self._push_lock = threading.Lock()
+        self.supervisor: WorkerSupervisor | None = None
+        if restart is not None:
+            cluster.skip_dead_ranks = True
+            self.supervisor = WorkerSupervisor(
+                cluster, restart, prepare=self._load_serving, current_version=lambda: self._serving[2]
+            )
+            self._push_lock = self.supervisor.version_lock
+
+    def _load_serving(self, actor: Any) -> int:
+        """Load the served weights into a restarted worker (runs in the supervisor's thread)."""
+        weights, channel, version = self._serving
+        if channel is not None:
+            ray.get(actor.load_weights_from.remote(channel, version))
+        elif weights is not None:
+            ray.get(actor.update_weights.remote(weights, version))
+        return version
+
+    async def _wait_for_worker(self, rid: str) -> bool:
+        """While a worker is being restarted: wait until one serves (True), or none can (False)."""
+        deadline = time.monotonic() + self.wait_for_worker_s
+        while time.monotonic() < deadline and rid not in self._aborted:
+            step = min(1.0, deadline - time.monotonic())
+            if await asyncio.to_thread(self.cluster.wait_until_serving, step):
+                return True
+            if not self.cluster.recoverable():
+                return False
+        return rid in self._aborted
 
     async def generate(self, request: GenerateRequest, tag: str) -> GenerateOutput:
         """Generate until the request stops or runs out of tokens, continuing across preemptions."""
@@ -44,7 +90,18 @@ class LLMProxy:
                 if rid in self._aborted:
                     base = out or GenerateOutput(request_id=rid)
                     return base.model_copy(update={"finish_reason": "abort", "preempted": False})
-                part: GenerateOutput = await self.cluster.generate(req, tag_name=tag)
+                try:
+                    part: GenerateOutput = await self.cluster.generate(req, tag_name=tag)
+                except (NoLiveWorkerError, WorkerDiedError) as err:
+                    if not await self._wait_for_worker(rid):
+                        raise
+                    if rid in self._aborted:
+                        continue
+                    self.counts["migrated"] += 1
+                    log.info(
+                        "request %s: %r; sent again from its %d stored tokens", rid, err, len(req.prompt_token_ids)
+                    )
+                    continue  # ``req`` is the stored state: prompt + the tokens returned so far
                 out = part if out is None else out.extend(part)
                 if not part.preempted or rid in self._aborted:
                     break
@@ -74,7 +131,10 @@ class LLMProxy:
         live = [r for r in request_ids if r in self._inflight]
         self._aborted.update(live)
         if live:
-            await self.cluster.abort(live)
+            try:
+                await self.cluster.abort(live)
+            except (NoLiveWorkerError, WorkerDiedError) as err:  # nothing runs them any more: already ended
+                log.warning("abort of %d requests: %r", len(live), err)
 
     async def suspend(self) -> None:
         """Preempt every in-flight request (partial tokens kept) and hold new ones."""
@@ -85,13 +145,28 @@ class LLMProxy:
 
     async def model_update(self, weights: Any, version: int) -> None:
         """Load new weights on every worker (a state dict, or an ObjectRef of one)."""
-        await self.cluster.update_weights(weights, version)
+        with self._push_lock:  # a worker coming back from a restart sees this version, or gets this push
+            self._serving = (weights, None, version)
+            fut = self.cluster.update_weights(weights, version)
+        await fut
         self.version = version
 
     async def model_update_from(self, channel: WeightChannel, version: int) -> None:
         """Every worker fetches ``version`` from a weight channel itself (e.g. Mooncake)."""
-        await self.cluster.load_weights_from(channel, version)
+        with self._push_lock:
+            self._serving = (None, channel, version)
+            fut = self.cluster.load_weights_from(channel, version)
+        await fut
         self.version = version
+
+    def fault_metrics(self) -> dict[str, int]:
+        """Deaths, reroutes, skipped control calls, restarts and removals of the pool; migrated requests."""
+        return {**self.cluster.fault_counts, "migrated": self.counts["migrated"]}
+
+    def close(self) -> None:
+        """Stop restarting workers (before the cluster shuts down)."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
 
     async def worker_metrics(self) -> list[dict[str, Any]]:
         return await self.cluster.metrics()

@@ -16,6 +16,10 @@ from collections.abc import Callable, Iterable
 from rollart.rollout.types import GroupId, Trajectory
 
 
+class RolloutError(RuntimeError):
+    """The rollout stopped on an error (its ``__cause__``); no batch can come any more."""
+
+
 class Group(list[Trajectory]):
     """The kept trajectories of one round (a list), with the round's typed id ``gid``."""
 
@@ -33,6 +37,7 @@ class SampleBuffer:
         self._cond = asyncio.Condition()
         self._on_stale = on_stale
         self.evicted_stale = 0
+        self._error: BaseException | None = None
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -61,10 +66,19 @@ class SampleBuffer:
                 keep.append(g)
         self._groups = keep
 
+    async def fail(self, err: BaseException) -> None:
+        """The producer stopped on ``err``: waiting and later ``get_batch`` calls raise it."""
+        async with self._cond:
+            self._error = err
+            self._cond.notify_all()
+
     async def get_batch(self, n: int, version: int, alpha: int) -> list[Group]:
-        """The ``n`` oldest usable groups (FIFO), waiting for them; stale ones are evicted first."""
+        """The ``n`` oldest usable groups (FIFO), waiting for them; stale ones are evicted first.
+        Raises ``RolloutError`` (with the cause) once the producer failed."""
         async with self._cond:
             while True:
+                if self._error is not None:
+                    raise RolloutError(f"rollout stopped: {type(self._error).__name__}: {self._error}") from self._error
                 self._evict_stale(version, alpha)
                 if len(self._groups) >= n:
                     return [self._groups.popleft() for _ in range(n)]

@@ -14,6 +14,16 @@ Admission (seed 001, "capacity"): a new round starts only while
 more than ``alpha`` policy versions ahead; ``extra_groups = num_env_groups - batch_groups`` is the
 redundancy slack. When the version advances, running rounds begun more than ``alpha`` versions ago
 are aborted and their seeds retried (nothing is lost).
+
+Faults: a group loop that stops on an error (e.g. no inference worker can serve any more) fails the
+scheduler: ``get_batch`` raises ``RolloutError`` with that cause instead of waiting. So does a run of
+``max_consecutive_failed_rounds`` rounds that all failed (with the last trajectory error).
+
+Accounting (``counts``): every trajectory started is counted once when it ends, by status
+(``trajectories_ok`` / ``_aborted`` / ``_failed`` / ``_reward_failed``); of the ok ones,
+``trajectories_kept`` entered the buffer and ``trajectories_trained`` were handed to the trainer
+(``trajectories_evicted``: kept, then evicted as stale and played again). Memory stays bounded: only
+the last ``2 * num_env_groups * group_size`` ended trajectories are kept for inspection.
 """
 
 from __future__ import annotations
@@ -24,10 +34,11 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollart.rollout.env_manager import EnvManager
-from rollart.rollout.sample_buffer import Group, SampleBuffer
+from rollart.rollout.ledger import RoundLedger
+from rollart.rollout.sample_buffer import Group, RolloutError, SampleBuffer
 from rollart.rollout.types import GroupId, Trajectory
 
 log = logging.getLogger(__name__)
@@ -45,6 +56,7 @@ class RolloutConfig(BaseModel):
     max_round_failures: int = 3  # a seed whose rounds fail this often is given up (and counted)
     requeue_reward_failures: bool = True  # a failed reward replays its round (else the trajectory is dropped)
     seed_offset: int = 0
+    max_consecutive_failed_rounds: int = Field(default=50, ge=1)  # then get_batch raises with the last error
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
@@ -96,8 +108,13 @@ class RolloutScheduler:
         self._cond: asyncio.Condition | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
-        self.completed_trajectories: list[Trajectory] = []  # every trajectory that ended, for metrics
+        # the last trajectories that ended (bounded: nothing grows with the number of steps)
+        self.completed_trajectories: deque[Trajectory] = deque(maxlen=2 * config.num_env_groups * config.group_size)
         self.staleness: Counter[int] = Counter()
+        self.error: BaseException | None = None
+        self.settled = RoundLedger(config.num_env_groups)  # rounds trained, filtered or given up
+        self._failed_in_row = 0
+        self._last_error = ""
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -105,11 +122,31 @@ class RolloutScheduler:
         self._tasks = [
             asyncio.get_running_loop().create_task(self._group_loop(g)) for g in range(self.config.num_env_groups)
         ]
+        for t in self._tasks:
+            t.add_done_callback(self._loop_done)
 
-    async def stop(self) -> None:
-        """Abort every running round and end the group loops."""
+    def _loop_done(self, task: asyncio.Task) -> None:
+        """A group loop ended: on an error, fail the scheduler so ``get_batch`` raises it."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self._fail(task.exception())  # type: ignore[arg-type]
+
+    def _fail(self, err: BaseException) -> None:
+        if self.error is not None:
+            return
+        self.error = err
+        log.error("rollout stopped: %r", err)
+        self._fail_task = asyncio.get_running_loop().create_task(self.buffer.fail(err))
+
+    async def stop(self, timeout_s: float = 60.0) -> None:
+        """Abort every running round and end the group loops (each ends its round first, so every
+        started trajectory is counted; ``timeout_s`` bounds the wait, then the loops are cancelled)."""
         self._stopping = True
         await self._abort_rounds(lambda r: True)
+        if self._cond is not None:
+            await self._notify()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=timeout_s)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -135,6 +172,7 @@ class RolloutScheduler:
     def _requeue_group(self, group: Group) -> None:
         self.accepted -= 1
         self.counts["groups_evicted_stale"] += 1
+        self.counts["trajectories_evicted"] += len(group)
         self._retry[group.gid.env_group].appendleft(group.gid.round)
 
     async def _group_loop(self, g: int) -> None:
@@ -147,6 +185,13 @@ class RolloutScheduler:
                 kept = await self._run_round(rnd)
             finally:
                 self.running.pop(g, None)
+            if kept is None and not rnd.aborted and not self._stopping:
+                self._failed_in_row += 1
+                if self._failed_in_row >= self.config.max_consecutive_failed_rounds:
+                    raise RolloutError(
+                        f"{self._failed_in_row} rounds in a row failed (rollout.max_consecutive_failed_rounds); "
+                        f"last error: {self._last_error or 'none recorded'}"
+                    )
             if kept is None:  # aborted (stale or stop) or failed: the same seed again
                 if not self._stopping:
                     self._retry[g].appendleft(r)
@@ -157,9 +202,13 @@ class RolloutScheduler:
                 continue
             if self.config.filter_zero_variance and len({t.reward for t in kept}) == 1 and len(kept) > 1:
                 self.counts["groups_filtered"] += 1
+                self.settled.settle(g, r)
             else:
                 self.accepted += 1
                 self.counts["groups_accepted"] += 1
+                self.counts["trajectories_kept"] += len(kept)
+                self._failed_in_row = 0
+                self._failures.pop((g, r), None)
                 await self.buffer.put(Group(kept, GroupId(g, r)))
             await self._notify()
 
@@ -177,6 +226,7 @@ class RolloutScheduler:
         }
         kept: list[Trajectory] = []
         pending = set(tasks)
+        self.counts["trajectories_started"] += len(tasks)
         try:
             while pending and len(kept) < self.config.keep and not rnd.aborted:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -184,6 +234,8 @@ class RolloutScheduler:
                     traj = t.result()
                     self.counts[f"trajectories_{traj.status}"] += 1
                     self.completed_trajectories.append(traj)
+                    if traj.error:
+                        self._last_error = f"{traj.traj_id}: {traj.error}"
                     if traj.status == "ok" and not rnd.aborted:
                         kept.append(traj)
                     elif traj.status == "reward_failed" and self.config.requeue_reward_failures:
@@ -195,6 +247,7 @@ class RolloutScheduler:
                 for late in await asyncio.gather(*pending, return_exceptions=True):
                     if isinstance(late, Trajectory):
                         self.counts[f"trajectories_{late.status}"] += 1
+                        self.completed_trajectories.append(late)
                         if late.status == "ok" and len(kept) < self.config.keep and not rnd.aborted:
                             kept.append(late)
         if rnd.aborted:
@@ -211,6 +264,8 @@ class RolloutScheduler:
                     rnd.index,
                     self.config.max_round_failures,
                 )
+                self._failures.pop((rnd.group, rnd.index), None)
+                self.settled.settle(rnd.group, rnd.index)
                 return []  # counted, not retried again
             return None
         return kept[: self.config.keep]
@@ -237,6 +292,7 @@ class RolloutScheduler:
             "next_round": list(self._next_round),
             "retry": {g: sorted(set(rounds)) for g, rounds in retry.items() if rounds},
             "counts": dict(self.counts),
+            "settled": self.settled.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -255,6 +311,8 @@ class RolloutScheduler:
         for g, rounds in state["retry"].items():  # JSON turns the int keys into strings
             self._retry[int(g)].extend(sorted({int(r) for r in rounds}))
         self.counts = Counter({str(k): int(v) for k, v in state["counts"].items()})
+        if "settled" in state:
+            self.settled.load_state_dict(state["settled"])
 
     # ------------------------------------------------------------------ controller side
     async def get_batch(self, version: int | None = None) -> list[Group]:
@@ -265,6 +323,10 @@ class RolloutScheduler:
         groups = await self.buffer.get_batch(self.config.batch_groups, version, self.config.alpha)
         for grp in groups:
             self.staleness[version - SampleBuffer.start_version(grp)] += 1
+            self.counts["trajectories_trained"] += len(grp)
+            if not self.settled.settle(*grp.gid):
+                self.counts["rounds_trained_twice"] += 1
+                log.error("round %s handed to the trainer a second time", grp.gid)
         return groups
 
     async def set_version(self, version: int) -> None:

@@ -1,0 +1,185 @@
+"""Restart policies per role and the supervisor that applies one to a Cluster (issue #13).
+
+``fault:`` in the pipeline config holds one :class:`RestartPolicy` per role. What is enforced today:
+
+- ``inference``: a dead inference worker is restarted in its own placement bundle (at most
+  ``max_restarts`` times within ``window_s`` seconds, ``backoff_s`` before each try); it loads the policy
+  version being served before it takes traffic. Once its restarts are spent, ``on_exhausted: remove``
+  takes it out of the routing table (the job goes on with the others), ``fail`` fails the job with the
+  cause at the next call on that cluster.
+- ``train``, ``reference``, ``critic``, ``env``, ``reward``: parsed and validated only; nothing restarts
+  those roles yet (a dead trainer rank still fails the step with ``WorkerDiedError``; env and reward
+  faults are handled by ``env_manager`` and ``reward`` retries, not by these policies).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from rollart.cluster.cluster import Cluster
+
+log = logging.getLogger(__name__)
+
+
+class RestartPolicy(BaseModel):
+    """How often a role's dead workers are restarted, and what happens when that is spent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_restarts: int = Field(default=2, ge=0)  # per worker (rank), within window_s
+    window_s: float = Field(default=300.0, gt=0)  # restarts older than this no longer count
+    backoff_s: float = Field(default=1.0, ge=0)  # wait before each restart (doubles per restart in the window)
+    on_exhausted: Literal["remove", "fail"] = "remove"  # drop the rank from the pool, or fail the job
+
+
+class FaultConfig(BaseModel):
+    """``fault:`` — one restart policy per role (only ``inference`` is enforced; see the module doc)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inference: RestartPolicy = Field(default_factory=RestartPolicy)
+    train: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_restarts=0, on_exhausted="fail"))
+    reference: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_restarts=0, on_exhausted="fail"))
+    critic: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_restarts=0, on_exhausted="fail"))
+    env: RestartPolicy = Field(default_factory=RestartPolicy)
+    reward: RestartPolicy = Field(default_factory=RestartPolicy)
+
+
+class RestartBudget:
+    """Restart times of each rank inside the policy's sliding window."""
+
+    def __init__(self, policy: RestartPolicy, clock: Callable[[], float] = time.monotonic):
+        self.policy = policy
+        self._clock = clock
+        self._times: dict[int, deque[float]] = {}
+
+    def take(self, rank: int) -> float | None:
+        """Record a restart of ``rank`` and return the backoff before it, or None when none is left."""
+        now = self._clock()
+        times = self._times.setdefault(rank, deque())
+        while times and now - times[0] > self.policy.window_s:
+            times.popleft()
+        if len(times) >= self.policy.max_restarts:
+            return None
+        backoff = self.policy.backoff_s * (2 ** len(times))
+        times.append(now)
+        return backoff
+
+
+class WorkerSupervisor:
+    """Restarts the dead workers of one Cluster under a :class:`RestartPolicy`.
+
+    ``prepare(actor) -> version`` runs on a restarted actor before it is marked alive (it loads the
+    policy version being served and returns it); ``current_version()`` reads the version being served.
+    A worker takes traffic only once the version it loaded is still the current one, checked under
+    :attr:`version_lock` — the lock a weight push holds while it records the new version and sends it
+    to the live workers, so a worker coming back during a push gets the new version too.
+    """
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        policy: RestartPolicy,
+        *,
+        prepare: Callable[[Any], int] | None = None,
+        current_version: Callable[[], int] = lambda: 0,
+        ready_timeout_s: float = 300.0,
+    ):
+        self.cluster = cluster
+        self.policy = policy
+        self.budget = RestartBudget(policy)
+        self.prepare = prepare
+        self.current_version = current_version
+        self.ready_timeout_s = ready_timeout_s
+        self.version_lock = threading.Lock()
+        self.restarting: set[int] = set()
+        self.events: list[dict[str, Any]] = []  # one per restart / removal / failure, for metrics and tests
+        self._cond = threading.Condition()
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+        cluster.add_death_listener(self._on_death)
+
+    # ------------------------------------------------------------------ reacting to a death
+    def _on_death(self, rank: int, cause: BaseException | None) -> None:
+        with self._cond:
+            if rank in self.restarting or self._stopped.is_set():
+                return
+            backoff = self.budget.take(rank)
+            if backoff is None:
+                self._exhausted(rank, cause)
+                return
+            self.restarting.add(rank)
+            self.cluster.mark_restarting(rank)
+        t = threading.Thread(
+            target=self._restart, args=(rank, backoff, cause), name=f"restart-{self.cluster.name}-{rank}", daemon=True
+        )
+        self._threads.append(t)
+        t.start()
+
+    def _exhausted(self, rank: int, cause: BaseException | None) -> None:
+        p = self.policy
+        what = f"{self.cluster.name}[rank {rank}] used its {p.max_restarts} restarts within {p.window_s:g}s"
+        if p.on_exhausted == "remove":
+            log.error("%s; removed from the pool (cause: %r)", what, cause)
+            self.cluster.remove_worker(rank)
+            self._event("removed", rank, cause)
+        else:
+            log.error("%s; failing the job (cause: %r)", what, cause)
+            self.cluster.fail(RuntimeError(f"{what} (fault.on_exhausted: fail); cause: {cause!r}"), cause)
+            self._event("failed", rank, cause)
+
+    def _event(self, kind: str, rank: int, cause: BaseException | None, **more: Any) -> None:
+        with self._cond:
+            self.events.append({"event": kind, "rank": rank, "cause": repr(cause), **more})
+            self._cond.notify_all()
+
+    def _restart(self, rank: int, backoff: float, cause: BaseException | None) -> None:
+        try:
+            if self._stopped.wait(backoff):  # backoff of the policy; a shutdown ends it early
+                return
+            self.cluster.restart_worker(rank, timeout_s=self.ready_timeout_s, mark_alive=False)
+            actor = self.cluster.workers[rank]
+            while True:
+                version = self.prepare(actor) if self.prepare is not None else self.current_version()
+                with self.version_lock:
+                    if version == self.current_version():
+                        self.cluster.mark_alive(rank)
+                        break
+                log.info(
+                    "%s[%d] loaded version %d, a newer one is served now; loading again",
+                    self.cluster.name,
+                    rank,
+                    version,
+                )
+            log.warning("%s: rank %d restarted, serving version %d", self.cluster.name, rank, version)
+            with self._cond:
+                self.restarting.discard(rank)
+            self._event("restarted", rank, cause, version=version)
+        except Exception as err:  # the restart itself failed: counts as a death of its own
+            log.exception("%s: restart of rank %d failed", self.cluster.name, rank)
+            with self._cond:
+                self.restarting.discard(rank)
+            self.cluster.mark_restarting(rank, False)
+            if not self._stopped.is_set():
+                self._on_death(rank, err)
+
+    # ------------------------------------------------------------------ waiting (tests, shutdown)
+    def wait_for(self, predicate: Callable[[list[dict[str, Any]]], bool], timeout_s: float) -> bool:
+        """Block until ``predicate(events)`` holds (True) or ``timeout_s`` passes (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.events), timeout=timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """No more restarts; waits (bounded) for the restarts under way to end."""
+        self._stopped.set()
+        self.cluster.remove_death_listener(self._on_death)
+        for t in self._threads:
+            t.join(timeout_s)
