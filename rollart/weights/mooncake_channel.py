@@ -6,7 +6,7 @@ under the channel's prefix ``rollart/<name>``::
 
     rollart/<name>/v<v>/chunk<i>     the snapshot's bytes, all tensors back to back, cut in chunks
     rollart/<name>/v<v>/manifest     JSON: version, chunk count, and per tensor name, dtype, shape,
-                                     byte offset, and the BLAKE2b checksum of that layout and the
+                                     byte offset, and the SHA-256 checksum of that layout and the
                                      bytes (checked before unpacking) — written after every chunk
     rollart/<name>/latest            the newest version whose manifest is written (upserted last)
 
