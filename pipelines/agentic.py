@@ -12,10 +12,13 @@ Weight channels (``weights.channel``): ``ray`` and ``dist`` make the driver wait
 serves the new version. ``mooncake`` hides the transfer behind training (seed 004 §5.2, §7.3): the
 trainer publishes in the background, and the driver starts the next step at once while every host
 fetches the version once from the store (:class:`~rollart.weights.host_cache.HostSharedChannel`) and
-every worker swaps it in between two of its engine steps. At most one version is in flight: the
-driver waits for version ``v`` to be served before it publishes ``v + 1`` (a whole training step
-later). The α bound is checked against the trainer's version, not the served one: a batch trained at
-version ``v`` holds only groups begun at ``>= v - alpha``, and every token records the version that
+every worker swaps it in between two of its engine steps. The driver never waits for it: a serve loop
+in the background loads the newest published version on every worker, one at a time; a version
+published while another is loading is skipped if a newer one follows before the load ends (two in
+flight at most: one loading, the newest waiting), and the run ends with every worker serving the last
+one. The α bound is checked against the trainer's version, not the served one: a batch trained at
+version ``v`` holds only groups begun at ``>= v - alpha``, where a group's version is the one every
+worker served when it began (workers only move forward), and every token records the version that
 produced it.
 """
 
@@ -33,7 +36,7 @@ from rollart.config import PipelineConfig
 from rollart.data.evaluation import Evaluator
 from rollart.data.sampler import RoundSeeds
 from rollart.pipelines.data_tasks import DataTasks, eval_sets
-from rollart.rollout.async_controller import AsyncController
+from rollart.rollout.async_controller import AsyncController, NewestVersionLoader
 from rollart.rollout.env_manager import EnvManager, HFCodec
 from rollart.rollout.inference_worker import inference_worker_class
 from rollart.rollout.llm_proxy import LLMProxy
@@ -287,7 +290,7 @@ class AgenticPipeline:
         self.mooncake_master: Any = None
         self.channel: WeightChannel | None = self._weight_channel()
         self.train_version = 0  # the trainer's policy version (one per step); served versions may lag it
-        self._loading: asyncio.Future | None = None  # mooncake: the version every worker is fetching
+        self.loader: NewestVersionLoader | None = None  # mooncake: serves the newest published version
         if config.weights.channel == "none":
             log.warning("weights.channel=none: the inference workers keep their initial weights (benchmarks only)")
         self.start_step = 0
@@ -371,20 +374,23 @@ class AgenticPipeline:
             ref, version = await self.train.publish_weights(blocking=False)
             await self.controller.sync_weights(ref, version, pause=wc.pause_rollout)
             return version, time.monotonic() - t0
-        if wc.channel == "mooncake":
-            await self._await_loading()  # one version in flight; the previous one had a training step to arrive
+        if wc.channel == "mooncake":  # the driver does not wait: the loader serves the newest version
+            if self.loader is None:
+                channel = self.channel
+                self.loader = NewestVersionLoader(
+                    lambda v: self.controller.sync_weights(None, v, channel=channel), served=self.scheduler.version
+                )
             version = await self.train.publish_to(self.channel, not wc.async_publish, blocking=False)
-            self._loading = asyncio.ensure_future(self.controller.sync_weights(None, version, channel=self.channel))
+            self.loader.offer(version)  # raises a failed load of an earlier version
             return version, time.monotonic() - t0
         version = await self.train.publish_to(self.channel, not wc.async_publish, blocking=False)
         await self.controller.sync_weights(None, version, channel=self.channel)
         return version, time.monotonic() - t0
 
     async def _await_loading(self) -> None:
-        """Wait until every worker serves the version in flight (mooncake); re-raise its failure."""
-        loading, self._loading = self._loading, None
-        if loading is not None:
-            await loading
+        """Wait until every worker serves the newest published version (mooncake); re-raise a failure."""
+        if self.loader is not None:
+            await self.loader.wait()
 
     def _service_reward(self, codec: HFCodec) -> Any:
         """Score a finished trajectory with the reward service: its first prompt, its last answer and
@@ -474,6 +480,8 @@ class AgenticPipeline:
         cfg = self.config
         history: list[dict[str, Any]] = []
         tracker = self._make_tracker()
+        if cfg.weights.channel == "mooncake" and self.channel is not None:  # every host joins the store now
+            await self.infer.warm_channel(self.channel)
         self.controller.start()
         bar = None
         if self.progress:
@@ -528,10 +536,8 @@ class AgenticPipeline:
                     await self.train.export_hf(str((self.out_dir / "hf").resolve()), blocking=False)
                 )
         finally:
-            if self._loading is not None:  # a failed step: nothing waits for the fetch any more
-                self._loading.cancel()
-                await asyncio.gather(self._loading, return_exceptions=True)
-                self._loading = None
+            if self.loader is not None:  # a failed step: nothing waits for the fetch any more
+                await self.loader.cancel()
             if bar is not None:
                 bar.close()
             tracker.close()

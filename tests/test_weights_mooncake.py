@@ -187,13 +187,74 @@ def test_unreachable_master_is_a_clear_error():
         channel.publish({"x": torch.zeros(3)}, 0)
 
 
+async def test_the_newest_version_is_served_and_superseded_ones_are_skipped(ray_local, make_rm, master):
+    """Versions 2 and 3 are published while every worker still loads version 1: version 2 is never
+    fetched (by any host) nor loaded, and every worker ends on version 3 — two real inference workers,
+    their host's shared cache and a real Mooncake store."""
+    import asyncio
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    import rollart as ra
+    from rollart.models import build_tiny
+    from rollart.rollout.async_controller import NewestVersionLoader
+    from rollart.rollout.inference_worker import inference_worker_class
+    from rollart.weights.host_cache import HostSharedChannel, host_cache_stats
+    from rollart.weights.mooncake_channel import MooncakeChannel
+
+    path = build_tiny(tempfile.mkdtemp(prefix="tiny-mc-"), hidden_size=32, num_layers=1, intermediate_size=64)
+    rm = make_rm({"rollout": {"hardware": "CPU", "cpus": 2}})
+    cluster = ra.Cluster(
+        "mc_newest",
+        inference_worker_class({"*": ["CPU"]}),
+        rm,
+        pool="rollout",
+        worker_kwargs={"engine": {"kind": "torch", "model": str(path)}},
+    )
+    try:
+        assert len(cluster.workers) == 2
+        channel = HostSharedChannel(
+            MooncakeChannel("newest", master.address, keep=3, chunk_mb=1, segment_mb=32, timeout_s=30), keep=2
+        )
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+        states = {v: {k: t + 0.01 * v for k, t in base.items()} for v in (1, 2, 3)}
+        loading, release = asyncio.Event(), asyncio.Event()
+
+        async def load(version: int) -> None:
+            if version == 1:  # version 1 stays in flight until 2 and 3 are published
+                loading.set()
+                await release.wait()
+            assert await cluster.load_weights_from(channel, version) == [version, version]
+
+        loader = NewestVersionLoader(load)
+        channel.publish(states[1], 1)
+        loader.offer(1)
+        await loading.wait()
+        for v in (2, 3):
+            channel.publish(states[v], v)
+            loader.offer(v)
+        release.set()
+        await loader.wait()
+        assert loader.loaded == [1, 3] and loader.skipped == [2] and loader.served == 3
+        assert [m["weight_version"] for m in await cluster.metrics()] == [3, 3]
+        [stats] = host_cache_stats("newest")  # one host: each version it served fetched once
+        assert stats["fetches"] == [1, 3] and stats["cached"] == [1, 3]
+        # a reader that asks for a version older than the host keeps is told to load a newer one
+        with pytest.raises(Exception, match="no longer cached"):
+            await cluster.load_weights_from(channel, 0)
+        assert [m["weight_version"] for m in await cluster.metrics()] == [3, 3]
+    finally:
+        cluster.shutdown()
+
+
 def test_pipeline_runs_on_the_mooncake_channel(ray_local, tmp_path):
     _require_mooncake()
     from test_pipeline import read, small_config
 
     from rollart.pipelines.agentic import AgenticPipeline
 
-    cfg = small_config(tmp_path, steps=2, checkpoint_every=0, weights={"channel": "mooncake", "segment_mb": 32})
+    cfg = small_config(tmp_path, steps=3, checkpoint_every=0, weights={"channel": "mooncake", "segment_mb": 32})
     pipe = AgenticPipeline(cfg, progress=False)
     try:
         assert pipe.mooncake_master is not None and pipe.mooncake_master.alive()
@@ -202,5 +263,12 @@ def test_pipeline_runs_on_the_mooncake_channel(ray_local, tmp_path):
     finally:
         pipe.shutdown()
     assert pipe.mooncake_master.pid is None  # the master rollart started is stopped with the job
-    assert [h["version"] for h in history] == [1, 2] and versions == [2]
+    assert [h["version"] for h in history] == [1, 2, 3] and versions == [3]  # the run ends on the newest
     assert all(h["max_staleness"] <= cfg.rollout.alpha for h in read(tmp_path / "run" / "metrics.jsonl"))
+    # the driver never waited for a version: each was loaded or skipped for a newer one, in order
+    loader = pipe.loader
+    assert loader is not None and loader.offered == [1, 2, 3] and loader.loaded[-1] == 3
+    assert loader.loaded == sorted(loader.loaded) and sorted(loader.loaded + loader.skipped) == [1, 2, 3]
+    # with versions in flight, no token is older than its trajectory's start version (the alpha bound's base)
+    trajs = pipe.scheduler.completed_trajectories
+    assert trajs and all(t.min_version >= t.start_version for t in trajs)

@@ -9,13 +9,18 @@ starts only after the new weights are in (synchronous training); with ``alpha = 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.sample_buffer import Group
 from rollart.rollout.scheduler import RolloutScheduler
 from rollart.weights.base import WeightChannel
+
+log = logging.getLogger(__name__)
 
 
 class AsyncController:
@@ -82,3 +87,65 @@ class AsyncController:
 
     async def stop(self) -> None:
         await self.scheduler.stop()
+
+
+class NewestVersionLoader:
+    """Serves the newest offered weight version in the background, one load at a time.
+
+    ``offer(v)`` returns at once; a loop runs ``load(v)`` (e.g. every worker fetches ``v`` from a weight
+    channel) for the newest version offered, and again for whatever is newest when that load ends, so a
+    version offered while another loads is skipped once a newer one is offered (two in flight at most:
+    the one loading and the newest waiting). Versions are loaded in increasing order only. A load that
+    fails while a newer version waits is logged and the newer one is loaded; a failure of the newest
+    ends the loop and is raised by the next ``offer`` or ``wait``.
+    """
+
+    def __init__(self, load: Callable[[int], Awaitable[Any]], served: int = 0):
+        self._load = load
+        self.served = served  # the newest version loaded
+        self.wanted = served  # the newest version offered
+        self.offered: list[int] = []
+        self.loaded: list[int] = []  # in order; a skipped version is absent
+        self._task: asyncio.Task | None = None
+
+    @property
+    def skipped(self) -> list[int]:
+        """Offered versions passed over for a newer one."""
+        return [v for v in self.offered if v <= self.served and v not in self.loaded]
+
+    def offer(self, version: int) -> None:
+        if self._task is not None and self._task.done():
+            task, self._task = self._task, None
+            task.result()  # a failed loop raises here
+        if version <= self.wanted:
+            return
+        self.offered.append(version)
+        self.wanted = version
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while self.served < self.wanted:
+            version = self.wanted
+            try:
+                await self._load(version)
+            except Exception as err:
+                if self.wanted <= version:
+                    raise
+                log.warning("weights version %d not loaded (%r); loading version %d", version, err, self.wanted)
+                continue
+            self.served = version
+            self.loaded.append(version)
+
+    async def wait(self) -> None:
+        """Until the newest offered version is loaded; raises the loop's failure."""
+        task, self._task = self._task, None
+        if task is not None:
+            await task
+
+    async def cancel(self) -> None:
+        """Stop loading (a failed run); a load in progress is cancelled."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -300,6 +300,14 @@ class InferenceWorker(ra.Worker):
         return await self.update_weights(weights, version)
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    async def warm_channel(self, channel: WeightChannel) -> None:
+        """Set up what ``channel`` needs on this worker's host (e.g. join its store) before the first
+        weight update, so that update is not slower than the next ones."""
+        warm = getattr(channel, "warm", None)
+        if warm is not None:
+            await asyncio.get_running_loop().run_in_executor(None, warm)
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     async def metrics(self) -> dict[str, Any]:
         return {
             "rank": self.rank,

@@ -5,8 +5,9 @@ possibly in another cluster, fetch it when they are ready (on resume). Layout of
 under the channel's prefix ``rollart/<name>``::
 
     rollart/<name>/v<v>/chunk<i>     the snapshot's bytes, all tensors back to back, cut in chunks
-    rollart/<name>/v<v>/manifest     JSON: version, BLAKE2b checksum, chunk count, and per tensor
-                                     name, dtype, shape, byte offset — written after every chunk
+    rollart/<name>/v<v>/manifest     JSON: version, chunk count, and per tensor name, dtype, shape,
+                                     byte offset, and the SHA-256 checksum of that layout and the
+                                     bytes (checked before unpacking) — written after every chunk
     rollart/<name>/latest            the newest version whose manifest is written (upserted last)
 
 Invariants: a reader sees a version only through its manifest, which is written after all its
@@ -28,7 +29,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -36,61 +37,15 @@ import torch
 
 from rollart.cluster.net import node_ip
 from rollart.weights.mooncake_master import MooncakeUnavailable
-from rollart.weights.snapshot import state_checksum, verify
+from rollart.weights.snapshot import flat_checksum, pack_state, unpack_state, verify_flat
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    str(d): d
-    for d in (
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+__all__ = ["MooncakeChannel", "MooncakeStoreError", "close_clients", "pack_state", "unpack_state"]
 
 
 class MooncakeStoreError(RuntimeError):
     """A Mooncake store call returned an error code."""
-
-
-def pack_state(state: Mapping[str, torch.Tensor], align: int = 64) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-    """All tensors as one flat ``uint8`` buffer plus ``[{name, dtype, shape, offset, nbytes}]``; every
-    tensor starts at a multiple of ``align`` bytes so a reader can view it in place."""
-    parts, layout, offset = [], [], 0
-    for name in sorted(state):
-        t = state[name].detach().to("cpu").contiguous()
-        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        layout.append(
-            {"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": int(raw.numel())}
-        )
-        pad = -int(raw.numel()) % align
-        parts += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
-        offset += int(raw.numel()) + pad
-    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    return flat, layout
-
-
-def unpack_state(flat: torch.Tensor, layout: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """The tensors of ``layout`` copied out of ``flat``, each into a storage of its own: a view of
-    ``flat`` would pickle all of ``flat`` (see :func:`~rollart.weights.snapshot.owning_storage`)."""
-    out = {}
-    for item in layout:
-        dtype = _DTYPES[item["dtype"]]
-        raw = flat[item["offset"] : item["offset"] + item["nbytes"]]
-        out[item["name"]] = (
-            raw.view(dtype).reshape(item["shape"]).clone()
-            if item["nbytes"]
-            else torch.empty(item["shape"], dtype=dtype)
-        )
-    return out
 
 
 class _Client:
@@ -197,9 +152,20 @@ class MooncakeChannel:
     def _store(self) -> Any:
         return _Client.get(self.master, self.segment_mb, self.buffer_mb, self.protocol, self.rdma_devices)
 
-    def _put(self, key: str, data: Any, *, upsert: bool = False) -> None:
+    def _put(self, key: str, data: Any, *, upsert: bool = False, local: bool = False) -> None:
+        """``local``: into this process's own segment if it has room (a memory copy, no transfer: the
+        readers pull from here), else wherever the master places it."""
         store = self._store()
-        rc = store.upsert(key, data) if upsert else store.put(key, data)
+        put = store.upsert if upsert else store.put
+        rc = -1
+        if local:
+            from mooncake.store import ReplicateConfig
+
+            config = ReplicateConfig()
+            config.preferred_segment = store.get_hostname()
+            rc = put(key, data, config)
+        if rc != 0:
+            rc = put(key, data)
         if rc != 0:
             raise MooncakeStoreError(
                 f"Mooncake {'upsert' if upsert else 'put'} of {key!r} failed with code {rc} "
@@ -209,8 +175,12 @@ class MooncakeChannel:
     # ------------------------------------------------------------------ publisher
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> int:
         """Write ``state`` as ``version``; returns the bytes written."""
-        flat, layout = pack_state(state)
-        checksum = state_checksum(state)
+
+        return self._publish_packed(*pack_state(state), version)
+
+    def _publish_packed(self, flat: torch.Tensor, layout: list[dict[str, Any]], version: int) -> int:
+
+        checksum = flat_checksum(flat, layout)
         view = flat.numpy()
         n_chunks = max(1, -(-len(view) // self.chunk_bytes))
         base = f"{self.prefix}/v{version}"
@@ -222,12 +192,16 @@ class MooncakeChannel:
             store.remove(f"{base}/manifest")  # refused while a reader holds a lease; the upsert below still lands
         for i in range(n_chunks):
             self._put(
-                f"{base}/chunk{i}", memoryview(view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]), upsert=again
+                f"{base}/chunk{i}",
+                memoryview(view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]),
+                upsert=again,
+                local=True,
             )
         manifest = {
             "version": version,
             "checksum": checksum,
             "chunks": n_chunks,
+            "chunk_bytes": self.chunk_bytes,
             "nbytes": len(view),
             "tensors": layout,
         }
@@ -240,10 +214,11 @@ class MooncakeChannel:
     def publish_async(self, state: Mapping[str, torch.Tensor], version: int, *, copy: bool = True) -> Future:
         """Copy ``state`` to CPU now (the caller may keep training) and write it in the background;
         ``copy=False`` when the caller hands over a snapshot it will not touch again."""
-        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in state.items()} if copy else dict(state)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mooncake-{self.name}")
-        return self._executor.submit(self.publish, snapshot, version)
+        if copy:  # packing is the copy: the caller's tensors are free once this returns
+            return self._executor.submit(self._publish_packed, *pack_state(state), version)
+        return self._executor.submit(self.publish, dict(state), version)
 
     def _drop_old_versions(self, version: int, n_chunks: int) -> None:
         """Remove versions beyond the newest ``keep``; a key still leased to a reader is retried later.
@@ -269,55 +244,87 @@ class MooncakeChannel:
         codes = [store.remove(k) for k in keys]
         return not any(c != 0 and store.is_exist(k) == 1 for c, k in zip(codes, keys))
 
+    def warm(self) -> None:
+        """Join the store now (mount this process's segment), not on the first weight update."""
+        self._store()
+
     # ------------------------------------------------------------------ readers
     def latest(self) -> int | None:
         raw = self._store().get(f"{self.prefix}/latest")
         return int(raw) if raw else None
 
-    def _get_chunk(self, store: Any, key: str, version: int, index: int, attempts: int = 6) -> bytes:
-        """A chunk's bytes; a failed transfer of a key that exists is retried with backoff (the store
-        answers an empty value for both a missing key and a transfer error)."""
-        delay = 0.02
-        for _ in range(attempts):
-            chunk = store.get(key)
-            if chunk:
-                return chunk
-            if store.is_exist(key) != 1:
-                break
-            logger.warning("weight channel %r: v%d chunk %d transfer failed; retrying", self.name, version, index)
-            time.sleep(delay)  # backoff before a retry of a failed transfer
-            delay *= 2
-        raise MooncakeStoreError(
-            f"weight channel {self.name!r}: v{version} chunk {index} is missing "
-            "(evicted, or its holder died); fetch a newer version"
-        )
-
-    def fetch(self, version: int) -> dict[str, torch.Tensor]:
-        store = self._store()
+    def _manifest(self, store: Any, version: int) -> dict[str, Any]:
+        """``version``'s manifest, waiting up to ``timeout_s`` for its publisher (in another process)."""
         base = f"{self.prefix}/v{version}"
         deadline = time.monotonic() + self.timeout_s
-        delay = 0.005
+        delay = 0.002
         while not (raw := store.get(f"{base}/manifest")):
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"weight channel {self.name!r}: version {version} was not published within "
                     f"{self.timeout_s} s (latest: {self.latest()})"
                 )
-            time.sleep(delay)  # waiting for a publisher in another process; bounded by timeout_s
-            delay = min(delay * 2, 0.2)
+            time.sleep(delay)  # polling for a publisher in another process; bounded by timeout_s
+            delay = min(delay * 2, 0.02)  # a short cap: the wait is on the path of every weight update
         manifest = json.loads(raw)
         if manifest["version"] != version:
             raise MooncakeStoreError(
                 f"weight channel {self.name!r}: manifest of v{version} says v{manifest['version']}"
             )
-        buf = bytearray()
-        for i in range(manifest["chunks"]):
-            buf += self._get_chunk(store, f"{base}/chunk{i}", version, i) if manifest["nbytes"] else b""
-        if len(buf) != manifest["nbytes"]:
+        return manifest
+
+    def _get_chunks_into(self, store: Any, manifest: dict[str, Any], flat: torch.Tensor) -> None:
+        """Every chunk of a version straight into ``flat`` (one batched transfer, no intermediate
+        ``bytes``); a chunk whose transfer failed is read again with backoff."""
+        version, n = manifest["version"], manifest["nbytes"]
+        base, ptr = f"{self.prefix}/v{version}", flat.data_ptr()
+        keys = [f"{base}/chunk{i}" for i in range(manifest["chunks"])]
+        # the writer's chunk size (a reader's chunk_mb may differ); older manifests: ask the store
+        step = manifest.get("chunk_bytes")
+        sizes = [min(step, n - i * step) for i in range(len(keys))] if step else [int(store.get_size(k)) for k in keys]
+        offsets = [sum(sizes[:i]) for i in range(len(keys))]
+        if sum(sizes) != n or any(s <= 0 for s in sizes):
             raise MooncakeStoreError(
-                f"weight channel {self.name!r}: v{version} has {len(buf)} bytes, manifest says {manifest['nbytes']}"
+                f"weight channel {self.name!r}: v{version} chunks hold {sum(sizes)} bytes, its manifest says {n}"
             )
-        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-        state = unpack_state(flat, manifest["tensors"])
-        verify(state, manifest["checksum"], version)
-        return state
+        if store.register_buffer(ptr, n) != 0:
+            raise MooncakeStoreError(f"weight channel {self.name!r}: could not register a {n}-byte buffer")
+        try:
+            codes = store.batch_get_into(keys, [ptr + off for off in offsets], sizes)
+            for i, (key, code) in enumerate(zip(keys, codes)):
+                delay = 0.02
+                for _ in range(6):
+                    if code == sizes[i]:
+                        break
+                    if store.is_exist(key) != 1:
+                        break
+                    logger.warning("weight channel %r: v%d chunk %d transfer failed; retrying", self.name, version, i)
+                    time.sleep(delay)  # backoff before a retry of a failed transfer
+                    delay *= 2
+                    code = store.get_into(key, ptr + offsets[i], sizes[i])
+                if code != sizes[i]:
+                    raise MooncakeStoreError(
+                        f"weight channel {self.name!r}: v{version} chunk {i} is missing "
+                        "(evicted, or its holder died); fetch a newer version"
+                    )
+        finally:
+            store.unregister_buffer(ptr)
+
+    def fetch_into(
+        self, version: int, alloc: Callable[[int], torch.Tensor]
+    ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        """``version`` packed: ``alloc(nbytes)`` gives a flat writable ``uint8`` tensor (e.g. over shared
+        memory), the store's bytes land in it directly and are checksum verified; returns it and its
+        layout (:func:`~rollart.weights.snapshot.tensor_views` makes the tensors)."""
+
+        store = self._store()
+        manifest = self._manifest(store, version)
+        flat = alloc(manifest["nbytes"])
+        if manifest["nbytes"]:
+            self._get_chunks_into(store, manifest, flat)
+        verify_flat(flat, manifest["tensors"], manifest["checksum"], version)
+        return flat, manifest["tensors"]
+
+    def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        flat, layout = self.fetch_into(version, lambda n: torch.empty(n, dtype=torch.uint8))
+        return unpack_state(flat, layout)

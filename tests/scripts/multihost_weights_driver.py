@@ -59,15 +59,14 @@ class RecordingPipeline(AgenticPipeline):
 
     async def _sync_weights(self) -> tuple[int, float]:
         version, waited = await super()._sync_weights()
-        if self._loading is None:  # ray / dist: served when the driver goes on
+        if self.loader is None:  # ray / dist: served when the driver goes on
             await self._served(version)
         return version, waited
 
     async def _await_loading(self) -> None:
-        loading = self._loading
         await super()._await_loading()
-        if loading is not None:  # mooncake: the version in flight is now served everywhere
-            await self._served(self.proxy.version)
+        if self.loader is not None:  # mooncake: the newest version is now served everywhere
+            await self._served(self.loader.served)
 
 
 def worker_place(cluster: Any) -> list[dict[str, Any]]:
@@ -103,6 +102,8 @@ def main() -> int:
 
             assert pipe.mooncake_master is not None
             result["mooncake_master"] = pipe.mooncake_master.address
+            assert pipe.loader is not None
+            result["loaded"], result["skipped"] = pipe.loader.loaded, pipe.loader.skipped
             result["host_caches"] = host_cache_stats(pipe.channel.name)  # type: ignore[union-attr]
     finally:
         pipe.shutdown()
