@@ -6,7 +6,7 @@ dicts ``ResourceManager`` takes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -267,33 +267,61 @@ class PipelineConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
         parse_pools(self.pools)
-        if not self.envs and not self.data:
-            raise ValueError("envs: no task to train on; add envs: [{name: reverse}] or data: {train: FILE.jsonl}")
-        for field_name in ("train_pool", "rollout_pool"):
-            pool = getattr(self, field_name)
-            if pool not in self.pools:
-                raise ValueError(f"{field_name}={pool!r} is not one of pools {sorted(self.pools)}")
-        if self.advantage == "gae" and self.critic is None:
-            raise ValueError(
-                "advantage=gae needs a critic: add `critic: {epochs: 2}` or `critic: {preset: sao}` (see CriticConfig)"
-            )
-        if self.critic is not None and self.advantage != "gae":
-            raise ValueError(
-                f"critic: is set but advantage={self.advantage!r} never uses it; set advantage: gae or remove critic:"
-            )
         _check_tracking(self.tracking)
-        total = sum(e.groups for e in self.envs) + sum(t.groups for t in self.data)
-        if total != self.rollout.num_env_groups:
-            which = "envs[*].groups + data[*].groups" if self.data else "envs[*].groups"
-            raise ValueError(
-                f"{which} add up to {total} but rollout.num_env_groups is {self.rollout.num_env_groups}; "
-                "make them equal"
-            )
+        problems = cross_field_problems(
+            {
+                "pools": self.pools,
+                "train_pool": self.train_pool,
+                "rollout_pool": self.rollout_pool,
+                "advantage": self.advantage,
+                "critic": self.critic,
+                "envs": [{"groups": e.groups} for e in self.envs],
+                "data": [{"groups": t.groups} for t in self.data],
+                "rollout": {"num_env_groups": self.rollout.num_env_groups},
+            }
+        )
+        if problems:
+            raise ValueError("\n".join(problems))  # validate_config lists them one by one
         return self
 
     @property
     def out_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
+
+
+def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
+    """The checks that relate several sections (pool names, the critic of ``advantage: gae``, the task
+    groups against ``rollout.num_env_groups``), on a config mapping — also one whose fields have errors
+    of their own, so that :func:`validate_config` reports these with them, not after they are fixed.
+    Values of the wrong type are skipped (their own field reports them)."""
+    out: list[str] = []
+    pools = raw.get("pools")
+    if isinstance(pools, dict):
+        for field_name in ("train_pool", "rollout_pool"):
+            pool = raw.get(field_name, PipelineConfig.model_fields[field_name].default)
+            if isinstance(pool, str) and pool not in pools:
+                out.append(f"{field_name}: {pool!r} is not one of pools {sorted(pools)}; name one of them")
+    advantage, critic = raw.get("advantage", "grpo"), raw.get("critic")
+    if advantage == "gae" and critic is None:
+        out.append(
+            "advantage: gae needs a critic: add `critic: {epochs: 2}` or `critic: {preset: sao}` (see CriticConfig)"
+        )
+    if critic is not None and isinstance(advantage, str) and advantage != "gae":
+        out.append(f"critic: is set but advantage={advantage!r} never uses it; set advantage: gae or remove critic:")
+    envs, data = raw.get("envs") or [], raw.get("data") or []
+    data = [data] if isinstance(data, dict) else data
+    if isinstance(envs, list) and isinstance(data, list) and not envs and not data:
+        out.append("envs: no task to train on; add envs: [{name: reverse}] or data: {train: FILE.jsonl}")
+    rollout = raw.get("rollout") if isinstance(raw.get("rollout"), dict) else {}
+    wanted = rollout.get("num_env_groups", RolloutConfig.model_fields["num_env_groups"].default)
+    tasks = [*envs, *data] if isinstance(envs, list) and isinstance(data, list) else None
+    groups = [t.get("groups", 1) if isinstance(t, dict) else None for t in tasks or []]
+    if tasks and isinstance(wanted, int) and all(isinstance(g, int) for g in groups):
+        total = sum(g for g in groups if g is not None)
+        if total != wanted:
+            which = "envs[*].groups + data[*].groups" if data else "envs[*].groups"
+            out.append(f"{which} add up to {total} but rollout.num_env_groups is {wanted}; make them equal")
+    return out
 
 
 def _check_tracking(names: Sequence[str]) -> None:
@@ -403,7 +431,11 @@ def validate_config(raw: dict[str, Any], source: str | Path | None = None) -> Pi
     try:
         cfg = PipelineConfig.model_validate(raw, context=context)
     except ValidationError as err:
-        problems = list(dict.fromkeys(_problem(e) for e in err.errors()))
+        errors = err.errors()
+        problems = [line for e in errors for line in _problem(e).split("\n")]
+        if any(e["loc"] for e in errors):  # field errors: the cross-field checks did not run; run them here
+            problems += cross_field_problems(raw) if isinstance(raw, dict) else []
+        problems = list(dict.fromkeys(problems))
     else:
         if cfg.data or cfg.eval is not None:
             cfg = _check_data(cfg, Path(source) if source is not None else Path("config.yaml"))

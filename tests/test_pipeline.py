@@ -105,7 +105,7 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="groups add up to 3 but rollout.num_env_groups is 4"):
         load_config(bad)
     bad.write_text("pools: {train: {hardware: CPU, cpus: 1}}\nenvs: [{name: reverse, groups: 8}]\n")
-    with pytest.raises(ConfigError, match="rollout_pool='rollout' is not one of pools"):
+    with pytest.raises(ConfigError, match="rollout_pool: 'rollout' is not one of pools"):
         load_config(bad)
     bad.write_text(
         "pools: {train: {hardware: CPU}, rollout: {hardware: CPU, cpus: 1}}\nenvs: [{name: reverse, groups: 8}]\n"
@@ -308,7 +308,7 @@ def test_critic_without_gae_is_a_config_error(tmp_path):
 
 
 def test_gae_without_a_critic_is_a_config_error(tmp_path):
-    with pytest.raises(Exception, match="advantage=gae needs a critic"):
+    with pytest.raises(Exception, match="advantage: gae needs a critic"):
         small_config(tmp_path, advantage="gae")
 
 

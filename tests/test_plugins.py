@@ -336,6 +336,26 @@ def test_five_mistakes_one_error_naming_every_field(tmp_path, user_module):
     assert "unknown argument 'temperature'; accepted: ['scale']" in by_field["train.loss_params"]
 
 
+def test_cross_section_mistakes_come_with_the_field_mistakes(tmp_path):
+    """A pool name, the task groups and the critic are checked across sections; they are reported in
+    the same error as a field's own mistake, not only once it is fixed."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "pools: {train: {hardware: CPU, cpus: 1}}\n"
+        "envs: [{name: reverse, groups: 3}]\n"
+        "rollout: {num_env_groups: 4, group_size: two}\n"
+        "advantage: gae\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    problems = sorted(err.value.problems)
+    assert len(problems) == 4
+    assert problems[0].startswith("advantage: gae needs a critic")
+    assert problems[1] == "envs[*].groups add up to 3 but rollout.num_env_groups is 4; make them equal"
+    assert problems[2].startswith("rollout.group_size: ") and "(got 'two')" in problems[2]
+    assert problems[3].startswith("rollout_pool: 'rollout' is not one of pools ['train']")
+
+
 def test_rollart_run_with_a_bad_config_exits_2_before_ray_starts(tmp_path, user_module):
     """In a fresh process (the test session's Ray must not hide a start): `rollart run` logs the five
     problems and returns 2 without initialising Ray."""
