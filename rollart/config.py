@@ -312,7 +312,7 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
     data = [data] if isinstance(data, dict) else data
     if isinstance(envs, list) and isinstance(data, list) and not envs and not data:
         out.append("envs: no task to train on; add envs: [{name: reverse}] or data: {train: FILE.jsonl}")
-    rollout = raw.get("rollout") if isinstance(raw.get("rollout"), dict) else {}
+    rollout: Mapping[str, Any] = raw["rollout"] if isinstance(raw.get("rollout"), dict) else {}
     wanted = rollout.get("num_env_groups", RolloutConfig.model_fields["num_env_groups"].default)
     tasks = [*envs, *data] if isinstance(envs, list) and isinstance(data, list) else None
     groups = [t.get("groups", 1) if isinstance(t, dict) else None for t in tasks or []]
