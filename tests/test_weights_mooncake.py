@@ -38,6 +38,20 @@ def master():
     m.stop()
 
 
+@pytest.fixture
+def own_master():
+    """A master of the test's own: the store left by the module's earlier tests does not fill its segments."""
+    _require_mooncake()
+    from rollart.weights.mooncake_channel import close_clients
+    from rollart.weights.mooncake_master import MooncakeMaster
+
+    close_clients()
+    m = MooncakeMaster(lease_ttl_ms=200).start()
+    yield m
+    close_clients()
+    m.stop()
+
+
 def sample_state(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return {
@@ -187,10 +201,11 @@ def test_unreachable_master_is_a_clear_error():
         channel.publish({"x": torch.zeros(3)}, 0)
 
 
-async def test_the_newest_version_is_served_and_superseded_ones_are_skipped(ray_local, make_rm, master):
+async def test_the_newest_version_is_served_and_superseded_ones_are_skipped(ray_local, make_rm, own_master):
     """Versions 2 and 3 are published while every worker still loads version 1: version 2 is never
     fetched (by any host) nor loaded, and every worker ends on version 3 — two real inference workers,
     their host's shared cache and a real Mooncake store."""
+    master = own_master
     import asyncio
     import tempfile
 

@@ -166,6 +166,13 @@ class MooncakeChannel:
             rc = put(key, data, config)
         if rc != 0:
             rc = put(key, data)
+        # an upsert can be refused while a reader's lease holds the key (e.g. ``latest`` being polled):
+        # retry with a short backoff until ``timeout_s`` before calling it a failure
+        deadline, pause = time.monotonic() + self.timeout_s, 0.005
+        while rc != 0 and upsert and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+            rc = put(key, data)
         if rc != 0:
             raise MooncakeStoreError(
                 f"Mooncake {'upsert' if upsert else 'put'} of {key!r} failed with code {rc} "
