@@ -101,5 +101,7 @@ def smollm2_path() -> Path:
     return target
 
 
-if __name__ == "__main__":
-    print(smollm2_path())
+if __name__ == "__main__":  # `python -m rollart.models.pretrained`: the folder, for `--set model=...`
+    import sys
+
+    sys.stdout.write(f"{smollm2_path()}\n")
