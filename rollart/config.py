@@ -25,6 +25,7 @@ from pydantic import (
 from rollart.cluster.fault import FaultConfig
 from rollart.data.config import DataTask, EvalConfig
 from rollart.engines.base import SamplingParams
+from rollart.plugins import checked as _plain
 from rollart.resource_manager.specs import parse_pools
 from rollart.rollout.engine_config import EngineConfig
 from rollart.rollout.env_manager import EnvManagerConfig
@@ -42,16 +43,6 @@ class ConfigError(ValueError):
     def __init__(self, message: str, problems: list[str] | None = None):
         super().__init__(message)
         self.problems = problems if problems is not None else [message]
-
-
-def _plain(check: Any, *args: Any) -> Any:
-    """``check(*args)``, a plug-in error's own field prefix dropped (pydantic's location names it)."""
-    from rollart.plugins import PluginError
-
-    try:
-        return check(*args)
-    except PluginError as err:
-        raise ValueError(err.message) from None
 
 
 def _import_plugin(module: str) -> str:
@@ -234,9 +225,7 @@ class PipelineConfig(BaseModel):
     def _advantage_exists(cls, name: str) -> str:
         from rollart.algorithms.advantages import advantage_contract_problems
 
-        problems = _plain(advantage_contract_problems, name)
-        if problems:
-            raise ValueError("; ".join(problems))
+        _plain(advantage_contract_problems, name)
         return name
 
     @field_validator("advantage_params")
@@ -245,9 +234,12 @@ class PipelineConfig(BaseModel):
         if "advantage" in info.data:
             from rollart.algorithms.advantages import advantage_params_problems
 
-            problems = _plain(advantage_params_problems, info.data["advantage"], params)
-            if problems:
-                raise ValueError(f"advantage {info.data['advantage']!r}: " + "; ".join(problems))
+            _plain(
+                advantage_params_problems,
+                info.data["advantage"],
+                params,
+                prefix=f"advantage {info.data['advantage']!r}: ",
+            )
         return params
 
     def pipeline_class(self) -> type[Any] | None:

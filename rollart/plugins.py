@@ -34,6 +34,19 @@ class PluginError(ValueError):
         self.message = message
 
 
+def checked(check: Callable[..., Any], *args: Any, prefix: str = "") -> Any:
+    """``check(*args)`` inside a pydantic validator (whose location already names the field): a
+    :class:`PluginError` becomes a ``ValueError`` without its own field prefix, and a non-empty list of
+    problems that the check returns is raised as one ``ValueError`` (after ``prefix``)."""
+    try:
+        result = check(*args)
+    except PluginError as err:
+        raise ValueError(err.message) from None
+    if isinstance(result, list) and result:
+        raise ValueError(prefix + "; ".join(result))
+    return result
+
+
 def is_spec(value: object) -> bool:
     """Whether ``value`` is written as ``MODULE:NAME`` (a plug-in), not a registry name."""
     return isinstance(value, str) and ":" in value

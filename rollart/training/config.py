@@ -8,15 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-
-def _plain(check: Any, *args: Any) -> list[str]:
-    """``check(*args)``, with a plug-in error's own field prefix dropped (pydantic adds the field)."""
-    from rollart.plugins import PluginError
-
-    try:
-        return list(check(*args))
-    except PluginError as err:
-        raise ValueError(err.message) from None
+from rollart.plugins import checked as _plain
 
 
 def _importable(module: str) -> bool:
@@ -113,9 +105,7 @@ class TrainConfig(BaseModel):
     def _loss_exists(cls, name: str) -> str:
         from rollart.algorithms.losses import loss_contract_problems
 
-        problems = _plain(loss_contract_problems, name)
-        if problems:
-            raise ValueError("; ".join(problems))
+        _plain(loss_contract_problems, name)
         return name
 
     @field_validator("loss_params")
@@ -125,9 +115,7 @@ class TrainConfig(BaseModel):
             return params
         from rollart.algorithms.losses import loss_params_problems
 
-        problems = _plain(loss_params_problems, info.data["loss"], params)
-        if problems:
-            raise ValueError(f"loss {info.data['loss']!r}: " + "; ".join(problems))
+        _plain(loss_params_problems, info.data["loss"], params, prefix=f"loss {info.data['loss']!r}: ")
         return params
 
     @field_validator("loss_agg")
@@ -135,9 +123,7 @@ class TrainConfig(BaseModel):
     def _loss_agg_exists(cls, mode: str) -> str:
         from rollart.algorithms.aggregation import loss_agg_problems
 
-        problems = _plain(loss_agg_problems, mode)
-        if problems:
-            raise ValueError("; ".join(problems))
+        _plain(loss_agg_problems, mode)
         return mode
 
     @model_validator(mode="after")
