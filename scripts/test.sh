@@ -38,4 +38,7 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -q "$@"
+# two test processes (pytest-xdist), whole files per process so a module's cluster fixture is built once:
+# most of a test's time is spent waiting on Ray, servers and subprocesses, so two share two cores well.
+# ROLLART_TEST_WORKERS=0 runs in one process; --durations lists the slowest tests at the end.
+exec .venv/bin/python -m pytest -q -n "${ROLLART_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"
