@@ -116,7 +116,9 @@ class TickManager:
         for _ in range(self.ticks):
             await asyncio.sleep(0)
         version = int(traj_id.rsplit(":v", 1)[1])  # the scheduler names the version the round began under
-        return Trajectory(traj_id=traj_id, group_id=group_id, tag=self.tag, reward=float(seed % 3), start_version=version)
+        return Trajectory(
+            traj_id=traj_id, group_id=group_id, tag=self.tag, reward=float(seed % 3), start_version=version
+        )
 
     async def abort(self):
         return None
@@ -151,9 +153,9 @@ async def test_one_to_one_holds_at_every_step_while_one_task_is_ten_times_slower
     assert by_task["slow"]["trajectories_trained"] == 16 and max(sched.staleness_by_task["fast"]) <= 1
     # nothing lost: every accepted group was trained, is waiting, or was evicted (then replayed)
     for t, c in by_task.items():
-        assert c["groups_accepted"] == c["groups_trained"] + sched.buffered_by_task().get(t, 0) + c[
-            "groups_evicted_stale"
-        ]
+        assert (
+            c["groups_accepted"] == c["groups_trained"] + sched.buffered_by_task().get(t, 0) + c["groups_evicted_stale"]
+        )
 
 
 async def test_without_quotas_the_fast_task_crowds_out_the_slow_one():
@@ -169,3 +171,107 @@ def test_quotas_must_name_every_task_and_fill_the_batch():
         RolloutScheduler(groups, cfg, quotas={"a": 1, "c": 1})
     with pytest.raises(ValueError, match="add up to rollout.batch_groups=2"):
         RolloutScheduler(groups, cfg, quotas={"a": 2, "b": 1})
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def multi_config(**over):
+    raw = {
+        "pools": {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}},
+        "envs": [
+            {"name": "reverse", "groups": 2, "kwargs": {"length": 3}},
+            {"name": "addition", "groups": 2},
+        ],
+        "rollout": {"num_env_groups": 4, "group_size": 2, "batch_groups": 2},
+        "tasks": {"reverse-3": {"ratio": 1}, "addition": {"ratio": 1}},
+    }
+    raw.update(over)
+    return raw
+
+
+def problems(raw):
+    from rollart.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw)
+    return err.value.problems
+
+
+def test_tasks_config_gives_quotas_sampling_and_reward_per_tag():
+    from rollart.config import validate_config
+
+    cfg = validate_config(
+        multi_config(
+            sampling={"temperature": 1.0, "max_new_tokens": 8, "top_p": 0.9},
+            reward={"url": "http://127.0.0.1:9/rewards/all"},
+            tasks={
+                "reverse-3": {"ratio": 1, "sampling": {"temperature": 0.0, "max_new_tokens": 2}},
+                "addition": {"ratio": 1, "reward": {"url": "http://127.0.0.1:9/rewards/math"}},
+            },
+        )
+    )
+    assert cfg.task_quotas() == {"reverse-3": 1, "addition": 1}
+    rev, add = cfg.task_sampling("reverse-3"), cfg.task_sampling("addition")
+    assert (rev.temperature, rev.max_new_tokens, rev.top_p) == (0.0, 2, 0.9)
+    assert (add.temperature, add.max_new_tokens) == (1.0, 8)
+    assert cfg.task_reward("addition").url.endswith("/math") and cfg.task_reward("reverse-3").url.endswith("/all")
+    assert validate_config(multi_config(tasks={})).task_quotas() is None
+
+
+def test_bad_tasks_config_names_the_field_and_the_fix():
+    msg, *more = problems(multi_config(tasks={"reverse": {"ratio": 1}, "addition": {"ratio": 1}}))
+    assert msg.startswith("tasks.reverse: no env or data task has tag 'reverse'") and "'reverse-3'" in msg
+    assert more == [
+        "tasks: ratio is set for ['addition'] but not for ['reverse-3']; give every task tag a share of "
+        "the batch (e.g. tasks: {reverse-3: {ratio: 1}}) or remove ratio everywhere"
+    ]
+    [msg] = problems(multi_config(tasks={"reverse-3": {"ratio": 1}, "addition": {"ratio": 2}}))
+    assert "rollout.batch_groups=2" in msg and "multiple of 3" in msg
+    [msg] = problems(multi_config(tasks={"reverse-3": {"ratio": 1}}))
+    assert (
+        msg.startswith("tasks: ratio is set for ['reverse-3'] but not for ['addition']")
+        and "addition: {ratio: 1}" in msg
+    )
+    envs = multi_config()["envs"]
+    envs[0]["max_new_tokens"] = 3
+    [msg] = problems(multi_config(envs=envs, tasks={"reverse-3": {"sampling": {"max_new_tokens": 2}}}))
+    assert msg == "envs[0].max_new_tokens and tasks.reverse-3.sampling.max_new_tokens are both set; keep one of them"
+    [msg] = problems(
+        multi_config(
+            reward={"url": "http://127.0.0.1:9/a", "on_failure": "drop"},
+            tasks={"addition": {"reward": {"url": "http://127.0.0.1:9/b"}}},
+        )
+    )
+    assert msg.startswith("tasks.*.reward.on_failure") and "same on_failure" in msg
+    # with another field's error the ratio check is still reported (all problems at once)
+    found = problems(multi_config(steps=0, tasks={"reverse-3": {"ratio": 1}, "addition": {"ratio": 2}}))
+    assert any(p.startswith("steps") for p in found) and any("multiple of 3" in p for p in found)
+    # a ratio that is not positive, or a misspelt field, is the field's own error
+    [msg] = problems(multi_config(tasks={"reverse-3": {"ratio": 0}, "addition": {"ratio": 1}}))
+    assert msg.startswith("tasks.reverse-3.ratio")
+    [msg] = problems(multi_config(tasks={"addition": {"sampling": {"temprature": 0.5}}}))
+    assert msg.startswith("tasks.addition.sampling.temprature: unknown key; did you mean 'temperature'?")
+
+
+def test_the_readme_multi_task_config_validates_as_written():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from rollart.config import validate_config
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Multi-task jobs (`tasks:`)", 1)[1]
+    raw = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+    raw["pools"] = {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}}
+    cfg = validate_config(raw)
+    assert cfg.task_quotas() == {"reverse-3": 2, "addition": 2}
+    assert cfg.task_sampling("addition").temperature == 0.7 and cfg.task_sampling("reverse-3").max_new_tokens == 3
+    assert cfg.task_reward("addition").url.endswith("/addition") and cfg.task_reward("reverse-3").url.endswith(
+        "/reverse"
+    )
+    raw["tasks"]["addition"]["ratio"] = 2
+    [msg] = problems(raw)
+    assert "multiple of 3" in msg
