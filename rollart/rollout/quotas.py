@@ -21,7 +21,10 @@ def ratio_problems(ratios: Mapping[str, float], batch_groups: int, field: str = 
     each line names the field and the fix."""
     bad = sorted(t for t, r in ratios.items() if not r > 0)
     if bad:
-        return [f"{field}.{t}.ratio must be > 0 (got {ratios[t]!r}); give it a positive share or remove the task" for t in bad]
+        return [
+            f"{field}.{t}.ratio must be > 0 (got {ratios[t]!r}); give it a positive share or remove the task"
+            for t in bad
+        ]
     if not ratios:
         return []
     fr = {t: _fraction(r) for t, r in ratios.items()}

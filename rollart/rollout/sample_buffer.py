@@ -16,8 +16,7 @@ usable groups (FIFO).
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from rollart.rollout.types import GroupId, Trajectory
