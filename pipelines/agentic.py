@@ -137,7 +137,7 @@ class AgenticPipeline:
     def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
         from transformers import AutoTokenizer
 
-        from rollart.envs import EnvSpec, make_env
+        from rollart.envs import EnvSpec
 
         self.config = config
         self.out_dir = config.out_dir
@@ -152,13 +152,16 @@ class AgenticPipeline:
         # dataset tasks (data:) and eval sets (eval:) load first: a bad file, column, verifier or eval env
         # fails here, before any actor starts
         seeds = RoundSeeds(config.seed)  # round r of env group g plays seed seeds.seed(g, r)
-        self.data_tasks = DataTasks(
-            config.data, seeds, run_seed=config.seed, max_new_tokens=config.sampling.max_new_tokens
-        )
+        self.quotas = config.task_quotas()  # groups of each task tag per batch (tasks.*.ratio), or None
+        data = [  # a task's sampling.max_new_tokens is its generation budget
+            t.model_copy(update={"max_new_tokens": t.max_new_tokens or config.task_sampling(t.name).max_new_tokens})
+            if t.name in config.tasks
+            else t
+            for t in config.data
+        ]
+        self.data_tasks = DataTasks(data, seeds, run_seed=config.seed, max_new_tokens=config.sampling.max_new_tokens)
         held_out = (
-            []
-            if config.eval is None
-            else eval_sets(config.data, config.eval, max_new_tokens=config.sampling.max_new_tokens)
+            [] if config.eval is None else eval_sets(data, config.eval, max_new_tokens=config.sampling.max_new_tokens)
         )
         self.rm = ra.ResourceManager(
             config.pools,
@@ -225,22 +228,25 @@ class AgenticPipeline:
         restart = config.fault.inference if config.weights.channel != "dist" else None
         self.proxy = LLMProxy(self.infer, restart=restart)
         codec = HFCodec(AutoTokenizer.from_pretrained(model_path))
-        self.reward_client = None
-        reward_fn = None
+        self.reward_client = None  # the pipeline's reward: service
+        self.reward_clients: dict[str, Any] = {}  # per task tag whose reward comes from a service
+        self.codec = codec
         if config.reward is not None:
-            from rollart.cluster.serverless import RetryPolicy
-            from rollart.reward.client import RewardClient
+            self.reward_client = self._reward_client(config.reward)
 
-            rc = config.reward
-            self.reward_client = RewardClient(
-                rc.url,
-                retry=RetryPolicy(retries=rc.retries),
-                timeout_s=rc.timeout_s,
-                token_env=rc.token_env,
-                tenant=self.rm.job_id,
-                on_failure=rc.on_failure,
+        def manager(env: Any, sampling: Any = None) -> EnvManager:
+            """An EnvManager of ``env`` with its task's sampling settings and reward (``tasks.TAG``)."""
+            tag = str(getattr(env, "tag", type(env).__name__))
+            return EnvManager(
+                env,
+                self.proxy,
+                codec,
+                sampling=sampling if sampling is not None else config.task_sampling(tag),
+                config=config.env_manager,
+                version_fn=lambda: self.scheduler.version,
+                reward_fn=self._task_reward_fn(tag),
             )
-            reward_fn = self._service_reward(codec)
+
         groups: list[list[EnvManager]] = []
         for entry in config.envs:
             spec = EnvSpec(
@@ -251,41 +257,16 @@ class AgenticPipeline:
                 kwargs=entry.kwargs,
             )
             for _ in range(entry.groups):
-                groups.append(
-                    [
-                        EnvManager(
-                            make_env(spec),
-                            self.proxy,
-                            codec,
-                            sampling=config.sampling,
-                            config=config.env_manager,
-                            version_fn=lambda: self.scheduler.version,
-                            reward_fn=reward_fn,
-                        )
-                        for _ in range(config.rollout.group_size)
-                    ]
-                )
-
-        def manager(env: Any, sampling: Any = config.sampling) -> EnvManager:
-            return EnvManager(
-                env,
-                self.proxy,
-                codec,
-                sampling=sampling,
-                config=config.env_manager,
-                version_fn=lambda: self.scheduler.version,
-                reward_fn=reward_fn,
-            )
+                groups.append([manager(self._task_env(spec)) for _ in range(config.rollout.group_size)])
 
         # the dataset tasks' groups follow the envs' groups; the eval runs on the same proxy
         groups += self.data_tasks.groups(manager, config.rollout.group_size, first_group=len(groups))
         self.evaluator = None if config.eval is None else Evaluator(config.eval, held_out, manager, config.sampling)
         rollout_cfg = config.rollout
-        if config.reward is not None:
-            rollout_cfg = rollout_cfg.model_copy(
-                update={"requeue_reward_failures": config.reward.on_failure == "requeue"}
-            )
-        self.scheduler = RolloutScheduler(groups, rollout_cfg, seed_fn=seeds.seed)
+        policies = {c.on_failure for c in [config.reward, *(t.reward for t in config.tasks.values())] if c is not None}
+        if policies:  # one policy per job (the config checks that the tasks' rewards agree)
+            rollout_cfg = rollout_cfg.model_copy(update={"requeue_reward_failures": "requeue" in policies})
+        self.scheduler = RolloutScheduler(groups, rollout_cfg, seed_fn=seeds.seed, quotas=self.quotas)
         self.controller = AsyncController(self.scheduler, self.proxy)
         self.mooncake_master: Any = None
         self.channel: WeightChannel | None = self._weight_channel()
@@ -392,14 +373,49 @@ class AgenticPipeline:
         if self.loader is not None:
             await self.loader.wait()
 
-    def _service_reward(self, codec: HFCodec) -> Any:
-        """Score a finished trajectory with the reward service: its first prompt, its last answer and
-        the env's ground truth. A failure raises (the trajectory becomes ``reward_failed``)."""
+    def _reward_client(self, rc: Any) -> Any:
+        from rollart.cluster.serverless import RetryPolicy
+        from rollart.reward.client import RewardClient
+
+        return RewardClient(
+            rc.url,
+            retry=RetryPolicy(retries=rc.retries),
+            timeout_s=rc.timeout_s,
+            token_env=rc.token_env,
+            tenant=self.rm.job_id,
+            on_failure=rc.on_failure,
+        )
+
+    def _task_env(self, spec: Any) -> Any:
+        """An env of ``spec`` with its task's ``sampling.max_new_tokens`` (``tasks.TAG``) as its budget."""
+        from rollart.envs import make_env
+
+        env = make_env(spec)
+        budget = self.config.tasks.get(str(env.tag))
+        if budget is not None and budget.sampling.max_new_tokens is not None:
+            env.max_new_tokens = budget.sampling.max_new_tokens
+        return env
+
+    def _task_reward_fn(self, tag: str) -> Any:
+        """The reward function of a task tag: its service's (``tasks.TAG.reward``, else ``reward:``), or
+        None for the env's own reward. One client per task tag with a reward of its own."""
+        task = self.config.tasks.get(tag)
+        if task is not None and task.reward is not None:
+            if tag not in self.reward_clients:
+                self.reward_clients[tag] = self._reward_client(task.reward)
+            return self._service_reward(self.codec, self.reward_clients[tag])
+        return self._service_reward(self.codec) if self.reward_client is not None else None
+
+    def _service_reward(self, codec: HFCodec, client: Any = None) -> Any:
+        """Score a finished trajectory with a reward service (``client``, default the pipeline's): its
+        first prompt, its last answer and the env's ground truth. A failure raises (the trajectory
+        becomes ``reward_failed``)."""
 
         async def reward(traj: Any) -> float:
-            assert self.reward_client is not None
+            service = client if client is not None else self.reward_client
+            assert service is not None
             steps = traj.info.get("steps") or [{}]
-            return await self.reward_client.score(
+            return await service.score(
                 {
                     "prompt": traj.info.get("prompt_text", codec.decode(traj.token_ids[: traj.prompt_length])),
                     "response": steps[-1].get(
@@ -492,7 +508,9 @@ class AgenticPipeline:
             for step in range(self.start_step, cfg.steps):
                 t0 = time.monotonic()
                 stale_before = Counter(self.scheduler.staleness)
+                task_stale_before = {t: Counter(c) for t, c in self.scheduler.staleness_by_task.items()}
                 groups = await self.controller.get_batch(self.train_version)
+                held_back = self.scheduler.buffered_by_task()
                 # the order groups finished in depends on timing; a fixed order keeps a seeded run repeatable
                 groups = sorted((Group(sorted(g, key=lambda t: t.traj_id), g.gid) for g in groups), key=lambda g: g.gid)
                 t_rollout = time.monotonic() - t0
@@ -512,6 +530,7 @@ class AgenticPipeline:
                     step, version, trajs, train_metrics, t_rollout, t_train, t_sync, time.monotonic() - t0, staleness
                 )
                 record.update(batch_statistics(batch, trajs))
+                record.update(self._task_record(groups, task_stale_before, held_back))
                 if self.data_tasks.samplers:
                     record["data_epoch"] = self.data_tasks.metrics()
                 if self.evaluator is not None and self.evaluator.due(step, cfg.steps - 1):
@@ -603,6 +622,44 @@ class AgenticPipeline:
             "faults": self.proxy.fault_metrics(),
             "train": {k: (sum(v) / len(v) if isinstance(v, list) else v) for k, v in train_metrics.items()},
         }
+
+    def _task_record(
+        self, groups: list[Group], stale_before: dict[str, Counter], held_back: dict[str, int]
+    ) -> dict[str, Any]:
+        """Per task tag: ``groups_by_tag`` (groups in this batch) and ``by_tag`` — groups, trajectories,
+        reward mean/min/max, mean response length (action tokens), tokens, mean trajectory wall time
+        (reset to reward), this batch's staleness,
+        the groups held back in the buffer for later batches, and the run's trajectory counts so far
+        (ok, aborted, failed, reward_failed, evicted) and its quota (``tasks.*.ratio``) if any."""
+        sched = self.scheduler
+        out: dict[str, Any] = {}
+        for tag in sched.counts_by_task:
+            mine = [g for g in groups if sched.task_of(g) == tag]
+            trajs = [t for g in mine for t in g]
+            rewards = [float(t.reward) for t in trajs if t.reward is not None]
+            lengths = [t.num_action_tokens for t in trajs]
+            durations = [float(t.info["duration_s"]) for t in trajs if "duration_s" in t.info]
+            staleness = sched.staleness_by_task[tag] - stale_before.get(tag, Counter())
+            counts = sched.counts_by_task[tag]
+            out[tag] = {
+                "groups": len(mine),
+                "trajectories": len(trajs),
+                "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+                "reward_min": min(rewards, default=None),
+                "reward_max": max(rewards, default=None),
+                "response_length_mean": sum(lengths) / len(lengths) if lengths else None,
+                "tokens": sum(lengths),
+                "trajectory_s_mean": sum(durations) / len(durations) if durations else None,
+                "staleness": {str(k): v for k, v in sorted(staleness.items())},
+                "max_staleness": max(staleness, default=0),
+                "held_back_groups": held_back.get(tag, 0),
+                "quota": None if self.quotas is None else self.quotas.get(tag),
+                **{
+                    key: counts.get(f"trajectories_{key}", 0)
+                    for key in ("ok", "aborted", "failed", "reward_failed", "evicted")
+                },
+            }
+        return {"groups_by_tag": {t: v["groups"] for t, v in out.items()}, "by_tag": out}
 
     def run(self) -> list[dict[str, Any]]:
         history = asyncio.run(self._run())

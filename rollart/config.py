@@ -108,6 +108,34 @@ class RewardConfig(BaseModel):
     on_failure: Literal["drop", "requeue"] = "requeue"  # replay the round, or drop the trajectory alone
 
 
+class TaskSampling(BaseModel):
+    """Generation settings of one task, over the pipeline's ``sampling:`` (unset fields keep it);
+    ``max_new_tokens`` replaces the env's own budget, like ``envs[i].max_new_tokens``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    max_new_tokens: int | None = Field(default=None, ge=1)
+
+    def over(self, base: SamplingParams) -> SamplingParams:
+        """``base`` with this task's settings."""
+        return base.model_copy(update=self.model_dump(exclude_none=True))
+
+
+class TaskConfig(BaseModel):
+    """One task tag of a multi-task job (``tasks: {TAG: {...}}``): its share of every training batch
+    (``ratio``; every tag gets one or none does), its reward service (else the pipeline's ``reward:``,
+    else the env's own reward) and its generation settings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ratio: float | None = Field(default=None, gt=0)
+    reward: RewardConfig | None = None
+    sampling: TaskSampling = Field(default_factory=TaskSampling)
+
+
 class WeightsConfig(BaseModel):
     """How new weights reach the inference workers.
 
@@ -179,6 +207,7 @@ class PipelineConfig(BaseModel):
     data: list[DataTask] = Field(default_factory=list)  # prompt datasets as tasks (rollart.data); one or a list
     eval: EvalConfig | None = None  # held-out evaluation every eval.every steps
     reward: RewardConfig | None = None
+    tasks: dict[str, TaskConfig] = Field(default_factory=dict)  # per task tag: batch ratio, reward, sampling
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     fault: FaultConfig = Field(default_factory=FaultConfig)  # restart policy per role (rollart.cluster.fault)
     # grpo, grpo_token, reinforce, running_mean, gae, a name registered with @register_advantage, or
@@ -269,9 +298,12 @@ class PipelineConfig(BaseModel):
                 "critic": self.critic,
                 "envs": [{"groups": e.groups} for e in self.envs],
                 "data": [{"groups": t.groups} for t in self.data],
-                "rollout": {"num_env_groups": self.rollout.num_env_groups},
+                "rollout": {"num_env_groups": self.rollout.num_env_groups, "batch_groups": self.rollout.batch_groups},
+                "tasks": {t: {"ratio": c.ratio} for t, c in self.tasks.items()},
             }
         )
+        if self.tasks:
+            problems += task_problems(self)
         if problems:
             raise ValueError("\n".join(problems))  # validate_config lists them one by one
         return self
@@ -279,6 +311,83 @@ class PipelineConfig(BaseModel):
     @property
     def out_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
+
+    def task_quotas(self) -> dict[str, int] | None:
+        """Groups per batch of every task tag (``tasks.*.ratio``); None when no ratio is set."""
+        from rollart.rollout.quotas import ratio_quotas
+
+        ratios = {t: c.ratio for t, c in self.tasks.items() if c.ratio is not None}
+        return ratio_quotas(ratios, self.rollout.batch_groups) if ratios else None
+
+    def task_sampling(self, tag: str) -> SamplingParams:
+        """The generation settings of ``tag``: ``sampling:`` with ``tasks.TAG.sampling`` over it."""
+        task = self.tasks.get(tag)
+        return task.sampling.over(self.sampling) if task is not None else self.sampling
+
+    def task_reward(self, tag: str) -> RewardConfig | None:
+        """The reward service of ``tag``: ``tasks.TAG.reward``, else ``reward:`` (None: the env's reward)."""
+        task = self.tasks.get(tag)
+        return task.reward if task is not None and task.reward is not None else self.reward
+
+
+def task_tags(cfg: PipelineConfig) -> list[tuple[str, str]]:
+    """``(field, tag)`` of every env and data task: an env entry's ``tag``, else the tag of the env it
+    builds (built once here and closed), a data task's ``tag`` or file stem."""
+    from rollart.envs import EnvSpec, make_env
+
+    out: list[tuple[str, str]] = []
+    for i, entry in enumerate(cfg.envs):
+        tag = entry.tag
+        if tag is None:
+            spec = EnvSpec(name=entry.name, max_steps=entry.max_steps, kwargs=entry.kwargs)
+            try:
+                env = make_env(spec)
+            except Exception as err:
+                raise ValueError(
+                    f"envs[{i}]: could not build env {entry.name!r} to read its tag for tasks: "
+                    f"({type(err).__name__}: {err}); set envs[{i}].tag"
+                ) from None
+            tag = str(env.tag)
+            env.close()
+        out.append((f"envs[{i}]", tag))
+    out += [(f"data[{i}]", t.name) for i, t in enumerate(cfg.data)]
+    return out
+
+
+def task_problems(cfg: PipelineConfig) -> list[str]:
+    """``tasks:`` against the job's task tags: every key a tag, ratios on every tag or none, one
+    ``max_new_tokens`` per task, one way to handle failed rewards."""
+    try:
+        tags = task_tags(cfg)
+    except ValueError as err:
+        return [str(err)]
+    known = sorted(dict.fromkeys(t for _, t in tags))
+    out = [
+        f"tasks.{key}: no env or data task has tag {key!r} (the tags are {known}); fix the key, or set "
+        "the tag with envs[i].tag / data[i].tag"
+        for key in cfg.tasks
+        if key not in known
+    ]
+    with_ratio = [t for t in known if t in cfg.tasks and cfg.tasks[t].ratio is not None]
+    missing = [t for t in known if t not in with_ratio]
+    if with_ratio and missing:
+        example = ", ".join(f"{t}: {{ratio: 1}}" for t in missing)
+        out.append(
+            f"tasks: ratio is set for {with_ratio} but not for {missing}; give every task tag a share of the "
+            f"batch (e.g. tasks: {{{example}}}) or remove ratio everywhere"
+        )
+    entries: list[Any] = [*cfg.envs, *cfg.data]
+    for (where, tag), entry in zip(tags, entries):
+        task = cfg.tasks.get(tag)
+        if task is not None and task.sampling.max_new_tokens is not None and entry.max_new_tokens is not None:
+            out.append(f"{where}.max_new_tokens and tasks.{tag}.sampling.max_new_tokens are both set; keep one of them")
+    policies = {t: r.on_failure for t in known if (r := cfg.task_reward(t)) is not None}
+    if len(set(policies.values())) > 1:
+        out.append(
+            f"tasks.*.reward.on_failure: the tasks' reward services fail differently ({policies}); the rollout "
+            "handles a failed reward one way per job: give every reward the same on_failure"
+        )
+    return out
 
 
 def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
@@ -313,6 +422,17 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
         if total != wanted:
             which = "envs[*].groups + data[*].groups" if data else "envs[*].groups"
             out.append(f"{which} add up to {total} but rollout.num_env_groups is {wanted}; make them equal")
+    task_cfgs = raw.get("tasks")
+    batch = rollout.get("batch_groups", RolloutConfig.model_fields["batch_groups"].default)
+    if isinstance(task_cfgs, dict) and isinstance(batch, int) and batch >= 1:
+        from rollart.rollout.quotas import ratio_problems
+
+        given = {str(t): c.get("ratio") for t, c in task_cfgs.items() if isinstance(c, dict)}
+        ratios: dict[str, float] = {
+            t: float(r) for t, r in given.items() if isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0
+        }
+        if ratios and len(ratios) == sum(r is not None for r in given.values()):  # a bad ratio reports itself
+            out += ratio_problems(ratios, batch)
     return out
 
 
@@ -375,12 +495,15 @@ def _section_fields(loc: tuple[Any, ...]) -> list[str]:
     import typing
 
     model: Any = PipelineConfig
+    keyed = False  # the previous field was a dict of sections: this part is one of its keys
     for part in loc[:-1]:
-        if isinstance(part, int):
+        if isinstance(part, int) or keyed:
+            keyed = False
             continue
         field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
         if field is None:
             return []
+        keyed = typing.get_origin(field.annotation) is dict
         todo, model = [field.annotation], None
         while todo:  # the first pydantic model inside Optional[...] / list[...] / dict[..., ...]
             t = todo.pop(0)

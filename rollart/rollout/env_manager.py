@@ -26,6 +26,7 @@ import asyncio
 import inspect
 import logging
 import random
+import time
 import uuid
 import zlib
 from collections.abc import Awaitable, Callable
@@ -209,6 +210,7 @@ class EnvManager:
             traj_id=traj_id or uuid.uuid4().hex, group_id=group_id, tag=self.tag, start_version=self.version_fn()
         )
         self._aborting = False
+        t0 = time.monotonic()
         try:
             return await self._episode(traj, seed)
         except _Aborted:
@@ -216,6 +218,7 @@ class EnvManager:
             return traj
         finally:
             self._aborting = False
+            traj.info["duration_s"] = time.monotonic() - t0  # reset to reward, wall clock
 
     async def _episode(self, traj: Trajectory, seed: int | None) -> Trajectory:
         try:

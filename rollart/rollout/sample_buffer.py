@@ -5,13 +5,19 @@ that satisfy the asynchronous bound are in: a group begun under version ``s`` is
 ``v`` while ``v - s <= alpha``. Older groups are evicted and handed to ``on_stale`` so their prompts
 go back to the queue — nothing is lost. The buffer's size is bounded by the scheduler's admission
 control (seed 001: ``accepted + running <= (alpha + version + 1) * batch``), not by dropping data.
+
+Per-task quotas (seed 004 §7.1, a "domain batch size"): with ``quotas = {task: groups}`` a batch holds
+exactly ``quotas[task]`` groups of each task, the oldest usable ones of that task; the groups of a
+task that finishes faster than its share wait in the buffer for a later batch (still under the
+asynchronous bound: evicted and replayed once too old). Without quotas a batch is the ``n`` oldest
+usable groups (FIFO).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from rollart.rollout.types import GroupId, Trajectory
 
@@ -29,6 +35,29 @@ class Group(list[Trajectory]):
 
     def __reduce__(self) -> tuple:  # pickles (Ray) as the list and its id
         return (Group, (list(self), self.gid))
+
+
+TaskFn = Callable[[Group], str]
+
+
+def select_batch(
+    groups: Sequence[Group], n: int, quotas: Mapping[str, int] | None = None, task_of: TaskFn | None = None
+) -> list[int] | None:
+    """Positions in ``groups`` (oldest first) of the batch, or None while it cannot be filled: the first
+    ``n`` groups, or with ``quotas`` the first ``quotas[t]`` groups of every task ``t`` (``task_of``
+    names a group's task; groups of other tasks are never taken)."""
+    if not quotas:
+        return list(range(n)) if len(groups) >= n else None
+    if task_of is None:
+        raise ValueError("select_batch: quotas need task_of, the function naming a group's task")
+    taken: Counter[str] = Counter()
+    out: list[int] = []
+    for i, grp in enumerate(groups):
+        task = task_of(grp)
+        if taken[task] < quotas.get(task, 0):
+            taken[task] += 1
+            out.append(i)
+    return out if all(taken[t] >= q for t, q in quotas.items()) else None
 
 
 class SampleBuffer:
@@ -72,16 +101,43 @@ class SampleBuffer:
             self._error = err
             self._cond.notify_all()
 
-    async def get_batch(self, n: int, version: int, alpha: int) -> list[Group]:
-        """The ``n`` oldest usable groups (FIFO), waiting for them; stale ones are evicted first.
-        Raises ``RolloutError`` (with the cause) once the producer failed."""
+    def try_take(
+        self,
+        n: int,
+        version: int,
+        alpha: int,
+        quotas: Mapping[str, int] | None = None,
+        task_of: TaskFn | None = None,
+    ) -> list[Group] | None:
+        """Evict the stale groups, then take the batch of :func:`select_batch` (oldest first), or
+        None (nothing taken) while it cannot be filled."""
+        self._evict_stale(version, alpha)
+        picked = select_batch(self._groups, n, quotas, task_of)
+        if picked is None:
+            return None
+        chosen = set(picked)
+        batch = [self._groups[i] for i in picked]
+        self._groups = deque(g for i, g in enumerate(self._groups) if i not in chosen)
+        return batch
+
+    async def get_batch(
+        self,
+        n: int,
+        version: int,
+        alpha: int,
+        quotas: Mapping[str, int] | None = None,
+        task_of: TaskFn | None = None,
+    ) -> list[Group]:
+        """The ``n`` oldest usable groups (FIFO) — with ``quotas`` the oldest ``quotas[t]`` of every task
+        ``t`` — waiting for them; stale ones are evicted first. Raises ``RolloutError`` (with the
+        cause) once the producer failed."""
         async with self._cond:
             while True:
                 if self._error is not None:
                     raise RolloutError(f"rollout stopped: {type(self._error).__name__}: {self._error}") from self._error
-                self._evict_stale(version, alpha)
-                if len(self._groups) >= n:
-                    return [self._groups.popleft() for _ in range(n)]
+                batch = self.try_take(n, version, alpha, quotas, task_of)
+                if batch is not None:
+                    return batch
                 await self._cond.wait()
 
     async def notify(self) -> None:

@@ -15,6 +15,13 @@ more than ``alpha`` policy versions ahead; ``extra_groups = num_env_groups - bat
 redundancy slack. When the version advances, running rounds begun more than ``alpha`` versions ago
 are aborted and their seeds retried (nothing is lost).
 
+Per-task quotas (``quotas={tag: groups}``, seed 004 §7.1): every batch holds exactly that many
+groups of each task (an env group's task is its EnvManagers' ``tag``), and admission is per task:
+task ``t`` starts a round only while ``accepted_t + running_t < (alpha + version + 1) * q_t + extra_t``
+(``extra_t`` = its env groups beyond ``q_t``). A fast task therefore runs at most ``alpha`` versions
+ahead of its own share and then waits, instead of filling the buffer while a slow task starves; its
+finished groups beyond the current batch wait in the buffer (under the same bound) for a later one.
+
 Faults: a group loop that stops on an error (e.g. no inference worker can serve any more) fails the
 scheduler: ``get_batch`` raises ``RolloutError`` with that cause instead of waiting. So does a run of
 ``max_consecutive_failed_rounds`` rounds that all failed (with the last trajectory error).
@@ -91,11 +98,18 @@ class RolloutScheduler:
         groups: list[list[EnvManager]],
         config: RolloutConfig,
         seed_fn: Callable[[int, int], int] | None = None,
+        quotas: Mapping[str, int] | None = None,
     ):
         if len(groups) != config.num_env_groups or any(len(g) != config.group_size for g in groups):
             raise ValueError("RolloutScheduler: groups must be num_env_groups lists of group_size EnvManagers")
         self.groups = groups
         self.config = config
+        # the task (tag) of every env group: its EnvManagers' tag
+        self.task_of_group: list[str] = [str(getattr(g[0], "tag", "")) for g in groups]
+        self.quotas: dict[str, int] | None = self._check_quotas(quotas) if quotas else None
+        self.accepted_by_task: Counter[str] = Counter()
+        self.counts_by_task: dict[str, Counter[str]] = {t: Counter() for t in dict.fromkeys(self.task_of_group)}
+        self.staleness_by_task: dict[str, Counter[int]] = {t: Counter() for t in self.counts_by_task}
         self.seed_fn = seed_fn or (lambda g, r: config.seed_offset + g * 1_000_003 + r)
         self.version = 0
         self.buffer = SampleBuffer(on_stale=self._requeue_group)
@@ -115,6 +129,30 @@ class RolloutScheduler:
         self.settled = RoundLedger(config.num_env_groups)  # rounds trained, filtered or given up
         self._failed_in_row = 0
         self._last_error = ""
+        self._notify_tasks: set[asyncio.Task] = set()
+
+    def _check_quotas(self, quotas: Mapping[str, int]) -> dict[str, int]:
+        tasks = set(self.task_of_group)
+        unknown, missing = sorted(set(quotas) - tasks), sorted(tasks - set(quotas))
+        if unknown or missing:
+            raise ValueError(
+                f"RolloutScheduler quotas: tasks {unknown} have no env group and tasks {missing} have no quota "
+                f"(the env groups' tags are {sorted(tasks)}); give every tag a quota"
+            )
+        if sum(quotas.values()) != self.config.batch_groups or any(q < 1 for q in quotas.values()):
+            raise ValueError(
+                f"RolloutScheduler quotas {dict(quotas)} must be >= 1 each and add up to "
+                f"rollout.batch_groups={self.config.batch_groups}"
+            )
+        return dict(quotas)
+
+    def task_of(self, group: Group) -> str:
+        """The task (tag) of a buffered group: that of its env group."""
+        return self.task_of_group[group.gid.env_group]
+
+    def buffered_by_task(self) -> dict[str, int]:
+        """Groups waiting in the buffer per task (those held back for later batches included)."""
+        return dict(Counter(self.task_of(g) for g in self.buffer.groups()))
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -157,10 +195,23 @@ class RolloutScheduler:
         c = self.config
         return (c.alpha + self.version + 1) * c.batch_groups + (c.num_env_groups - c.batch_groups)
 
+    def _task_capacity(self, task: str) -> int:
+        """Per-task admission (quotas): ``(alpha + version + 1) * q_t`` plus the task's spare env groups."""
+        assert self.quotas is not None
+        c, q = self.config, self.quotas[task]
+        return (c.alpha + self.version + 1) * q + max(0, self.task_of_group.count(task) - q)
+
+    def _full(self, group: int) -> bool:
+        if self.quotas is None:
+            return self.accepted + len(self.running) >= self._capacity()
+        task = self.task_of_group[group]
+        running = sum(1 for g in self.running if self.task_of_group[g] == task)
+        return self.accepted_by_task[task] + running >= self._task_capacity(task)
+
     async def _admit(self, group: int) -> None:
         assert self._cond is not None
         async with self._cond:
-            while self.accepted + len(self.running) >= self._capacity():
+            while self._full(group):
                 await self._cond.wait()
 
     async def _notify(self) -> None:
@@ -170,10 +221,17 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ rounds
     def _requeue_group(self, group: Group) -> None:
+        task = self.task_of(group)
         self.accepted -= 1
-        self.counts["groups_evicted_stale"] += 1
-        self.counts["trajectories_evicted"] += len(group)
+        self.accepted_by_task[task] -= 1
+        for counts in (self.counts, self.counts_by_task[task]):
+            counts["groups_evicted_stale"] += 1
+            counts["trajectories_evicted"] += len(group)
         self._retry[group.gid.env_group].appendleft(group.gid.round)
+        if self._cond is not None:  # capacity freed: wake the group loops waiting for admission
+            task_ref = asyncio.get_running_loop().create_task(self._notify())
+            self._notify_tasks.add(task_ref)
+            task_ref.add_done_callback(self._notify_tasks.discard)
 
     async def _group_loop(self, g: int) -> None:
         while not self._stopping:
@@ -200,13 +258,17 @@ class RolloutScheduler:
             if not kept:  # a seed given up after repeated failures: counted, nothing to train on
                 await self._notify()
                 continue
+            task_counts = self.counts_by_task[self.task_of_group[g]]
             if self.config.filter_zero_variance and len({t.reward for t in kept}) == 1 and len(kept) > 1:
                 self.counts["groups_filtered"] += 1
+                task_counts["groups_filtered"] += 1
                 self.settled.settle(g, r)
             else:
                 self.accepted += 1
-                self.counts["groups_accepted"] += 1
-                self.counts["trajectories_kept"] += len(kept)
+                self.accepted_by_task[self.task_of_group[g]] += 1
+                for counts in (self.counts, task_counts):
+                    counts["groups_accepted"] += 1
+                    counts["trajectories_kept"] += len(kept)
                 self._failed_in_row = 0
                 self._failures.pop((g, r), None)
                 await self.buffer.put(Group(kept, GroupId(g, r)))
@@ -226,13 +288,16 @@ class RolloutScheduler:
         }
         kept: list[Trajectory] = []
         pending = set(tasks)
+        task_counts = self.counts_by_task[self.task_of_group[rnd.group]]
         self.counts["trajectories_started"] += len(tasks)
+        task_counts["trajectories_started"] += len(tasks)
         try:
             while pending and len(kept) < self.config.keep and not rnd.aborted:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     traj = t.result()
                     self.counts[f"trajectories_{traj.status}"] += 1
+                    task_counts[f"trajectories_{traj.status}"] += 1
                     self.completed_trajectories.append(traj)
                     if traj.error:
                         self._last_error = f"{traj.traj_id}: {traj.error}"
@@ -247,6 +312,7 @@ class RolloutScheduler:
                 for late in await asyncio.gather(*pending, return_exceptions=True):
                     if isinstance(late, Trajectory):
                         self.counts[f"trajectories_{late.status}"] += 1
+                        task_counts[f"trajectories_{late.status}"] += 1
                         self.completed_trajectories.append(late)
                         if late.status == "ok" and len(kept) < self.config.keep and not rnd.aborted:
                             kept.append(late)
@@ -292,6 +358,7 @@ class RolloutScheduler:
             "next_round": list(self._next_round),
             "retry": {g: sorted(set(rounds)) for g, rounds in retry.items() if rounds},
             "counts": dict(self.counts),
+            "counts_by_task": {t: dict(c) for t, c in self.counts_by_task.items()},
             "settled": self.settled.state_dict(),
         }
 
@@ -311,6 +378,9 @@ class RolloutScheduler:
         for g, rounds in state["retry"].items():  # JSON turns the int keys into strings
             self._retry[int(g)].extend(sorted({int(r) for r in rounds}))
         self.counts = Counter({str(k): int(v) for k, v in state["counts"].items()})
+        for task, counts in (state.get("counts_by_task") or {}).items():
+            if task in self.counts_by_task:
+                self.counts_by_task[task] = Counter({str(k): int(v) for k, v in counts.items()})
         if "settled" in state:
             self.settled.load_state_dict(state["settled"])
 
@@ -318,12 +388,19 @@ class RolloutScheduler:
     async def get_batch(self, version: int | None = None) -> list[Group]:
         """``batch_groups`` groups within the asynchronous bound (blocking) of the policy ``version`` they
         train (default: the served version; the trainer's own when the served one lags, e.g. while
-        workers still fetch it)."""
+        workers still fetch it); with quotas, exactly ``quotas[t]`` groups of every task ``t``."""
         version = self.version if version is None else max(version, self.version)
-        groups = await self.buffer.get_batch(self.config.batch_groups, version, self.config.alpha)
+        groups = await self.buffer.get_batch(
+            self.config.batch_groups, version, self.config.alpha, quotas=self.quotas, task_of=self.task_of
+        )
         for grp in groups:
-            self.staleness[version - SampleBuffer.start_version(grp)] += 1
+            task = self.task_of(grp)
+            stale = version - SampleBuffer.start_version(grp)
+            self.staleness[stale] += 1
+            self.staleness_by_task[task][stale] += 1
             self.counts["trajectories_trained"] += len(grp)
+            self.counts_by_task[task]["trajectories_trained"] += len(grp)
+            self.counts_by_task[task]["groups_trained"] += 1
             if not self.settled.settle(*grp.gid):
                 self.counts["rounds_trained_twice"] += 1
                 log.error("round %s handed to the trainer a second time", grp.gid)
