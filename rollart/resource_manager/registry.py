@@ -97,7 +97,8 @@ class ClusterRegistry:
         now = time.time()
         job = self._get(f"jobs/{job_id}")
         if job is not None:
-            self._put(f"jobs/{job_id}", {**job, "ended_at": now, "state": state})
+            # a job already marked ended (its driver found dead) keeps the time it was found so
+            self._put(f"jobs/{job_id}", {**job, "ended_at": job.get("ended_at") or now, "state": state})
         for kind, state in (("pools", "released"), ("bindings", "stopped")):
             for row in self._rows(kind, job_id):
                 self._put(self._key(kind, row), {**row, "state": state, "updated_at": now})
