@@ -94,7 +94,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     console = Console()
     console.print(where)
     for title, rows, cols in (
-        ("jobs", state["jobs"], ["job_id", "driver_pid", "driver_alive", "ray_address", "ended_at"]),
+        ("jobs", state["jobs"], ["job_id", "state", "driver_pid", "driver_alive", "ray_address", "ended_at"]),
         ("pools", state["pools"], ["job_id", "pool", "group_index", "hardware", "devices", "cpus", "state"]),
         (
             "workers",

@@ -64,6 +64,18 @@ def test_quota_errors_name_the_pools_and_the_flag():
     assert Admission.from_env({}) is None
 
 
+def test_submit_refuses_a_config_over_its_quota_before_reaching_the_cluster(tmp_path, caplog):
+    from rollart.cli import main
+
+    config = tmp_path / "shared.yaml"
+    config.write_text(CONFIG)
+    # the address leads nowhere: the quota check fails first, on this machine
+    assert main(["submit", str(config), "--quota", "H800=0", "--address", "http://127.0.0.1:9"]) == 2
+    assert "pools ['train'] ask for 1 H800 but the job's quota is 0" in caplog.text
+    assert main(["submit", str(config), "--quota", "H800"]) == 2
+    assert "--quota 'H800': write HARDWARE=COUNT" in caplog.text
+
+
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     from rollart.testing import HostSpec, skip_reason, start_hosts
@@ -127,19 +139,19 @@ def test_three_jobs_two_run_the_third_waits_quotas_hold_and_stop_frees(shared):
     assert "queued at position 1" in _cli(cluster, "logs", waiter).stdout
 
     # every actor of each running job sits on a host of its hardware, within the job's quota
-    def bound(job):
-        state = json.loads(_cli(cluster, "status", "--json", "--job", job).stdout)
-        return [b for b in state["bindings"] if b["state"] == "alive"]
-
-    for job in running:
-        deadline = time.monotonic() + 120
-        while len(rows := bound(job)) < 2 and time.monotonic() < deadline:
-            time.sleep(1.0)
+    deadline = time.monotonic() + 120
+    while True:
+        state = json.loads(_cli(cluster, "status", "--json").stdout)
+        bound = {job: [b for b in state["bindings"] if b["job_id"] == job and b["state"] == "alive"] for job in running}
+        if all(len(rows) >= 2 for rows in bound.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    for job, rows in bound.items():
         devices: dict[str, set] = {}  # colocated workers share their owner's devices
         for b in rows:
             devices.setdefault(b["hardware"], set()).add((b["node_id"], tuple(b["device_ids"])))
             assert b["node_ip"] == {"H800": "10.201.0.1", "H20": "10.201.0.2"}[b["hardware"]], b
-        assert {hw: len(d) for hw, d in devices.items()} == {"H800": 1, "H20": 1}, rows
+        assert {hw: len(d) for hw, d in devices.items()} == {"H800": 1, "H20": 1}, (job, rows)
 
     # stopping a running job frees its devices: the waiter is admitted after it ended
     stopped = running[0]
@@ -149,8 +161,12 @@ def test_three_jobs_two_run_the_third_waits_quotas_hold_and_stop_frees(shared):
     assert jobs[waiter]["admitted_at"] >= jobs[stopped]["ended_at"]
     assert [n for n in names if jobs[n]["state"] == "running"] == sorted([waiter, running[1]])
 
-    for job in (waiter, running[1]):
-        _cli(cluster, "stop", job)
+    stops = [
+        cluster.popen("head", [sys.executable, "-m", "rollart.cli", "stop", job], stdout=-1, stderr=-1, text=True)
+        for job in (waiter, running[1])
+    ]
+    for p in stops:
+        assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
     jobs = _jobs(cluster)
     assert _states(jobs) == ["stopped"] * 3
     free = cluster.run_python(

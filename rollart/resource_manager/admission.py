@@ -144,7 +144,7 @@ def reap_dead_jobs(registry: Any) -> list[str]:
     reaped = []
     for row in registry.jobs():
         if row.get("state") in ("queued", "running") and row.get("ray_job_id") in dead:
-            registry.end_job(row["job_id"], state=row.get("end_state") or "failed")
+            registry.end_job(row["job_id"], state="failed")
             reaped.append(row["job_id"])
     if reaped:
         log.info("jobs %s: their drivers are gone; marked ended and their resources released", reaped)
