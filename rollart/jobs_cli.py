@@ -140,8 +140,8 @@ def list_jobs(address: str | None) -> list[dict[str, Any]]:
         row = rows.get(sid, {})
         status = str(getattr(j.status, "value", j.status))
         state = RAY_STATE.get(status, status.lower())
-        if state in ("pending", "running"):  # the driver runs: queued or admitted, as the registry says
-            state = row.get("state") if row.get("state") in ("queued", "running") else state
+        if state in ("pending", "running") and row.get("state"):  # the driver runs: the registry says
+            state = row["state"]  # whether it is queued, admitted, or done with its resources and exiting
         out.append(
             {
                 "job": sid,
