@@ -1,4 +1,5 @@
-"""The ``rollart`` command: ``--version``, ``status``, ``run``, ``serve``, ``bench``, ``export``.
+"""The ``rollart`` command: ``--version``, ``status``, ``run``, ``submit``/``jobs``/``logs``/``stop``, ``serve``,
+``bench``, ``export``.
 
 Subcommands live in the modules that own them; this file only mounts them, importing each lazily so
 ``rollart --version`` and ``rollart status`` stay fast.
@@ -93,7 +94,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     console = Console()
     console.print(where)
     for title, rows, cols in (
-        ("jobs", state["jobs"], ["job_id", "driver_pid", "driver_alive", "ray_address", "ended_at"]),
+        ("jobs", state["jobs"], ["job_id", "state", "driver_pid", "driver_alive", "ray_address", "ended_at"]),
         ("pools", state["pools"], ["job_id", "pool", "group_index", "hardware", "devices", "cpus", "state"]),
         (
             "workers",
@@ -205,6 +206,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         ("rollart.pipeline_cli", "add_run_parser"),
         ("rollart.reward.cli", "add_serve_parser"),
         ("rollart.export_cli", "add_export_parser"),
+        ("rollart.jobs_cli", "add_job_parsers"),
     ):
         add = _optional(module, attr)
         if add is not None:

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from rollart.resource_manager.admission import Admission, wait_for_admission
 from rollart.resource_manager.capacity import HardwareCapacity, read_capacity
 from rollart.resource_manager.launcher import ensure_ray
 from rollart.resource_manager.specs import CPU, HardwareGroup, PoolSpec, ResourceSpecError, parse_pools
@@ -55,7 +56,9 @@ class ResourceManager:
     ``ResourceManager({"train": {"hardware": "H800", "devices": 2}, ...})`` validates and reserves at
     once. ``local_resources`` (``{"H800": 4, "H20": 4, "CPU": 16}``) is what a locally started Ray
     declares; by default exactly what the pools ask for. ``store`` is the SQLite metadata file
-    (default ``$ROLLART_METADATA_DB`` or ``~/.rollart/metadata.sqlite``).
+    (default ``$ROLLART_METADATA_DB`` or ``~/.rollart/metadata.sqlite``). ``admission`` (default: from the
+    environment ``rollart submit`` gives a job, else none) makes the job wait in the cluster's queue and
+    keep to its quota before anything is reserved (:mod:`rollart.resource_manager.admission`).
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class ResourceManager:
         store: MetadataStore | str | Path | None = None,
         local_resources: Mapping[str, float] | None = None,
         ready_timeout_s: float = 60.0,
+        admission: Admission | None = None,
     ):
         self.specs: dict[str, PoolSpec] = parse_pools(pools)
         if local_resources is None:
@@ -76,11 +80,23 @@ class ResourceManager:
             from rollart.resource_manager.registry import ClusterRegistry
 
             self.store.registry = ClusterRegistry()
-        self.capacity = read_capacity()
-        self._validate()
+        self.admission = admission if admission is not None else Admission.from_env()
+        if self.admission is not None:
+            users: dict[str, list[str]] = {}
+            for s in self.specs.values():
+                for g in s.groups:
+                    users.setdefault(g.hardware, []).append(s.name)
+            wait_for_admission(self.store.registry, self.job_id, self._resources_asked(), users, self.admission)
         self.groups: dict[str, list[ReservedGroup]] = {}
         self.bindings: dict[str, PoolBinding] = {}
-        self._reserve(ready_timeout_s)
+        try:
+            self.capacity = read_capacity()
+            self._validate()
+            self._reserve(ready_timeout_s)
+        except BaseException:
+            if self.admission is not None:  # give the admitted share back to the queue at once
+                self.store.registry.end_job(self.job_id, state="failed")
+            raise
 
     # ------------------------------------------------------------------ validation
     def _resources_asked(self) -> dict[str, float]:
@@ -100,6 +116,8 @@ class ResourceManager:
                         f"{where}.hardware: {g.hardware!r} is not in the Ray cluster (it has {known}); "
                         f"fix the name, or declare it under cluster.local_resources for a local run"
                     )
+        if self.admission is not None:  # admitted against the cluster's totals; placement waits for the rest
+            return
         for hw, need in self._resources_asked().items():
             cap = self.capacity[hw]
             if need > cap.available + 1e-9:

@@ -7,7 +7,9 @@ takes a CPU slot on some node and dies with that node), and a driver on any host
 its local history; :class:`~rollart.resource_manager.store.MetadataStore` mirrors every write here
 when it has a registry (the ResourceManager gives it one).
 
-Layout: namespace ``rollart``, keys ``jobs/<job>``, ``pools/<job>/<pool>/<group>``,
+Layout: namespace ``rollart``, keys ``jobs/<job>`` (with the admission fields ``state``
+queued/running/finished/failed/stopped, ``asks``, ``quota``, ``priority``, ``submitted_at``: see
+:mod:`rollart.resource_manager.admission`), ``locks/<name>``, ``pools/<job>/<pool>/<group>``,
 ``bindings/<job>/<cluster>/<rank>``, ``endpoints/<job>/<cluster>/<method>``; each value is the JSON of
 the row (the same fields as the SQLite tables, plus ``node_ip`` for bindings and ``driver_ip`` for jobs).
 The registry lives as long as the cluster's GCS: a restarted head starts empty.
@@ -33,6 +35,12 @@ def _kv() -> Any:
     if not internal_kv._internal_kv_initialized():
         raise RuntimeError("the cluster registry needs a connected Ray (ray.init / ensure_ray) first")
     return internal_kv
+
+
+def _ray_job_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
 
 
 class ClusterRegistry:
@@ -69,11 +77,15 @@ class ClusterRegistry:
     def record_job(self, job_id: str, ray_address: str | None) -> None:
         from rollart.cluster.net import node_ip
 
+        old = self._get(f"jobs/{job_id}") or {}  # an admitted job keeps its queue fields
         self._put(
             f"jobs/{job_id}",
             {
+                **old,
+                "state": old.get("state", "running"),
                 "job_id": job_id,
                 "ray_address": ray_address,
+                "ray_job_id": _ray_job_id(),
                 "driver_pid": os.getpid(),
                 "driver_ip": node_ip(),
                 "started_at": time.time(),
@@ -81,11 +93,12 @@ class ClusterRegistry:
             },
         )
 
-    def end_job(self, job_id: str) -> None:
+    def end_job(self, job_id: str, state: str = "finished") -> None:
         now = time.time()
         job = self._get(f"jobs/{job_id}")
         if job is not None:
-            self._put(f"jobs/{job_id}", {**job, "ended_at": now})
+            # a job already marked ended (its driver found dead) keeps the time it was found so
+            self._put(f"jobs/{job_id}", {**job, "ended_at": job.get("ended_at") or now, "state": state})
         for kind, state in (("pools", "released"), ("bindings", "stopped")):
             for row in self._rows(kind, job_id):
                 self._put(self._key(kind, row), {**row, "state": state, "updated_at": now})
@@ -159,6 +172,31 @@ class ClusterRegistry:
             "updated_at": time.time(),
         }
         self._put(self._key("endpoints", row), row)
+
+    def update_job(self, job_id: str, **fields: Any) -> dict[str, Any]:
+        """Merge ``fields`` into the job's row (created when missing); return the new row."""
+        row = {**(self._get(f"jobs/{job_id}") or {"job_id": job_id}), **fields}
+        self._put(f"jobs/{job_id}", row)
+        return row
+
+    def try_lock(self, name: str, holder: str, stale_after_s: float = 30.0) -> bool:
+        """Take the cluster-wide lock ``name`` (a GCS KV key written only if absent: one writer wins);
+        a lock older than ``stale_after_s`` (its holder died inside) is broken first."""
+        kv, key = _kv(), f"locks/{name}"
+        value = json.dumps({"holder": holder, "at": time.time()})
+        if not kv._internal_kv_put(key, value, overwrite=False, namespace=self.namespace):
+            return True
+        held = self._get(key)
+        if held is not None and time.time() - float(held.get("at", 0)) > stale_after_s:
+            log.warning("breaking the stale registry lock %s of %s", name, held.get("holder"))
+            kv._internal_kv_del(key, namespace=self.namespace)
+        return False
+
+    def unlock(self, name: str, holder: str) -> None:
+        key = f"locks/{name}"
+        held = self._get(key)
+        if held is not None and held.get("holder") == holder:
+            _kv()._internal_kv_del(key, namespace=self.namespace)
 
     @staticmethod
     def _key(kind: str, row: dict[str, Any]) -> str:

@@ -63,6 +63,8 @@ SUBNET_PREFIX = "10.201.0"
 """Hosts get ``10.201.0.1``, ``10.201.0.2``, ... (/24) on links that exist only in the run's namespaces."""
 RAY_PORT = 6379
 """The GCS port of the head (inside the head's namespace: no clash with any other Ray)."""
+DASHBOARD_PORT = 8265
+"""The head's dashboard / Ray Jobs port when started with ``dashboard=True`` (on the head's own IP)."""
 RESULT_PREFIX = "RESULT "
 """A driver prints ``RESULT <json>`` on stdout; :attr:`DriverResult.result` parses the last one."""
 
@@ -180,6 +182,7 @@ class HostCluster:
         ray_port: int = RAY_PORT,
         start_timeout_s: float = 300.0,
         workdir: str | os.PathLike | None = None,
+        dashboard: bool = False,
     ) -> None:
         reason = skip_reason()
         if reason:
@@ -193,6 +196,7 @@ class HostCluster:
             raise HostsError("at most 250 hosts fit the /24 test subnet")
         self.run_id = secrets.token_hex(3)
         self.ray_port = ray_port
+        self.dashboard = dashboard
         self.start_timeout_s = start_timeout_s
         self.dir = Path(tempfile.mkdtemp(prefix=f"rat{self.run_id}-", dir=workdir))
         self.token_path = self.dir / "auth_token"
@@ -231,6 +235,13 @@ class HostCluster:
     def address(self) -> str:
         """The Ray address of the cluster (``RAY_ADDRESS``): the head's IP and GCS port."""
         return f"{self.head.ip}:{self.ray_port}"
+
+    @property
+    def jobs_address(self) -> str:
+        """The Ray Jobs (dashboard) address of the head, ``http://10.201.0.1:8265``; needs ``dashboard=True``."""
+        if not self.dashboard:
+            raise HostsError("the head runs without a dashboard: start the hosts with dashboard=True for Ray Jobs")
+        return f"http://{self.head.ip}:{DASHBOARD_PORT}"
 
     def host(self, name: str) -> Host:
         for h in self.hosts:
@@ -392,7 +403,11 @@ class HostCluster:
             "--disable-usage-stats",
         ]
         if head:
-            args += ["--head", f"--port={self.ray_port}", "--include-dashboard=false"]
+            args += ["--head", f"--port={self.ray_port}"]
+            if self.dashboard:  # the Ray Jobs API: the dashboard on the head's own link, its job agent
+                args += ["--include-dashboard=true", f"--dashboard-host={h.ip}", f"--dashboard-port={DASHBOARD_PORT}"]
+            else:
+                args += ["--include-dashboard=false"]
         else:
             args += [f"--address={self.address}"]
         res = self._run(h, args, self.env(with_address=False), self.start_timeout_s)

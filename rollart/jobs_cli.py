@@ -1,0 +1,245 @@
+"""``rollart submit | jobs | logs | stop``: jobs on a shared Ray cluster, through Ray Jobs.
+
+``rollart submit CONFIG`` sends ``rollart run CONFIG`` to the cluster's job agent with the config's
+folder as the working directory (plus ``--module`` folders as ``py_modules``). The job's driver then
+waits in the cluster's admission queue for its pools (:mod:`rollart.resource_manager.admission`), keeps
+to ``--quota``, and is ordered by ``--priority`` then submit time. The Ray Jobs address is ``--address``,
+else ``$RAY_JOBS_ADDRESS``, else port 8265 of the host that ``$RAY_ADDRESS`` names. ``rollart jobs`` reads
+the queue states (queued/running/finished/failed/stopped) from the cluster registry when
+``$RAY_ADDRESS`` is set, and the Ray Jobs status otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DASHBOARD_PORT = 8265
+RAY_STATE = {
+    "PENDING": "pending",
+    "RUNNING": "running",
+    "SUCCEEDED": "finished",
+    "FAILED": "failed",
+    "STOPPED": "stopped",
+}
+
+
+def jobs_address(explicit: str | None) -> str:
+    """The Ray Jobs (dashboard) address: ``--address``, ``$RAY_JOBS_ADDRESS``, or the head of ``$RAY_ADDRESS``."""
+    address = explicit or os.environ.get("RAY_JOBS_ADDRESS")
+    if address:
+        return address if "://" in address else f"http://{address}"
+    ray_address = os.environ.get("RAY_ADDRESS")
+    if ray_address and ray_address not in ("auto", "local"):
+        host = ray_address.split("://")[-1].rsplit(":", 1)[0]
+        return f"http://{host}:{DASHBOARD_PORT}"
+    raise SystemExit("no Ray Jobs address: pass --address http://HEAD:8265, or set RAY_JOBS_ADDRESS or RAY_ADDRESS")
+
+
+def _client(address: str | None) -> Any:
+    from ray.job_submission import JobSubmissionClient
+
+    from rollart.resource_manager.launcher import _token_auth_for_joining
+
+    _token_auth_for_joining()
+    return JobSubmissionClient(jobs_address(address))
+
+
+def _with_registry(fn: Any) -> Any:
+    """Run ``fn(registry)`` through a short-lived driver of ``$RAY_ADDRESS``'s cluster; None without one."""
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        return None
+    import ray
+
+    from rollart.resource_manager.launcher import _token_auth_for_joining
+    from rollart.resource_manager.registry import ClusterRegistry
+
+    _token_auth_for_joining()
+    os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    ray.init(address=address, namespace="rollart-jobs", log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        return fn(ClusterRegistry())
+    finally:
+        ray.shutdown()
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from rollart.config import ConfigError, load_config
+    from rollart.pipeline_cli import _parse_sets
+    from rollart.resource_manager.admission import Admission, check_quota, parse_quota
+    from rollart.resource_manager.launcher import new_job_id
+    from rollart.resource_manager.specs import ResourceSpecError, parse_pools
+
+    try:
+        quota = parse_quota(args.quota)
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+    config = Path(args.config)
+    if not config.is_file():
+        log.error("rollart submit: %s is not a file; give the pipeline YAML to run on the cluster", config)
+        return 2
+    try:  # the config's own checks and the quota, here, before anything reaches the cluster
+        cfg = load_config(str(config), _parse_sets(args.set))
+        asks: dict[str, float] = {}
+        users: dict[str, list[str]] = {}
+        for spec in parse_pools(cfg.pools).values():
+            for g in spec.groups:
+                asks[g.hardware] = asks.get(g.hardware, 0.0) + g.amount
+                users.setdefault(g.hardware, []).append(spec.name)
+        check_quota(asks, users, quota)
+    except (ConfigError, ResourceSpecError) as err:
+        log.error("%s", err)
+        return 2
+    job_id = args.name or new_job_id()
+    admission = Admission(quota=quota, priority=args.priority, submitted_at=time.time())
+    sets = "".join(f" --set {json.dumps(s)}" for s in args.set)
+    entrypoint = f"{args.python} -m rollart.cli run {json.dumps(config.name)} --set cluster.job_id={job_id}{sets}"
+    env_vars = {**admission.env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    runtime_env: dict[str, Any] = {"working_dir": str(config.resolve().parent), "env_vars": env_vars}
+    if args.module:
+        runtime_env["py_modules"] = [str(Path(m).resolve()) for m in args.module]
+    client = _client(args.address)
+    submission = client.submit_job(
+        entrypoint=entrypoint,
+        submission_id=job_id,
+        runtime_env=runtime_env,
+        metadata={"rollart_job": job_id, "priority": str(args.priority), "quota": json.dumps(quota)},
+    )
+    log.info("submitted %s: %s", submission, entrypoint)
+    sys.stdout.write(submission + "\n")
+    return 0
+
+
+def list_jobs(address: str | None) -> list[dict[str, Any]]:
+    """Every rollart job the cluster's Ray Jobs knows, with its queue state from the registry."""
+    client = _client(address)
+    ray_jobs = {
+        j.submission_id: j for j in client.list_jobs() if j.submission_id and (j.metadata or {}).get("rollart_job")
+    }
+
+    def read(registry: Any) -> dict[str, dict[str, Any]]:
+        from rollart.resource_manager.admission import reap_dead_jobs
+
+        reap_dead_jobs(registry)
+        return {r["job_id"]: r for r in registry.jobs()}
+
+    rows = _with_registry(read) or {}
+    out = []
+    for sid, j in sorted(ray_jobs.items(), key=lambda kv: kv[1].start_time or 0):
+        row = rows.get(sid, {})
+        status = str(getattr(j.status, "value", j.status))
+        state = RAY_STATE.get(status, status.lower())
+        if state in ("pending", "running") and row.get("state"):  # the driver runs: the registry says
+            state = row["state"]  # whether it is queued, admitted, or done with its resources and exiting
+        out.append(
+            {
+                "job": sid,
+                "state": state,
+                "ray_status": status,
+                "priority": int(j.metadata.get("priority", 0)),
+                "quota": json.loads(j.metadata.get("quota", "{}")),
+                "asks": row.get("asks"),
+                "submitted_at": (j.start_time or 0) / 1000.0,
+                "admitted_at": row.get("admitted_at"),
+                "ended_at": row.get("ended_at") or ((j.end_time or 0) / 1000.0 or None),
+                "message": j.message,
+            }
+        )
+    return out
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    rows = list_jobs(args.address)
+    if args.json:
+        sys.stdout.write(json.dumps(rows, default=str) + "\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="rollart jobs")
+    cols = ["job", "state", "priority", "quota", "asks", "submitted_at", "ended_at"]
+    for c in cols:
+        table.add_column(c)
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r[c]
+            if c.endswith("_at") and v:
+                v = time.strftime("%H:%M:%S", time.localtime(v))
+            cells.append("" if v is None else str(v))
+        table.add_row(*cells)
+    Console().print(table)
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    client = _client(args.address)
+    if not args.follow:
+        sys.stdout.write(client.get_job_logs(args.job))
+        return 0
+
+    async def follow() -> None:
+        async for chunk in client.tail_job_logs(args.job):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+
+    asyncio.run(follow())
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Stop the job's driver (its placement groups and actors go with it), wait until Ray says it ended,
+    then mark it stopped in the registry so the queue moves on."""
+    client = _client(args.address)
+    client.stop_job(args.job)
+    deadline = time.monotonic() + args.timeout
+    while not client.get_job_status(args.job).is_terminal():
+        if time.monotonic() > deadline:
+            log.error("job %s did not end within %.0fs after the stop request", args.job, args.timeout)
+            return 1
+        time.sleep(0.5)
+    _with_registry(lambda registry: registry.end_job(args.job, state="stopped") if registry.jobs(args.job) else None)
+    log.info("stopped %s", args.job)
+    return 0
+
+
+def add_job_parsers(sub: Any) -> None:
+    address_help = "Ray Jobs address (default $RAY_JOBS_ADDRESS, else http://<host of $RAY_ADDRESS>:8265)"
+    p = sub.add_parser("submit", help="submit a pipeline config as a job to a shared Ray cluster")
+    p.add_argument("config", help="pipeline YAML; its folder becomes the job's working directory")
+    p.add_argument("--quota", default=None, help="most devices per hardware type, e.g. H800=2,H20=4")
+    p.add_argument("--priority", type=int, default=0, help="higher is admitted first (then submit time)")
+    p.add_argument("--name", default=None, help="job id (default rollart-<random>); also the Ray job id")
+    p.add_argument("--address", default=None, help=address_help)
+    p.add_argument("--module", action="append", default=[], help="a folder of your modules to ship (py_modules)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--python", default="python", help="the Python on the cluster that runs rollart (default python)")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("jobs", help="the shared cluster's rollart jobs and their states")
+    p.add_argument("--address", default=None, help=address_help)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("logs", help="a submitted job's driver output")
+    p.add_argument("job")
+    p.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+    p.add_argument("--address", default=None, help=address_help)
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("stop", help="stop a submitted job and free its resources")
+    p.add_argument("job")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the job to end")
+    p.add_argument("--address", default=None, help=address_help)
+    p.set_defaults(func=cmd_stop)

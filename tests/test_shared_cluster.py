@@ -1,0 +1,187 @@
+"""Jobs sharing one cluster: ``rollart submit/jobs/logs/stop``, the admission queue and quotas.
+
+The cluster (namespace hosts, dashboard on): ``head`` 10.201.0.1 with H800 x2, ``b`` 10.201.0.2 with
+H20 x2. Each job asks one H800 (train) and one H20 (rollout): two fit, the third waits.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from rollart.resource_manager.admission import Admission, admissible, check_quota, parse_quota, queue_order
+from rollart.resource_manager.specs import ResourceSpecError
+
+CONFIG = """\
+# one H800 trainer, one H20 rollout worker, a tiny model: runs until stopped (or --set steps=N)
+name: shared
+pools:
+  train: {hardware: H800, devices: 1}
+  rollout: {hardware: H20, devices: 1}
+envs:
+  - {name: reverse, groups: 2, kwargs: {length: 3}}
+rollout: {num_env_groups: 2, group_size: 2, batch_groups: 2, alpha: 0}
+sampling: {temperature: 1.0, max_new_tokens: 3, seed: 0}
+engine: {kind: torch}
+train: {lr: 0.001}
+steps: 100000
+checkpoint_every: 0
+output_dir: runs/{name}
+"""
+
+
+def _row(job, state, asks, priority=0, at=0.0):
+    return {"job_id": job, "state": state, "asks": asks, "priority": priority, "submitted_at": at}
+
+
+def test_queue_admits_by_priority_then_arrival_and_never_overtakes():
+    totals = {"H800": 2.0, "H20": 2.0}
+    rows = [
+        _row("run", "running", {"H800": 1, "H20": 1}),
+        _row("late-high", "queued", {"H800": 1}, priority=5, at=3.0),
+        _row("early", "queued", {"H800": 1, "H20": 1}, at=1.0),
+        _row("later", "queued", {"H20": 1}, at=2.0),
+        _row("gone", "failed", {"H800": 2, "H20": 2}),
+    ]
+    assert [r["job_id"] for r in queue_order(rows)] == ["late-high", "early", "later"]
+    # late-high takes the last H800; early does not fit, so later (which would) waits behind it
+    assert admissible(rows, totals) == ["late-high"]
+    assert admissible([_row("a", "queued", {"H800": 1}), _row("b", "queued", {"H800": 1}, at=1)], totals) == ["a", "b"]
+
+
+def test_quota_errors_name_the_pools_and_the_flag():
+    assert parse_quota("H800=2, H20=4") == {"H800": 2.0, "H20": 4.0}
+    with pytest.raises(ValueError, match="HARDWARE=COUNT"):
+        parse_quota("H800")
+    with pytest.raises(ResourceSpecError, match=r"pools \['train', 'rollout'\] ask for 3 H800.*--quota H800=N"):
+        check_quota({"H800": 3.0}, {"H800": ["train", "rollout"]}, {"H800": 2.0})
+    check_quota({"H800": 2.0, "H20": 9.0}, {}, {"H800": 2.0})  # no quota for H20: no limit
+    env = Admission(quota={"H800": 1.0}, priority=3, submitted_at=12.5).env()
+    assert Admission.from_env(env) == Admission(quota={"H800": 1.0}, priority=3, submitted_at=12.5)
+    assert Admission.from_env({}) is None
+
+
+def test_submit_refuses_a_config_over_its_quota_before_reaching_the_cluster(tmp_path, caplog):
+    from rollart.cli import main
+
+    config = tmp_path / "shared.yaml"
+    config.write_text(CONFIG)
+    # the address leads nowhere: the quota check fails first, on this machine
+    assert main(["submit", str(config), "--quota", "H800=0", "--address", "http://127.0.0.1:9"]) == 2
+    assert "pools ['train'] ask for 1 H800 but the job's quota is 0" in caplog.text
+    assert main(["submit", str(config), "--quota", "H800"]) == 2
+    assert "--quota 'H800': write HARDWARE=COUNT" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    from rollart.testing import HostSpec, skip_reason, start_hosts
+
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    folder = tmp_path_factory.mktemp("job")
+    (folder / "shared.yaml").write_text(CONFIG)
+    specs = [HostSpec("head", {"H800": 2}, num_cpus=2), HostSpec("b", {"H20": 2}, num_cpus=2)]
+    with start_hosts(specs, dashboard=True) as cluster:
+        yield cluster, folder / "shared.yaml"
+
+
+def _cli(cluster, *args, check=True):
+    res = cluster.run_driver(["-m", "rollart.cli", *args], timeout=120)
+    return res.check() if check else res
+
+
+def _jobs(cluster):
+    return {r["job"]: r for r in json.loads(_cli(cluster, "jobs", "--json").stdout.strip().splitlines()[-1])}
+
+
+def _wait(cluster, what, done, timeout_s=300.0):
+    """Poll ``rollart jobs`` until ``done(jobs)``; fail with the last listing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        jobs = _jobs(cluster)
+        if done(jobs):
+            return jobs
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not reached within {timeout_s:.0f}s; rollart jobs says {jobs}")
+        time.sleep(1.0)  # polling a remote state; the assertion is on the state, not the time
+
+
+def _states(jobs):
+    return sorted(r["state"] for r in jobs.values())
+
+
+def test_three_jobs_two_run_the_third_waits_until_one_ends_quotas_hold_and_stop_frees(shared):
+    cluster, config = shared
+    names = ["shared-a", "shared-b", "shared-c"]
+    procs = [
+        cluster.popen(
+            "head",
+            [sys.executable, "-m", "rollart.cli", "submit", str(config), "--name", n, "--quota", "H800=1,H20=1"]
+            + ["--python", sys.executable]
+            + (["--set", "steps=3"] if n == "shared-c" else []),  # c ends by itself, a and b run until stopped
+            stdout=-1,
+            stderr=-1,
+            text=True,
+        )
+        for n in names
+    ]
+    for p in procs:  # all three submitted at once
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+    jobs = _wait(cluster, "two running, one queued", lambda j: _states(j) == ["queued", "running", "running"])
+    (waiter,) = [n for n in names if jobs[n]["state"] == "queued"]
+    running = [n for n in names if n != waiter]
+    assert all(jobs[n]["quota"] == {"H800": 1.0, "H20": 1.0} for n in names)
+    assert "queued at position 1" in _cli(cluster, "logs", waiter).stdout
+
+    # every actor of each running job sits on a host of its hardware, within the job's quota
+    deadline = time.monotonic() + 300  # a loaded machine takes minutes to start a trainer
+    while True:
+        state = json.loads(_cli(cluster, "status", "--json").stdout)
+        bound = {job: [b for b in state["bindings"] if b["job_id"] == job] for job in running}  # c may be done
+        if all(len(rows) >= 2 for rows in bound.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    for job, rows in bound.items():
+        devices: dict[str, set] = {}  # colocated workers share their owner's devices
+        for b in rows:
+            devices.setdefault(b["hardware"], set()).add((b["node_id"], tuple(b["device_ids"])))
+            assert b["node_ip"] == {"H800": "10.201.0.1", "H20": "10.201.0.2"}[b["hardware"]], b
+        assert {hw: len(d) for hw, d in devices.items()} == {"H800": 1, "H20": 1}, (job, rows)
+
+    # one job ends (c finishes its 3 steps, or, if c is the waiter, a running job is stopped): the waiter
+    # is admitted after that
+    ended = "shared-c" if waiter != "shared-c" else running[0]
+    if ended != "shared-c":
+        _cli(cluster, "stop", ended)
+    jobs = _wait(cluster, f"{waiter} admitted after {ended} ended", lambda j: j[waiter]["state"] == "running")
+    assert jobs[ended]["state"] == ("finished" if ended == "shared-c" else "stopped")
+    assert jobs[waiter]["admitted_at"] >= jobs[ended]["ended_at"]
+    jobs = _wait(cluster, "shared-c finished", lambda j: j["shared-c"]["state"] == "finished")
+    long_running = sorted(n for n in names if jobs[n]["state"] == "running")
+    assert long_running == [n for n in ("shared-a", "shared-b") if n != ended]
+
+    stops = [
+        cluster.popen("head", [sys.executable, "-m", "rollart.cli", "stop", job], stdout=-1, stderr=-1, text=True)
+        for job in long_running
+    ]
+    for p in stops:
+        assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
+    states = {n: r["state"] for n, r in _jobs(cluster).items()}
+    assert states == {"shared-a": "stopped", "shared-b": "stopped", "shared-c": "finished"}
+    free = cluster.run_python(
+        "import json, time, ray\nray.init()\n"
+        "from rollart.resource_manager.capacity import read_capacity\n"
+        "deadline = time.monotonic() + 60\n"
+        "while True:\n"
+        "    cap = {hw: (c.available, c.total) for hw, c in read_capacity().items() if hw != 'CPU'}\n"
+        "    if all(a == t for a, t in cap.values()) or time.monotonic() > deadline: break\n"
+        "    time.sleep(0.5)\n"
+        "print('RESULT ' + json.dumps(cap))\n"
+    )
+    assert free.check().result == {"H800": [2.0, 2.0], "H20": [2.0, 2.0]}
