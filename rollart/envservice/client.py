@@ -263,6 +263,7 @@ class RemoteEnv(TextEnv):
         self._seq = 0  # the last answered call
         self._pending: tuple[str, dict[str, Any], int] | None = None  # a call sent that got no answer
         self.sessions_opened = 0
+        self.lost_reason: str | None = None  # why the last session was lost (until a reset opens another)
 
     def _drop(self) -> None:
         if self.url is not None:
@@ -283,11 +284,13 @@ class RemoteEnv(TextEnv):
         except BaseException:
             self.pool.release(url)
             raise
-        self.url, self.session_id = url, sid
+        self.url, self.session_id, self.lost_reason = url, sid, None
         self.sessions_opened += 1
 
     async def _numbered(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         if self.url is None or self.session_id is None:
+            if self.lost_reason is not None:
+                raise EnvSessionLost(f"{op}: the session was lost ({self.lost_reason}); a reset opens a new one")
             raise EnvSessionLost(f"{op} without a session (reset first)")
         client = self.pool.client(self.url)
         if self._pending is not None and self._pending[:2] != (op, args):
@@ -295,8 +298,9 @@ class RemoteEnv(TextEnv):
             pop, pargs, pseq = self._pending
             try:
                 await client.call(self.session_id, pop, pseq, pargs, self.timeout_s)
-            except EnvSessionLost:
-                self._lost()
+            except EnvSessionLost as err:
+                self._drop()
+                self.lost_reason = f"{type(err).__name__}: {err}"
                 raise
             except EnvError:
                 pass
@@ -308,7 +312,8 @@ class RemoteEnv(TextEnv):
         except (EnvSessionLost, EnvCallTimeout) as err:
             if isinstance(err, EnvServiceUnavailable):
                 self.pool.mark_down(client.url)
-            self._lost()
+            self._drop()
+            self.lost_reason = f"{type(err).__name__}: {err}"
             raise
         except asyncio.CancelledError:
             raise  # no answer: the next call resends this seq (or settles it)
@@ -317,9 +322,6 @@ class RemoteEnv(TextEnv):
             raise
         self._seq, self._pending = seq, None
         return out
-
-    def _lost(self) -> None:
-        self._drop()
 
     async def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         if self.session_id is None:
