@@ -104,6 +104,7 @@ class EnvPools:
         self.pools: dict[int, ServerPool] = {}
         self.descriptions: dict[int, EnvDescription] = {}
         self._next_bundle: dict[str, int] = {}
+        self._bundles: dict[str, list[tuple[Any, int]]] = {}
         try:
             for i, entry in enumerate(entries):
                 backend = getattr(entry, "backend", "local")
@@ -121,7 +122,9 @@ class EnvPools:
         from rollart.envservice.ray_backend import RayServerPool
 
         entry = task.entry
-        bundles = [(g.placement_group, b) for g in rm.pool_groups(entry.pool) for b in range(g.group.amount)]
+        if entry.pool not in self._bundles:
+            self._bundles[entry.pool] = spread_bundles(rm.pool_groups(entry.pool))
+        bundles = self._bundles[entry.pool]
         first = self._next_bundle.get(entry.pool, 0)
         mine = bundles[first : first + entry.servers]
         if len(mine) < entry.servers:
@@ -180,6 +183,26 @@ class EnvPools:
                 pool.stop()
             except Exception as err:
                 log.warning("stopping env servers of %s: %s: %s", pool.name, type(err).__name__, err)
+
+
+def spread_bundles(groups: list[Any]) -> list[tuple[Any, int]]:
+    """The one-CPU bundles of a pool's placement groups, ordered so that consecutive bundles sit on
+    different nodes where they can (one node after the other, round robin): a task's servers spread
+    over the pool's hosts, so one host going down takes only part of them."""
+    from ray.util import placement_group_table
+
+    by_node: dict[str, list[tuple[Any, int]]] = {}
+    for g in groups:
+        nodes = placement_group_table(g.placement_group).get("bundles_to_node_id", {})
+        for b in range(g.group.amount):
+            by_node.setdefault(str(nodes.get(b, "")), []).append((g.placement_group, b))
+    out: list[tuple[Any, int]] = []
+    queues = list(by_node.values())
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
 
 
 def overrides_of(entry: Any) -> EnvOverrides:

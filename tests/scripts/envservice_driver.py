@@ -1,8 +1,8 @@
 """Driver of tests/test_envservice_hosts.py: the agentic pipeline with envs on the ``ray`` backend.
 
-``python envservice_driver.py OUT_DIR MODEL KILL_FILE`` runs 3 synchronous steps of reverse-3 with two
-env servers (one CPU each) in the CPU pool ``env``; the first step that finds KILL_FILE kills its env
-server mid-episode. Prints ``RESULT {...}``: the env servers (node IP, URL), the metrics per step and
+``python envservice_driver.py OUT_DIR MODEL KILL_FILE [BACKEND]`` (MODEL ``-``: the tiny model) runs 3
+synchronous steps of reverse-3 with two env servers (one CPU each) in the 4-CPU pool ``env``; the first
+step that finds KILL_FILE kills its env server mid-episode. Prints ``RESULT {...}``: the env servers (node IP, URL), the metrics per step and
 what the servers' pools saw.
 """
 
@@ -22,11 +22,12 @@ def main() -> None:
     cfg = PipelineConfig.model_validate(
         {
             "name": "envsvc",
-            "model": model,
+            "model": None if model == "-" else model,
+            "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
             "pools": {
                 "train": {"hardware": "H800", "devices": 1},
                 "rollout": {"hardware": "H20", "devices": 1},
-                "env": {"hardware": "CPU", "cpus": 2},
+                "env": {"hardware": "CPU", "cpus": 4},
             },
             "envs": [
                 {
@@ -50,7 +51,7 @@ def main() -> None:
                 "metadata_store": f"{out_dir}/meta.sqlite",
                 "job_id": f"envsvc-{backend}",
                 # without RAY_ADDRESS (a one-machine check): the hardware a local Ray declares
-                "local_resources": None if os.environ.get("RAY_ADDRESS") else {"H800": 1, "H20": 1, "CPU": 3},
+                "local_resources": None if os.environ.get("RAY_ADDRESS") else {"H800": 1, "H20": 1, "CPU": 5},
             },
         }
     )
