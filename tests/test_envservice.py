@@ -35,7 +35,7 @@ from rollart.envservice.server import ThreadedServer, build_env_app
 from rollart.rollout.env_manager import EnvManager, EnvManagerConfig
 from rollart.rollout.types import GenerateOutput, GenerateRequest
 
-ENVS = {"counting": "envservice_fixtures:CountingEnv", "slow": "envservice_fixtures:SlowEnv"}
+ENVS = {"counting": "envservice_fixtures:CountingEnv", "slow": "envservice_fixtures:SlowEnv", "reverse": "reverse"}
 FAST = RetryPolicy(retries=3, backoff_base_s=0.01, backoff_max_s=0.05)
 
 
@@ -100,7 +100,7 @@ async def test_a_step_whose_answer_is_lost_is_resent_and_applied_once(server):
 
 async def test_protocol_errors_are_typed(server):
     client = EnvServiceClient(server.url, retry=FAST)
-    assert (await client.healthz())["envs"] == ["counting", "slow"]
+    assert (await client.healthz())["envs"] == ["counting", "reverse", "slow"]
     sid = uuid.uuid4().hex
     described = await client.open(sid, "counting", {"key": sid}, seed=3)
     assert described.tag == "counting"
@@ -215,3 +215,64 @@ async def test_rollart_serve_env_killed_mid_episode_fails_the_trajectory_without
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_remote_env_gives_the_trajectory_the_local_env_gives(server):
+    from rollart.envs import EnvSpec, make_env
+
+    spec = EnvSpec(name="reverse", max_new_tokens=3, kwargs={"length": 3})
+    pool = ServerPool("reverse", [server.url], retry=FAST)
+    overrides = EnvOverrides(max_new_tokens=3)
+    env = RemoteEnv(
+        pool,
+        "reverse",
+        await pool.describe("reverse", {"length": 3}, overrides),
+        kwargs={"length": 3},
+        overrides=overrides,
+    )
+    local = make_env(spec)
+    assert (env.tag, env.max_steps, env.max_new_tokens, env.instructions) == (
+        local.tag,
+        local.max_steps,
+        local.max_new_tokens,
+        local.instructions,
+    )
+    try:
+        for seed in (0, 1, 2):
+            ids = [2 + seed, 3, 4]
+            a = await EnvManager(local, Proxy(ids), CharCodec()).run(seed=seed, traj_id="t")
+            b = await EnvManager(env, Proxy(ids), CharCodec()).run(seed=seed, traj_id="t")
+            assert a.status == b.status == "ok"
+            assert (a.token_ids, a.loss_mask, a.reward, a.token_rewards, a.info) == (
+                b.token_ids,
+                b.loss_mask,
+                b.reward,
+                b.token_rewards,
+                b.info,
+            )
+        assert env.sessions_opened == 1  # one session, reset for every episode
+    finally:
+        await env.aclose()
+
+
+def test_config_checks_the_backend_of_each_env():
+    from rollart.config import ConfigError, validate_config
+
+    base = {
+        "pools": {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}},
+        "rollout": {"num_env_groups": 1, "batch_groups": 1},
+    }
+    with pytest.raises(ConfigError, match=r"envs\[0\].pool: backend ray places env servers on pool 'env'"):
+        validate_config({**base, "envs": [{"name": "reverse", "backend": "ray"}]})
+    pools = {**base["pools"], "env": {"hardware": "CPU", "cpus": 2}}
+    with pytest.raises(ConfigError, match=r"ask for 3 env servers .* pools.env.cpus is 2"):
+        validate_config({**base, "pools": pools, "envs": [{"name": "reverse", "backend": "ray", "servers": 3}]})
+    cfg = validate_config({**base, "pools": pools, "envs": [{"name": "reverse", "backend": "ray", "servers": 2}]})
+    assert (cfg.envs[0].backend, cfg.envs[0].servers, cfg.envs[0].pool) == ("ray", 2, "env")
+    with pytest.raises(ConfigError, match=r"envs\[0\]: kubernetes: a pod spec is set but backend is 'local'"):
+        validate_config({**base, "envs": [{"name": "reverse", "kubernetes": {"image": "x"}}]})
+    from rollart.envservice.backends import kubernetes_problem
+
+    if kubernetes_problem() is not None:  # until the Kubernetes backend is in this build: refused, saying so
+        with pytest.raises(ConfigError, match=r"envs\[0\]: backend: kubernetes is not available"):
+            validate_config({**base, "envs": [{"name": "reverse", "backend": "kubernetes"}]})
