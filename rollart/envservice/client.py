@@ -219,8 +219,11 @@ class ServerPool:
             log.warning("env server %s of task %s is down", url, self.name)
             self.down.add(url)
 
-    async def describe(self, env: str, kwargs: dict[str, Any], overrides: EnvOverrides) -> EnvDescription:
-        return await self.client(self.acquire_any()).describe(env, kwargs, overrides)
+    async def describe(
+        self, env: str, kwargs: dict[str, Any] | None = None, overrides: EnvOverrides | None = None
+    ) -> EnvDescription:
+        """The env's tag, sizes and instructions, as one of the servers builds it."""
+        return await self.client(self.acquire_any()).describe(env, kwargs or {}, overrides)
 
     def acquire_any(self) -> str:
         url = self.acquire()
