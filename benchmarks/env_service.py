@@ -249,7 +249,9 @@ async def _measure(args: argparse.Namespace, urls: list[str], shape: tuple[int, 
             sched.start()
             batch = await sched.get_batch()
             times.append(time.monotonic() - t0)
-            await sched.stop()
+            # group loops still waiting for admission do not wake on stop (the scheduler's stop then waits
+            # its whole timeout before cancelling them): no round is in flight there, so wait briefly
+            await sched.stop(timeout_s=5.0)
             log.info("batch in %.2fs", times[-1])
             assert len(batch) == args.batch_groups and all(len(g) == args.group_keep for g in batch)
             assert all(t.status == "ok" and t.reward == float(args.turns) for g in batch for t in g)

@@ -44,6 +44,7 @@ def test_ray_backend_envs_run_on_the_env_pool_hosts_and_a_server_killed_mid_epis
     assert (tmp_path / "kill.taken").exists() and not kill.exists()
     assert len(pool["down"]) == 1
     history = out["history"]
+    print("envservice across hosts:", history, pool)  # the numbers, in the test log
     assert [h["step"] for h in history] == [0, 1, 2]
     assert history[-1]["trajectories_failed"] >= 1  # counted, never trained on, never scored
     for h in history:  # the env's own rewards, as with local envs
