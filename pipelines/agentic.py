@@ -247,8 +247,12 @@ class AgenticPipeline:
                 reward_fn=self._task_reward_fn(tag),
             )
 
+        from rollart.envservice.backends import EnvPools
+
+        # remote envs (backend ray / kubernetes): warm env servers per task, started now
+        self.env_pools = EnvPools(config.envs, self.rm, plugin_paths=config.train.plugin_paths)
         groups: list[list[EnvManager]] = []
-        for entry in config.envs:
+        for index, entry in enumerate(config.envs):
             spec = EnvSpec(
                 name=entry.name,
                 tag=entry.tag,
@@ -257,7 +261,7 @@ class AgenticPipeline:
                 kwargs=entry.kwargs,
             )
             for _ in range(entry.groups):
-                groups.append([manager(self._task_env(spec)) for _ in range(config.rollout.group_size)])
+                groups.append([manager(self._task_env(index, spec)) for _ in range(config.rollout.group_size)])
 
         # the dataset tasks' groups follow the envs' groups; the eval runs on the same proxy
         groups += self.data_tasks.groups(manager, config.rollout.group_size, first_group=len(groups))
@@ -386,11 +390,10 @@ class AgenticPipeline:
             on_failure=rc.on_failure,
         )
 
-    def _task_env(self, spec: Any) -> Any:
-        """An env of ``spec`` with its task's ``sampling.max_new_tokens`` (``tasks.TAG``) as its budget."""
-        from rollart.envs import make_env
-
-        env = make_env(spec)
+    def _task_env(self, index: int, spec: Any) -> Any:
+        """The env (local, or remote on the task's env servers) of ``spec`` with its task's
+        ``sampling.max_new_tokens`` (``tasks.TAG``) as its budget."""
+        env = self.env_pools.make(index, spec)
         budget = self.config.tasks.get(str(env.tag))
         if budget is not None and budget.sampling.max_new_tokens is not None:
             env.max_new_tokens = budget.sampling.max_new_tokens
@@ -713,6 +716,7 @@ class AgenticPipeline:
             if extra is not None:
                 extra.shutdown()
         self.proxy.close()
+        self.env_pools.stop()
         self.train.shutdown()
         self.infer.shutdown()
         self.rm.shutdown()

@@ -25,6 +25,7 @@ BENCHES: dict[str, str] = {
     "engine": "rollart.benchmarks.engine_throughput",
     "env-async": "rollart.benchmarks.env_async",
     "redundant-env": "rollart.benchmarks.redundant_env",
+    "env-service": "rollart.benchmarks.env_service",
     "queue-scheduling": "rollart.benchmarks.queue_scheduling",
     "prompt-replication": "rollart.benchmarks.prompt_replication",
     "async-train": "rollart.benchmarks.async_train",
