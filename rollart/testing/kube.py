@@ -176,7 +176,7 @@ class KubeStandIn:
         self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {"pods": {}, "services": {}}
         self._pods: dict[tuple[str, str], _Pod] = {}
         self._events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, kind, type, object)
-        self._rv = 0
+        self._rv = 1  # a list never answers "0" (which a watch reads as "from the current state")
         self._next_pod = 2
         self._cond = threading.Condition()
         self._closed = False
@@ -268,7 +268,7 @@ class KubeStandIn:
         used = [ipaddress.ip_network(w, strict=False) for w in re.findall(r"\b\d+\.\d+\.\d+\.\d+(?:/\d+)?", routes)]
         rng = random.Random()
         for _ in range(100):
-            net = ipaddress.ip_network(f"10.{rng.randint(202, 250)}.{rng.randint(0, 255)}.0/24")
+            net = ipaddress.IPv4Network(f"10.{rng.randint(202, 250)}.{rng.randint(0, 255)}.0/24")
             if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
                 break
         else:

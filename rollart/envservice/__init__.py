@@ -1,0 +1,1 @@
+"""Environments as services: the env session protocol, its server and client, and the env backends."""
