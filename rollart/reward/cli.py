@@ -108,3 +108,6 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--ray-serve", action="store_true", help="deploy on Ray Serve with autoscaling from zero")
     p.add_argument("--max-replicas", type=int, default=4, help="Ray Serve: most replicas")
     p.set_defaults(func=cmd_serve_rewards)
+    from rollart.envservice.cli import add_env_parser
+
+    add_env_parser(what)

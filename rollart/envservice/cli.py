@@ -1,0 +1,74 @@
+"""``rollart serve env ENV [...] --host 127.0.0.1 --port 8200``: serve text envs over the env session
+protocol (:mod:`rollart.envservice.protocol`). ``ENV`` is a registry name (``reverse``), a user's
+``MODULE:CLASS`` (a :class:`~rollart.envs.TextEnv` subclass, imported from the working directory or
+``--plugin-path``), or ``alias=MODULE:CLASS``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def parse_env_args(specs: list[str]) -> dict[str, str]:
+    """``["reverse", "copy=my_envs:CopyEnv"]`` → ``{"reverse": "reverse", "copy": "my_envs:CopyEnv"}``."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, target = spec.partition("=")
+        if not sep:
+            name, target = spec, spec
+        if not name or not target:
+            raise ValueError(f"env {spec!r}: write NAME, MODULE:CLASS or ALIAS=MODULE:CLASS")
+        if name in out:
+            raise ValueError(f"env {name!r} is named twice")
+        out[name] = target
+    return out
+
+
+def cmd_serve_env(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as err:
+        log.error("rollart serve env needs the 'serve' extra (%s): pip install 'rollart[serve]'", err)
+        return 2
+    from rollart.envservice.server import EnvServerSettings, build_env_app
+
+    for folder in [".", *args.plugin_path]:
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    try:
+        envs = parse_env_args(args.envs)
+        app = build_env_app(
+            envs,
+            EnvServerSettings(
+                max_sessions=args.max_sessions,
+                session_ttl_s=args.session_ttl_s,
+                call_timeout_s=args.call_timeout_s,
+            ),
+        )
+    except ValueError as err:  # an env that does not resolve: fail before anything listens
+        log.error("%s", err)
+        return 2
+    log.info(
+        "serving envs %s on http://%s:%d (protocol: rollart.envservice.protocol)", sorted(envs), args.host, args.port
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def add_env_parser(what: Any) -> None:
+    """Mount ``env`` under ``rollart serve``."""
+    p = what.add_parser("env", help="text environments as an HTTP session service")
+    p.add_argument("envs", nargs="+", metavar="ENV", help="registry name, MODULE:CLASS, or ALIAS=MODULE:CLASS")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8200)
+    p.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most (429 past it)")
+    p.add_argument("--session-ttl-s", type=float, default=900.0, help="an idle session is closed after this")
+    p.add_argument("--call-timeout-s", type=float, default=60.0, help="a reset/step that names no timeout_s")
+    p.add_argument("--plugin-path", action="append", default=[], help="folder to import MODULE:CLASS envs from")
+    p.set_defaults(func=cmd_serve_env)

@@ -1,0 +1,348 @@
+"""The env server: :mod:`rollart.envservice.protocol` over FastAPI (``rollart serve env``, the Ray
+backend's actors, the Kubernetes backend's pods).
+
+Each session owns one env instance. Calls of one session run one after the other, in the order of
+their ``seq``; sessions run concurrently (a sync env's calls in worker threads, an async env's on the
+event loop). A call is applied by a task of its own, so a client that hangs up does not cancel it: its
+answer is kept for the repeat. Idle sessions are closed after ``session_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollart.envservice.protocol import (
+    PROTOCOL_VERSION,
+    DescribeRequest,
+    EnvDescription,
+    EnvOverrides,
+    OpenRequest,
+    OpenResponse,
+    ResetRequest,
+    ResetResponse,
+    StepRequest,
+    StepResponse,
+)
+
+log = logging.getLogger(__name__)
+
+Answer = tuple[int, dict[str, Any]]
+
+
+class EnvServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_sessions: int = Field(default=1024, gt=0)
+    session_ttl_s: float = Field(default=900.0, gt=0)  # an idle session is closed after this
+    call_timeout_s: float = Field(default=60.0, gt=0)  # a call that names no timeout_s
+    max_call_timeout_s: float = Field(default=600.0, gt=0)
+    forgotten: int = Field(default=100_000, ge=0)  # ids of ended sessions remembered (410 instead of 404)
+    retry_after_s: int = Field(default=1, ge=0)
+
+
+def _error(status: int, kind: str, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": kind, "detail": detail}, status_code=status, headers=headers)
+
+
+@dataclass
+class _Session:
+    sid: str
+    env_name: str
+    kwargs: dict[str, Any]
+    env: Any
+    seed: int | None
+    last_seq: int = 0
+    last: asyncio.Future[Answer] | None = None  # the answer of call ``last_seq`` (pending while it runs)
+    gone: str | None = None  # why the session ended (then every call is 410)
+    used: float = field(default_factory=time.monotonic)
+
+    @property
+    def busy(self) -> bool:
+        return self.last is not None and not self.last.done()
+
+
+def _describe(env: Any) -> EnvDescription:
+    return EnvDescription(
+        tag=str(getattr(env, "tag", type(env).__name__)),
+        max_steps=int(getattr(env, "max_steps", 1)),
+        max_new_tokens=int(getattr(env, "max_new_tokens", 16)),
+        instructions=str(getattr(env, "instructions", "") or ""),
+    )
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def build_env_app(envs: dict[str, str], settings: EnvServerSettings | None = None) -> FastAPI:
+    """The env server app. ``envs`` maps each served name to a registry name or ``MODULE:CLASS``
+    (imported here: a name that does not resolve fails now, before anything listens)."""
+    from rollart.envs import EnvSpec, env_class, make_env
+
+    settings = settings or EnvServerSettings()
+    if not envs:
+        raise ValueError("build_env_app needs at least one env to serve")
+    classes = {name: env_class(spec, "env") for name, spec in envs.items()}
+    sessions: dict[str, _Session] = {}
+    ended: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended
+    registry = CollectorRegistry()
+    calls = Counter("rollart_env_calls", "env protocol calls", ["op", "status"], registry=registry)
+    replays = Counter("rollart_env_replays", "calls answered from a stored answer (a retried seq)", registry=registry)
+    latency = Histogram("rollart_env_call_latency_seconds", "env call latency", ["op"], registry=registry)
+    open_sessions = Gauge("rollart_env_sessions", "open sessions", registry=registry)
+    open_sessions.set_function(lambda: len(sessions))
+
+    def build(name: str, kwargs: dict[str, Any], overrides: EnvOverrides) -> Any:
+        from rollart.envs import env_kwargs_problems
+
+        problems = env_kwargs_problems(classes[name], kwargs)
+        if problems:
+            raise ValueError(f"env {name!r}: " + "; ".join(problems))
+        return make_env(EnvSpec(name=envs[name], kwargs=kwargs, **overrides.model_dump()))
+
+    def end(session: _Session, why: str) -> None:
+        """Mark ``session`` gone and close its env in the background (a hung env must not block)."""
+        if session.gone is None:
+            session.gone = why
+        sessions.pop(session.sid, None)
+        ended[session.sid] = why
+        while len(ended) > settings.forgotten:
+            ended.popitem(last=False)
+
+        async def close() -> None:
+            try:
+                await _call(session.env.close)
+            except Exception as err:  # a failing close must not take the server down
+                log.warning("closing env of session %s failed: %s: %s", session.sid, type(err).__name__, err)
+
+        asyncio.get_running_loop().create_task(close())
+
+    async def reap() -> None:
+        while True:
+            await asyncio.sleep(min(30.0, settings.session_ttl_s / 4))
+            now = time.monotonic()
+            for s in list(sessions.values()):
+                if not s.busy and now - s.used > settings.session_ttl_s:
+                    end(s, f"expired: idle for more than session_ttl_s={settings.session_ttl_s:g}s")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(reap())
+        try:
+            yield
+        finally:
+            task.cancel()
+            for s in list(sessions.values()):
+                end(s, "the server shut down")
+            await asyncio.sleep(0)
+
+    app = FastAPI(title="rollart env server", version=str(PROTOCOL_VERSION), lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(
+            422, "bad_request", "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        )
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "version": PROTOCOL_VERSION, "envs": sorted(envs), "sessions": len(sessions)}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
+
+    def unknown_env(name: str) -> JSONResponse:
+        return _error(422, "bad_request", f"env {name!r} is not served here; this server serves {sorted(envs)}")
+
+    @app.post("/describe")
+    async def describe(body: DescribeRequest) -> Any:
+        if body.env not in envs:
+            return unknown_env(body.env)
+        try:
+            env = await asyncio.to_thread(build, body.env, body.kwargs, body.overrides)
+        except Exception as err:
+            return _error(422, "bad_request", f"{type(err).__name__}: {err}")
+        try:
+            return _describe(env).model_dump()
+        finally:
+            await _call(env.close)
+
+    @app.post("/sessions")
+    async def open_session(body: OpenRequest) -> Any:
+        t0 = time.perf_counter()
+        try:
+            old = sessions.get(body.session_id)
+            if old is not None:
+                if (old.env_name, old.kwargs) != (body.env, body.kwargs):
+                    calls.labels(op="open", status="409").inc()
+                    return _error(409, "seq_conflict", f"session {body.session_id} exists with another env or kwargs")
+                calls.labels(op="open", status="200").inc()
+                return OpenResponse(session_id=old.sid, **_describe(old.env).model_dump()).model_dump()
+            if body.session_id in ended:
+                calls.labels(op="open", status="410").inc()
+                return _error(410, "session_gone", f"session {body.session_id} ended: {ended[body.session_id]}")
+            if body.env not in envs:
+                calls.labels(op="open", status="422").inc()
+                return unknown_env(body.env)
+            if len(sessions) >= settings.max_sessions:
+                calls.labels(op="open", status="429").inc()
+                return _error(
+                    429,
+                    "too_many_sessions",
+                    f"{len(sessions)} sessions open (max_sessions={settings.max_sessions})",
+                    {"Retry-After": str(settings.retry_after_s)},
+                )
+            try:
+                env = await asyncio.to_thread(build, body.env, body.kwargs, body.overrides)
+            except Exception as err:
+                calls.labels(op="open", status="422").inc()
+                return _error(422, "bad_request", f"{type(err).__name__}: {err}")
+            if body.session_id in sessions:  # a repeat of this open finished first
+                await _call(env.close)
+                return await open_session(body)
+            sessions[body.session_id] = _Session(body.session_id, body.env, body.kwargs, env, body.seed)
+            calls.labels(op="open", status="200").inc()
+            return OpenResponse(session_id=body.session_id, **_describe(env).model_dump()).model_dump()
+        finally:
+            latency.labels(op="open").observe(time.perf_counter() - t0)
+
+    def lookup(sid: str) -> _Session | JSONResponse:
+        s = sessions.get(sid)
+        if s is not None:
+            return s
+        if sid in ended:
+            return _error(410, "session_gone", f"session {sid} ended: {ended[sid]}")
+        return _error(404, "session_not_found", f"no session {sid} on this server (it may have restarted)")
+
+    async def apply(
+        s: _Session, op: str, seq: int, timeout_s: float, prev: asyncio.Future[Answer] | None, fn: Callable[[], Any]
+    ) -> Answer:
+        if prev is not None:  # calls of one session run in seq order
+            await asyncio.wait([prev])
+        if s.gone is not None:
+            return 410, {"error": "session_gone", "detail": f"session {s.sid} ended: {s.gone}"}
+        try:
+            return 200, await asyncio.wait_for(fn(), timeout_s)
+        except TimeoutError:
+            end(s, f"{op} seq {seq} took longer than timeout_s={timeout_s:g}s (the env's state is unknown)")
+            return 504, {"error": "env_timeout", "detail": f"{op} seq {seq} took longer than {timeout_s:g}s"}
+        except Exception as err:
+            log.info("session %s %s seq %d: env raised %s: %s", s.sid, op, seq, type(err).__name__, err)
+            return 500, {"error": "env_error", "detail": f"{type(err).__name__}: {err}"}
+
+    async def numbered(sid: str, op: str, seq: int, timeout_s: float | None, fn: Callable[[_Session], Any]) -> Any:
+        t0 = time.perf_counter()
+        found = lookup(sid)
+        if isinstance(found, JSONResponse):
+            calls.labels(op=op, status=str(found.status_code)).inc()
+            return found
+        s = found
+        s.used = time.monotonic()
+        if seq == s.last_seq and s.last is not None:
+            replays.inc()
+            status, body = await asyncio.shield(s.last)
+        elif seq != s.last_seq + 1:
+            calls.labels(op=op, status="409").inc()
+            return _error(
+                409,
+                "seq_conflict",
+                f"session {sid}: got seq {seq}, expected {s.last_seq + 1} (or a repeat of {s.last_seq})",
+            )
+        else:
+            limit = min(timeout_s or settings.call_timeout_s, settings.max_call_timeout_s)
+            prev, s.last_seq = s.last, seq
+            s.last = asyncio.ensure_future(apply(s, op, seq, limit, prev, lambda: fn(s)))
+            status, body = await asyncio.shield(s.last)
+            latency.labels(op=op).observe(time.perf_counter() - t0)
+        s.used = time.monotonic()
+        calls.labels(op=op, status=str(status)).inc()
+        return body if status == 200 else JSONResponse(body, status_code=status)
+
+    @app.post("/sessions/{sid}/reset")
+    async def reset(sid: str, body: ResetRequest) -> Any:
+        async def run(s: _Session) -> dict[str, Any]:
+            obs, info = await _call(s.env.reset, body.seed if body.seed is not None else s.seed)
+            return ResetResponse(seq=body.seq, observation=obs, info=info or {}).model_dump()
+
+        return await numbered(sid, "reset", body.seq, body.timeout_s, run)
+
+    @app.post("/sessions/{sid}/step")
+    async def step(sid: str, body: StepRequest) -> Any:
+        async def run(s: _Session) -> dict[str, Any]:
+            obs, reward, terminated, truncated, info = await _call(s.env.step, body.action)
+            return StepResponse(
+                seq=body.seq,
+                observation=obs,
+                reward=float(reward),
+                terminated=bool(terminated),
+                truncated=bool(truncated),
+                info=info or {},
+            ).model_dump()
+
+        return await numbered(sid, "step", body.seq, body.timeout_s, run)
+
+    @app.delete("/sessions/{sid}")
+    async def close(sid: str) -> dict[str, Any]:
+        s = sessions.get(sid)
+        calls.labels(op="close", status="200").inc()
+        if s is None:
+            return {"closed": False}
+        end(s, "closed by the client")
+        return {"closed": True}
+
+    return app
+
+
+class ThreadedServer:
+    """Uvicorn serving ``app`` in a daemon thread on ``host:port`` (port 0: a free one). ``url`` is
+    ``http://host:port`` once :meth:`start` returned."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.host = host
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, name=f"env-server-{host}:{port}", daemon=True)
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> ThreadedServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:  # readiness of a server in another thread: nothing to wait on but the flag
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"env server on {self.host}:{self.port} did not start within {timeout_s:g}s")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+    def __enter__(self) -> ThreadedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
