@@ -268,3 +268,40 @@ def test_in_cluster_and_kubeconfig_loading(tmp_path: Path, kube: KubeStandIn) ->
         KubePodSpec(image="x", labels={"rollart.io/job": "j"})
     with pytest.raises(ValueError, match="unknown keys"):
         KubePodSpec(image="x", resources={"limit": {"cpu": "1"}})
+
+
+ENV_SERVER = "rollart/env-server:dev"
+
+
+async def test_code_sandbox_served_from_a_pod_over_the_session_protocol(
+    kube: KubeStandIn, api: client.CoreV1Api
+) -> None:
+    from rollart.envs.code_sandbox import TASKS
+    from rollart.envservice.client import RemoteEnv
+    from rollart.envservice.kubernetes import KubernetesServerPool
+    from rollart.envservice.protocol import EnvOverrides
+
+    kube.add_image(ENV_SERVER, ["python", "-m", "rollart.cli", "serve", "env"])
+    pool = KubernetesServerPool(
+        "code",
+        KubePodSpec(image=ENV_SERVER, args=["code_sandbox", "--host", "0.0.0.0", "--port", "8200"], port=8200),
+        "job-f",
+        api=api,
+        namespace="default",
+    )
+    pool.start()
+    try:
+        (url,) = pool.urls
+        assert ipaddress.ip_address(url.split("//")[1].split(":")[0]) in kube.subnet
+        env = RemoteEnv(pool, "code_sandbox", await pool.describe("code_sandbox", {}, EnvOverrides()))
+        assert env.tag == "code_sandbox"
+        obs, info = await env.reset(seed=1)
+        assert "solution.py" in obs
+        fixed = next(t.fixed for t in TASKS if t.name == info["task"])
+        _, r_buggy, done, _, _ = await env.step("<run/>")
+        assert r_buggy < 1 and not done
+        _, r, done, _, _ = await env.step(f'<write file="solution.py">{fixed}</write><run/>')
+        assert (r, done) == (1.0, True)
+    finally:
+        pool.stop()
+    assert pool.urls == [] and job_pods(api, "job-f") == []

@@ -44,7 +44,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollart.cluster.serverless import RetryPolicy
 from rollart.envs.base import EnvError
+from rollart.envservice.client import DEFAULT_RETRY, ServerPool
 
 # the client's models are used as plain objects here (their fields are all Optional in its annotations)
 V1Pod = Any
@@ -485,3 +487,52 @@ def _delete_job_pods(api: CoreV1Api, namespace: str, selector: str, timeout_s: f
             log.warning("env pods %s of %s still listed %g s after delete", sorted(left), selector, timeout_s)
     except Exception as err:  # at exit: the API may be gone; say what to clean up by hand
         log.warning("could not delete env pods (%s): %s; run `kubectl delete pods -l %s`", selector, err, selector)
+
+
+class KubernetesServerPool(ServerPool):
+    """The ``kubernetes`` backend's :class:`~rollart.envservice.client.ServerPool`: the env servers of one
+    task are the warm pods of an :class:`EnvPodManager`; sessions are spread over their pod IPs."""
+
+    def __init__(
+        self,
+        name: str,
+        spec: KubePodSpec,
+        job_id: str,
+        *,
+        api: CoreV1Api | None = None,
+        namespace: str | None = None,
+        connection: KubeConnection | None = None,
+        retry: RetryPolicy = DEFAULT_RETRY,
+    ) -> None:
+        super().__init__(name, retry=retry)
+        self.manager = EnvPodManager(spec, job_id, api=api, namespace=namespace, connection=connection)
+
+    def _sync(self) -> None:
+        want = {p.url for p in self.manager.pods}
+        for url in self.urls:
+            if url not in want:
+                self.remove(url)
+        for url in sorted(want):
+            self.add(url)
+
+    def start(self) -> None:
+        self.manager.start()
+        self._sync()
+
+    def heal(self) -> list[str]:
+        """Replace the pods that are gone, unready or whose server was marked down; the names replaced."""
+        replaced = []
+        for pod in list(self.manager.pods):
+            if pod.url in self.down:
+                self.manager.pods.remove(pod)
+                self.manager._delete(pod.name)
+                replaced.append(pod.name)
+        replaced += self.manager.heal()
+        if len(self.manager.pods) < self.manager.spec.pool_size:
+            self.manager.start()
+        self._sync()
+        return replaced
+
+    def stop(self) -> None:
+        self.manager.close()
+        self._sync()
