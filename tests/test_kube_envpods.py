@@ -13,6 +13,7 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -278,18 +279,19 @@ async def test_code_sandbox_served_from_a_pod_over_the_session_protocol(
 ) -> None:
     from rollart.envs.code_sandbox import TASKS
     from rollart.envservice.client import RemoteEnv
-    from rollart.envservice.kubernetes import KubernetesServerPool
+    from rollart.envservice.kubernetes import create_pool
     from rollart.envservice.protocol import EnvOverrides
 
-    kube.add_image(ENV_SERVER, ["python", "-m", "rollart.cli", "serve", "env"])
-    pool = KubernetesServerPool(
-        "code",
-        KubePodSpec(image=ENV_SERVER, args=["code_sandbox", "--host", "0.0.0.0", "--port", "8200"], port=8200),
-        "job-f",
-        api=api,
-        namespace="default",
-    )
-    pool.start()
+    kube.add_image(ENV_SERVER)  # no entrypoint: the backend's default command runs `rollart serve env NAME`
+    kubecfg = str(kube.kubeconfig)  # type: ignore[attr-defined]
+    entry = SimpleNamespace(servers=1, call_timeout_s=30.0, kubernetes={"image": ENV_SERVER, "port": 8200})
+    entry.kubernetes["connection"] = {"kubeconfig": kubecfg}
+    task = SimpleNamespace(index=0, name="code_sandbox", entry=entry, job_id="job f/1", label="envs[0]:code_sandbox")
+    with pytest.raises(ValueError, match=r"envs\[0\]\.kubernetes: port: Input should be greater than or equal to 1"):
+        create_pool(
+            SimpleNamespace(**{**vars(task), "entry": SimpleNamespace(servers=1, kubernetes={"image": "x", "port": 0})})
+        )
+    pool = create_pool(task)  # started: its pods are ready
     try:
         (url,) = pool.urls
         assert ipaddress.ip_address(url.split("//")[1].split(":")[0]) in kube.subnet
@@ -304,4 +306,4 @@ async def test_code_sandbox_served_from_a_pod_over_the_session_protocol(
         assert (r, done) == (1.0, True)
     finally:
         pool.stop()
-    assert pool.urls == [] and job_pods(api, "job-f") == []
+    assert pool.urls == [] and job_pods(api, "job-f-1") == []

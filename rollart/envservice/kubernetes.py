@@ -536,3 +536,32 @@ class KubernetesServerPool(ServerPool):
     def stop(self) -> None:
         self.manager.close()
         self._sync()
+
+
+def create_pool(task: Any) -> KubernetesServerPool:
+    """The ``kubernetes`` backend of ``envs:`` entries (looked up by :mod:`rollart.envservice.backends`):
+    ``task.entry.kubernetes`` is a :class:`KubePodSpec` mapping plus an optional ``connection``
+    (:class:`KubeConnection`); ``task.entry.servers`` pods are started (and waited for) before it returns.
+    Without ``command``/``args`` a pod runs ``rollart serve env NAME --host 0.0.0.0 --port PORT``."""
+    from pydantic import ValidationError
+
+    field_name = f"envs[{task.index}].kubernetes"
+    raw = dict(getattr(task.entry, "kubernetes", None) or {})
+    if "pool_size" in raw:
+        raise ValueError(f"{field_name}.pool_size: the number of pods is envs[{task.index}].servers; set that instead")
+    try:
+        conn = KubeConnection.model_validate(raw.pop("connection", None) or {})
+        spec = KubePodSpec.model_validate({**raw, "pool_size": getattr(task.entry, "servers", 1)})
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+        raise ValueError(f"{field_name}: {problems}") from None
+    if spec.command is None and spec.args is None:
+        timeout = getattr(task.entry, "call_timeout_s", None)
+        args = [task.name, "--host", "0.0.0.0", "--port", str(spec.port)]
+        if timeout is not None:
+            args += ["--call-timeout-s", str(timeout)]
+        spec = spec.model_copy(update={"command": ["rollart", "serve", "env"], "args": args})
+    job = re.sub(r"[^A-Za-z0-9_.-]", "-", str(task.job_id))[:40].strip("-_.") or "job"
+    pool = KubernetesServerPool(task.label if hasattr(task, "label") else task.name, spec, job, connection=conn)
+    pool.start()
+    return pool

@@ -20,7 +20,8 @@ Pods (one container each) go through the kubelet's transitions, each a ``MODIFIE
   one registered with :meth:`KubeStandIn.add_unpullable` stays ``Pending`` with ``waiting``
   ``ErrImagePull`` then ``ImagePullBackOff``;
 * else the container's process starts inside the pod's namespace: argv = ``command`` (or the image's
-  entrypoint) + ``args`` (or the image's), where a leading ``python`` is this interpreter; ``env``
+  entrypoint) + ``args`` (or the image's), where a leading ``python`` is this interpreter and a leading
+  ``rollart`` is ``python -m rollart.cli``; ``env``
   from the container spec on top of :attr:`KubeStandIn.base_env`; phase ``Running``, container
   ``running``; ``Ready``/``ContainersReady`` follow the ``readinessProbe`` (``httpGet`` or
   ``tcpSocket``, probed from the node -- this process -- at the pod IP, with ``initialDelaySeconds``,
@@ -492,6 +493,8 @@ class KubeStandIn:
             raise RuntimeError(f"pod {pod.key}: image {image} has no entrypoint and the container no command")
         if argv[0] in ("python", "python3"):
             argv[0] = sys.executable
+        elif argv[0] == "rollart":  # the project's console script, as an image of rollart would have it
+            argv[:1] = [sys.executable, "-m", "rollart.cli"]
         env = {**self.base_env, **{e["name"]: str(e.get("value", "")) for e in c.get("env") or []}}
         env.update(POD_NAME=pod.key[1], POD_NAMESPACE=pod.key[0], POD_IP=pod.ip)
         probe = c.get("readinessProbe")
