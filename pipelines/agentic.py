@@ -137,7 +137,7 @@ class AgenticPipeline:
     def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
         from transformers import AutoTokenizer
 
-        from rollart.envs import EnvSpec, make_env
+        from rollart.envs import EnvSpec
 
         self.config = config
         self.out_dir = config.out_dir
@@ -241,8 +241,12 @@ class AgenticPipeline:
                 on_failure=rc.on_failure,
             )
             reward_fn = self._service_reward(codec)
+        from rollart.envservice.backends import EnvPools
+
+        # remote envs (backend ray / kubernetes): warm env servers per task, started now
+        self.env_pools = EnvPools(config.envs, self.rm, plugin_paths=config.train.plugin_paths)
         groups: list[list[EnvManager]] = []
-        for entry in config.envs:
+        for index, entry in enumerate(config.envs):
             spec = EnvSpec(
                 name=entry.name,
                 tag=entry.tag,
@@ -254,7 +258,7 @@ class AgenticPipeline:
                 groups.append(
                     [
                         EnvManager(
-                            make_env(spec),
+                            self.env_pools.make(index, spec),
                             self.proxy,
                             codec,
                             sampling=config.sampling,
@@ -656,6 +660,7 @@ class AgenticPipeline:
             if extra is not None:
                 extra.shutdown()
         self.proxy.close()
+        self.env_pools.stop()
         self.train.shutdown()
         self.infer.shutdown()
         self.rm.shutdown()

@@ -73,6 +73,25 @@ class EnvEntry(BaseModel):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     max_steps: int | None = None
     max_new_tokens: int | None = None
+    # where the env runs: in the driver (local), or as a service (rollart.envservice): env servers as Ray
+    # actors on the CPU pool ``pool`` (ray), or Kubernetes pods from the ``kubernetes`` spec
+    backend: Literal["local", "ray", "kubernetes"] = "local"
+    servers: int = Field(default=1, ge=1)  # remote backends: warm env servers of this task
+    pool: str = "env"  # backend ray: the CPU pool the servers run in (one CPU each)
+    call_timeout_s: float = Field(default=60.0, gt=0)  # remote backends: one reset or step on the server
+    kubernetes: dict[str, Any] | None = None  # backend kubernetes: the pod spec (image, command, resources, ...)
+
+    @model_validator(mode="after")
+    def _backend(self) -> EnvEntry:
+        if self.kubernetes is not None and self.backend != "kubernetes":
+            raise ValueError(f"kubernetes: a pod spec is set but backend is {self.backend!r}; set backend: kubernetes")
+        if self.backend == "kubernetes":
+            from rollart.envservice.backends import kubernetes_problem
+
+            problem = kubernetes_problem()
+            if problem is not None:
+                raise ValueError(problem)
+        return self
 
     @field_validator("name")
     @classmethod
@@ -267,7 +286,9 @@ class PipelineConfig(BaseModel):
                 "rollout_pool": self.rollout_pool,
                 "advantage": self.advantage,
                 "critic": self.critic,
-                "envs": [{"groups": e.groups} for e in self.envs],
+                "envs": [
+                    {"groups": e.groups, "backend": e.backend, "pool": e.pool, "servers": e.servers} for e in self.envs
+                ],
                 "data": [{"groups": t.groups} for t in self.data],
                 "rollout": {"num_env_groups": self.rollout.num_env_groups},
             }
@@ -304,6 +325,9 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
     data = [data] if isinstance(data, dict) else data
     if isinstance(envs, list) and isinstance(data, list) and not envs and not data:
         out.append("envs: no task to train on; add envs: [{name: reverse}] or data: {train: FILE.jsonl}")
+    from rollart.envservice.backends import env_service_problems
+
+    out += env_service_problems(raw)
     rollout: Mapping[str, Any] = raw["rollout"] if isinstance(raw.get("rollout"), dict) else {}
     wanted = rollout.get("num_env_groups", RolloutConfig.model_fields["num_env_groups"].default)
     tasks = [*envs, *data] if isinstance(envs, list) and isinstance(data, list) else None

@@ -107,3 +107,28 @@ class DropProxy:
             t.cancel()
         writer.transport.abort()
         up_writer.close()
+
+
+from rollart.envs.reverse import ReverseTask  # noqa: E402
+
+
+class DyingReverseEnv(ReverseTask):
+    """``reverse``, except that the first step (over every server) that finds ``kill_file`` takes it
+    and kills its own server process: an env server that dies mid-episode, after a reset."""
+
+    def __init__(self, length: int = 3, kill_file: str = ""):
+        super().__init__(length=length)
+        self.kill_file = kill_file
+
+    def step(self, action: str) -> Any:
+        if self.kill_file:
+            import os
+            import signal
+
+            try:
+                os.rename(self.kill_file, self.kill_file + ".taken")  # atomic: one server takes it
+            except FileNotFoundError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(action)

@@ -1,0 +1,50 @@
+"""Envs as services across hosts: the agentic pipeline with its envs on the ``ray`` backend, the env
+servers on the hosts of the CPU env pool, one of them killed mid-episode.
+
+Hosts (rollart.testing.hosts): head 10.201.0.1 (driver, train H800, no CPU for Ray), b 10.201.0.2
+(rollout H20, 3 CPUs), c 10.201.0.3 (3 CPUs). The env pool's 4 CPUs can only be on b and c.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "envservice_driver.py")
+ENV_HOSTS = {"10.201.0.2", "10.201.0.3"}
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_ray_backend_envs_run_on_the_env_pool_hosts_and_a_server_killed_mid_episode_loses_nothing(tmp_path):
+    from rollart.testing import HostSpec, skip_reason, start_hosts
+
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    kill = tmp_path / "kill"
+    kill.touch()
+    specs = [
+        HostSpec("head", {"H800": 1}, num_cpus=0),
+        HostSpec("b", {"H20": 1}, num_cpus=3),
+        HostSpec("c", {}, num_cpus=3),
+    ]
+    with start_hosts(specs) as cluster:
+        out = cluster.run_driver([SCRIPT, str(tmp_path / "run"), "-", str(kill)], timeout=540).check().result
+    assert isinstance(out, dict)
+    servers = out["servers"]
+    # every env server sits on a host of the env pool, one per host (the task's servers are spread)
+    assert sorted(s["node_ip"] for s in servers) == sorted(ENV_HOSTS), servers
+    assert all(urlparse(s["url"]).hostname == s["node_ip"] for s in servers)  # served on the node's IP
+    (pool,) = out["pools"].values()
+    assert all(urlparse(u).hostname in ENV_HOSTS for u in pool["urls"])  # also the restarted server's URL
+    # one server died mid-episode (a step took the kill file): its episodes failed and were played again
+    assert (tmp_path / "kill.taken").exists() and not kill.exists()
+    assert len(pool["down"]) == 1
+    history = out["history"]
+    assert [h["step"] for h in history] == [0, 1, 2]
+    assert history[-1]["trajectories_failed"] >= 1  # counted, never trained on, never scored
+    for h in history:  # the env's own rewards, as with local envs
+        assert set(h["reward_by_tag"]) == {"reverse-3"} and 0.0 <= h["reward_mean"] <= 1.0
