@@ -238,6 +238,7 @@ class KubeStandIn:
             return
         self._closed = True
         with self._cond:
+            self._closed = True
             pods = list(self._pods.values())
             self._cond.notify_all()
         for p in pods:
@@ -260,8 +261,11 @@ class KubeStandIn:
             raise HostsError(f"`ip {' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
 
     def _add_namespace(self, name: str) -> None:
-        self._ip("netns", "add", name)
-        self._namespaces.append(name)
+        with self._cond:  # never after close(): its teardown would not see the namespace
+            if self._closed and name != self.bridge_namespace:
+                raise HostsError(f"the stand-in is closed: no namespace {name}")
+            self._ip("netns", "add", name)
+            self._namespaces.append(name)
         self._ip("-n", name, "link", "set", "lo", "up")
 
     def _build_network(self) -> ipaddress.IPv4Network:
@@ -344,13 +348,13 @@ class KubeStandIn:
                 raise _ApiError(503, "ServiceUnavailable", "the stand-in is shutting down")
             if (ns, name) in self._objects[kind]:
                 raise _ApiError(409, "AlreadyExists", f'{kind} "{name}" already exists')
+            if kind == "pods" and self._next_pod >= 254:
+                raise _ApiError(503, "ServiceUnavailable", "the stand-in's /24 has no address left")
             self._objects[kind][(ns, name)] = obj
             self._emit(kind, "ADDED", obj)
             if kind == "pods":
                 pod = _Pod((ns, name), self._next_pod, f"rak{self.run_id}p{self._next_pod}",
                            str(self.subnet[self._next_pod]), self.dir / f"{ns}_{name}.log")  # fmt: skip
-                if self._next_pod >= 254:
-                    raise _ApiError(503, "ServiceUnavailable", "the stand-in's /24 has no address left")
                 self._next_pod += 1
                 self._pods[(ns, name)] = pod
                 pod.thread = threading.Thread(target=self._kubelet, args=(pod,), name=f"kubelet-{name}", daemon=True)
