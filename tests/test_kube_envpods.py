@@ -307,3 +307,25 @@ async def test_code_sandbox_served_from_a_pod_over_the_session_protocol(
     finally:
         pool.stop()
     assert pool.urls == [] and job_pods(api, "job-f-1") == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("ROLLART_KUBE_E2E") != "1", reason="about 2.5 min on 2 cores: set ROLLART_KUBE_E2E=1 to run"
+)
+def test_agentic_pipeline_with_kubernetes_backend_envs(
+    kube: KubeStandIn, api: client.CoreV1Api, tmp_path: Path
+) -> None:
+    kube.add_image(ENV_SERVER)
+    script = Path(__file__).parent / "scripts" / "kube_pipeline_driver.py"
+    args = [sys.executable, str(script), str(tmp_path / "run"), str(kube.kubeconfig), ENV_SERVER]  # type: ignore[attr-defined]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    out = json.loads(line[len("RESULT ") :])
+    (pool,) = out["pools"].values()
+    assert len(pool["urls"]) == 2  # two env pods, each reached at its own pod IP, both serving sessions
+    assert all(ipaddress.ip_address(u.split("//")[1].split(":")[0]) in kube.subnet for u in pool["urls"])
+    assert all(n > 0 for n in pool["sessions"].values())
+    assert [h["trajectories_failed"] for h in out["history"]] == [0, 0, 0]
+    assert job_pods(api, "kube-e2e") == []  # the pipeline's shutdown deleted its pods
