@@ -107,6 +107,7 @@ def registered_envs() -> list[str]:
 
 
 def _load_builtin() -> None:
+    import rollart.envs.code_sandbox
     import rollart.envs.frozen_lake
     import rollart.envs.sokoban
     import rollart.envs.verifiable  # noqa: F401
@@ -151,7 +152,7 @@ def env_kwargs_problems(cls: type[TextEnv], kwargs: dict[str, Any]) -> list[str]
 
 def make_env(spec: EnvSpec | dict[str, Any] | str, **kwargs: Any) -> TextEnv:
     """Build an env by registry name (``reverse``, ``addition``, ``countdown``, ``frozen_lake``,
-    ``sokoban``, or one added with :func:`register_env`) or as ``MODULE:CLASS``. ``kwargs`` go to the
+    ``sokoban``, ``code_sandbox``, or one added with :func:`register_env`) or as ``MODULE:CLASS``. ``kwargs`` go to the
     env's constructor (on top of ``spec.kwargs``); the spec's ``tag``/``max_steps``/``max_new_tokens``
     override the env's."""
     if isinstance(spec, str):

@@ -1,0 +1,60 @@
+"""Driver of tests/test_kube_envpods.py: the agentic pipeline with its envs on the ``kubernetes`` backend.
+
+``python kube_pipeline_driver.py OUT_DIR KUBECONFIG IMAGE`` runs 3 synchronous steps of reverse-3 with two
+env pods (``rollart serve env reverse``, reached at their pod IPs) on the API server that KUBECONFIG
+names, on a local Ray. Prints ``RESULT {...}``: the pools' URLs and sessions, and the metrics per step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rollart.config import PipelineConfig
+from rollart.pipelines.agentic import AgenticPipeline
+
+
+def main() -> None:
+    out_dir, kubeconfig, image = sys.argv[1:4]
+    cfg = PipelineConfig.model_validate(
+        {
+            "name": "kube",
+            "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
+            "pools": {"train": {"hardware": "H800", "devices": 1}, "rollout": {"hardware": "H20", "devices": 1}},
+            "envs": [
+                {
+                    "name": "reverse",
+                    "groups": 4,
+                    "kwargs": {"length": 3},
+                    "backend": "kubernetes",
+                    "servers": 2,
+                    "call_timeout_s": 30,
+                    "kubernetes": {"image": image, "port": 8200, "connection": {"kubeconfig": kubeconfig}},
+                }
+            ],
+            "rollout": {"num_env_groups": 4, "group_size": 4, "batch_groups": 2, "alpha": 0},
+            "sampling": {"temperature": 1.0, "max_new_tokens": 3, "seed": 1},
+            "advantage": "grpo_token",
+            "train": {"lr": 0.003},
+            "steps": 3,
+            "export": {"hf": False},
+            "output_dir": out_dir,
+            "cluster": {
+                "metadata_store": f"{out_dir}/meta.sqlite",
+                "job_id": "kube-e2e",
+                "local_resources": {"H800": 1, "H20": 1, "CPU": 2},
+            },
+        }
+    )
+    pipe = AgenticPipeline(cfg, progress=False)
+    try:
+        history = pipe.run()
+        pools = {p.name: {"urls": p.urls, "sessions": dict(p.sessions)} for p in pipe.env_pools.pools.values()}
+    finally:
+        pipe.shutdown()
+    keep = ("step", "reward_mean", "trajectories_failed", "trajectories_aborted")
+    print("RESULT " + json.dumps({"pools": pools, "history": [{k: h[k] for k in keep} for h in history]}))
+
+
+if __name__ == "__main__":
+    main()
