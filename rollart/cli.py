@@ -29,6 +29,7 @@ BENCHES: dict[str, str] = {
     "async-train": "rollart.benchmarks.async_train",
     "weight-sync": "rollart.benchmarks.weight_sync",
     "quickstart": "rollart.benchmarks.quickstart",
+    "throughput": "rollart.benchmarks.throughput",
 }
 
 
