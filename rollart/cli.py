@@ -31,6 +31,7 @@ BENCHES: dict[str, str] = {
     "async-train": "rollart.benchmarks.async_train",
     "weight-sync": "rollart.benchmarks.weight_sync",
     "quickstart": "rollart.benchmarks.quickstart",
+    "throughput": "rollart.benchmarks.throughput",
 }
 
 

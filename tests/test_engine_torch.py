@@ -159,3 +159,91 @@ def test_seeded_samples_follow_the_processed_distribution(tiny):
     assert set(toks) <= set(top.indices.tolist())
     tv = 0.5 * sum(abs(toks.count(int(t)) / len(toks) - float(p)) for t, p in zip(top.indices, probs))
     assert tv < 0.08
+
+
+def direct_logprobs(model, prompt, tokens):
+    """log p(token_i) of a greedy continuation, from one forward pass over prompt + tokens."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def test_joins_and_leaves_never_prefill_running_rows_and_outputs_stay_exact(tiny):
+    """Requests join a running batch, leave it (finished, stopped, aborted) and a group of identical
+    prompts is prefilled once: every greedy output equals HF generate, every logprob a direct forward
+    pass, and the engine prefilled only the joining sequences (each distinct one once)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    group = [5, 6, 7, 8]
+    long = [9, 10, 11, 12, 13, 14, 15, 16, 17]
+    plan = {  # request id: (prompt, max_new_tokens)
+        "g0": (group, 9),
+        "g1": (group, 3),
+        "g2": (group, 6),
+        "x": ([20, 21], 7),
+        "late": (long, 5),
+        "late2": ([30], 4),
+        "g3": (group, 4),
+    }
+    refs = {rid: hf_greedy(model, p, n) for rid, (p, n) in plan.items()}
+    engine = TorchEngine(tiny)
+    add = lambda rid: engine.add_request(EngineRequest(rid, plan[rid][0], greedy(plan[rid][1])))
+    for rid in ("g0", "g1", "g2", "x"):
+        add(rid)
+    done = {}
+    for o in engine.step():  # one prefill: the group's prompt once, x once
+        done[o.request_id] = o
+    assert engine.stats["prefill_tokens"] == len(group) + 2 and engine.stats["shared_prefill_rows"] == 2
+    for o in engine.step() + engine.step():
+        done[o.request_id] = o
+    add("late")  # joins while g0, g2 and x run; g1 has just left
+    stop = refs["x"][4]
+    engine.add_request(
+        EngineRequest("stopper", [20, 21], SamplingParams(temperature=0, max_new_tokens=7, stop_token_ids=[stop]))
+    )
+    for o in engine.step():
+        done[o.request_id] = o
+    partial = engine.abort("g2")  # leaves from the middle of the cache
+    add("late2")
+    add("g3")
+    done.update(run_all(engine))
+    assert partial is not None and partial.output_token_ids == refs["g2"][: len(partial.output_token_ids)]
+    for rid in ("g0", "g1", "x", "late", "late2", "g3"):
+        assert done[rid].output_token_ids == refs[rid], rid
+        assert done[rid].finish_reason == "length"
+        expected = direct_logprobs(model, plan[rid][0], refs[rid])
+        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(done[rid].output_logprobs, expected)), rid
+    assert done["stopper"].finish_reason == "stop"
+    assert done["stopper"].output_token_ids == refs["x"][: refs["x"].index(stop) + 1]
+    # prefilled: the first join, then late + stopper, then late2 + g3 — running rows never again
+    assert engine.stats["prefill_tokens"] == (len(group) + 2) + (len(long) + 2) + (1 + len(group))
+    assert engine.stats["prefill_forwards"] == 3
+    assert not engine.has_unfinished() and engine._cache is None
+
+
+def test_a_full_batch_queues_the_rest_and_a_weight_update_prefills_running_rows_again(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    prompts = [[5 + i, 6 + i] for i in range(5)]
+    refs = [hf_greedy(model, p, 4) for p in prompts]
+    engine = TorchEngine(tiny, max_batch_size=2)
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", p, greedy(4)))
+    engine.step()
+    assert len(engine._running) == 2
+    engine.update_weights(model.state_dict(), 1)  # same weights: outputs unchanged, rows recomputed
+    done = run_all(engine)
+    assert [done[f"r{i}"].output_token_ids for i in range(5)] == refs
+    assert engine.stats["prefill_tokens"] == 2 * 5 + 2 * 3  # r0, r1 again with their first token
+
+
+def test_prefix_sharing_samples_each_row_independently(tiny):
+    """The n samples of one prompt share its prefill but not their draws: different seeds differ."""
+    engine = TorchEngine(tiny)
+    for i in range(8):
+        engine.add_request(EngineRequest(f"s{i}", [5, 6, 7], SamplingParams(temperature=1.5, max_new_tokens=6, seed=i)))
+    done = run_all(engine)
+    assert engine.stats["prefill_tokens"] == 3 and engine.stats["shared_prefill_rows"] == 7
+    assert len({tuple(o.output_token_ids) for o in done.values()}) > 1
+    alone = TorchEngine(tiny, prefix_sharing=False)
+    alone.add_request(EngineRequest("s3", [5, 6, 7], SamplingParams(temperature=1.5, max_new_tokens=6, seed=3)))
+    assert run_all(alone)["s3"].output_token_ids == done["s3"].output_token_ids

@@ -1,10 +1,12 @@
 """The built-in PyTorch engine (default; CPU or GPU): continuous batching over a Hugging Face causal LM.
 
-Requests join and leave between steps. While the running set stays the same, a step decodes one
-token per row from a batched KV cache (left-padded rows, an attention mask and per-row position ids,
-so rows of different lengths decode together). When the set changes (a request joined, finished or
-was aborted) the next step prefills the whole running batch again, rebuilding the cache — exact, and
-cheap for the short contexts of RL tasks; long-context serving belongs to the vLLM/SGLang adapters.
+Requests join and leave between steps without recomputing the others. The running requests are the
+rows of one batched KV cache (left-padded rows, an attention mask and per-row position ids, so rows of
+different lengths decode together); a step decodes one token per running row from it, and prefills the
+requests that join in a forward of their own whose cache rows are then appended (both sides
+left-padded to a common width). Requests whose sequences are identical (the n samples of one prompt)
+are prefilled once and their cache row copied. A row that finishes or is aborted is dropped by index,
+and leading columns no row uses any more are cut.
 Rows that share sampling settings are sampled in one vectorised call (a seeded row with its own uniform draw).
 
 Sampling follows ``rollart.engines.base``: greedy at ``temperature == 0``; otherwise logits /
@@ -18,6 +20,7 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,9 +52,31 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.log_softmax(x, dim=-1)
 
 
+def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """``x`` with zeros prepended along ``dim`` up to ``width`` (masked-out cache columns)."""
+    extra = width - x.shape[dim]
+    if extra <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
 class TorchEngine(InferenceEngine):
+    """Continuous batching over one batched KV cache whose rows are the running requests.
+
+    ``stats`` counts the work done: ``prefill_forwards`` / ``prefill_tokens`` (positions run through
+    the model to build cache rows), ``decode_forwards`` / ``decode_tokens`` and ``shared_prefill_rows``
+    (rows whose cache was copied from an identical sequence prefilled in the same forward).
+    """
+
     def __init__(
-        self, model_path: str, device: str = "cpu", dtype: torch.dtype | str = torch.float32, max_batch_size: int = 256
+        self,
+        model_path: str,
+        device: str = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        max_batch_size: int = 256,
+        prefix_sharing: bool = True,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -60,15 +85,24 @@ class TorchEngine(InferenceEngine):
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         self.max_batch_size = max_batch_size
+        self.prefix_sharing = prefix_sharing
         self.weight_version = 0
         self._waiting: deque[str] = deque()
         self._requests: OrderedDict[str, _Running] = OrderedDict()
-        self._cache: object | None = None  # KV cache of the batch in ``_cache_rids`` order
-        self._cache_rids: list[str] = []
-        self._mask: torch.Tensor | None = None
-        self._last_pos: torch.Tensor | None = None
+        self._running: list[_Running] = []  # the rows of the KV cache, in order
+        self._cache: Any = None  # a DynamicCache over ``_running``: left-padded rows
+        self._mask: torch.Tensor | None = None  # [B, T] 1 where the cache holds a real token
+        self._next_pos: torch.Tensor | None = None  # [B] position id of each row's next input token
+        self._dropped = False  # a running request was aborted: its row goes at the next step
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
+        self.stats: dict[str, int] = {
+            "prefill_forwards": 0,
+            "prefill_tokens": 0,
+            "decode_forwards": 0,
+            "decode_tokens": 0,
+            "shared_prefill_rows": 0,
+        }
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> None:
@@ -82,8 +116,7 @@ class TorchEngine(InferenceEngine):
             gen.manual_seed(int(request.params.seed))
         out = RequestOutput(request.request_id, list(request.prompt_token_ids), weight_version=self.weight_version)
         self._requests[request.request_id] = _Running(request, out, gen)
-        self._waiting.append(request.request_id)
-        self._cache = None  # the running set changes: the next step prefills
+        self._waiting.append(request.request_id)  # joins the batch at the next step; the others keep their rows
 
     def abort(self, request_id: str) -> RequestOutput | None:
         run = self._requests.pop(request_id, None)
@@ -92,52 +125,104 @@ class TorchEngine(InferenceEngine):
         try:
             self._waiting.remove(request_id)
         except ValueError:
-            pass
+            self._dropped = True  # it has a cache row: dropped at the next step
         run.output.finished, run.output.finish_reason = True, "abort"
-        self._cache = None
         return run.output
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    # ------------------------------------------------------------------ stepping
-    def _batch(self) -> list[_Running]:
-        running = [r for rid, r in self._requests.items() if rid not in self._waiting]
-        while self._waiting and len(running) < self.max_batch_size:
-            running.append(self._requests[self._waiting.popleft()])
-        return running
+    # ------------------------------------------------------------------ the batched cache
+    def _reset_cache(self) -> None:
+        self._running, self._cache, self._mask, self._next_pos = [], None, None, None
 
-    def _forward(self, batch: list[_Running]) -> torch.Tensor:
-        """Next-token logits ``[B, V]``: one cached decode step if the batch is unchanged, else a prefill."""
-        rids = [r.request.request_id for r in batch]
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Keep only these cache rows (in order), and cut the leading columns no row uses any more."""
+        if not keep:
+            self._reset_cache()
+            return
+        assert self._mask is not None and self._next_pos is not None
+        self._running = [self._running[i] for i in keep]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        mask = self._mask.index_select(0, idx)
+        used = mask.any(0)
+        first = int(used.to(torch.int8).argmax()) if bool(used.any()) else 0
+        self._mask, self._next_pos = mask[:, first:], self._next_pos.index_select(0, idx)
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, idx)[:, :, first:]
+            layer.values = layer.values.index_select(0, idx)[:, :, first:]
+
+    def _decode(self) -> torch.Tensor:
+        """One token for every running row from the cache: next-token logits ``[B, V]``."""
+        assert self._mask is not None and self._next_pos is not None
         dev = self.device
-        if self._cache is not None and rids == self._cache_rids:
-            last = torch.tensor([[r.output.output_token_ids[-1]] for r in batch], dtype=torch.long)
-            assert self._mask is not None and self._last_pos is not None
-            self._mask = torch.cat([self._mask, torch.ones((len(batch), 1), dtype=torch.long)], dim=1)
-            self._last_pos = self._last_pos + 1
-            out = self.model(
-                input_ids=last.to(dev),
-                attention_mask=self._mask.to(dev),
-                position_ids=self._last_pos[:, None].to(dev),
-                past_key_values=self._cache,
-                use_cache=True,
+        batch = self._running
+        last = torch.tensor([r.output.output_token_ids[-1] for r in batch], dtype=torch.long, device=dev)
+        self._mask = torch.cat([self._mask, torch.ones((len(batch), 1), dtype=torch.long, device=dev)], dim=1)
+        out = self.model(
+            input_ids=last[:, None],
+            attention_mask=self._mask,
+            position_ids=self._next_pos[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._cache = out.past_key_values
+        self._next_pos = self._next_pos + 1
+        self.stats["decode_forwards"] += 1
+        self.stats["decode_tokens"] += len(batch)
+        return out.logits[:, -1, :].float()
+
+    def _prefill(self, joining: list[_Running]) -> torch.Tensor:
+        """Prefill the joining requests (identical sequences once), append their rows to the cache:
+        next-token logits ``[len(joining), V]``."""
+        dev = self.device
+        seqs = [r.request.prompt_token_ids + r.output.output_token_ids for r in joining]
+        rows: list[int] = []
+        unique: dict[tuple[int, ...], int] = {}
+        useqs: list[list[int]] = []
+        for seq in seqs:
+            key = tuple(seq) if self.prefix_sharing else (len(useqs),)
+            at = unique.get(key)
+            if at is None:
+                at = unique[key] = len(useqs)
+                useqs.append(seq)
+            rows.append(at)
+        width = max(len(s) for s in useqs)
+        ids = torch.full((len(useqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(useqs), width), dtype=torch.long)
+        for i, seq in enumerate(useqs):
+            ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq) :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        self.stats["prefill_forwards"] += 1
+        self.stats["prefill_tokens"] += sum(len(s) for s in useqs)
+        self.stats["shared_prefill_rows"] += len(seqs) - len(useqs)
+        logits = out.logits[:, -1, :].float()
+        new = out.past_key_values
+        next_pos = pos[:, -1] + 1
+        if len(useqs) < len(seqs):  # copy the shared rows' cache to every request of the group
+            sel = torch.tensor(rows, dtype=torch.long, device=dev)
+            logits, mask, next_pos = (
+                logits.index_select(0, sel),
+                mask.index_select(0, sel),
+                next_pos.index_select(0, sel),
             )
+            for layer in new.layers:
+                layer.keys, layer.values = layer.keys.index_select(0, sel), layer.values.index_select(0, sel)
+        if self._cache is None:
+            self._cache, self._mask, self._next_pos = new, mask, next_pos
         else:
-            seqs = [r.request.prompt_token_ids + r.output.output_token_ids for r in batch]
-            width = max(len(s) for s in seqs)
-            ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(seqs), width), dtype=torch.long)
-            for i, seq in enumerate(seqs):
-                ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
-                mask[i, width - len(seq) :] = 1
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = self.model(
-                input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True
-            )
-            self._mask, self._last_pos = mask, pos[:, -1]
-        self._cache, self._cache_rids = out.past_key_values, rids
-        return out.logits[:, -1, :].float().cpu()
+            assert self._mask is not None and self._next_pos is not None
+            width = max(self._mask.shape[1], mask.shape[1])
+            self._mask = torch.cat([_left_pad(self._mask, width, 1), _left_pad(mask, width, 1)], dim=0)
+            self._next_pos = torch.cat([self._next_pos, next_pos])
+            for old, add in zip(self._cache.layers, new.layers):
+                old.keys = torch.cat([_left_pad(old.keys, width, 2), _left_pad(add.keys, width, 2)], dim=0)
+                old.values = torch.cat([_left_pad(old.values, width, 2), _left_pad(add.values, width, 2)], dim=0)
+        self._running.extend(joining)
+        return logits
 
     def _sample(self, batch: list[_Running], logits: torch.Tensor) -> list[tuple[int, float]]:
         """(token, behaviour logprob) per row. Rows sharing settings are processed together; a seeded row
@@ -173,13 +258,27 @@ class TorchEngine(InferenceEngine):
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        batch = self._batch()
-        if not batch:
-            self._cache, self._cache_rids = None, []
+        if self._dropped:  # rows of aborted requests go
+            self._dropped = False
+            live = [i for i, r in enumerate(self._running) if self._requests.get(r.request.request_id) is r]
+            if len(live) < len(self._running):
+                self._keep_rows(live)
+        joining: list[_Running] = []
+        while self._waiting and len(self._running) + len(joining) < self.max_batch_size:
+            joining.append(self._requests[self._waiting.popleft()])
+        if not self._running and not joining:
+            self._reset_cache()
             return []
-        logits = self._forward(batch)
+        parts = []
+        if self._running:  # the running rows decode one token from their cache, never prefilled again
+            parts.append(self._decode())
+        if joining:
+            parts.append(self._prefill(joining))
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        batch = self._running
         finished = []
-        for run, (tok, lp) in zip(batch, self._sample(batch, logits)):
+        keep: list[int] = []
+        for i, (run, (tok, lp)) in enumerate(zip(batch, self._sample(batch, logits.cpu()))):
             params = run.request.params
             out = run.output
             out.output_token_ids.append(tok)
@@ -191,7 +290,10 @@ class TorchEngine(InferenceEngine):
             if out.finished:
                 del self._requests[run.request.request_id]
                 finished.append(out)
-                self._cache = None
+            else:
+                keep.append(i)
+        if len(keep) < len(batch):
+            self._keep_rows(keep)
         return finished
 
     # ------------------------------------------------------------------ weights
@@ -208,5 +310,8 @@ class TorchEngine(InferenceEngine):
         with torch.no_grad():
             for k, v in weights.items():
                 current[k].copy_(v.to(current[k].device, current[k].dtype))
-        self._cache, self._cache_rids = None, []  # cached keys/values came from the old weights
+        # cached keys/values came from the old weights: running requests are prefilled again first
+        live = [r.request.request_id for r in self._running if self._requests.get(r.request.request_id) is r]
+        self._waiting.extendleft(reversed(live))
+        self._reset_cache()
         self.weight_version = int(version)

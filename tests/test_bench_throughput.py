@@ -1,0 +1,49 @@
+"""`rollart bench throughput`: the per-step arithmetic, and the bench end to end in its quick mode
+(alpha 1 only, 3 steps: the sync mode runs the same code path with another bound; one pipeline keeps the
+test short): every figure present and positive (no timing asserted)."""
+
+import json
+import math
+
+import pytest
+
+from rollart.benchmarks.throughput import throughput
+from rollart.cli import main
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def step(rows, tokens, wait, train, total):
+    return {
+        "train": {"rows": rows, "tokens": tokens},
+        "tokens": tokens,
+        "time": {"rollout_wait_s": wait, "train_s": train, "step_s": total},
+    }
+
+
+def test_throughput_leaves_out_the_first_steps_and_divides_by_the_right_times():
+    history = [step(256, 768, 100.0, 100.0, 300.0), step(256, 768, 0.5, 0.25, 1.0), step(256, 512, 0.5, 0.25, 1.0)]
+    t = throughput(history, skip=1)
+    assert t["steps_measured"] == 2
+    assert t["generation_samples_per_s"] == 512 and t["generation_tokens_per_s"] == 1280
+    assert t["train_samples_per_s"] == 1024 and t["train_tokens_per_s"] == 2560
+    assert t["samples_per_s"] == 256 and t["step_s"] == 1.0
+
+
+def test_quick_bench_reports_every_figure(ray_local, tmp_path, capsys):
+    out = tmp_path / "thr"
+    assert main(["bench", "throughput", "--quick", "--alphas", "1", "--out", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "alpha 0" not in result
+    for mode in ("alpha 1",):
+        row = result[mode]
+        assert row["steps"] == 3 and 0.0 <= row["final_reward"] <= 1.0
+        for key in ("generation_samples_per_s", "generation_tokens_per_s", "train_samples_per_s", "samples_per_s"):
+            assert math.isfinite(row[key]) and row[key] > 0, (mode, key)
+    assert json.loads((out / "throughput.json").read_text())["alpha 1"]["steps"] == 3
+    assert (out / "alpha1" / "metrics.jsonl").exists() and (out / "throughput.png").exists()
+
+
+def test_bench_rejects_a_negative_alpha(tmp_path):
+    with pytest.raises(SystemExit, match="--alphas"):
+        main(["bench", "throughput", "--alphas", "-1", "--out", str(tmp_path)])
