@@ -562,6 +562,13 @@ class AgenticPipeline:
         out["rewards_invented"] = self.scheduler.counts["rewards_invented"]
         return out
 
+    def _ledger_record(self, trajs: list) -> dict[str, int]:
+        """The per-step ledger: while rounds are being completed, what ``lost`` would count is
+        ``completing`` (``ledger.json``, written after the rollout stopped, has the exact ``lost``)."""
+        out = self._ledger_step(trajs)
+        out["completing"] = out.pop("lost")
+        return out
+
     def _write_ledger(self) -> None:
         """``ledger.json`` at the end of a run (after the rollout stopped, so ``lost`` is exact)."""
         import json
@@ -628,7 +635,7 @@ class AgenticPipeline:
             "trajectories_reward_failed": counts.get("trajectories_reward_failed", 0),
             "groups_evicted_stale": counts.get("groups_evicted_stale", 0),
             "faults": self.proxy.fault_metrics(),
-            "ledger": self._ledger_step(trajs),
+            "ledger": self._ledger_record(trajs),
             "train": {k: (sum(v) / len(v) if isinstance(v, list) else v) for k, v in train_metrics.items()},
         }
 

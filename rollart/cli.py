@@ -29,6 +29,8 @@ BENCHES: dict[str, str] = {
     "async-train": "rollart.benchmarks.async_train",
     "weight-sync": "rollart.benchmarks.weight_sync",
     "quickstart": "rollart.benchmarks.quickstart",
+    "chaos": "rollart.benchmarks.chaos",
+    "soak": "rollart.benchmarks.soak",
 }
 
 
