@@ -50,7 +50,7 @@ def letter_reward(trajectory: dict[str, Any]) -> float:
     return 0.5 * letter + 0.5 * (letter and response == str(trajectory["ground_truth"]))
 
 
-def schedule(kinds: list[str], steps: int, seed: int, first: int = 2, gap: int = 2) -> dict[int, str]:
+def schedule(kinds: list[str], steps: int, seed: int, first: int = 3, gap: int = 3) -> dict[int, str]:
     """Step -> fault kind: the kinds in a seeded random order, ``gap`` steps apart from step ``first``
     (each fault has a step to settle before the next). Raises when ``steps`` is too short for them."""
     order = list(kinds)
@@ -277,6 +277,10 @@ def make_pipeline(
             for g in self.scheduler.groups:
                 for mgr in g:
                     while isinstance(mgr.env, (FailingEnv, LatencyEnv)):
+                        if isinstance(mgr.env, FailingEnv):  # steps that hung (then failed or were aborted)
+                            record["env_hangs"] += mgr.env.failures
+                        else:
+                            record["env_slow_s"] += mgr.env.total_latency
                         mgr.env = mgr.env.env
 
     return ChaosPipeline(cfg, progress=False)
@@ -285,7 +289,7 @@ def make_pipeline(
 def driver_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", required=True, help="JSON {step: kind}")
     p.add_argument("--minutes", type=float, default=0.0, help="soak: run this long (steps is then an upper bound)")
@@ -295,7 +299,14 @@ def driver_main(argv: list[str]) -> int:
     plan = {int(k): v for k, v in json.loads(a.plan).items()}
     out = Path(a.out)
     reward = RewardService(free_port()).start()
-    record: dict[str, Any] = {"injected": [], "rewards_mismatch": 0, "unverifiable": 0, "rss": {}}
+    record: dict[str, Any] = {
+        "injected": [],
+        "rewards_mismatch": 0,
+        "unverifiable": 0,
+        "rss": {},
+        "env_hangs": 0,
+        "env_slow_s": 0.0,
+    }
     pipe = None
     try:
         record["t0"] = t0 = time.monotonic()
@@ -400,7 +411,7 @@ def summarise(res: dict[str, Any], alpha: int = 1) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0, help="the seed of the fault schedule (and of the run)")
     p.add_argument(
         "--kinds",
