@@ -192,10 +192,16 @@ def make_pipeline(
     *,
     deadline: float | None = None,
     sample_s: float = 60.0,
+    every_s: float = 0.0,
+    kinds: list[str] | None = None,
+    seed: int = 0,
 ) -> Any:
     """The agentic pipeline with a hook after every step that injects the fault planned for it; with a
     ``deadline`` (soak) it samples the resident memory of the driver, of every worker and of the reward
-    service every ``sample_s`` seconds and ends the run with :class:`TimeUp` at the deadline."""
+    service every ``sample_s`` seconds and ends the run with :class:`TimeUp` at the deadline; with
+    ``every_s`` a fault drawn from ``kinds`` (seeded) is added to ``plan`` every ``every_s`` seconds."""
+    rng = random.Random(seed)
+    last_fault = [time.monotonic()]
     import ray
 
     from rollart.envs.faults import FailingEnv, LatencyEnv
@@ -234,7 +240,11 @@ def make_pipeline(
                     record["unverifiable"] += 1
                 elif abs(letter_reward({"response": resp, "ground_truth": truth}) - float(t.reward)) > 1e-9:
                     record["rewards_mismatch"] += 1
+            if every_s > 0 and kinds and time.monotonic() - last_fault[0] >= every_s:
+                plan[step] = rng.choice(kinds)
             kind = plan.get(step)
+            if kind is not None:
+                last_fault[0] = time.monotonic()
             if kind is not None:
                 record["injected"].append({"step": step, "kind": kind, "detail": self._inject(kind)})
             if step - 3 in plan and plan[step - 3] in ("env_fail_stop", "env_fail_slow"):
@@ -294,6 +304,8 @@ def driver_main(argv: list[str]) -> int:
     p.add_argument("--plan", required=True, help="JSON {step: kind}")
     p.add_argument("--minutes", type=float, default=0.0, help="soak: run this long (steps is then an upper bound)")
     p.add_argument("--sample-s", type=float, default=60.0, help="soak: seconds between memory samples")
+    p.add_argument("--fault-every-s", type=float, default=0.0, help="soak: a random fault this often")
+    p.add_argument("--kinds", default="", help="soak: the fault kinds to draw from (comma-separated)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     plan = {int(k): v for k, v in json.loads(a.plan).items()}
@@ -312,7 +324,17 @@ def driver_main(argv: list[str]) -> int:
         record["t0"] = t0 = time.monotonic()
         deadline = t0 + 60.0 * a.minutes if a.minutes > 0 else None
         cfg = config(out, a.steps, reward.url, a.seed)
-        pipe = make_pipeline(cfg, plan, reward, record, deadline=deadline, sample_s=a.sample_s)
+        pipe = make_pipeline(
+            cfg,
+            plan,
+            reward,
+            record,
+            deadline=deadline,
+            sample_s=a.sample_s,
+            every_s=a.fault_every_s,
+            kinds=[k for k in a.kinds.split(",") if k],
+            seed=a.seed,
+        )
         try:
             record["steps"] = len(pipe.run())
         except TimeUp:
@@ -371,7 +393,9 @@ def run_chaos(
     stderr = proc.stderr.read() if proc.stderr is not None else ""
     if proc.returncode != 0 or result is None:
         raise RuntimeError(f"the chaos driver failed (exit {proc.returncode}):\n{stderr[-6000:]}")
-    result["plan"] = {str(k): v for k, v in plan.items()}
+    result["plan"] = (
+        {str(i["step"]): i["kind"] for i in result["injected"]} if extra else {str(k): v for k, v in plan.items()}
+    )
     result["metrics"] = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     result["ledger"] = json.loads((out / "ledger.json").read_text())
     return result

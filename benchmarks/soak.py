@@ -1,5 +1,5 @@
 """soak: the chaos run for ``--minutes`` (30 by default; not in CI) with a random fault every
-``--fault-every`` steps; the resident memory (RSS) of the driver, every worker and the reward service
+``--fault-every-s`` seconds (60); the resident memory (RSS) of the driver, every worker and the reward service
 is sampled every ``--sample-s`` seconds (60; fewer for a short soak) and its slope per process is
 reported in MB/min (flat is the goal), with the trajectory ledger (0 lost).
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ log = logging.getLogger("rollart.bench")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=30.0, help="how long the run goes on")
-    p.add_argument("--fault-every", type=int, default=25, help="steps between two random faults")
+    p.add_argument("--fault-every-s", type=float, default=60.0, help="seconds between two random faults")
     p.add_argument(
         "--sample-s",
         type=float,
@@ -63,19 +62,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reason = skip_reason()
     if reason:
         raise SystemExit(f"rollart bench soak needs namespace hosts: {reason}")
-    if args.minutes <= 0 or args.fault_every < 3:
-        raise SystemExit("--minutes must be > 0 and --fault-every >= 3 (env faults last 3 steps)")
+    if args.minutes <= 0 or args.fault_every_s <= 0:
+        raise SystemExit("--minutes and --fault-every-s must be > 0")
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = set(kinds) - set(FAULT_KINDS) - set(OPTIONAL_KINDS)
     if unknown:
         raise SystemExit(f"--kinds: unknown {sorted(unknown)}; choose from {FAULT_KINDS + list(OPTIONAL_KINDS)}")
     sample_s = args.sample_s or min(60.0, args.minutes * 60.0 / 10)
     max_steps = 100_000
-    rng = random.Random(args.seed)
-    plan = {s: rng.choice(kinds) for s in range(args.fault_every, max_steps, args.fault_every)}
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    extra = ["--minutes", str(args.minutes), "--sample-s", str(sample_s)]
+    extra = ["--minutes", str(args.minutes), "--sample-s", str(sample_s), "--fault-every-s", str(args.fault_every_s)]
+    extra += ["--kinds", ",".join(kinds)]
     with start_hosts(three_hosts(), start_timeout_s=300) as hosts:
         res = run_chaos(
             hosts,
@@ -83,7 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             steps=max_steps,
             seed=args.seed,
             kinds=kinds,
-            plan=plan,
+            plan={},
             extra=extra,
             timeout_s=args.minutes * 60 + 900,
         )
