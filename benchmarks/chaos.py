@@ -248,7 +248,7 @@ def make_pipeline(
             if kind is not None:
                 record["injected"].append({"step": step, "kind": kind, "detail": self._inject(kind)})
             if step - 3 in plan and plan[step - 3] in ("env_fail_stop", "env_fail_slow"):
-                self._heal_envs()
+                self._heal_env(plan[step - 3])  # an env fault lasts three steps
             return super()._record(step, version, trajs, *rest)
 
         def _worker(self, hardware: str) -> int:
@@ -283,15 +283,15 @@ def make_pipeline(
                 return f"SIGKILL train rank 0 pid {pid}"
             raise ValueError(f"unknown fault kind {kind!r}")
 
-        def _heal_envs(self) -> None:
-            for g in self.scheduler.groups:
-                for mgr in g:
-                    while isinstance(mgr.env, (FailingEnv, LatencyEnv)):
-                        if isinstance(mgr.env, FailingEnv):  # steps that hung (then failed or were aborted)
-                            record["env_hangs"] += mgr.env.failures
-                        else:
-                            record["env_slow_s"] += mgr.env.total_latency
-                        mgr.env = mgr.env.env
+        def _heal_env(self, kind: str) -> None:
+            mgr = self.scheduler.groups[0 if kind == "env_fail_stop" else 1][0]
+            wrapper = FailingEnv if kind == "env_fail_stop" else LatencyEnv
+            while isinstance(mgr.env, wrapper):
+                if isinstance(mgr.env, FailingEnv):  # steps that hung (then failed or were aborted)
+                    record["env_hangs"] += mgr.env.failures
+                else:
+                    record["env_slow_s"] += mgr.env.total_latency
+                mgr.env = mgr.env.env
 
     return ChaosPipeline(cfg, progress=False)
 
