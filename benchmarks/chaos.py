@@ -201,7 +201,7 @@ def make_pipeline(
     service every ``sample_s`` seconds and ends the run with :class:`TimeUp` at the deadline; with
     ``every_s`` a fault drawn from ``kinds`` (seeded) is added to ``plan`` every ``every_s`` seconds."""
     rng = random.Random(seed)
-    last_fault = [time.monotonic()]
+    last_fault: list[float] = []  # the first step's time: no fault before the run has started
     import ray
 
     from rollart.envs.faults import FailingEnv, LatencyEnv
@@ -240,6 +240,8 @@ def make_pipeline(
                     record["unverifiable"] += 1
                 elif abs(letter_reward({"response": resp, "ground_truth": truth}) - float(t.reward)) > 1e-9:
                     record["rewards_mismatch"] += 1
+            if not last_fault:
+                last_fault.append(time.monotonic())
             if every_s > 0 and kinds and time.monotonic() - last_fault[0] >= every_s:
                 plan[step] = rng.choice(kinds)
             kind = plan.get(step)
