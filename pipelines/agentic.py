@@ -564,7 +564,41 @@ class AgenticPipeline:
                 bar.close()
             tracker.close()
             await self.controller.stop()
+            self._write_ledger()
         return history
+
+    def _ledger_step(self, trajs: list) -> dict[str, int]:
+        """The trajectory ledger after this step (``metrics.jsonl``'s ``ledger``). A trained trajectory
+        is checked here, once: its id is unique in the batch (across steps the scheduler's round ledger
+        catches a round trained twice) and its reward is real (status ok, no error, a finite number)."""
+        import math
+
+        ids = [t.traj_id for t in trajs]
+        invented = sum(
+            t.status != "ok" or bool(t.error) or t.reward is None or not math.isfinite(float(t.reward)) for t in trajs
+        )
+        self.scheduler.counts["trajectories_trained_twice_in_step"] += len(ids) - len(set(ids))
+        self.scheduler.counts["rewards_invented"] += invented
+        out = self.scheduler.ledger()
+        out["trained_twice"] += self.scheduler.counts["trajectories_trained_twice_in_step"]
+        out["rewards_invented"] = self.scheduler.counts["rewards_invented"]
+        return out
+
+    def _ledger_record(self, trajs: list) -> dict[str, int]:
+        """The per-step ledger: while rounds are being completed, what ``lost`` would count is
+        ``completing`` (``ledger.json``, written after the rollout stopped, has the exact ``lost``)."""
+        out = self._ledger_step(trajs)
+        out["completing"] = out.pop("lost")
+        return out
+
+    def _write_ledger(self) -> None:
+        """``ledger.json`` at the end of a run (after the rollout stopped, so ``lost`` is exact)."""
+        import json
+
+        led = self._ledger_step([])
+        led["migrated"] = int(self.proxy.fault_metrics().get("migrated", 0))
+        (self.out_dir / "ledger.json").write_text(json.dumps(led, indent=2))
+        (log.info if led["lost"] == 0 and led["trained_twice"] == 0 else log.error)("trajectory ledger: %s", led)
 
     def _make_tracker(self) -> Any:
         """``metrics.jsonl`` (always) and the backends of ``tracking:`` (TensorBoard, W&B, MLflow)."""
@@ -623,6 +657,7 @@ class AgenticPipeline:
             "trajectories_reward_failed": counts.get("trajectories_reward_failed", 0),
             "groups_evicted_stale": counts.get("groups_evicted_stale", 0),
             "faults": self.proxy.fault_metrics(),
+            "ledger": self._ledger_record(trajs),
             "train": {k: (sum(v) / len(v) if isinstance(v, list) else v) for k, v in train_metrics.items()},
         }
 

@@ -32,6 +32,8 @@ BENCHES: dict[str, str] = {
     "weight-sync": "rollart.benchmarks.weight_sync",
     "quickstart": "rollart.benchmarks.quickstart",
     "throughput": "rollart.benchmarks.throughput",
+    "chaos": "rollart.benchmarks.chaos",
+    "soak": "rollart.benchmarks.soak",
 }
 
 

@@ -277,6 +277,10 @@ async def test_scheduler_bookkeeping_stays_bounded_over_many_steps(make_rm):
     assert max(s[0] for s in sizes) <= 2 * 3 * 2
     assert max(s[1] for s in sizes) <= 3 + (cfg.alpha + 2) * cfg.num_env_groups  # watermarks + unsettled rounds
     assert max(s[2] for s in sizes[40:]) <= 2 * max(s[2] for s in sizes[:40]) + 200  # checkpoint state too
+    # the trajectory ledger: after stop every trajectory started is trained, retried or buffered
+    led = sched.ledger()
+    assert led["in_flight"] == 0 and led["lost"] == 0 and led["trained"] == 400 and led["trained_twice"] == 0
+    assert led["started"] == led["trained"] + led["retried"] + led["failed"] + led["buffered"] > 400
 
 
 # ---------------------------------------------------------------------- the whole pipeline

@@ -69,3 +69,44 @@ class RoundLedger:
         for traj_id in state:
             g, r = str(traj_id).split(":")[:2]
             self.settle(int(g), int(r))
+
+
+def trajectory_ledger(counts: Mapping[str, int], *, buffered: int, in_flight: int) -> dict[str, int]:
+    """Where every trajectory started went, from the scheduler's counters (each kept on its own path).
+
+    ``started = trained + retried + failed + filtered + buffered + in_flight + lost``:
+
+    * ``trained``: handed to the trainer;
+    * ``retried``: not trained and its seed played again or completed without it — aborted (stale
+      round, stop), dropped (its round aborted or failed, or a redundant member past ``group_keep``),
+      evicted from the buffer as stale (a trajectory whose request moved to another worker is *not*
+      here: it resumes and ends normally; the proxy's ``faults.migrated`` counts those);
+    * ``failed``: reported failed with the cause (env error or timeout, generation error, reward
+      service failure) — never scored;
+    * ``filtered``: dynamic filtering dropped its group (all rewards equal);
+    * ``buffered`` / ``in_flight``: generated and waiting for the trainer / still running.
+
+    ``lost`` is what none of these accounts for; it must be 0. While the rollout runs a trajectory of a
+    round that is being completed is briefly in none of them, so ``lost`` is exact only after
+    ``RolloutScheduler.stop``. ``trained_twice`` counts rounds handed to the trainer twice (the
+    :class:`RoundLedger`: trajectory ids carry their round, ``"group:round:member:vN"``, and a round is
+    trained as one group, so a trajectory trained twice means a round settled twice — checked with
+    memory bounded by the unsettled rounds instead of a set of every id).
+    """
+    c = counts
+    started = int(c.get("trajectories_started", 0))
+    trained = int(c.get("trajectories_trained", 0))
+    retried = sum(int(c.get(k, 0)) for k in ("trajectories_aborted", "trajectories_dropped", "trajectories_evicted"))
+    failed = int(c.get("trajectories_failed", 0)) + int(c.get("trajectories_reward_failed", 0))
+    filtered = int(c.get("trajectories_filtered", 0))
+    return {
+        "started": started,
+        "trained": trained,
+        "retried": retried,
+        "failed": failed,
+        "filtered": filtered,
+        "buffered": buffered,
+        "in_flight": in_flight,
+        "lost": started - trained - retried - failed - filtered - buffered - in_flight,
+        "trained_twice": int(c.get("rounds_trained_twice", 0)),
+    }

@@ -44,7 +44,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollart.rollout.env_manager import EnvManager
-from rollart.rollout.ledger import RoundLedger
+from rollart.rollout.ledger import RoundLedger, trajectory_ledger
 from rollart.rollout.sample_buffer import Group, RolloutError, SampleBuffer
 from rollart.rollout.types import GroupId, Trajectory
 
@@ -130,6 +130,7 @@ class RolloutScheduler:
         self._failed_in_row = 0
         self._last_error = ""
         self._notify_tasks: set[asyncio.Task] = set()
+        self.in_flight = 0  # member episodes started and not ended (an independent count for the ledger)
 
     def _check_quotas(self, quotas: Mapping[str, int]) -> dict[str, int]:
         tasks = set(self.task_of_group)
@@ -262,6 +263,7 @@ class RolloutScheduler:
             if self.config.filter_zero_variance and len({t.reward for t in kept}) == 1 and len(kept) > 1:
                 self.counts["groups_filtered"] += 1
                 task_counts["groups_filtered"] += 1
+                self.counts["trajectories_filtered"] += len(kept)
                 self.settled.settle(g, r)
             else:
                 self.accepted += 1
@@ -273,6 +275,9 @@ class RolloutScheduler:
                 self._failures.pop((g, r), None)
                 await self.buffer.put(Group(kept, GroupId(g, r)))
             await self._notify()
+
+    def _ended(self, _task: asyncio.Future) -> None:
+        self.in_flight -= 1
 
     def _take_round(self, g: int) -> int:
         r = self._next_round[g]
@@ -291,6 +296,9 @@ class RolloutScheduler:
         task_counts = self.counts_by_task[self.task_of_group[rnd.group]]
         self.counts["trajectories_started"] += len(tasks)
         task_counts["trajectories_started"] += len(tasks)
+        self.in_flight += len(tasks)
+        for t in tasks:
+            t.add_done_callback(self._ended)
         try:
             while pending and len(kept) < self.config.keep and not rnd.aborted:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -303,6 +311,8 @@ class RolloutScheduler:
                         self._last_error = f"{traj.traj_id}: {traj.error}"
                     if traj.status == "ok" and not rnd.aborted:
                         kept.append(traj)
+                    elif traj.status == "ok":
+                        self.counts["trajectories_dropped"] += 1  # its round was aborted: played again
                     elif traj.status == "reward_failed" and self.config.requeue_reward_failures:
                         rnd.aborted = True  # the whole round is played again: no group trains without it
                         self.counts["rounds_requeued_reward"] += 1
@@ -316,11 +326,15 @@ class RolloutScheduler:
                         self.completed_trajectories.append(late)
                         if late.status == "ok" and len(kept) < self.config.keep and not rnd.aborted:
                             kept.append(late)
+                        elif late.status == "ok":
+                            self.counts["trajectories_dropped"] += 1  # redundant, or its round was aborted
         if rnd.aborted:
             self.counts["rounds_aborted"] += 1
+            self.counts["trajectories_dropped"] += len(kept)
             return None
         if len(kept) < self.config.keep:
             self.counts["rounds_failed"] += 1
+            self.counts["trajectories_dropped"] += len(kept)
             self._failures[(rnd.group, rnd.index)] += 1
             if self._failures[(rnd.group, rnd.index)] >= self.config.max_round_failures:
                 self.counts["seeds_given_up"] += 1
@@ -334,6 +348,7 @@ class RolloutScheduler:
                 self.settled.settle(rnd.group, rnd.index)
                 return []  # counted, not retried again
             return None
+        self.counts["trajectories_dropped"] += len(kept) - self.config.keep  # redundant members past keep
         return kept[: self.config.keep]
 
     async def _abort_rounds(self, which: Callable[[_Round], bool]) -> None:
@@ -405,6 +420,11 @@ class RolloutScheduler:
                 self.counts["rounds_trained_twice"] += 1
                 log.error("round %s handed to the trainer a second time", grp.gid)
         return groups
+
+    def ledger(self) -> dict[str, int]:
+        """Every trajectory started, by where it went (:func:`~rollart.rollout.ledger.trajectory_ledger`)."""
+        buffered = sum(len(g) for g in self.buffer.groups())
+        return trajectory_ledger(self.counts, buffered=buffered, in_flight=self.in_flight)
 
     async def set_version(self, version: int) -> None:
         """The policy advanced: abort rounds that can no longer be trained on, admit new ones."""

@@ -1,0 +1,73 @@
+"""The chaos run (issue #13) on three namespace hosts: during an asynchronous run (alpha 1) with a seeded
+schedule, an inference worker is SIGKILLed, every process of rollout host c is killed, the reward
+service (a real ``rollart serve rewards`` process) is restarted, one env fail-stops and one
+fail-slows. The run completes its steps, and the trajectory ledger holds."""
+
+import pytest
+
+from rollart.benchmarks.chaos import BATCH_GROUPS, FAULT_KINDS, KEEP, OPTIONAL_KINDS, run_chaos, schedule, summarise
+from rollart.rollout.ledger import trajectory_ledger
+
+pytestmark = pytest.mark.timeout(900)
+
+STEPS = 30
+SEED = 3
+
+
+def test_the_fault_schedule_is_seeded_and_spaced():
+    a, b = schedule(FAULT_KINDS, STEPS, SEED), schedule(FAULT_KINDS, STEPS, SEED)
+    assert a == b and sorted(a.values()) == sorted(FAULT_KINDS)
+    steps = sorted(a)
+    assert steps[0] >= 3 and steps[-1] <= STEPS - 2 and all(y - x >= 3 for x, y in zip(steps, steps[1:]))
+    assert schedule(FAULT_KINDS, STEPS, SEED + 1) != a
+    with pytest.raises(ValueError, match="need steps >="):
+        schedule(FAULT_KINDS, 12, SEED)
+    assert "trainer" in OPTIONAL_KINDS and "trainer" not in FAULT_KINDS  # until trainer supervision exists
+
+
+def test_the_ledger_accounts_for_every_trajectory_and_names_the_lost_ones():
+    counts = {
+        "trajectories_started": 20,
+        "trajectories_trained": 9,
+        "trajectories_aborted": 2,
+        "trajectories_dropped": 3,
+        "trajectories_evicted": 1,
+        "trajectories_failed": 1,
+        "trajectories_reward_failed": 1,
+        "trajectories_filtered": 0,
+    }
+    led = trajectory_ledger(counts, buffered=2, in_flight=1)
+    assert (led["retried"], led["failed"], led["lost"]) == (6, 2, 0)
+    assert trajectory_ledger(counts, buffered=0, in_flight=1)["lost"] == 2
+
+
+def test_an_asynchronous_run_on_three_hosts_survives_the_chaos_schedule(hosts3, tmp_path):
+    res = run_chaos(hosts3, tmp_path / "run", steps=STEPS, seed=SEED, kinds=FAULT_KINDS)
+    s = summarise(res, alpha=1)
+    led = res["ledger"]
+    # every fault of the schedule was injected, and the run completed its steps
+    assert sorted(s["injected"]) == sorted(FAULT_KINDS) and s["steps"] == STEPS, res["injected"]
+    # the ledger: every trajectory started was trained, retried or reported failed; none lost, none
+    # trained twice, no reward invented (each trained reward recomputed from response and ground truth)
+    assert led["started"] == led["trained"] + led["retried"] + led["failed"] + led["filtered"] + led["buffered"]
+    assert led["in_flight"] == 0 and led["lost"] == 0 and led["trained_twice"] == 0
+    assert led["rewards_invented"] == 0 and res["rewards_mismatch"] == 0 and res["unverifiable"] == 0
+    assert led["trained"] == STEPS * BATCH_GROUPS * KEEP
+    # the faults were felt: two deaths in the pool, env steps that hung or were slow (a hanging member
+    # is failed after its timeout, or aborted as redundant once its round is complete: retried, or failed)
+    assert res["faults"]["deaths"] >= 2, res["faults"]
+    assert res["env_hangs"] >= 1 and res["env_slow_s"] > 0 and led["retried"] >= 1
+    # staleness <= alpha at every step, from metrics.jsonl; the per-step ledger is there too
+    assert all(m["max_staleness"] <= 1 for m in res["metrics"])
+    assert all(m["ledger"]["trained_twice"] == 0 and m["ledger"]["rewards_invented"] == 0 for m in res["metrics"])
+    # the reward still rises through the faults
+    assert s["reward_last"] > s["reward_first"] + 0.1, [m["reward_mean"] for m in res["metrics"]]
+
+
+def test_soak_slopes_drop_start_up_and_short_series():
+    from rollart.benchmarks.soak import slope, slopes
+
+    assert slope([(0.0, 100.0), (60.0, 102.0), (120.0, 104.0)]) == pytest.approx(2.0)  # MB per minute
+    flat = [(0.0, 500.0), (60.0, 200.0), (120.0, 200.0), (180.0, 200.0), (240.0, 200.0)]  # start-up sample first
+    out = slopes({"driver:1": flat, "infer0:2": flat[:3]}, span_s=240.0)
+    assert list(out) == ["driver:1"] and out["driver:1"]["mb_per_min"] == pytest.approx(0.0)
