@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import logging
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
