@@ -237,7 +237,7 @@ class AgenticPipeline:
                 retry=RetryPolicy(retries=rc.retries),
                 timeout_s=rc.timeout_s,
                 token_env=rc.token_env,
-                tenant=self.rm.job_id,
+                tenant=rc.tenant or config.cluster.job_id or config.name,
                 on_failure=rc.on_failure,
             )
             reward_fn = self._service_reward(codec)
@@ -542,6 +542,8 @@ class AgenticPipeline:
                 bar.close()
             tracker.close()
             await self.controller.stop()
+            if self.reward_client is not None:  # rewards in flight are answered (and counted) first
+                await self.reward_client.aclose()
         return history
 
     def _make_tracker(self) -> Any:
@@ -601,6 +603,7 @@ class AgenticPipeline:
             "trajectories_reward_failed": counts.get("trajectories_reward_failed", 0),
             "groups_evicted_stale": counts.get("groups_evicted_stale", 0),
             "faults": self.proxy.fault_metrics(),
+            **({"reward_service": self.reward_client.counts()} if self.reward_client is not None else {}),
             "train": {k: (sum(v) / len(v) if isinstance(v, list) else v) for k, v in train_metrics.items()},
         }
 
