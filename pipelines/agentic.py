@@ -51,6 +51,17 @@ from rollart.weights.base import WeightChannel
 log = logging.getLogger(__name__)
 
 
+def _default_tenant(config: PipelineConfig, job_id: str) -> str:
+    """The reward service tenant of a job without ``reward.tenant``: ``cluster.job_id``, else the config's
+    name when it is a valid tenant label, else the Ray job id."""
+    import re
+
+    for candidate in (config.cluster.job_id, config.name):
+        if candidate and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}", candidate):
+            return candidate
+    return job_id
+
+
 def batch_statistics(batch: Any, trajs: list) -> dict[str, Any]:
     """Per-step learning diagnostics: the advantages of the action tokens (mean, std, fraction exactly
     0: tied groups and tied token positions carry no signal) and, for tags with dense credit, the mean
@@ -237,7 +248,7 @@ class AgenticPipeline:
                 retry=RetryPolicy(retries=rc.retries),
                 timeout_s=rc.timeout_s,
                 token_env=rc.token_env,
-                tenant=rc.tenant or config.cluster.job_id or config.name,
+                tenant=rc.tenant or _default_tenant(config, self.rm.job_id),
                 on_failure=rc.on_failure,
             )
             reward_fn = self._service_reward(codec)

@@ -159,3 +159,42 @@ def test_tenants_file_errors_name_the_tenant_and_the_fix(tmp_path, monkeypatch):
     path.write_text("tenants:\n  a: {token_env: TOK_A}\n")
     with pytest.raises(ValueError, match="--token-env and --tenants"):
         build_app({"length": length}, ServerSettings(tenants_file=str(path), token_env="TOK_B"))
+
+
+def test_the_readme_shared_service_commands_run_as_written(tmp_path):
+    """The README's tenants.yaml and `rollart serve rewards ... --tenants` line, on a free port."""
+    import os
+    import re
+    import shlex
+    import signal
+    from pathlib import Path
+
+    from reward_fixtures import free_port, start_reward_server
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Shared reward service") :]
+    (tmp_path / "tenants.yaml").write_text(re.search(r"<<'YAML'\n(.*?)\nYAML\n", section, re.S).group(1) + "\n")
+    command = re.search(r"\n(rollart serve rewards .*?--tenants tenants\.yaml[^\n]*)\n", section.replace("\\\n", ""))
+    args = shlex.split(command.group(1))[3:]
+    args[args.index("--host") + 1] = "127.0.0.1"
+    args = [str(tmp_path / a) if a == "tenants.yaml" else a for a in args]
+    del args[args.index("--port") : args.index("--port") + 2]
+    env = {**os.environ, "TOKEN_JOB_A": "a" * 32, "TOKEN_JOB_B": "b" * 32}
+    port = free_port()
+    proc = start_reward_server(args, port, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}/rewards/reverse"
+        body = {"trajectories": [{"prompt": "abc", "response": "cba", "ground_truth": "cba"}]}
+        ok = httpx.post(url, json=body, headers=bearer("a" * 32))
+        assert ok.status_code == 200 and len(ok.json()["result"]) == 1
+        assert httpx.post(url, json=body, headers=bearer("c" * 32)).status_code == 401
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert metric(text, 'rollart_reward_requests_total{function="reverse",status="200",tenant="job-a"}') == 1
+        assert metric(text, "rollart_reward_slots") == 16
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    # a tenant whose token variable is not set: the command fails at once, naming it
+    env.pop("TOKEN_JOB_B")
+    with pytest.raises(RuntimeError, match=r"job-b.*TOKEN_JOB_B is not set"):
+        start_reward_server(args, free_port(), env=env)
