@@ -51,6 +51,17 @@ from rollart.weights.base import WeightChannel
 log = logging.getLogger(__name__)
 
 
+def _default_tenant(config: PipelineConfig, job_id: str) -> str:
+    """The reward service tenant of a job without ``reward.tenant``: ``cluster.job_id``, else the config's
+    name when it is a valid tenant label, else the Ray job id."""
+    import re
+
+    for candidate in (config.cluster.job_id, config.name):
+        if candidate and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}", candidate):
+            return candidate
+    return job_id
+
+
 def batch_statistics(batch: Any, trajs: list) -> dict[str, Any]:
     """Per-step learning diagnostics: the advantages of the action tokens (mean, std, fraction exactly
     0: tied groups and tied token positions carry no signal) and, for tags with dense credit, the mean
@@ -386,7 +397,7 @@ class AgenticPipeline:
             retry=RetryPolicy(retries=rc.retries),
             timeout_s=rc.timeout_s,
             token_env=rc.token_env,
-            tenant=self.rm.job_id,
+            tenant=rc.tenant or _default_tenant(self.config, self.rm.job_id),
             on_failure=rc.on_failure,
         )
 
@@ -564,6 +575,10 @@ class AgenticPipeline:
                 bar.close()
             tracker.close()
             await self.controller.stop()
+            # rewards in flight are answered (and counted) first
+            for client in [self.reward_client, *self.reward_clients.values()]:
+                if client is not None:
+                    await client.aclose()
             self._write_ledger()
         return history
 
@@ -658,6 +673,12 @@ class AgenticPipeline:
             "groups_evicted_stale": counts.get("groups_evicted_stale", 0),
             "faults": self.proxy.fault_metrics(),
             "ledger": self._ledger_record(trajs),
+            **({"reward_service": self.reward_client.counts()} if self.reward_client is not None else {}),
+            **(
+                {"reward_service_by_tag": {tag: c.counts() for tag, c in self.reward_clients.items()}}
+                if self.reward_clients
+                else {}
+            ),
             "train": {k: (sum(v) / len(v) if isinstance(v, list) else v) for k, v in train_metrics.items()},
         }
 

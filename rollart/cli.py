@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 # bench name -> module with add_arguments(parser) and run(args) -> dict
 BENCHES: dict[str, str] = {
     "reward-service": "rollart.benchmarks.reward_service",
+    "shared-reward": "rollart.benchmarks.shared_reward",
     "engine": "rollart.benchmarks.engine_throughput",
     "env-async": "rollart.benchmarks.env_async",
     "redundant-env": "rollart.benchmarks.redundant_env",

@@ -125,6 +125,9 @@ class RewardConfig(BaseModel):
     retries: int = 3
     token_env: str | None = None
     on_failure: Literal["drop", "requeue"] = "requeue"  # replay the round, or drop the trajectory alone
+    # the X-Rollart-Tenant this job is metered, cached and throttled as; default cluster.job_id, else name.
+    # On a service with a token per tenant (--tenants) it must be the tenant of token_env's token.
+    tenant: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
 
 
 class TaskSampling(BaseModel):

@@ -8,7 +8,9 @@ and the call returns ``value`` (a JSON object without ``"result"`` is returned w
 Retries: connection errors, timeouts, 5xx, 408 and 429 are retried with delay
 ``min(backoff_max_s, backoff_base_s * 2**k) * (1 + U(-jitter, jitter))`` before attempt ``k + 1``;
 a ``Retry-After`` header (seconds or an HTTP date) replaces the computed delay, capped at
-``retry_after_max_s``. Any other 4xx fails at once with the server's message. When the retries run out
+``retry_after_max_s``. A 429 (the server, or the caller's tenant on a shared service, is over its
+quota) is the server asking to come back later: up to ``throttle_retries`` of them are waited out
+without using up ``retries``. Any other 4xx fails at once with the server's message. When the retries run out
 :class:`ServerlessRetriesExhausted` is raised. No failure ever becomes a default value.
 """
 
@@ -55,6 +57,7 @@ class RetryPolicy(BaseModel):
     backoff_max_s: float = Field(default=10.0, ge=0)
     jitter: float = Field(default=0.5, ge=0, le=1)
     retry_after_max_s: float = Field(default=60.0, ge=0)
+    throttle_retries: int = Field(default=30, ge=0)  # 429 answers waited out on top of ``retries``
 
     def delay(self, attempt: int, retry_after: str | None = None) -> float:
         """Seconds to wait before attempt ``attempt + 1`` (``attempt`` counts from 0)."""
@@ -115,34 +118,45 @@ def _decode(url: str, resp: httpx.Response, attempts: int) -> Any:
 
 class _Attempts:
     """What the sync and async loops share: classify each answer, remember the last failure, and say
-    how long to wait before the next attempt (``None``: no attempt left)."""
+    how long to wait before the next attempt (``None``: no attempt left). A 429 uses up
+    ``throttle_retries`` first, every other failure ``retries``."""
 
     def __init__(self, url: str, retry: RetryPolicy):
         self.url, self.retry = url, retry
         self.status: int | None = None
         self.error = ""
         self.retry_after: str | None = None
+        self.sent = 0  # attempts made
+        self.failures = 0  # retries used (429 aside)
+        self.throttled = 0  # 429 answers waited out
 
-    def answer(self, resp: httpx.Response, attempt: int) -> tuple[bool, Any]:
+    def answer(self, resp: httpx.Response) -> tuple[bool, Any]:
         """``(True, result)`` on success; ``(False, None)`` for a retryable status; raises a client error."""
+        self.sent += 1
         if resp.status_code < 300:
-            return True, _decode(self.url, resp, attempt + 1)
+            return True, _decode(self.url, resp, self.sent)
         if resp.status_code < 500 and resp.status_code not in RETRYABLE_STATUS:
-            raise ServerlessRequestError(self.url, _message(resp), resp.status_code, attempt + 1)
+            raise ServerlessRequestError(self.url, _message(resp), resp.status_code, self.sent)
         self.status, self.error, self.retry_after = resp.status_code, _message(resp), resp.headers.get("Retry-After")
         return False, None
 
     def transport_error(self, err: httpx.TransportError) -> None:  # connection refused/reset, timeouts
+        self.sent += 1
         self.status, self.error, self.retry_after = None, f"{type(err).__name__}: {err}", None
 
-    def wait(self, attempt: int) -> float | None:
-        if attempt >= self.retry.retries:
+    def wait(self) -> float | None:
+        if self.status == 429 and self.throttled < self.retry.throttle_retries:
+            self.throttled += 1
+            delay = self.retry.delay(min(self.throttled - 1, 8), self.retry_after)
+        elif self.failures >= self.retry.retries:
             return None
-        delay = self.retry.delay(attempt, self.retry_after)
+        else:
+            delay = self.retry.delay(self.failures, self.retry_after)
+            self.failures += 1
         log.warning(
             "serverless %s attempt %d failed (%s %s); retrying in %.2fs",
             self.url,
-            attempt + 1,
+            self.sent,
             self.status,
             self.error,
             delay,
@@ -150,7 +164,7 @@ class _Attempts:
         return delay
 
     def exhausted(self) -> ServerlessRetriesExhausted:
-        return ServerlessRetriesExhausted(self.url, self.error, self.status, self.retry.retries + 1)
+        return ServerlessRetriesExhausted(self.url, self.error, self.status, self.sent)
 
 
 def call_serverless(
@@ -169,16 +183,17 @@ def call_serverless(
     http = client or httpx.Client(timeout=timeout_s)
     state = _Attempts(url, retry)
     try:
-        for attempt in range(retry.retries + 1):
+        while True:
             try:
-                done, value = state.answer(http.post(url, json=payload, headers=headers, timeout=timeout_s), attempt)
+                done, value = state.answer(http.post(url, json=payload, headers=headers, timeout=timeout_s))
                 if done:
                     return value
             except httpx.TransportError as err:
                 state.transport_error(err)
-            delay = state.wait(attempt)
-            if delay is not None:
-                time.sleep(delay)
+            delay = state.wait()
+            if delay is None:
+                break
+            time.sleep(delay)
     finally:
         if client is None:
             http.close()
@@ -201,17 +216,18 @@ async def acall_serverless(
     http = client or httpx.AsyncClient(timeout=timeout_s)
     state = _Attempts(url, retry)
     try:
-        for attempt in range(retry.retries + 1):
+        while True:
             try:
                 resp = await http.post(url, json=payload, headers=headers, timeout=timeout_s)
-                done, value = state.answer(resp, attempt)
+                done, value = state.answer(resp)
                 if done:
                     return value
             except httpx.TransportError as err:
                 state.transport_error(err)
-            delay = state.wait(attempt)
-            if delay is not None:
-                await asyncio.sleep(delay)
+            delay = state.wait()
+            if delay is None:
+                break
+            await asyncio.sleep(delay)
     finally:
         if client is None:
             await http.aclose()

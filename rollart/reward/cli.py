@@ -1,10 +1,11 @@
-"""``rollart serve rewards MODULE:FUNC [...] --host 127.0.0.1 --port 8100 [--token-env VAR] [--workers N]
-[--ray-serve]``."""
+"""``rollart serve rewards MODULE:FUNC [...] --host 127.0.0.1 --port 8100 [--token-env VAR | --tenants FILE]
+[--tenant-max-concurrency N] [--slots N] [--workers N] [--ray-serve]``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         max_concurrency=args.max_concurrency,
         max_tenants=args.max_tenants,
+        tenants_file=str(Path(args.tenants).resolve()) if args.tenants else None,
+        tenant_max_concurrency=args.tenant_max_concurrency,
+        slots=args.slots,
     )
     if args.judge_url is not None:
         from rollart.reward.builtin.judge import URL_ENV
@@ -55,6 +59,11 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         # the environment reaches every uvicorn worker process and Ray Serve replica started from here
         os.environ[URL_ENV] = args.judge_url
     functions = load_functions(args.functions)  # fail here, before anything listens
+    try:
+        build_app(functions, settings)  # a bad tenants file or unset token variable fails here too
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
     if args.ray_serve:
         try:
             from ray import serve  # noqa: F401
@@ -99,6 +108,24 @@ def add_serve_parser(sub: Any) -> None:
         type=int,
         default=100,
         help="distinct X-Rollart-Tenant labels kept in /metrics (later ones count as 'other')",
+    )
+    p.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="YAML/JSON 'tenants: {NAME: {token_env: VAR, max_concurrency: N}}': a token (and quota) per job",
+    )
+    p.add_argument(
+        "--tenant-max-concurrency",
+        type=int,
+        default=None,
+        help="requests of one tenant computed at once (429 past it, for that tenant only)",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="trajectories computed at once across all requests (the service's capacity)",
     )
     p.add_argument(
         "--judge-url",

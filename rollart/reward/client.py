@@ -49,6 +49,7 @@ class RewardClient:
         self.url, self.max_batch, self.max_wait_s = url, max_batch, max_wait_ms / 1000.0
         self.retry = retry or RetryPolicy()
         self.timeout_s, self.token_env, self.tenant, self.on_failure = timeout_s, token_env, tenant, on_failure
+        self._max_concurrency = max_concurrency
         self._sem = asyncio.Semaphore(max_concurrency)
         self._queue: list[tuple[dict[str, Any], asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
@@ -122,9 +123,20 @@ class RewardClient:
         finally:
             self._sem.release()
 
+    def counts(self) -> dict[str, Any]:
+        """What this client sent, as its tenant: POSTs answered or failed (``requests``), trajectories
+        scored (``trajectories``: what the service's ``rollart_reward_trajectories`` counts for the
+        tenant) and trajectories whose reward failed."""
+        return {"tenant": self.tenant, **self.stats}
+
     async def aclose(self) -> None:
+        """Stop batching; the POSTs already in flight finish (and are counted). The client can be used
+        again afterwards (in a new event loop)."""
         if self._flusher is not None:
             self._flusher.cancel()
             await asyncio.gather(self._flusher, *self._inflight, return_exceptions=True)
         if self._http is not None:
             await self._http.aclose()
+        self._flusher, self._http, self._wakeup = None, None, None
+        self._sem = asyncio.Semaphore(self._max_concurrency)
+        self._queue = []

@@ -14,6 +14,16 @@ body is validated: an unauthenticated caller learns nothing about the schema. Th
 ``max_tenants`` distinct tenants keep their own label in ``/metrics``, later ones are counted as
 ``other`` (and unauthenticated requests as ``unauthenticated``), so a client cannot grow the metrics
 without bound. A reward function that raises ``RewardInputError`` answers 422 with its message.
+
+Tenants (``ServerSettings.tenants_file``, ``rollart serve rewards --tenants FILE``): every job gets a
+token of its own, and the bearer token alone says which tenant calls (a request whose
+``X-Rollart-Tenant`` names another tenant is refused with 403), so a client cannot be metered, cached or
+throttled as someone else. Each tenant may have a concurrency quota (``max_concurrency`` in the file,
+else ``tenant_max_concurrency``): a request over it gets 429 with ``Retry-After`` while the other
+tenants are served. The idempotency cache is keyed by tenant: the same key from two tenants are two
+requests. ``slots`` bounds the trajectories computed at once (the service's capacity, e.g. the GPUs of
+a reward model); ``rollart_reward_compute_seconds`` counts the seconds trajectories spent computing,
+so ``compute_seconds / (slots * wall)`` is the service's utilisation.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
@@ -62,17 +73,70 @@ class ServerSettings(BaseModel):
     idempotency_cache: int = Field(default=10_000, ge=0)
     retry_after_s: int = Field(default=1, ge=0)
     max_tenants: int = Field(default=100, ge=0)
+    tenants_file: str | None = None  # YAML/JSON: tenants: {NAME: {token_env | token, max_concurrency}}
+    tenant_max_concurrency: int | None = Field(default=None, gt=0)  # default quota per tenant
+    slots: int | None = Field(default=None, gt=0)  # trajectories computed at once (None: unbounded)
 
 
 TENANT_FORMAT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+
+class TenantSpec(BaseModel):
+    """One tenant of a shared reward service: its bearer token (``token_env``: the variable holding it,
+    or ``token`` itself) and its concurrency quota (requests computed at once)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_env: str | None = None
+    token: str | None = Field(default=None, min_length=16)
+    max_concurrency: int | None = Field(default=None, gt=0)
+
+
+class TenantsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenants: dict[str, TenantSpec] = Field(min_length=1)
+
+
+def load_tenants(path: str) -> dict[str, tuple[bytes, int | None]]:
+    """``{tenant: (token, quota)}`` from a tenants file; a clear error naming the tenant and the fix."""
+    import yaml
+
+    where = f"--tenants {path}"
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as err:
+        raise ValueError(f"{where}: cannot read the file ({err})") from None
+    try:
+        spec = TenantsFile.model_validate(raw)
+    except ValueError as err:
+        raise ValueError(
+            f"{where}: {err}; expected 'tenants: {{NAME: {{token_env: VAR, max_concurrency: N}}}}'"
+        ) from None
+    out: dict[str, tuple[bytes, int | None]] = {}
+    seen: dict[bytes, str] = {}
+    for name, tenant in spec.tenants.items():
+        if not TenantLabels.valid(name):
+            raise ValueError(f"{where}: tenant {name!r}: use 1-64 characters from [A-Za-z0-9._:-]")
+        if (tenant.token is None) == (tenant.token_env is None):
+            raise ValueError(f"{where}: tenant {name!r}: give exactly one of token_env (preferred) or token")
+        token = tenant.token if tenant.token is not None else os.environ.get(tenant.token_env or "")
+        if not token:
+            raise ValueError(f"{where}: tenant {name!r}: ${tenant.token_env} is not set; export it")
+        if token.encode() in seen:
+            raise ValueError(f"{where}: tenants {seen[token.encode()]!r} and {name!r} share a token; give each its own")
+        seen[token.encode()] = name
+        out[name] = (token.encode(), tenant.max_concurrency)
+    return out
 
 
 class TenantLabels:
     """Bounded Prometheus label values for tenants: the first ``limit`` distinct tenants keep their name,
     the rest share ``other``. Thread-safe (one instance per app)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, reserved: set[str] | None = None):
         self.limit = limit
+        self._reserved = set(reserved or ())  # always their own label (a tenants file's names)
         self._known: set[str] = set()
         self._lock = threading.Lock()
 
@@ -85,6 +149,8 @@ class TenantLabels:
             return "default"
         if not self.valid(tenant):
             return "invalid"
+        if tenant in self._reserved:
+            return tenant
         with self._lock:
             if tenant in self._known:
                 return tenant
@@ -161,6 +227,9 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
     token = os.environ.get(settings.token_env) if settings.token_env else None
     if settings.token_env and not token:
         raise ValueError(f"--token-env {settings.token_env}: the variable is not set; export it or drop the flag")
+    tenant_tokens = load_tenants(settings.tenants_file) if settings.tenants_file else {}
+    if tenant_tokens and token is not None:
+        raise ValueError("--token-env and --tenants: give one (a shared token, or a token per tenant)")
     registry = CollectorRegistry()
     requests = Counter(
         "rollart_reward_requests", "reward requests", ["function", "status", "tenant"], registry=registry
@@ -168,9 +237,29 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
     scored = Counter("rollart_reward_trajectories", "trajectories scored", ["function", "tenant"], registry=registry)
     latency = Histogram("rollart_reward_latency_seconds", "reward request latency", ["function"], registry=registry)
     in_flight = Gauge("rollart_reward_in_flight", "reward requests being computed", registry=registry)
+    tenant_in_flight = Gauge(
+        "rollart_reward_tenant_in_flight", "reward requests being computed, per tenant", ["tenant"], registry=registry
+    )
+    compute = Counter(
+        "rollart_reward_compute_seconds",
+        "seconds trajectories spent in reward functions (slot-seconds: busy time)",
+        ["function", "tenant"],
+        registry=registry,
+    )
+    Gauge("rollart_reward_slots", "trajectories computed at once (0: unbounded)", registry=registry).set(
+        settings.slots or 0
+    )
     state = {"in_flight": 0}
-    tenants = TenantLabels(settings.max_tenants)
+    per_tenant: dict[str, int] = {}  # requests in flight per tenant label (bounded like the labels)
+    slots = asyncio.Semaphore(settings.slots) if settings.slots else None
+    tenants = TenantLabels(settings.max_tenants, reserved=set(tenant_tokens))
     cache: OrderedDict[tuple[str, str, str], dict[str, Any]] = OrderedDict()
+
+    def quota(tenant: str) -> int | None:
+        spec = tenant_tokens.get(tenant)
+        if spec is not None and spec[1] is not None:
+            return spec[1]
+        return settings.tenant_max_concurrency
 
     app = FastAPI(title="rollart reward service", version="1")
 
@@ -192,37 +281,65 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         # label values are bounded: served function names only, tenants through TenantLabels
         requests.labels(function=name if name in functions else "unknown", status=str(status), tenant=tenant).inc()
 
-    async def call(fn: RewardFn, traj: dict[str, Any]) -> Any:
-        if inspect.iscoroutinefunction(fn):
-            return await fn(traj)
-        return await asyncio.get_running_loop().run_in_executor(None, fn, traj)
+    async def call(fn: RewardFn, traj: dict[str, Any], name: str, tenant: str) -> Any:
+        if slots is not None:
+            async with slots:
+                return await timed(fn, traj, name, tenant)
+        return await timed(fn, traj, name, tenant)
 
-    bearer = HTTPBearer(auto_error=False, description="the token of `--token-env` (when the server has one)")
+    async def timed(fn: RewardFn, traj: dict[str, Any], name: str, tenant: str) -> Any:
+        t0 = time.perf_counter()
+        try:
+            if inspect.iscoroutinefunction(fn):
+                return await fn(traj)
+            return await asyncio.get_running_loop().run_in_executor(None, fn, traj)
+        finally:
+            compute.labels(function=name, tenant=tenant).inc(time.perf_counter() - t0)
+
+    bearer = HTTPBearer(
+        auto_error=False,
+        description="the token of `--token-env`, or the caller's own token of `--tenants` (when the server has one)",
+    )
+    authenticated = token is not None or bool(tenant_tokens)
 
     async def authenticate(
         request: Request,
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008 (FastAPI's idiom)
-    ) -> None:
-        # a dependency runs before the body is validated: an unauthenticated caller learns nothing about the schema
-        if token is None:
-            return
+    ) -> str | None:
+        """The tenant the token belongs to (``--tenants``), else None; 401 for a missing or wrong token.
+        A dependency runs before the body is validated: an unauthenticated caller learns nothing about
+        the schema."""
         given = credentials.credentials.encode() if credentials is not None else b""
-        if credentials is None or not hmac.compare_digest(given, token.encode()):
-            count(request.path_params.get("name", ""), 401, "unauthenticated")
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        if token is not None and credentials is not None and hmac.compare_digest(given, token.encode()):
+            return None
+        owner = None
+        for name, (secret, _) in tenant_tokens.items():  # compare with every token: no early exit
+            if hmac.compare_digest(given, secret) and credentials is not None:
+                owner = name
+        if owner is not None:
+            return owner
+        count(request.path_params.get("name", ""), 401, "unauthenticated")
+        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
-    @app.post(
-        "/rewards/{name}",
-        response_model=RewardResponse,
-        dependencies=[Depends(authenticate)] if token is not None else [],
-    )
+    async def anyone() -> None:  # no token configured: no scheme advertised in /openapi.json
+        return None
+
+    @app.post("/rewards/{name}", response_model=RewardResponse)
     async def score(
         name: str,
         body: RewardRequest,
+        owner: str | None = Depends(authenticate if authenticated else anyone),
         x_rollart_tenant: str | None = Header(default=None, description="tenant (job id) for metering"),
         idempotency_key: str | None = Header(default=None),
     ) -> Any:
-        if x_rollart_tenant is not None and not TenantLabels.valid(x_rollart_tenant):
+        if owner is not None:  # the token says who calls; the header may only agree
+            if x_rollart_tenant is not None and x_rollart_tenant != owner:
+                count(name, 403, owner)
+                raise HTTPException(
+                    403, f"X-Rollart-Tenant {x_rollart_tenant[:80]!r}: this token belongs to tenant {owner!r}"
+                )
+            x_rollart_tenant = owner
+        elif x_rollart_tenant is not None and not TenantLabels.valid(x_rollart_tenant):
             count(name, 422, "invalid")
             raise HTTPException(
                 422,
@@ -238,6 +355,14 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         if key is not None and key in cache:
             count(name, 200, tenant)
             return cache[key]
+        limit = quota(tenant)
+        if limit is not None and per_tenant.get(tenant, 0) >= limit:
+            count(name, 429, tenant)
+            return JSONResponse(
+                {"detail": f"tenant {tenant!r} has {limit} reward requests in flight (its quota); retry later"},
+                status_code=429,
+                headers={"Retry-After": str(settings.retry_after_s)},
+            )
         if state["in_flight"] >= settings.max_concurrency:
             count(name, 429, tenant)
             return JSONResponse(
@@ -246,12 +371,16 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
                 headers={"Retry-After": str(settings.retry_after_s)},
             )
         state["in_flight"] += 1
+        per_tenant[tenant] = per_tenant.get(tenant, 0) + 1
         in_flight.inc()
+        tenant_in_flight.labels(tenant=tenant).inc()
         t0 = time.perf_counter()
         try:
             trajs = [t.model_dump() for t in body.trajectories]
             try:
-                values = await asyncio.wait_for(asyncio.gather(*(call(fn, t) for t in trajs)), settings.timeout_s)
+                values = await asyncio.wait_for(
+                    asyncio.gather(*(call(fn, t, name, tenant) for t in trajs)), settings.timeout_s
+                )
                 pairs = [_score_of(v) for v in values]
             except RewardInputError as err:  # the caller asked for something the server refuses
                 count(name, 422, tenant)
@@ -274,7 +403,9 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         finally:
             latency.labels(function=name).observe(time.perf_counter() - t0)
             state["in_flight"] -= 1
+            per_tenant[tenant] -= 1
             in_flight.dec()
+            tenant_in_flight.labels(tenant=tenant).dec()
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app
