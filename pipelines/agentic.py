@@ -612,6 +612,8 @@ class AgenticPipeline:
 
         led = self._ledger_step([])
         led["migrated"] = int(self.proxy.fault_metrics().get("migrated", 0))
+        if self.reward_client is not None:  # what the job sent its reward service, all of it (clients closed)
+            led["reward_service"] = self.reward_client.counts()
         (self.out_dir / "ledger.json").write_text(json.dumps(led, indent=2))
         (log.info if led["lost"] == 0 and led["trained_twice"] == 0 else log.error)("trajectory ledger: %s", led)
 

@@ -105,7 +105,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     admission = Admission(quota=quota, priority=args.priority, submitted_at=time.time())
     sets = "".join(f" --set {json.dumps(s)}" for s in args.set)
     entrypoint = f"{args.python} -m rollart.cli run {json.dumps(config.name)} --set cluster.job_id={job_id}{sets}"
-    env_vars = {**admission.env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env_vars = {
+        **admission.env(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        # `rollart stop` ends the run as Ctrl-C does: the step in progress is cancelled, rewards in flight
+        # are answered and counted, ledger.json and the registry are written, then the driver exits
+        "RAY_JOB_STOP_SIGNAL": "SIGINT",
+        "RAY_JOB_STOP_WAIT_TIME_S": os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", "60"),
+    }
     runtime_env: dict[str, Any] = {"working_dir": str(config.resolve().parent), "env_vars": env_vars}
     if args.module:
         runtime_env["py_modules"] = [str(Path(m).resolve()) for m in args.module]

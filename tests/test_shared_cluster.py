@@ -1,12 +1,16 @@
 """Jobs sharing one cluster: ``rollart submit/jobs/logs/stop``, the admission queue and quotas.
 
 The cluster (namespace hosts, dashboard on): ``head`` 10.201.0.1 with H800 x2, ``b`` 10.201.0.2 with
-H20 x2. Each job asks one H800 (train) and one H20 (rollout): two fit, the third waits.
+H20 x2. Each job asks one H800 (train) and one H20 (rollout): two fit, the third waits. All three score
+their trajectories on one reward service (``rollart serve rewards`` on the head host), each as its own
+tenant (the job id).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 import time
 
@@ -26,6 +30,7 @@ envs:
 rollout: {num_env_groups: 2, group_size: 2, batch_groups: 2, alpha: 0}
 sampling: {temperature: 1.0, max_new_tokens: 3, seed: 0}
 engine: {kind: torch}
+reward: {url: "http://10.201.0.1:8100/rewards/reverse", retries: 3}
 train: {lr: 0.001}
 steps: 100000
 checkpoint_every: 0
@@ -87,7 +92,31 @@ def shared(tmp_path_factory):
     (folder / "shared.yaml").write_text(CONFIG)
     specs = [HostSpec("head", {"H800": 2}, num_cpus=2), HostSpec("b", {"H20": 2}, num_cpus=2)]
     with start_hosts(specs, dashboard=True) as cluster:
-        yield cluster, folder / "shared.yaml"
+        # the shared reward service, on the head host's own address (a port of that host's namespace)
+        log = (folder / "rewards.log").open("w")
+        server = cluster.popen(
+            "head",
+            [sys.executable, "-m", "rollart.cli", "serve", "rewards", "rollart.envs.rewards:reverse"]
+            + ["--host", "10.201.0.1", "--port", "8100"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        cluster.run_python(
+            "import time, httpx\n"
+            "deadline = time.monotonic() + 120\n"
+            "while True:\n"
+            "    try:\n"
+            "        httpx.get('http://10.201.0.1:8100/healthz', timeout=2).raise_for_status(); break\n"
+            "    except httpx.HTTPError:\n"
+            "        if time.monotonic() > deadline: raise\n"
+            "        time.sleep(0.5)\n"
+        ).check()
+        try:
+            yield cluster, folder / "shared.yaml"
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+            log.close()
 
 
 def _cli(cluster, *args, check=True):
@@ -122,7 +151,7 @@ def test_three_jobs_two_run_the_third_waits_until_one_ends_quotas_hold_and_stop_
         cluster.popen(
             "head",
             [sys.executable, "-m", "rollart.cli", "submit", str(config), "--name", n, "--quota", "H800=1,H20=1"]
-            + ["--python", sys.executable]
+            + ["--python", sys.executable, "--set", f"output_dir={config.parent / 'out' / n}"]
             + (["--set", "steps=3"] if n == "shared-c" else []),  # c ends by itself, a and b run until stopped
             stdout=-1,
             stderr=-1,
@@ -166,6 +195,13 @@ def test_three_jobs_two_run_the_third_waits_until_one_ends_quotas_hold_and_stop_
     long_running = sorted(n for n in names if jobs[n]["state"] == "running")
     assert long_running == [n for n in ("shared-a", "shared-b") if n != ended]
 
+    # each long-running job has trained a step (so it has scored rewards) before it is stopped
+    deadline = time.monotonic() + 300
+    for n in long_running:
+        path = config.parent / "out" / n / "metrics.jsonl"
+        while not (path.exists() and path.read_text().strip()):
+            assert time.monotonic() < deadline, f"{n} trained no step within 300 s"
+            time.sleep(1.0)  # polling the job's metrics file; the assertion is on its content
     stops = [
         cluster.popen("head", [sys.executable, "-m", "rollart.cli", "stop", job], stdout=-1, stderr=-1, text=True)
         for job in long_running
@@ -185,3 +221,24 @@ def test_three_jobs_two_run_the_third_waits_until_one_ends_quotas_hold_and_stop_
         "print('RESULT ' + json.dumps(cap))\n"
     )
     assert free.check().result == {"H800": [2.0, 2.0], "H20": [2.0, 2.0]}
+
+    # one reward service served the three jobs: its per-tenant count equals what each job sent, all of it
+    # (a stopped run ends as with Ctrl-C: its rewards in flight are answered and counted in ledger.json)
+    metrics = (
+        cluster.run_python(
+            "import json, httpx\n"
+            "print('RESULT ' + json.dumps(httpx.get('http://10.201.0.1:8100/metrics', timeout=10).text))\n"
+        )
+        .check()
+        .result
+    )
+    served = {
+        m["tenant"]: float(m["n"])
+        for m in re.finditer(
+            r'rollart_reward_trajectories_total\{function="reverse",tenant="(?P<tenant>[^"]+)"\} (?P<n>\S+)', metrics
+        )
+    }
+    sent = {n: json.loads((config.parent / "out" / n / "ledger.json").read_text())["reward_service"] for n in names}
+    assert {n: c["tenant"] for n, c in sent.items()} == {n: n for n in names}
+    assert all(c["trajectories"] > 0 and c["failed"] == 0 for c in sent.values()), sent
+    assert served == {n: float(c["trajectories"]) for n, c in sent.items()}, (served, sent)

@@ -212,7 +212,7 @@ class RolloutScheduler:
     async def _admit(self, group: int) -> None:
         assert self._cond is not None
         async with self._cond:
-            while self._full(group):
+            while self._full(group) and not self._stopping:  # stop() wakes the waiters: they end at once
                 await self._cond.wait()
 
     async def _notify(self) -> None:
@@ -237,6 +237,8 @@ class RolloutScheduler:
     async def _group_loop(self, g: int) -> None:
         while not self._stopping:
             await self._admit(g)
+            if self._stopping:
+                break
             r = self._retry[g].popleft() if self._retry[g] else self._take_round(g)
             rnd = _Round(g, r, self.seed_fn(g, r), self.version)
             self.running[g] = rnd
