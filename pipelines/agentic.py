@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import rollart as ra
+from rollart.cluster.errors import WorkerDiedError
+from rollart.cluster.fault import RoleBudgets
 from rollart.config import PipelineConfig
 from rollart.data.evaluation import Evaluator
 from rollart.data.sampler import RoundSeeds
@@ -174,12 +176,15 @@ class AgenticPipeline:
         held_out = (
             [] if config.eval is None else eval_sets(data, config.eval, max_new_tokens=config.sampling.max_new_tokens)
         )
+        job_file = self.out_dir / "job_id"  # a --resume is the next attempt of the same job
+        job_id = config.cluster.job_id or (job_file.read_text().strip() if resume and job_file.exists() else None)
         self.rm = ra.ResourceManager(
             config.pools,
-            job_id=config.cluster.job_id,
+            job_id=job_id,
             store=config.cluster.metadata_store,
             local_resources=config.cluster.local_resources,
         )
+        job_file.write_text(self.rm.job_id + "\n")
         pool_hw = [g.hardware for g in self.rm.specs[config.rollout_pool].groups]
         tags = {k: (v or pool_hw) for k, v in config.tags.items()}
         engine = config.engine.model_copy(update={"model": config.engine.model or model_path})
@@ -293,6 +298,11 @@ class AgenticPipeline:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.plot_path: Path | None = None
         self.export_path: Path | None = None  # RUN_DIR/hf once the run finished (export.hf)
+        # trainer supervision (fault.train / reference / critic): one entry per recovery
+        self.recoveries: list[dict[str, Any]] = []
+        self._budgets = RoleBudgets(config.fault)
+        self.step_in_progress = 0
+        self._data_state0 = self.data_tasks.state_dict() if self.data_tasks.samplers else None
         if resume:
             self._resume()
         elif self.metrics_path.exists():
@@ -356,6 +366,8 @@ class AgenticPipeline:
             version = await self.train.publish_to(self.channel, not self.config.weights.async_publish, blocking=False)
             await self.proxy.model_update_from(self.channel, version)
         self.scheduler.version = version
+        # admission counts the groups consumed so far against the version: as if ``version`` steps ran
+        self.scheduler.accepted = version * self.config.rollout.batch_groups
         return version
 
     async def _sync_weights(self) -> tuple[int, float]:
@@ -475,12 +487,18 @@ class AgenticPipeline:
         if not self.checkpoint_path.exists():
             raise FileNotFoundError(f"--resume: no checkpoint under {self.checkpoint_root}; run without --resume first")
         state = self.train.load_checkpoint(str(self.checkpoint_path))[0]
-        extra = state["extra"]
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.start_step = int(extra["step"]) + 1
+        self._restore_extra(state["extra"], self.critic_checkpoint_path, self.scheduler)
         self.train_version = int(state["version"])
+        version = asyncio.run(self._push_resumed_weights())
+        log.info("resumed from %s at step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
+
+    def _restore_extra(self, extra: dict[str, Any], critic_path: Path, scheduler: RolloutScheduler) -> None:
+        """The pipeline's side of a checkpoint: the scheduler (next rounds, consumed rounds), the data
+        samplers, the running-mean baseline and the critic (which must come from the same save)."""
+        scheduler.load_state_dict(extra["scheduler"])
+        self.start_step = int(extra["step"]) + 1
         if "consumed" in extra and "settled" not in extra["scheduler"]:  # older checkpoints: a list of ids
-            self.scheduler.settled.load_state_dict(extra["consumed"])
+            scheduler.settled.load_state_dict(extra["consumed"])
         if self.data_tasks.samplers:
             self.data_tasks.load_state_dict(extra.get("data", {}))
         if self.baseline is not None:
@@ -491,24 +509,140 @@ class AgenticPipeline:
                 )
             self.baseline.load_state_dict(extra["running_mean"])
         if self.critic is not None:
-            if not self.critic_checkpoint_path.exists():
+            if not critic_path.exists():
                 raise FileNotFoundError(
                     f"--resume with advantage: gae: no critic checkpoint at "
-                    f"{self.critic_checkpoint_path}; the run was not trained with a critic"
+                    f"{critic_path}; the run was not trained with a critic"
                 )
-            critic_state = self.critic.load_checkpoint(str(self.critic_checkpoint_path))[0]
+            critic_state = self.critic.load_checkpoint(str(critic_path))[0]
             if critic_state["step"] != int(extra["step"]):
                 raise ValueError(
                     f"--resume: the critic checkpoint is from step {critic_state['step']}, the actor's "
                     f"from step {extra['step']}; they must come from the same save"
                 )
-        version = asyncio.run(self._push_resumed_weights())
-        log.info("resumed from %s at step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
+
+    # ------------------------------------------------------------------ trainer supervision
+    async def _run(self) -> list[dict[str, Any]]:
+        """The steps; a trainer, reference or critic rank that dies is handled by its ``fault:`` policy
+        (:meth:`_recover_training`), then the steps go on from the restored checkpoint."""
+        history: list[dict[str, Any]] = []
+        while True:
+            try:
+                return await self._run_steps(history)
+            except Exception as err:
+                died = self._trainer_death(err)
+                if died is None:
+                    raise
+                await self._recover_training(died, err, history)
+
+    def _trainer_clusters(self) -> dict[str, tuple[str, Any]]:
+        """Cluster name → (role, Cluster) of the trainer side."""
+        out = {self.train.name: ("train", self.train)}
+        for role, cl in (("reference", self.ref), ("critic", self.critic)):
+            if cl is not None:
+                out[cl.name] = (role, cl)
+        return out
+
+    def _trainer_death(self, err: BaseException) -> WorkerDiedError | None:
+        """The dead trainer-side rank behind ``err``: a ``WorkerDiedError`` of one of those clusters in
+        its chain, or, for another Ray error (e.g. weights owned by a dead rank), a rank a health check
+        finds dead. None when no trainer-side rank died."""
+        import ray
+
+        clusters = self._trainer_clusters()
+        seen: BaseException | None = err
+        while seen is not None:
+            if isinstance(seen, WorkerDiedError) and seen.cluster in clusters:
+                return seen
+            seen = seen.__cause__ or seen.__context__
+        if isinstance(err, ray.exceptions.RayError):
+            for _, cluster in clusters.values():
+                for rank, alive in cluster.health_check().items():
+                    if not alive:
+                        return cluster._died(rank, err)
+        return None
+
+    async def _recover_training(self, died: WorkerDiedError, err: BaseException, history: list) -> None:
+        """A trainer-side rank died: within its role's policy, rebuild every trainer (and critic) rank in
+        its placement bundle and the dead reference ranks, reload the latest checkpoint (or the initial
+        weights), rewind the rollout to it (the rounds trained since are played again; the consumed
+        rounds of the checkpoint make sure none is trained twice) and push the reloaded weights to the
+        inference workers as a new version. Past the policy: :class:`TrainerFailed` with the cause."""
+        from rollart.training.checkpoint_io import latest_checkpoint
+
+        t0 = time.monotonic()
+        role = self._trainer_clusters()[died.cluster][0]
+        failed_step = self.step_in_progress
+        where = f"{died.cluster} on {died.hardware}, host {died.node_ip or '?'}"
+        backoff = self._budgets.take(role, died.rank, err, where=where)
+        log.error("%s rank %d died at step %d (%s): %r; restarting", role, died.rank, failed_step, where, err)
+        await asyncio.sleep(backoff)
+        await asyncio.to_thread(self._rebuild_trainer_side)
+        ckpt = latest_checkpoint(self.checkpoint_root)
+        old = self.scheduler
+        new = RolloutScheduler(old.groups, old.config, seed_fn=old.seed_fn)
+        if ckpt is not None:
+            state = (await self.train.load_checkpoint(str(ckpt), blocking=False))[0]
+            critic_path = ckpt / "critic.pt" if ckpt.is_dir() else ckpt.with_name("critic.pt")
+            self._restore_extra(state["extra"], critic_path, new)
+        else:  # no checkpoint yet: the rebuilt ranks hold the initial weights; the run starts over
+            self.start_step = 0
+            if self._data_state0 is not None:
+                self.data_tasks.load_state_dict(self._data_state0)
+            if self.baseline is not None:
+                from rollart.algorithms import RunningMeanBaseline
+
+                self.baseline = RunningMeanBaseline(self.config.running_mean.window, self.config.running_mean.scope)
+        # the live counters go on; what the rewind undid is counted, not erased
+        saved_trained = new.counts.get("trajectories_trained", 0)
+        counts = old.counts.copy()
+        counts["trajectories_rolled_back"] += old.counts.get("trajectories_trained", 0) - saved_trained
+        counts["trajectories_dropped"] += sum(len(g) for g in old.buffer.groups())
+        counts["trainer_restarts"] += 1
+        new.counts = counts
+        self.scheduler = new
+        self.controller = AsyncController(new, self.proxy)
+        self.loader = None
+        # the reloaded weights go out under a version newer than any served before (workers only move forward)
+        version = max(self.train_version, old.version, self.proxy.version) + 1
+        await self.train.set_version(version, blocking=False)
+        self.train_version = version
+        await self._push_resumed_weights()
+        await self.proxy.resume()  # in case the death came between a suspend and its resume
+        history[:] = [h for h in history if h["step"] < self.start_step]
+        self.recoveries.append(
+            {
+                "role": role,
+                "cluster": died.cluster,
+                "rank": died.rank,
+                "host": died.node_ip,
+                "cause": repr(err),
+                "failed_step": failed_step,
+                "restored_step": self.start_step,
+                "checkpoint": str(ckpt) if ckpt is not None else None,
+                "version": version,
+                "seconds": time.monotonic() - t0,
+            }
+        )
+        log.warning("trainer side restored: %s", self.recoveries[-1])
+
+    def _rebuild_trainer_side(self) -> None:
+        """Every trainer and critic rank anew in its bundle (a DDP group cannot go on with one rank
+        replaced) and a new rendezvous; the dead reference ranks anew (they hold no state)."""
+        for cluster in (self.train, self.critic):
+            if cluster is None:
+                continue
+            for rank in range(cluster.world_size):
+                cluster.restart_worker(rank)
+            start_data_parallel(cluster)
+        if self.ref is not None:
+            for rank, alive in self.ref.health_check().items():
+                if not alive:
+                    self.ref.restart_worker(rank)
 
     # ------------------------------------------------------------------ the loop
-    async def _run(self) -> list[dict[str, Any]]:
+    async def _run_steps(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
         cfg = self.config
-        history: list[dict[str, Any]] = []
         tracker = self._make_tracker()
         if cfg.weights.channel == "mooncake" and self.channel is not None:  # every host joins the store now
             await self.infer.warm_channel(self.channel)
@@ -520,6 +654,7 @@ class AgenticPipeline:
             bar = tqdm(total=cfg.steps, initial=self.start_step, desc=cfg.name, unit="step")
         try:
             for step in range(self.start_step, cfg.steps):
+                self.step_in_progress = step
                 t0 = time.monotonic()
                 stale_before = Counter(self.scheduler.staleness)
                 task_stale_before = {t: Counter(c) for t, c in self.scheduler.staleness_by_task.items()}
@@ -545,6 +680,7 @@ class AgenticPipeline:
                 )
                 record.update(batch_statistics(batch, trajs))
                 record.update(self._task_record(groups, task_stale_before, held_back))
+                record["trainer_restarts"] = len(self.recoveries)
                 if self.data_tasks.samplers:
                     record["data_epoch"] = self.data_tasks.metrics()
                 if self.evaluator is not None and self.evaluator.due(step, cfg.steps - 1):

@@ -86,6 +86,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             "pools": store.pools(args.job),
             "bindings": store.bindings(args.job),
             "endpoints": store.endpoints(args.job),
+            "runs": store.runs(args.job),
         }
         for job in state["jobs"]:
             job["driver_alive"] = job["ended_at"] is None and _pid_alive(job["driver_pid"])
@@ -107,6 +108,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             ["job_id", "cluster", "rank", "pool", "hardware", "node_ip", "node_id", "device_ids", "state"],
         ),
         ("endpoints", state["endpoints"], ["job_id", "cluster", "method", "url", "timeout_s", "retries"]),
+        (
+            "runs",
+            state.get("runs", []),
+            ["job_id", "attempt", "driver_pid", "started_at", "ended_at", "status", "cause"],
+        ),
     ):
         table = Table(title=title)
         for c in cols:

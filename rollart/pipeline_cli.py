@@ -56,6 +56,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     pipe = pipeline_cls(cfg, resume=args.resume)
     try:
         history = pipe.run()
+    except BaseException as err:  # the store's record of this attempt keeps the cause
+        rm = getattr(pipe, "rm", None)
+        if rm is not None:
+            rm.store.end_run(rm.job_id, "failed", repr(err))
+        raise
     finally:
         pipe.shutdown()
     last = history[-1] if history else {}

@@ -7,9 +7,14 @@
   version being served before it takes traffic. Once its restarts are spent, ``on_exhausted: remove``
   takes it out of the routing table (the job goes on with the others), ``fail`` fails the job with the
   cause at the next call on that cluster.
-- ``train``, ``reference``, ``critic``, ``env``, ``reward``: parsed and validated only; nothing restarts
-  those roles yet (a dead trainer rank still fails the step with ``WorkerDiedError``; env and reward
-  faults are handled by ``env_manager`` and ``reward`` retries, not by these policies).
+- ``train``, ``reference``, ``critic``: enforced by the pipeline (:class:`RoleBudgets`). A dead rank of
+  one of them fails the step it was in (``WorkerDiedError`` reaches the pipeline); within the policy
+  every rank of the trainer (and of the critic) is rebuilt in its placement bundle, re-rendezvoused,
+  and reloads the latest checkpoint, the rounds trained since it are played again, and the inference
+  workers get the reloaded weights as a new version. Spent, the job fails with the rank, host and
+  cause (``on_exhausted: remove`` is refused for them: a data-parallel group cannot lose a rank).
+- ``env``, ``reward``: parsed and validated only (env and reward faults are handled by
+  ``env_manager`` and ``reward`` retries, not by these policies).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     from rollart.cluster.cluster import Cluster
@@ -51,6 +56,56 @@ class FaultConfig(BaseModel):
     critic: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_restarts=0, on_exhausted="fail"))
     env: RestartPolicy = Field(default_factory=RestartPolicy)
     reward: RestartPolicy = Field(default_factory=RestartPolicy)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gang_roles_fail_by_default(cls, data: Any) -> Any:
+        """``train: {max_restarts: 1}`` keeps ``on_exhausted: fail`` (the only choice for those roles)."""
+        if isinstance(data, dict):
+            data = dict(data)
+            for role in TRAINER_ROLES:
+                given = data.get(role)
+                if isinstance(given, dict) and "on_exhausted" not in given:
+                    data[role] = {**given, "on_exhausted": "fail"}
+        return data
+
+    @model_validator(mode="after")
+    def _gang_roles_cannot_shrink(self) -> FaultConfig:
+        for role in TRAINER_ROLES:
+            if getattr(self, role).on_exhausted == "remove":
+                raise ValueError(
+                    f"fault.{role}.on_exhausted: 'remove' is not possible for {role} (a data-parallel group "
+                    "cannot go on without one of its ranks); use 'fail'"
+                )
+        return self
+
+
+TRAINER_ROLES = ("train", "reference", "critic")
+
+
+class TrainerFailed(RuntimeError):
+    """A trainer-side rank died and its role's restart policy is spent (or forbids restarts)."""
+
+
+class RoleBudgets:
+    """The restart budgets of the trainer-side roles (``train``, ``reference``, ``critic``), one per rank.
+
+    ``take(role, rank, err)`` returns the backoff before the restart, or raises :class:`TrainerFailed`
+    naming the rank, its host and the cause when the role's policy has no restart left."""
+
+    def __init__(self, fault: FaultConfig, clock: Callable[[], float] = time.monotonic):
+        self.budgets = {role: RestartBudget(getattr(fault, role), clock) for role in TRAINER_ROLES}
+
+    def take(self, role: str, rank: int, err: BaseException, *, where: str = "") -> float:
+        budget = self.budgets[role]
+        backoff = budget.take(rank)
+        if backoff is None:
+            p = budget.policy
+            raise TrainerFailed(
+                f"{role} rank {rank}{f' ({where})' if where else ''} died and fault.{role} allows "
+                f"{p.max_restarts} restart(s) within {p.window_s:g}s (on_exhausted: fail); cause: {err}"
+            ) from err
+        return backoff
 
 
 class RestartBudget:

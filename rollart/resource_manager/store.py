@@ -37,6 +37,10 @@ CREATE TABLE IF NOT EXISTS bindings (
   actor_name TEXT, state TEXT, updated_at REAL,
   PRIMARY KEY (job_id, cluster, rank)
 );
+CREATE TABLE IF NOT EXISTS runs (
+  job_id TEXT, attempt INTEGER, driver_pid INTEGER, started_at REAL, ended_at REAL, status TEXT, cause TEXT,
+  PRIMARY KEY (job_id, attempt)
+);
 CREATE TABLE IF NOT EXISTS endpoints (
   job_id TEXT, cluster TEXT, method TEXT, url TEXT, timeout_s REAL, retries INTEGER, updated_at REAL,
   PRIMARY KEY (job_id, cluster, method)
@@ -90,8 +94,36 @@ class MetadataStore:
                 (job_id, ray_address, os.getpid(), time.time()),
             )
         self._mirror("record_job", job_id, ray_address)
+        self.start_run(job_id)
+
+    def start_run(self, job_id: str) -> int:
+        """A new attempt of ``job_id`` (one per driver: a ``--resume`` after a crash is the next one); an
+        earlier attempt left open by a driver that is gone is closed as ``driver_lost``."""
+        now = time.time()
+        with self._conn() as db:
+            for row in db.execute(
+                "SELECT attempt, driver_pid FROM runs WHERE job_id=? AND ended_at IS NULL", (job_id,)
+            ).fetchall():
+                if row["driver_pid"] != os.getpid():
+                    db.execute(
+                        "UPDATE runs SET ended_at=?, status='driver_lost' WHERE job_id=? AND attempt=?",
+                        (now, job_id, row["attempt"]),
+                    )
+            last = db.execute("SELECT MAX(attempt) FROM runs WHERE job_id=?", (job_id,)).fetchone()[0]
+            attempt = int(last or 0) + 1
+            db.execute("INSERT INTO runs VALUES (?,?,?,?,NULL,'running',NULL)", (job_id, attempt, os.getpid(), now))
+        return attempt
+
+    def end_run(self, job_id: str, status: str = "finished", cause: str | None = None) -> None:
+        """Close this driver's open attempt of ``job_id`` (``finished`` or ``failed`` with its cause)."""
+        with self._conn() as db:
+            db.execute(
+                "UPDATE runs SET ended_at=?, status=?, cause=? WHERE job_id=? AND driver_pid=? AND ended_at IS NULL",
+                (time.time(), status, cause, job_id, os.getpid()),
+            )
 
     def end_job(self, job_id: str) -> None:
+        self.end_run(job_id)
         with self._conn() as db:
             db.execute("UPDATE jobs SET ended_at=? WHERE job_id=?", (time.time(), job_id))
             db.execute("UPDATE pools SET state='released', updated_at=? WHERE job_id=?", (time.time(), job_id))
@@ -199,3 +231,7 @@ class MetadataStore:
 
     def endpoints(self, job_id: str | None = None) -> list[dict[str, Any]]:
         return self._select("endpoints", job_id)
+
+    def runs(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        """Every attempt of each job (start, end, status, cause), oldest first."""
+        return sorted(self._select("runs", job_id), key=lambda r: (r["job_id"], r["attempt"]))

@@ -373,6 +373,13 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         return {"version": self.version, "extra": state.get("extra", {})}
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    def set_version(self, version: int) -> int:
+        """Label the current weights as policy ``version`` (after a restart reloaded a checkpoint, the
+        reloaded weights go out under a version newer than any served before)."""
+        self.version = int(version)
+        return self.version
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     def weight_checksum(self) -> float:
         """Sum of |w| over all parameters: equal across DDP ranks after every step."""
         with torch.no_grad():
