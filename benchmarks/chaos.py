@@ -8,9 +8,8 @@ training still works through the faults), ``alpha`` 1, rewards from a real ``rol
 process, inference on one ``H800`` worker (host head or b) and one ``H20`` worker (host c). The
 outer side (:func:`run_chaos`) kills host c when the driver asks for it and starts its Ray node again.
 
-Trainer-rank supervision is not built yet (issue #13): the ``trainer`` fault kind (SIGKILL of train
-rank 0) is listed in ``OPTIONAL_KINDS`` and skipped with a note; when trainer ranks are restarted from
-their checkpoint, move it into ``FAULT_KINDS`` (or pass ``--kinds ...,trainer``).
+The ``trainer`` fault SIGKILLs train rank 0: the trainer side is rebuilt from the latest checkpoint
+(``checkpoint_every: 2``), the rounds trained since are played again, and the ledger still balances.
 """
 
 from __future__ import annotations
@@ -31,11 +30,8 @@ from typing import Any
 
 log = logging.getLogger("rollart.bench")
 
-FAULT_KINDS = ["inference_worker", "rollout_host", "reward_service", "env_fail_stop", "env_fail_slow"]
-OPTIONAL_KINDS = {
-    "trainer": "skipped: a dead trainer rank still fails the step (trainer supervision, issue #13, is not built); "
-    "add 'trainer' to FAULT_KINDS once it is",
-}
+FAULT_KINDS = ["inference_worker", "rollout_host", "reward_service", "env_fail_stop", "env_fail_slow", "trainer"]
+OPTIONAL_KINDS: dict[str, str] = {}  # kinds listed but skipped, with the reason
 NUM_GROUPS, GROUP_SIZE, KEEP, BATCH_GROUPS = 6, 6, 5, 4  # trajectories trained per step: BATCH_GROUPS * KEEP
 LOST_HOST = "c"  # the rollout host whose every process is killed (its only worker is the H20 one)
 
@@ -91,9 +87,12 @@ def config(out: Path, steps: int, reward_url: str, seed: int) -> Any:
             "reward": {"url": reward_url, "retries": 4, "timeout_s": 10.0},
             # a soak kills workers again and again: a generous budget in a short window, the backoff capped
             # at 0.2 * 2**5 = 6.4 s
-            "fault": {"inference": {"max_restarts": 6, "window_s": 60, "backoff_s": 0.2, "on_exhausted": "remove"}},
+            "fault": {
+                "inference": {"max_restarts": 6, "window_s": 60, "backoff_s": 0.2, "on_exhausted": "remove"},
+                "train": {"max_restarts": 2, "window_s": 600, "backoff_s": 0.2},
+            },
             "steps": steps,
-            "checkpoint_every": 0,
+            "checkpoint_every": 2,  # the trainer fault restores the latest checkpoint
             "output_dir": str(out),
             "cluster": {"metadata_store": str(out / "meta.sqlite")},
         }
@@ -202,6 +201,7 @@ def make_pipeline(
     ``every_s`` a fault drawn from ``kinds`` (seeded) is added to ``plan`` every ``every_s`` seconds."""
     rng = random.Random(seed)
     last_fault: list[float] = []  # the first step's time: no fault before the run has started
+    injected_at: set[int] = set()  # the steps whose fault was injected
     import ray
 
     from rollart.envs.faults import FailingEnv, LatencyEnv
@@ -244,10 +244,11 @@ def make_pipeline(
                 last_fault.append(time.monotonic())
             if every_s > 0 and kinds and time.monotonic() - last_fault[0] >= every_s:
                 plan[step] = rng.choice(kinds)
-            kind = plan.get(step)
+            # each planned fault once: a step done again after a trainer restore does not repeat its fault
+            kind = plan.get(step) if step not in injected_at else None
             if kind is not None:
                 last_fault[0] = time.monotonic()
-            if kind is not None:
+                injected_at.add(step)
                 record["injected"].append({"step": step, "kind": kind, "detail": self._inject(kind)})
             if step - 3 in plan and plan[step - 3] in ("env_fail_stop", "env_fail_slow"):
                 self._heal_env(plan[step - 3])  # an env fault lasts three steps
@@ -398,7 +399,9 @@ def run_chaos(
     result["plan"] = (
         {str(i["step"]): i["kind"] for i in result["injected"]} if extra else {str(k): v for k, v in plan.items()}
     )
-    result["metrics"] = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    # one record per step: a step done again after a trainer restore appears again later in the file
+    by_step = {m["step"]: m for m in (json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines())}
+    result["metrics"] = [by_step[k] for k in sorted(by_step)]
     result["ledger"] = json.loads((out / "ledger.json").read_text())
     return result
 

@@ -580,7 +580,7 @@ class AgenticPipeline:
         await asyncio.to_thread(self._rebuild_trainer_side)
         ckpt = latest_checkpoint(self.checkpoint_root)
         old = self.scheduler
-        new = RolloutScheduler(old.groups, old.config, seed_fn=old.seed_fn)
+        new = RolloutScheduler(old.groups, old.config, seed_fn=old.seed_fn, quotas=self.quotas)
         if ckpt is not None:
             state = (await self.train.load_checkpoint(str(ckpt), blocking=False))[0]
             critic_path = ckpt / "critic.pt" if ckpt.is_dir() else ckpt.with_name("critic.pt")

@@ -109,4 +109,6 @@ def trajectory_ledger(counts: Mapping[str, int], *, buffered: int, in_flight: in
         "in_flight": in_flight,
         "lost": started - trained - retried - failed - filtered - buffered - in_flight,
         "trained_twice": int(c.get("rounds_trained_twice", 0)),
+        # trained, then undone by a trainer restore to an earlier checkpoint (their rounds played again)
+        "rolled_back": int(c.get("trajectories_rolled_back", 0)),
     }
