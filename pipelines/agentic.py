@@ -305,6 +305,7 @@ class AgenticPipeline:
         self._data_state0 = self.data_tasks.state_dict() if self.data_tasks.samplers else None
         if resume:
             self._resume()
+            self._drop_metrics_from(self.start_step)
         elif self.metrics_path.exists():
             self.metrics_path.unlink()
 
@@ -491,6 +492,21 @@ class AgenticPipeline:
         self.train_version = int(state["version"])
         version = asyncio.run(self._push_resumed_weights())
         log.info("resumed from %s at step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
+
+    def _drop_metrics_from(self, step: int) -> None:
+        """A resume trains again from ``step``: drop the records a killed driver logged past its last
+        checkpoint, so ``metrics.jsonl`` has one record per step."""
+        import json
+        import os
+
+        if not self.metrics_path.exists():
+            return
+        lines = self.metrics_path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", -1) < step]
+        if len(kept) != len(lines):
+            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.metrics_path)
 
     def _restore_extra(self, extra: dict[str, Any], critic_path: Path, scheduler: RolloutScheduler) -> None:
         """The pipeline's side of a checkpoint: the scheduler (next rounds, consumed rounds), the data
