@@ -703,6 +703,8 @@ class AgenticPipeline:
                     await self._await_loading()  # evaluate the version every worker serves
                     record["eval"] = await self.evaluator.run(step)
                 history.append(record)
+                if len(history) > 2 * cfg.history_keep:  # bounded memory: trimmed in batches, O(1) per step
+                    del history[: len(history) - cfg.history_keep]
                 tracker.log(record, step)
                 if bar is not None:
                     bar.update(1)
@@ -875,9 +877,26 @@ class AgenticPipeline:
         return {"groups_by_tag": {t: v["groups"] for t, v in out.items()}, "by_tag": out}
 
     def run(self) -> list[dict[str, Any]]:
+        """Train; the records of the last ``history_keep`` steps (every step is in ``metrics.jsonl``)."""
         history = asyncio.run(self._run())
-        self.plot_path = self.plot(history)
+        history = history[-self.config.history_keep :]
+        self.plot_path = self.plot(self.step_records())
         return history
+
+    def step_records(self) -> list[dict[str, Any]]:
+        """Every step's record from ``metrics.jsonl``, in step order (a step done again after a trainer
+        restore: its last record)."""
+        import json
+
+        if not self.metrics_path.exists():
+            return []
+        by_step: dict[int, dict[str, Any]] = {}
+        with self.metrics_path.open() as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    by_step[rec["step"]] = rec
+        return [by_step[k] for k in sorted(by_step)]
 
     def plot(self, history: list[dict[str, Any]]) -> Path | None:
         """``metrics.png`` (needs matplotlib: the ``plot`` extra); None when skipped."""

@@ -241,6 +241,8 @@ class PipelineConfig(BaseModel):
     steps: int = Field(default=20, ge=1)
     checkpoint_every: int = Field(default=0, ge=0)
     checkpoint_keep: int = Field(default=1, ge=1)  # checkpoint folders kept (the newest K; older ones deleted)
+    # step records the driver keeps in memory (what run() returns); metrics.jsonl and the plot have every step
+    history_keep: int = Field(default=1000, ge=1)
     export: ExportConfig = Field(default_factory=ExportConfig)
     output_dir: str = "runs/{name}"
     seed: int = 0

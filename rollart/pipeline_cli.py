@@ -63,12 +63,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise
     finally:
         pipe.shutdown()
-    last = history[-1] if history else {}
+    records = pipe.step_records() if hasattr(pipe, "step_records") else history  # every step, not just the kept
+    last = records[-1] if records else {}
     metrics, plot = getattr(pipe, "metrics_path", None), getattr(pipe, "plot_path", None)
     summary = {
-        "steps": len(history),
+        "steps": len(records),
         "final_reward": last.get("reward_mean"),
-        "first_reward": history[0].get("reward_mean") if history else None,
+        "first_reward": records[0].get("reward_mean") if records else None,
         "metrics": str(metrics) if metrics else None,
         "plot": str(plot) if plot else None,
         "hf": str(getattr(pipe, "export_path", None) or "") or None,

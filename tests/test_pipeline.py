@@ -58,13 +58,17 @@ def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
     assert pipe.checkpoint_path.exists()
     consumed_before_ckpt = {g for h in history[:2] for g in h["groups"]}
 
-    resumed_cfg = small_config(tmp_path, steps=4)
+    resumed_cfg = small_config(tmp_path, steps=4, history_keep=1)
     pipe = AgenticPipeline(resumed_cfg, resume=True, progress=False)
     try:
         assert pipe.start_step == 2
-        more = pipe.run()
+        kept = pipe.run()
     finally:
         pipe.shutdown()
+    # the driver keeps the last history_keep step records; metrics.jsonl has every step, once
+    assert [h["step"] for h in kept] == [3]
+    assert [h["step"] for h in pipe.step_records()] == [0, 1, 2, 3]
+    more = pipe.step_records()[2:]
     assert [h["step"] for h in more] == [2, 3] and more[0]["version"] == 3
     resumed_groups = {g for h in more for g in h["groups"]}
     assert not resumed_groups & consumed_before_ckpt  # nothing consumed before the checkpoint is trained again
