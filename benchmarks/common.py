@@ -202,3 +202,24 @@ class SimVerifiableEnv:
     async def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         await self.clock.sleep(max(0.0, float(self.rng.normal(self.reward_mean, self.reward_std))))
         return "", float(self.rng.random() < self.p), True, False, {}
+
+
+def run_pipeline_once(cfg: Any) -> tuple[list[dict[str, Any]], float]:
+    """Run the agentic pipeline of ``cfg`` to its end: (its step records, wall seconds). A local Ray the
+    run started is shut down after it (a fresh one per run); one the caller started is left alone."""
+    import time
+
+    import ray
+
+    from rollart.pipelines.agentic import AgenticPipeline
+
+    own_ray = not ray.is_initialized()
+    t0 = time.monotonic()
+    pipe = AgenticPipeline(cfg, progress=False)
+    try:
+        history = pipe.run()
+    finally:
+        pipe.shutdown()
+        if own_ray:
+            ray.shutdown()
+    return list(history), time.monotonic() - t0

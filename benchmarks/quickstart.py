@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,24 +58,13 @@ def summarise(rewards: Sequence[float], *, window: int, threshold: float) -> dic
 
 
 def _run_seed(args: argparse.Namespace, seed: int) -> tuple[list[float], float]:
-    import ray
-
+    from rollart.benchmarks.common import run_pipeline_once
     from rollart.config import load_config
     from rollart.pipeline_cli import _parse_sets
-    from rollart.pipelines.agentic import AgenticPipeline
 
     overrides = {**_parse_sets(args.set), "seed": seed, "output_dir": str(Path(args.out) / f"seed{seed}")}
-    cfg = load_config(args.config, overrides)
-    own_ray = not ray.is_initialized()
-    t0 = time.monotonic()
-    pipe = AgenticPipeline(cfg, progress=False)
-    try:
-        history = pipe.run()
-    finally:
-        pipe.shutdown()
-        if own_ray:
-            ray.shutdown()  # a fresh local Ray per seed (one the caller started is left alone)
-    return [float(h["reward_mean"]) for h in history], time.monotonic() - t0
+    history, seconds = run_pipeline_once(load_config(args.config, overrides))  # a fresh local Ray per seed
+    return [float(h["reward_mean"]) for h in history], seconds
 
 
 def _plot(path: Path, curves: dict[int, list[float]], window: int, threshold: float) -> None:

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
-from rollart.benchmarks.common import write_report
+from rollart.benchmarks.common import run_pipeline_once, write_report
 from rollart.benchmarks.quickstart import summarise
 
 log = logging.getLogger("rollart.bench")
@@ -93,22 +92,10 @@ def throughput(history: list[dict[str, Any]], skip: int) -> dict[str, float]:
 
 
 def _run_mode(args: argparse.Namespace, alpha: int) -> tuple[list[dict[str, Any]], float]:
-    import ray
-
     from rollart.config import load_config
-    from rollart.pipelines.agentic import AgenticPipeline
 
     cfg = load_config("pipelines/quickstart.yaml", mode_config(args, alpha, Path(args.out) / f"alpha{alpha}"))
-    own_ray = not ray.is_initialized()
-    t0 = time.monotonic()
-    pipe = AgenticPipeline(cfg, progress=False)
-    try:
-        history = pipe.run()
-    finally:
-        pipe.shutdown()
-        if own_ray:
-            ray.shutdown()
-    return list(history), time.monotonic() - t0
+    return run_pipeline_once(cfg)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

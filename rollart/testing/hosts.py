@@ -361,9 +361,7 @@ class HostCluster:
 
     # --- building ------------------------------------------------------------------------------------
     def _ip(self, *args: str) -> None:
-        proc = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if proc.returncode != 0:
-            raise HostsError(f"`ip {' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+        run_ip(*args)
 
     def _add_namespace(self, name: str) -> None:
         self._ip("netns", "add", name)
@@ -464,6 +462,13 @@ class HostCluster:
 def start_hosts(specs: Sequence[HostSpec], **kw: object) -> HostCluster:
     """Build the hosts and their Ray cluster (see the module docstring); use as a context manager."""
     return HostCluster(specs, **kw)  # type: ignore[arg-type]
+
+
+def run_ip(*args: str) -> None:
+    """``ip ARGS`` (iproute2); raises :class:`HostsError` with its stderr when it fails."""
+    proc = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise HostsError(f"`ip {' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
 
 
 def _ray_bin() -> str:

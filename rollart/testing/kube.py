@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from rollart.testing.hosts import HostsError, _netns_pids, _teardown
+from rollart.testing.hosts import HostsError, _netns_pids, _teardown, run_ip
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +256,7 @@ class KubeStandIn:
 
     # --- network ---------------------------------------------------------------------------------------
     def _ip(self, *args: str) -> None:
-        proc = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if proc.returncode != 0:
-            raise HostsError(f"`ip {' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+        run_ip(*args)
 
     def _add_namespace(self, name: str) -> None:
         with self._cond:  # never after close(): its teardown would not see the namespace
