@@ -109,6 +109,27 @@ def test_versions_cross_processes_and_only_the_newest_are_kept(ray_local, master
     assert same(quick.fetch(5), sample_state(5))
 
 
+def test_a_reader_that_dies_takes_no_key_of_the_channel_with_it(ray_local, own_master):
+    """Every key lives in the publisher's segment: an inference worker killed after it joined the
+    store (and so mounted a segment the master could place keys in) costs the channel nothing."""
+    from rollart.weights.mooncake_channel import MooncakeChannel
+
+    channel = MooncakeChannel("survive", own_master.address, keep=2, chunk_mb=1, segment_mb=32, timeout_s=30)
+    reader = Reader.remote()
+    assert ray.get(reader.latest.remote(channel)) is None  # the reader's segment is mounted now
+    for step in range(6):
+        channel.publish(sample_state(step), step)
+    assert ray.get(reader.latest.remote(channel)) == 5
+    ray.kill(reader)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(reader.latest.remote(channel))
+    fresh = MooncakeChannel("survive", own_master.address, keep=2, chunk_mb=1, segment_mb=32, timeout_s=0.5)
+    assert fresh.latest() == 5
+    assert same(fresh.fetch(5), sample_state(5)) and same(fresh.fetch(4), sample_state(4))
+    channel.publish(sample_state(6), 6)  # and the publisher goes on: its index is readable
+    assert fresh.latest() == 6 and same(fresh.fetch(6), sample_state(6))
+
+
 def test_only_the_newest_versions_stay_in_the_store(master):
     from rollart.weights.mooncake_channel import MooncakeChannel
 

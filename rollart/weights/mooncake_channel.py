@@ -152,27 +152,34 @@ class MooncakeChannel:
     def _store(self) -> Any:
         return _Client.get(self.master, self.segment_mb, self.buffer_mb, self.protocol, self.rdma_devices)
 
-    def _put(self, key: str, data: Any, *, upsert: bool = False, local: bool = False) -> None:
-        """``local``: into this process's own segment if it has room (a memory copy, no transfer: the
-        readers pull from here), else wherever the master places it."""
+    def _put(self, key: str, data: Any, *, upsert: bool = False) -> None:
+        """Into this process's own segment (a memory copy, no transfer: the readers pull from here).
+
+        Every key a publisher writes (chunks, manifests, ``latest``, the index) lives in the
+        publisher's segment: a key the master placed in a reader's segment would vanish with that
+        reader (a killed inference worker unmounts its segment), and the channel with it. Only when
+        the own segment is full does the master place it elsewhere (a warning says so)."""
+        from mooncake.store import ReplicateConfig
+
         store = self._store()
         put = store.upsert if upsert else store.put
-        rc = -1
-        if local:
-            from mooncake.store import ReplicateConfig
-
-            config = ReplicateConfig()
-            config.preferred_segment = store.get_hostname()
-            rc = put(key, data, config)
-        if rc != 0:
-            rc = put(key, data)
+        config = ReplicateConfig()
+        config.preferred_segment = store.get_hostname()
+        rc = put(key, data, config)
         # an upsert can be refused while a reader's lease holds the key (e.g. ``latest`` being polled):
         # retry with a short backoff until ``timeout_s`` before calling it a failure
         deadline, pause = time.monotonic() + self.timeout_s, 0.005
         while rc != 0 and upsert and time.monotonic() < deadline:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
-            rc = put(key, data)
+            rc = put(key, data, config)
+        if rc != 0 and (rc := put(key, data)) == 0:
+            logger.warning(
+                "weight channel %r: %s did not fit this process's segment and sits in another "
+                "process's (lost if that process ends); raise weights.segment_mb",
+                self.name,
+                key,
+            )
         if rc != 0:
             raise MooncakeStoreError(
                 f"Mooncake {'upsert' if upsert else 'put'} of {key!r} failed with code {rc} "
@@ -202,7 +209,6 @@ class MooncakeChannel:
                 f"{base}/chunk{i}",
                 memoryview(view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]),
                 upsert=again,
-                local=True,
             )
         manifest = {
             "version": version,
