@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="--pipeline: first steps not counted")
     p.add_argument("--hidden", type=int, default=256, help="--pipeline: tiny model hidden size")
     p.add_argument("--layers", type=int, default=4, help="--pipeline: tiny model layers")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="--pipeline: override a config value"
+    )
 
 
 def _trainer_class() -> Any:
@@ -159,6 +162,7 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     from pathlib import Path
 
     from rollart.benchmarks.weight_sync_pipeline import run_modes
+    from rollart.pipeline_cli import parse_sets
 
     out = Path(args.out).resolve()
     where = "local Ray"
@@ -188,6 +192,7 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
                     str(args.layers),
                     "--out",
                     str(out / "runs"),
+                    *[f"--set={item}" for item in args.set],
                 ],
                 cwd=repo,
                 env={"PYTHONPATH": str(repo)},
@@ -204,6 +209,7 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
             hidden=args.hidden,
             layers=args.layers,
             local=True,
+            sets=parse_sets(args.set),
         )
     assert isinstance(modes, dict)
     base = modes.get("none", {}).get("step_s")
@@ -213,6 +219,7 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         "where": where,
         "steps": args.steps,
         "warmup": args.warmup,
+        "set": list(args.set),
         "modes": modes,
     }
     for mode, m in modes.items():

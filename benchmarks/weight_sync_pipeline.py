@@ -21,8 +21,18 @@ from typing import Any
 log = logging.getLogger("rollart.bench")
 
 
-def bench_config(channel: str, out: Path, *, steps: int, hidden: int, layers: int, local: bool) -> Any:
-    from rollart.config import PipelineConfig
+def bench_config(
+    channel: str,
+    out: Path,
+    *,
+    steps: int,
+    hidden: int,
+    layers: int,
+    local: bool,
+    sets: dict[str, Any] | None = None,
+) -> Any:
+    """The run of one mode; ``sets`` are dotted overrides (``{"rollout.group_size": 8}``), the same in every mode."""
+    from rollart.config import validate_config
 
     raw: dict[str, Any] = {
         "name": f"ws-{channel}",
@@ -48,17 +58,31 @@ def bench_config(channel: str, out: Path, *, steps: int, hidden: int, layers: in
     }
     if local:
         raw["cluster"]["local_resources"] = {"H800": 2, "H20": 2, "CPU": 4}
-    return PipelineConfig.model_validate(raw)
+    for dotted, value in (sets or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return validate_config(raw)
 
 
 def run_mode(
-    channel: str, out: Path, *, steps: int, warmup: int, hidden: int, layers: int, local: bool
+    channel: str,
+    out: Path,
+    *,
+    steps: int,
+    warmup: int,
+    hidden: int,
+    layers: int,
+    local: bool,
+    sets: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     import ray
 
     from rollart.pipelines.agentic import AgenticPipeline
 
-    cfg = bench_config(channel, out, steps=steps + warmup, hidden=hidden, layers=layers, local=local)
+    cfg = bench_config(channel, out, steps=steps + warmup, hidden=hidden, layers=layers, local=local, sets=sets)
     pipe = AgenticPipeline(cfg, progress=False)
     try:
         history = pipe.run()
@@ -107,18 +131,30 @@ def _wait_released(timeout_s: float = 180.0) -> None:
 
 
 def run_modes(
-    modes: list[str], out: Path, *, steps: int, warmup: int, hidden: int, layers: int, local: bool
+    modes: list[str],
+    out: Path,
+    *,
+    steps: int,
+    warmup: int,
+    hidden: int,
+    layers: int,
+    local: bool,
+    sets: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     results = {}
     for mode in modes:
         _wait_released()
         log.info("weight-sync pipeline: channel %s", mode)
-        results[mode] = run_mode(mode, out, steps=steps, warmup=warmup, hidden=hidden, layers=layers, local=local)
+        results[mode] = run_mode(
+            mode, out, steps=steps, warmup=warmup, hidden=hidden, layers=layers, local=local, sets=sets
+        )
         log.info("weight-sync pipeline: channel %s step %.2f s", mode, results[mode]["step_s"])
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rollart.pipeline_cli import parse_sets
+
     p = argparse.ArgumentParser()
     p.add_argument("--modes", default="none,mooncake,ray")
     p.add_argument("--steps", type=int, default=6)
@@ -126,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--out", required=True)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     results = run_modes(
@@ -136,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         hidden=args.hidden,
         layers=args.layers,
         local=False,
+        sets=parse_sets(args.set),
     )
     print("RESULT " + json.dumps(results), flush=True)
     return 0

@@ -75,7 +75,7 @@ def _with_registry(fn: Any) -> Any:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from rollart.config import ConfigError, load_config
-    from rollart.pipeline_cli import _parse_sets
+    from rollart.pipeline_cli import parse_sets
     from rollart.resource_manager.admission import Admission, check_quota, parse_quota
     from rollart.resource_manager.launcher import new_job_id
     from rollart.resource_manager.specs import ResourceSpecError, parse_pools
@@ -90,7 +90,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         log.error("rollart submit: %s is not a file; give the pipeline YAML to run on the cluster", config)
         return 2
     try:  # the config's own checks and the quota, here, before anything reaches the cluster
-        cfg = load_config(str(config), _parse_sets(args.set))
+        cfg = load_config(str(config), parse_sets(args.set))
         asks: dict[str, float] = {}
         users: dict[str, list[str]] = {}
         for spec in parse_pools(cfg.pools).values():

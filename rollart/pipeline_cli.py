@@ -13,7 +13,7 @@ import yaml
 log = logging.getLogger(__name__)
 
 
-def _parse_sets(items: list[str]) -> dict[str, Any]:
+def parse_sets(items: list[str]) -> dict[str, Any]:
     out = {}
     for item in items:
         if "=" not in item:
@@ -44,7 +44,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rollart.config import ConfigError, load_config
 
     try:  # every check, plug-ins included, before anything starts
-        cfg = load_config(args.config, _parse_sets(args.set))
+        cfg = load_config(args.config, parse_sets(args.set))
     except ConfigError as err:
         log.error("%s", err)
         return 2
