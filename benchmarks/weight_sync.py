@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from typing import Any
@@ -56,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="--pipeline: first steps not counted")
     p.add_argument("--hidden", type=int, default=256, help="--pipeline: tiny model hidden size")
     p.add_argument("--layers", type=int, default=4, help="--pipeline: tiny model layers")
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--hosts 3: the trainer's host on half the cores, the rollout hosts on the other half",
+    )
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="--pipeline: override a config value"
     )
@@ -158,6 +165,17 @@ async def _run_mode(
     }
 
 
+def split_cores(pin: bool) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """``--pin``: the trainer's host gets the first half of this machine's cores, the rollout hosts
+    share the other half (separate machines do not slow each other down; hosts sharing every core of
+    one machine do). None, None without ``--pin`` or with a single core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not pin or len(cores) < 2:
+        return None, None
+    half = len(cores) // 2
+    return tuple(cores[:half]), tuple(cores[half:])
+
+
 def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     from pathlib import Path
 
@@ -170,10 +188,11 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         from rollart.testing import HostSpec, start_hosts
 
         repo = Path(__file__).resolve().parents[1]
+        train_cpus, rollout_cpus = split_cores(args.pin)
         specs = [
-            HostSpec("head", {"H800": 1}, num_cpus=2),
-            HostSpec("b", {"H800": 1}, num_cpus=2),
-            HostSpec("c", {"H20": 2}, num_cpus=2),
+            HostSpec("head", {"H800": 1}, num_cpus=2, cpus=train_cpus),
+            HostSpec("b", {"H800": 1}, num_cpus=2, cpus=rollout_cpus),
+            HostSpec("c", {"H20": 2}, num_cpus=2, cpus=rollout_cpus),
         ]
         with start_hosts(specs, start_timeout_s=300) as cluster:
             res = cluster.run_driver(
@@ -199,7 +218,9 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
                 timeout=3600,
             ).check()
             modes = res.result
-            where = f"{len(specs)} namespace hosts " + ", ".join(f"{h.name}={h.ip}" for h in cluster.hosts)
+            where = f"{len(specs)} namespace hosts " + ", ".join(
+                f"{h.name}={h.ip}" + (f" (cores {','.join(map(str, h.cpus))})" if h.cpus else "") for h in cluster.hosts
+            )
     else:
         modes = run_modes(
             args.modes.split(","),

@@ -56,18 +56,42 @@ def test_hosts_do_not_share_a_loopback_but_reach_each_other_by_ip(hosts3):
         server.wait()
 
 
-def test_teardown_kills_the_processes_and_removes_the_namespaces_also_on_failure():
+AFFINITY = (
+    "import json, os, ray\n"
+    "ray.init(log_to_driver=False)\n"
+    "task = ray.remote(num_cpus=0)(lambda: sorted(os.sched_getaffinity(0)))\n"
+    "print('RESULT ' + json.dumps({'driver': sorted(os.sched_getaffinity(0)), 'task': ray.get(task.remote())}))\n"
+)
+
+
+def test_a_host_pinned_to_a_core_runs_there_and_teardown_removes_everything_also_on_failure():
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
-    with pytest.raises(RuntimeError, match="the test failed"), start_hosts([HostSpec("solo", {"H20": 1})]) as cluster:
+    core = max(os.sched_getaffinity(0))  # hosts pinned to disjoint cores do not slow each other down
+    spec = HostSpec("solo", {"H20": 1}, cpus=(core,))
+    with pytest.raises(RuntimeError, match="the test failed"), start_hosts([spec]) as cluster:
         names = {cluster.bridge_namespace, cluster.head.namespace}
         pids = cluster.head.pids()
         assert names <= _namespaces() and pids
+        # the host's Ray node, its driver and the workers it starts all run on that core only
+        assert cluster.run_python(AFFINITY).check().result == {"driver": [core], "task": [core]}
+        assert _affinities(cluster.head.pids()) == {frozenset({core})}
         raise RuntimeError("the test failed")
     assert not names & _namespaces()
     assert not cluster.dir.exists()
     assert all(_gone(pid) for pid in pids)
+
+
+def _affinities(pids: list[int]) -> set[frozenset[int]]:
+    """The distinct core sets of ``pids`` (a process that exited meanwhile is left out)."""
+    out = set()
+    for pid in pids:
+        try:
+            out.add(frozenset(os.sched_getaffinity(pid)))
+        except ProcessLookupError:
+            continue
+    return out
 
 
 def _gone(pid: int) -> bool:
@@ -89,3 +113,5 @@ def test_bad_specs_are_refused_with_the_reason():
         pytest.skip(reason)
     with pytest.raises(HostsError, match="unique"):
         start_hosts([HostSpec("a"), HostSpec("a")])
+    with pytest.raises(HostsError, match=r"host a: cpus \[100000\] are not all among this process's cores"):
+        start_hosts([HostSpec("a", cpus=(100000,))])

@@ -102,6 +102,9 @@ class HostSpec:
     hardware: Mapping[str, float] = field(default_factory=dict)
     num_cpus: int = 1
     object_store_mb: int = 128
+    # the machine's cores this host's processes may run on (``taskset``); None: all of them. Pinning
+    # hosts to disjoint cores keeps one host's work from slowing another's, as on separate machines
+    cpus: tuple[int, ...] | None = None
 
 
 def three_hosts(num_cpus: int = 2) -> list[HostSpec]:
@@ -152,10 +155,12 @@ class Host:
     hardware: dict[str, float]
     num_cpus: int
     temp_dir: Path
+    cpus: tuple[int, ...] | None = None
 
     def exec_args(self, args: Sequence[str]) -> list[str]:
-        """``args`` prefixed so that they run inside this host's namespace."""
-        return ["ip", "netns", "exec", self.namespace, *args]
+        """``args`` prefixed so that they run inside this host's namespace (on its ``cpus``, if given)."""
+        pin = ["taskset", "-c", ",".join(map(str, self.cpus))] if self.cpus else []
+        return ["ip", "netns", "exec", self.namespace, *pin, *args]
 
     def pids(self) -> list[int]:
         """Every process running in this host's namespace."""
@@ -194,6 +199,13 @@ class HostCluster:
             raise HostsError(f"host names must be unique, got {names}")
         if len(specs) > 250:
             raise HostsError("at most 250 hosts fit the /24 test subnet")
+        usable = os.sched_getaffinity(0)
+        for s in specs:
+            if s.cpus is not None and (not s.cpus or not set(s.cpus) <= usable):
+                raise HostsError(
+                    f"host {s.name}: cpus {list(s.cpus)} are not all among this process's cores {sorted(usable)}; "
+                    "name cores from that list, or leave cpus unset"
+                )
         self.run_id = secrets.token_hex(3)
         self.ray_port = ray_port
         self.dashboard = dashboard
@@ -210,6 +222,7 @@ class HostCluster:
                 hardware={k: float(v) for k, v in s.hardware.items()},
                 num_cpus=s.num_cpus,
                 temp_dir=self.dir / f"h{i}",
+                cpus=s.cpus,
             )
             for i, s in enumerate(specs)
         ]
