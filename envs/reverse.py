@@ -3,7 +3,10 @@
 Reward (:meth:`ReverseTask.verify`): the number of answer positions right, divided by the longer of
 the answer and the (stripped) response, so extra characters cost as much as missing ones; 1.0 only for
 the exact answer, and a random answer scores near 0. Dense credit (:meth:`ReverseTask.char_rewards`):
-1 for each response character in its right place, 0 otherwise.
+1 for each response character in its right place, 0 otherwise. ``format_credit`` (default 0) shapes
+the episode's reward: that share for a well-formed answer (``length`` characters of ``letters``), the
+rest for :meth:`ReverseTask.verify`; with ``length: 1, format_credit: 0.5`` a random tiny model scores
+~0.04 and learns the well-formed half within a few steps.
 """
 
 from __future__ import annotations
@@ -21,9 +24,20 @@ class ReverseTask(VerifiableTask):
     tag: ClassVar[str] = "reverse"
     instructions: ClassVar[str] = "Reverse the letters before '=' and write them after it, e.g. abc=cba."
 
-    def __init__(self, length: int = 3, letters: str = string.ascii_lowercase, with_instructions: bool = False):
+    def __init__(
+        self,
+        length: int = 3,
+        letters: str = string.ascii_lowercase,
+        with_instructions: bool = False,
+        format_credit: float = 0.0,
+    ):
         super().__init__(with_instructions)
         check_positive("reverse", length=length)
+        if not 0.0 <= format_credit <= 1.0:
+            raise ValueError(
+                f"reverse: format_credit must be between 0 and 1 (a share of the reward), got {format_credit}"
+            )
+        self.format_credit = format_credit
         if not letters or "=" in letters:
             raise ValueError(f"reverse: letters must be a non-empty string without '=', got {letters!r}")
         self.length, self.letters = length, letters
@@ -37,6 +51,14 @@ class ReverseTask(VerifiableTask):
     def char_rewards(self, response: str) -> list[float]:
         gt = self.ground_truth or ""
         return [float(i < len(gt) and c == gt[i]) for i, c in enumerate(response)]
+
+    def score(self, response: str) -> float:
+        accuracy = self.verify(response, self.ground_truth or "")
+        if not self.format_credit:
+            return accuracy
+        answer = response.strip()
+        well_formed = len(answer) == self.length and all(c in self.letters for c in answer)
+        return self.format_credit * well_formed + (1.0 - self.format_credit) * accuracy
 
     @staticmethod
     def verify(response: str, ground_truth: str) -> float:

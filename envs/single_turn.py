@@ -37,6 +37,11 @@ class VerifiableTask(TextEnv):
         """Optional dense credit: one score per character of the response (None: none)."""
         return None
 
+    def score(self, response: str) -> float:
+        """This episode's reward for ``response``: :meth:`verify` against the ground truth (a task may
+        add shaping of its own, e.g. ``reverse``'s ``format_credit``)."""
+        return self.verify(response, self.ground_truth)
+
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         prompt, self.ground_truth = self.make(random.Random(seed))
         self.done = False
@@ -46,7 +51,7 @@ class VerifiableTask(TextEnv):
         if self.done:
             raise EnvError(f"{self.tag}: step() after the episode ended; call reset() first")
         self.done = True
-        reward = self.verify(action, self.ground_truth)
+        reward = self.score(action)
         info: dict[str, Any] = {"ground_truth": self.ground_truth, "response": action}
         dense = self.char_rewards(action)
         if dense is not None:

@@ -116,8 +116,8 @@ class DyingReverseEnv(ReverseTask):
     """``reverse``, except that the first step (over every server) that finds ``kill_file`` takes it
     and kills its own server process: an env server that dies mid-episode, after a reset."""
 
-    def __init__(self, length: int = 3, kill_file: str = ""):
-        super().__init__(length=length)
+    def __init__(self, length: int = 3, kill_file: str = "", format_credit: float = 0.0):
+        super().__init__(length=length, format_credit=format_credit)
         self.kill_file = kill_file
 
     def step(self, action: str) -> Any:

@@ -229,6 +229,24 @@ def test_reverse_prompts_and_partial_credit():
     assert ReverseTask.verify("", "cba") == 0.0 and ReverseTask.verify("abc", "cba") == pytest.approx(1 / 3)
 
 
+def test_reverse_format_credit_pays_a_share_for_a_well_formed_answer():
+    def reward(env, answer: str) -> float:
+        env.reset(3)
+        return env.step(answer)[1]
+
+    env = make_env("reverse", length=1, format_credit=0.5)
+    env.reset(3)
+    right = env.ground_truth
+    wrong = "a" if right != "a" else "b"
+    assert reward(env, right) == 1.0 and reward(env, f" {right}\n") == 1.0
+    assert reward(env, wrong) == 0.5  # well formed, wrong letter
+    assert reward(env, "7") == 0.0 and reward(env, "") == 0.0
+    assert reward(env, right + wrong) == pytest.approx(0.25)  # too long: only accuracy's share, halved
+    assert reward(make_env("reverse", length=1), wrong) == 0.0  # no shaping by default
+    with pytest.raises(ValueError, match="format_credit must be between 0 and 1"):
+        make_env("reverse", format_credit=1.5)
+
+
 def test_addition_verifier():
     assert AdditionTask.verify(" 46", 46) == 1.0 and AdditionTask.verify("46.", "46") == 1.0
     assert AdditionTask.verify("<answer>46</answer>", 46) == 1.0

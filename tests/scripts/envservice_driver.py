@@ -1,8 +1,11 @@
 """Driver of tests/test_envservice_hosts.py: the agentic pipeline with envs on the ``ray`` backend.
 
-``python envservice_driver.py OUT_DIR MODEL KILL_FILE [BACKEND]`` (MODEL ``-``: the tiny model) runs 3
-synchronous steps of reverse-3 with two env servers (one CPU each) in the 4-CPU pool ``env``; the first
-step that finds KILL_FILE kills its env server mid-episode. Prints ``RESULT {...}``: the env servers (node IP, URL), the metrics per step and
+``python envservice_driver.py OUT_DIR MODEL KILL_FILE [BACKEND [OVERRIDES]]`` (MODEL ``-``: the tiny
+model) runs 10 synchronous steps of reverse-1 with a format credit of 0.5 (a reward that rises within a
+few steps) with two env servers (one CPU each) in the 4-CPU pool ``env``; the first step that finds
+KILL_FILE kills its env server mid-episode. OVERRIDES: a JSON object
+of dotted config keys (``{"steps": 12, "envs.0.kwargs.length": 1}``; a number after ``envs`` is a list
+index). Prints ``RESULT {...}``: the env servers (node IP, URL), the metrics per step and
 what the servers' pools saw.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 from rollart.config import PipelineConfig
 from rollart.pipelines.agentic import AgenticPipeline
@@ -19,42 +23,48 @@ from rollart.pipelines.agentic import AgenticPipeline
 def main() -> None:
     out_dir, model, kill_file = sys.argv[1:4]
     backend = sys.argv[4] if len(sys.argv) > 4 else "ray"
-    cfg = PipelineConfig.model_validate(
-        {
-            "name": "envsvc",
-            "model": None if model == "-" else model,
-            "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
-            "pools": {
-                "train": {"hardware": "H800", "devices": 1},
-                "rollout": {"hardware": "H20", "devices": 1},
-                "env": {"hardware": "CPU", "cpus": 4},
-            },
-            "envs": [
-                {
-                    "name": "envservice_fixtures:DyingReverseEnv",
-                    "groups": 4,
-                    "kwargs": {"length": 3, "kill_file": kill_file},
-                    "backend": backend,
-                    "servers": 2,
-                    "call_timeout_s": 30,
-                }
-            ],
-            "rollout": {"num_env_groups": 4, "group_size": 4, "batch_groups": 2, "alpha": 0},
-            "env_manager": {"reset_retries": 3, "reset_backoff_s": 0.05, "step_retries": 1},
-            "sampling": {"temperature": 1.0, "max_new_tokens": 3, "seed": 1},
-            "advantage": "grpo_token",
-            "train": {"lr": 0.003},
-            "steps": 3,
-            "export": {"hf": False},
-            "output_dir": out_dir,
-            "cluster": {
-                "metadata_store": f"{out_dir}/meta.sqlite",
-                "job_id": f"envsvc-{backend}",
-                # without RAY_ADDRESS (a one-machine check): the hardware a local Ray declares
-                "local_resources": None if os.environ.get("RAY_ADDRESS") else {"H800": 1, "H20": 1, "CPU": 5},
-            },
-        }
-    )
+    overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    raw = {
+        "name": "envsvc",
+        "model": None if model == "-" else model,
+        "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
+        "pools": {
+            "train": {"hardware": "H800", "devices": 1},
+            "rollout": {"hardware": "H20", "devices": 1},
+            "env": {"hardware": "CPU", "cpus": 4},
+        },
+        "envs": [
+            {
+                "name": "envservice_fixtures:DyingReverseEnv",
+                "groups": 4,
+                "kwargs": {"length": 1, "format_credit": 0.5, "kill_file": kill_file},
+                "backend": backend,
+                "servers": 2,
+                "call_timeout_s": 30,
+            }
+        ],
+        "rollout": {"num_env_groups": 4, "group_size": 8, "batch_groups": 4, "alpha": 0},
+        "env_manager": {"reset_retries": 3, "reset_backoff_s": 0.05, "step_retries": 1},
+        "sampling": {"temperature": 1.0, "max_new_tokens": 1, "seed": 1},
+        "advantage": "grpo",  # the episode's reward (grpo_token would take the env's per-letter credit)
+        "train": {"lr": 0.05},
+        "steps": 10,
+        "export": {"hf": False},
+        "output_dir": out_dir,
+        "cluster": {
+            "metadata_store": f"{out_dir}/meta.sqlite",
+            "job_id": f"envsvc-{backend}",
+            # without RAY_ADDRESS (a one-machine check): the hardware a local Ray declares
+            "local_resources": None if os.environ.get("RAY_ADDRESS") else {"H800": 1, "H20": 1, "CPU": 5},
+        },
+    }
+    for dotted, value in overrides.items():
+        node: Any = raw
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+        node[leaf] = value
+    cfg = PipelineConfig.model_validate(raw)
     pipe = AgenticPipeline(cfg, progress=False)
     try:
         servers = pipe.env_pools.servers()

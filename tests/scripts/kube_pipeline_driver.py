@@ -1,6 +1,7 @@
 """Driver of tests/test_kube_envpods.py: the agentic pipeline with its envs on the ``kubernetes`` backend.
 
-``python kube_pipeline_driver.py OUT_DIR KUBECONFIG IMAGE`` runs 3 synchronous steps of reverse-3 with two
+``python kube_pipeline_driver.py OUT_DIR KUBECONFIG IMAGE`` runs 10 synchronous steps of reverse-1 with a
+format credit of 0.5 (the reward rises within a few steps; the same run as tests/scripts/envservice_driver.py) with two
 env pods (``rollart serve env reverse``, reached at their pod IPs) on the API server that KUBECONFIG
 names, on a local Ray. Prints ``RESULT {...}``: the pools' URLs and sessions, and the metrics per step.
 """
@@ -25,18 +26,18 @@ def main() -> None:
                 {
                     "name": "reverse",
                     "groups": 4,
-                    "kwargs": {"length": 3},
+                    "kwargs": {"length": 1, "format_credit": 0.5},
                     "backend": "kubernetes",
                     "servers": 2,
                     "call_timeout_s": 30,
                     "kubernetes": {"image": image, "port": 8200, "connection": {"kubeconfig": kubeconfig}},
                 }
             ],
-            "rollout": {"num_env_groups": 4, "group_size": 4, "batch_groups": 2, "alpha": 0},
-            "sampling": {"temperature": 1.0, "max_new_tokens": 3, "seed": 1},
-            "advantage": "grpo_token",
-            "train": {"lr": 0.003},
-            "steps": 3,
+            "rollout": {"num_env_groups": 4, "group_size": 8, "batch_groups": 4, "alpha": 0},
+            "sampling": {"temperature": 1.0, "max_new_tokens": 1, "seed": 1},
+            "advantage": "grpo",
+            "train": {"lr": 0.05},
+            "steps": 10,
             "export": {"hf": False},
             "output_dir": out_dir,
             "cluster": {
