@@ -89,7 +89,9 @@ def config(out: Path, steps: int, reward_url: str, seed: int) -> Any:
             # at 0.2 * 2**5 = 6.4 s
             "fault": {
                 "inference": {"max_restarts": 6, "window_s": 60, "backoff_s": 0.2, "on_exhausted": "remove"},
-                "train": {"max_restarts": 2, "window_s": 600, "backoff_s": 0.2},
+                # at one random fault a minute, up to 10 land in 600 s and any of them may hit the trainer
+                # (a trainer fault, or its host killed)
+                "train": {"max_restarts": 10, "window_s": 600, "backoff_s": 0.2},
             },
             "steps": steps,
             "checkpoint_every": 2,  # the trainer fault restores the latest checkpoint
@@ -342,6 +344,10 @@ def driver_main(argv: list[str]) -> int:
             record["steps"] = len(pipe.run())
         except TimeUp:
             record["steps"] = sum(1 for _ in (out / "metrics.jsonl").open())
+        except Exception as err:  # reported with what was measured up to it
+            log.exception("the chaos run failed")
+            record["error"] = f"{type(err).__name__}: {err}"
+            record["steps"] = sum(1 for _ in (out / "metrics.jsonl").open()) if (out / "metrics.jsonl").exists() else 0
         record["wall_s"] = time.monotonic() - t0
         record["faults"] = pipe.proxy.fault_metrics()
         record["events"] = [e["event"] for e in pipe.proxy.supervisor.events] if pipe.proxy.supervisor else []
@@ -350,7 +356,7 @@ def driver_main(argv: list[str]) -> int:
             pipe.shutdown()
         reward.kill()
     print("RESULT " + json.dumps(record), flush=True)
-    return 0
+    return 1 if "error" in record else 0
 
 
 # ---------------------------------------------------------------------- the outer side
@@ -364,10 +370,12 @@ def run_chaos(
     timeout_s: float = 900,
     plan: dict[int, str] | None = None,
     extra: list[str] | None = None,
+    keep_failed: bool = False,
 ) -> dict:
     """Run the driver in the head host of ``hosts`` (a :class:`~rollart.testing.hosts.HostCluster` from
     :func:`~rollart.testing.hosts.three_hosts`) with the seeded plan; serve its requests to kill a host.
-    Returns the driver's record plus ``plan``, ``metrics`` (``metrics.jsonl``) and ``ledger``."""
+    Returns the driver's record plus ``plan``, ``metrics`` (``metrics.jsonl``) and ``ledger``. A failed
+    run raises, unless ``keep_failed`` (the soak): then the record comes back with its ``error``."""
     plan = schedule(kinds, steps, seed) if plan is None else plan
     args = [sys.executable, "-m", "rollart.benchmarks.chaos", "--driver"]
     args += ["--out", str(out), "--steps", str(steps), "--seed", str(seed), "--plan", json.dumps(plan)]
@@ -394,7 +402,7 @@ def run_chaos(
             proc.kill()
             proc.wait()
     stderr = proc.stderr.read() if proc.stderr is not None else ""
-    if proc.returncode != 0 or result is None:
+    if result is None or (proc.returncode != 0 and not (keep_failed and "error" in result)):
         raise RuntimeError(f"the chaos driver failed (exit {proc.returncode}):\n{stderr[-6000:]}")
     result["plan"] = (
         {str(i["step"]): i["kind"] for i in result["injected"]} if extra else {str(k): v for k, v in plan.items()}

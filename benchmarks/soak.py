@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             plan={},
             extra=extra,
             timeout_s=args.minutes * 60 + 900,
+            keep_failed=True,
         )
     led = res["ledger"]
     per_proc = slopes(res["rss"], args.minutes * 60.0)
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "soak",
         "minutes": args.minutes,
         "steps": res["steps"],
+        "error": res.get("error") or "none",
         "sample_s": sample_s,
         "trajectories lost": led["lost"],
         "trained twice": led["trained_twice"],

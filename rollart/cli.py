@@ -125,9 +125,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     result = args.bench_run(args)
+    failed = result.get("error", "none") != "none"  # a bench that reports what it measured up to a failure
     if getattr(args, "json", False):
         print(json.dumps(result, default=str))
-        return 0
+        return int(failed)
     from rich.console import Console
     from rich.table import Table
 
@@ -140,7 +141,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         elif key == "files":
             table.add_row(key, "\n".join(value))
     Console().print(table)
-    return 0
+    return int(failed)
 
 
 def _module_summary(module: str) -> str | None:
