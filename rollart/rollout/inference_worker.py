@@ -318,6 +318,7 @@ class InferenceWorker(ra.Worker):
             "hardware": self.hardware,
             "weight_version": self.engine.weight_version,
             "engine_profile": getattr(getattr(self.engine, "profile", None), "name", None),
+            "engine_busy_s": getattr(self.engine, "busy_s", None),  # the simulated engine's modelled time
             "running": len(self._pending),
             **self.stats,
         }
