@@ -28,6 +28,7 @@ BENCHES: dict[str, str] = {
     "redundant-env": "rollart.benchmarks.redundant_env",
     "env-service": "rollart.benchmarks.env_service",
     "queue-scheduling": "rollart.benchmarks.queue_scheduling",
+    "affinity": "rollart.benchmarks.affinity",
     "prompt-replication": "rollart.benchmarks.prompt_replication",
     "async-train": "rollart.benchmarks.async_train",
     "weight-sync": "rollart.benchmarks.weight_sync",

@@ -5,7 +5,10 @@ bookkeeping, no model. Each step sleeps for a prefill/decode latency model
 
 and emits one token per running request. A request's output length is drawn from ``length_sampler``
 (or ``length_lognormal=(median, sigma)``), seeded by the request's sampling seed, else its id, and
-capped at ``max_new_tokens``; each token is a
+capped at ``max_new_tokens``. With ``profile`` (a hardware name of :mod:`rollart.engines.hardware`,
+e.g. ``"H800"``; ``"auto"`` in a config means the worker's own hardware) the step time is that
+device's roofline instead: compute-bound prefill, bandwidth-bound decode of the weights plus the KV
+cache of every running sequence. Each token is a
 deterministic function of the previous token and the position, so a resumed request continues the
 same sequence.
 """
@@ -20,6 +23,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from rollart.engines.base import EngineRequest, InferenceEngine, RequestOutput
+from rollart.engines.hardware import HardwareProfile, ModelShape, profile_for
 
 
 class SimulatedEngine(InferenceEngine):
@@ -35,6 +39,8 @@ class SimulatedEngine(InferenceEngine):
         max_batch_size: int = 1024,
         length_lognormal: tuple[float, float] | None = None,
         difficulty_from_first_token: float | None = None,
+        profile: str | None = None,
+        profile_model: Mapping[str, float | str] | None = None,
     ):
         self.decode_base_s, self.decode_per_seq_s = decode_base_s, decode_per_seq_s
         self.prefill_per_token_s, self.time_scale = prefill_per_token_s, time_scale
@@ -45,6 +51,9 @@ class SimulatedEngine(InferenceEngine):
         self.length_sampler = length_sampler
         self.difficulty_from_first_token = difficulty_from_first_token
         self.max_batch_size = max_batch_size
+        self.profile: HardwareProfile | None = None
+        if profile is not None:
+            self.profile = profile_for(profile, ModelShape(**profile_model) if profile_model else None)  # type: ignore[arg-type]
         self.weight_version = 0
         self._running: dict[str, tuple[EngineRequest, RequestOutput, int]] = {}
         self._new_prompt_tokens = 0
@@ -87,11 +96,15 @@ class SimulatedEngine(InferenceEngine):
 
     def step(self) -> list[RequestOutput]:
         active = list(self._running.items())[: self.max_batch_size]
-        delay = (
-            self.decode_base_s
-            + self.decode_per_seq_s * len(active)
-            + self.prefill_per_token_s * self._new_prompt_tokens
-        ) * self.time_scale
+        if self.profile is not None:
+            context = sum(len(req.prompt_token_ids) + len(out.output_token_ids) for _, (req, out, _) in active)
+            delay = self.profile.step_s(self._new_prompt_tokens, len(active), context) * self.time_scale
+        else:
+            delay = (
+                self.decode_base_s
+                + self.decode_per_seq_s * len(active)
+                + self.prefill_per_token_s * self._new_prompt_tokens
+            ) * self.time_scale
         self._new_prompt_tokens = 0
         if delay > 0:
             time.sleep(delay)

@@ -19,7 +19,9 @@ ENGINE_KINDS: dict[str, str] = {
 
 class EngineConfig(BaseModel):
     """``kind`` is one of ``torch`` (default), ``vllm``, ``sglang``, ``simulated`` or ``module:Class``;
-    ``model`` a Hugging Face folder (default: the built-in tiny model); ``options`` go to the engine."""
+    ``model`` a Hugging Face folder (default: the built-in tiny model); ``options`` go to the engine.
+    The simulated engine's ``options.profile: auto`` takes the latency profile of the worker's own
+    hardware (``rollart.engines.hardware``: H800, H20), so each rollout pool runs at its device's speed."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -28,8 +30,32 @@ class EngineConfig(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
-def build_engine(cfg: EngineConfig | dict[str, Any], device: str | None = None) -> InferenceEngine:
-    """The engine of ``cfg``; the torch engine runs on ``device`` (the worker's) unless its options say."""
+LATENCY_OPTIONS = ("decode_base_s", "decode_per_seq_s", "prefill_per_token_s")
+
+
+def simulated_options(options: dict[str, Any], hardware: str | None) -> dict[str, Any]:
+    """The simulated engine's options with ``profile: auto`` resolved to ``hardware`` (the worker's)."""
+    profile = options.get("profile")
+    if profile is None:
+        return options
+    both = [k for k in LATENCY_OPTIONS if k in options]
+    if both:
+        raise ValueError(f"engine.options: profile={profile!r} sets the step time; drop {both} or drop profile")
+    if profile == "auto":
+        if not hardware:
+            raise ValueError(
+                "engine.options.profile: 'auto' takes the worker's hardware, but this engine has none; "
+                "name the hardware (profile: H800) or build it inside a worker of a pool with hardware"
+            )
+        options = {**options, "profile": hardware}
+    return options
+
+
+def build_engine(
+    cfg: EngineConfig | dict[str, Any], device: str | None = None, hardware: str | None = None
+) -> InferenceEngine:
+    """The engine of ``cfg``; the torch engine runs on ``device`` (the worker's) unless its options say;
+    the simulated engine's ``profile: auto`` becomes ``hardware`` (the worker's hardware type)."""
     cfg = EngineConfig.model_validate(cfg)
     if cfg.kind == "torch" and device is not None and "device" not in cfg.options:
         cfg = cfg.model_copy(update={"options": {**cfg.options, "device": device}})
@@ -39,7 +65,7 @@ def build_engine(cfg: EngineConfig | dict[str, Any], device: str | None = None) 
     module, cls_name = target.split(":", 1)
     cls = getattr(importlib.import_module(module), cls_name)
     if cfg.kind == "simulated":
-        return cls(**cfg.options)
+        return cls(**simulated_options(cfg.options, hardware))
     model = cfg.model
     if model is None:
         from rollart.models import default_tiny_path

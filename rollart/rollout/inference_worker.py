@@ -77,7 +77,11 @@ class InferenceWorker(ra.Worker):
     def __init__(self, engine: EngineConfig | dict[str, Any] | None = None):
         from rollart.training.placement import worker_device
 
-        self.engine = build_engine(engine or EngineConfig(), device=str(worker_device(getattr(self, "device_ids", ()))))
+        self.engine = build_engine(
+            engine or EngineConfig(),
+            device=str(worker_device(getattr(self, "device_ids", ()))),
+            hardware=getattr(self, "hardware", None),
+        )
         self._commands: asyncio.Queue[Command] | None = None
         self._loop_task: asyncio.Task | None = None
         self._loop_error: BaseException | None = None
@@ -313,6 +317,8 @@ class InferenceWorker(ra.Worker):
             "rank": self.rank,
             "hardware": self.hardware,
             "weight_version": self.engine.weight_version,
+            "engine_profile": getattr(getattr(self.engine, "profile", None), "name", None),
+            "engine_busy_s": getattr(self.engine, "busy_s", None),  # the simulated engine's modelled time
             "running": len(self._pending),
             **self.stats,
         }
