@@ -12,13 +12,14 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
 from rollart.resource_manager.admission import Admission, wait_for_admission
 from rollart.resource_manager.capacity import HardwareCapacity, read_capacity
@@ -228,14 +229,44 @@ class ResourceManager:
             binding.colocated.remove(cluster)
 
     # ------------------------------------------------------------------ lifecycle
-    def shutdown(self) -> None:
-        """Release every placement group and mark the job ended in the store."""
+    def shutdown(self, wait_s: float = 30.0) -> None:
+        """Release every placement group (waiting up to ``wait_s`` for Ray to report them removed, so the
+        next job on this cluster finds the devices free) and mark the job ended in the store."""
+        removed = []
+        released: dict[str, float] = {}  # the Ray resources the removed groups held
+        try:
+            before = ray.available_resources() if self.groups else {}
+        except Exception:  # no cluster left
+            before = {}
         for groups in self.groups.values():
             for rg in groups:
                 try:
                     remove_placement_group(rg.placement_group)
+                    removed.append(rg.placement_group)
+                    for bundle in rg.placement_group.bundle_specs:
+                        for key, amount in bundle.items():
+                            released[key] = released.get(key, 0.0) + amount
                 except Exception as err:  # already gone with a dead cluster
                     log.debug("placement group %s: %s", rg.name, err)
+        deadline = time.monotonic() + wait_s
+        for pg in removed:
+            try:
+                while placement_group_table(pg).get("state") != "REMOVED" and time.monotonic() < deadline:
+                    time.sleep(0.05)  # removal is asynchronous in Ray; its table says when it is done
+            except Exception as err:  # the cluster went away: nothing left to wait for
+                log.debug("placement group %s: %s", pg.id, err)
+                break
+        # Ray's view of free resources follows the removal a moment later; another job may also have
+        # taken them by then, so this wait is short and never an error
+        view_deadline = min(deadline, time.monotonic() + 5.0)
+        while removed and time.monotonic() < view_deadline:
+            try:
+                now = ray.available_resources()
+            except Exception:
+                break
+            if all(now.get(k, 0.0) >= before.get(k, 0.0) + v - 1e-6 for k, v in released.items()):
+                break
+            time.sleep(0.05)
         self.groups.clear()
         self.bindings.clear()
         self.store.end_job(self.job_id)
