@@ -100,6 +100,20 @@ def batch_statistics(batch: Any, trajs: list) -> dict[str, Any]:
     return out
 
 
+def _quantiles(values: list[float], qs: tuple[float, ...]) -> list[float] | None:
+    """Linear-interpolated quantiles ``qs`` (in [0, 1]) of ``values``; None when there are none."""
+    if not values:
+        return None
+    xs = sorted(values)
+    out = []
+    for q in qs:
+        pos = q * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        out.append(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+    return out
+
+
 def _dead_by_position(trajs: list) -> dict[str, list[float]]:
     """Per tag and action position: the fraction of groups in which no member got any credit there.
     Such a position is tied, so its group-relative advantage is exactly 0: it learns nothing until a
@@ -242,7 +256,14 @@ class AgenticPipeline:
         # a restarted inference worker loads the served version (ray or mooncake channel; a dist
         # broadcast needs every receiver at once, so with it dead workers are not restarted)
         restart = config.fault.inference if config.weights.channel != "dist" else None
-        self.proxy = LLMProxy(self.infer, restart=restart)
+        affinity = None
+        if config.routing.auto:  # @hw_mapping / tags: are the default order and its bounds
+            from rollart.rollout.affinity import AutoAffinity
+
+            spec = self.infer.methods["generate"].hw_mapping
+            assert spec is not None
+            affinity = AutoAffinity(spec.preference, config.routing)
+        self.proxy = LLMProxy(self.infer, restart=restart, affinity=affinity)
         codec = HFCodec(AutoTokenizer.from_pretrained(model_path))
         self.reward_client = None  # the pipeline's reward: service
         self.reward_clients: dict[str, Any] = {}  # per task tag whose reward comes from a service
@@ -812,6 +833,8 @@ class AgenticPipeline:
             "reward_mean": sum(rewards) / len(rewards),
             "reward_by_tag": {k: sum(v) / len(v) for k, v in by_tag.items()},
             "hardware_by_tag": {k: dict(v) for k, v in hw_by_tag.items()},
+            # routing: auto — the tags whose hardware order the measured shapes changed
+            **({"routing": self.proxy.affinity.mapping()} if self.proxy.affinity is not None else {}),
             "time": {
                 "step_s": t_step,
                 "rollout_wait_s": t_rollout,
@@ -843,7 +866,7 @@ class AgenticPipeline:
     ) -> dict[str, Any]:
         """Per task tag: ``groups_by_tag`` (groups in this batch) and ``by_tag`` — groups, trajectories,
         reward mean/min/max, mean response length (action tokens), tokens, mean trajectory wall time
-        (reset to reward), this batch's staleness,
+        (reset to reward) and its quantiles, this batch's staleness,
         the groups held back in the buffer for later batches, and the run's trajectory counts so far
         (ok, aborted, failed, reward_failed, evicted) and its quota (``tasks.*.ratio``) if any."""
         sched = self.scheduler
@@ -865,6 +888,8 @@ class AgenticPipeline:
                 "response_length_mean": sum(lengths) / len(lengths) if lengths else None,
                 "tokens": sum(lengths),
                 "trajectory_s_mean": sum(durations) / len(durations) if durations else None,
+                # min, p25, p50, p75, p90, max of the trajectories' wall times (rollart advise's tail)
+                "trajectory_s_quantiles": _quantiles(durations, (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)),
                 "staleness": {str(k): v for k, v in sorted(staleness.items())},
                 "max_staleness": max(staleness, default=0),
                 "held_back_groups": held_back.get(tag, 0),

@@ -220,6 +220,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         ("rollart.reward.cli", "add_serve_parser"),
         ("rollart.export_cli", "add_export_parser"),
         ("rollart.jobs_cli", "add_job_parsers"),
+        ("rollart.advise_cli", "add_advise_parser"),
     ):
         add = _optional(module, attr)
         if add is not None:
