@@ -13,7 +13,11 @@ Modes, on pools of (about) the same cost (H800 2.85, H20 1.00 per device hour, s
 - ``affinity``: a mixed pool (``--mixed`` H800,H20 devices), Prefill → H800, Decode → H20 (P1);
 - ``reverse``: the same pool, Prefill → H20, Decode → H800;
 - ``h800-only`` / ``h20-only``: a homogeneous pool with the mixed pool's cost (devices rounded), both
-  tasks on every device (the Fig. 4 / Fig. 11a baselines).
+  tasks on every device (the Fig. 4 / Fig. 11a baselines);
+- ``auto``: the mixed pool with no hint (every tag prefers H800, then H20) and automatic affinity
+  (:mod:`rollart.rollout.affinity`, ``routing: {auto: true}`` in a pipeline): one batch learns each
+  task's prompt/answer lengths (reported as ``learning_batch``, not counted), the measured batches
+  run on the order it derived.
 
 Each mode rolls out ``--repeats`` batches of ``--groups`` × ``--group-size`` trajectories per task.
 Reported per mode: rollout time per batch, trajectories/s, tokens/s (prompt and generated), each
@@ -30,15 +34,17 @@ import asyncio
 import logging
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rollart.benchmarks.common import TinyCodec, write_report
 from rollart.engines.hardware import HARDWARE, profile_for
+from rollart.rollout.affinity import AutoAffinity, RoutingConfig
 
 log = logging.getLogger("rollart.bench")
-MODES = ("affinity", "reverse", "h800-only", "h20-only")
+MODES = ("affinity", "reverse", "h800-only", "h20-only", "auto")
 SEED_FIGURE = (
     "seed 004 Fig. 4: 2 H800 vs 6 H20, rollout time H800/H20 down to 0.53 on FrozenLake, H20/H800 0.49-0.79 "
     "on GEM-math; Fig. 11a: affinity (64 H800 + 24 H20) 1.12-1.37x faster than 72 H800, 1.30-1.68x than 208 H20"
@@ -90,6 +96,8 @@ def layouts(mixed: tuple[int, int]) -> dict[str, dict[str, Any]]:
         "reverse": {"devices": {"H800": n800, "H20": n20}, "mapping": {"Prefill": ["H20"], "Decode": ["H800"]}},
         "h800-only": {"devices": {"H800": only800}, "mapping": {"*": ["H800"]}},
         "h20-only": {"devices": {"H20": only20}, "mapping": {"*": ["H20"]}},
+        # no hint: every tag prefers H800, then H20; routing: auto reorders each tag by its measured shape
+        "auto": {"devices": {"H800": n800, "H20": n20}, "mapping": {"*": ["H800", "H20"]}, "auto": True},
     }
 
 
@@ -163,6 +171,7 @@ async def _batches(proxy: Any, args: argparse.Namespace, tasks: list[TaskShape])
     codec = TinyCodec()
     latencies: list[tuple[str, float]] = []
     walls, prompt_tokens, output_tokens, trajectories = [], 0, 0, 0
+    served: dict[str, Counter[str]] = {}  # tag -> hardware -> trajectories
     for k in range(args.repeats):
         groups = [
             [
@@ -186,6 +195,9 @@ async def _batches(proxy: Any, args: argparse.Namespace, tasks: list[TaskShape])
         if bad:
             raise RuntimeError(f"affinity bench: {len(bad)} trajectories failed, first: {bad[0]}")
         trajectories += len(trajs)
+        for t in trajs:
+            for hw in t.hardware:
+                served.setdefault(t.tag, Counter())[hw] += 1
         prompt_tokens += sum(t.prompt_length for t in trajs)
         output_tokens += sum(t.num_action_tokens for t in trajs)
     total = sum(walls)
@@ -195,6 +207,7 @@ async def _batches(proxy: Any, args: argparse.Namespace, tasks: list[TaskShape])
         "prompt_tokens_per_s": prompt_tokens / total,
         "output_tokens_per_s": output_tokens / total,
         "task_latency_s": {t.tag: statistics.fmean(v for tag, v in latencies if tag == t.tag) for t in tasks},
+        "hardware_by_tag": {tag: dict(c) for tag, c in sorted(served.items())},
     }
 
 
@@ -213,12 +226,25 @@ def _run_mode(layout: dict[str, Any], args: argparse.Namespace, tasks: list[Task
         pool="rollout",
         worker_kwargs={"engine": engine},
     )
+
+    async def metrics() -> list[dict[str, Any]]:
+        return list(await cluster.metrics())
+
+    learning: dict[str, Any] | None = None
     try:
-        measured = asyncio.run(_batches(LLMProxy(cluster), args, tasks))
-
-        async def metrics() -> list[dict[str, Any]]:
-            return list(await cluster.metrics())
-
+        if layout.get("auto"):
+            # the same routing as `routing: {auto: true}` in a pipeline; one batch to learn the shapes
+            # (not counted), then the measured batches
+            spec = cluster.methods["generate"].hw_mapping
+            assert spec is not None
+            auto = AutoAffinity(spec.preference, RoutingConfig(min_requests=max(1, args.group_size)))
+            proxy = LLMProxy(cluster, affinity=auto)
+            learning = asyncio.run(_batches(proxy, argparse.Namespace(**{**vars(args), "repeats": 1}), tasks))
+            learning["routing"] = auto.mapping()
+            before = {m["rank"]: m["engine_busy_s"] for m in asyncio.run(metrics())}
+        else:
+            proxy, before = LLMProxy(cluster), {}
+        measured = asyncio.run(_batches(proxy, args, tasks))
         per_worker = asyncio.run(metrics())
     finally:
         cluster.shutdown()
@@ -226,7 +252,9 @@ def _run_mode(layout: dict[str, Any], args: argparse.Namespace, tasks: list[Task
     wrong = [m for m in per_worker if m["engine_profile"] != m["hardware"]]
     if wrong:
         raise RuntimeError(f"affinity bench: workers without their hardware's profile: {wrong}")
-    busy = [m["engine_busy_s"] / args.time_scale / args.repeats for m in per_worker]
+    if learning is not None:
+        measured["learning_batch"] = learning
+    busy = [(m["engine_busy_s"] - before.get(m["rank"], 0.0)) / args.time_scale / args.repeats for m in per_worker]
     measured["device_busy_s"] = {f"{m['hardware']}#{m['rank']}": b for m, b in zip(per_worker, busy)}
     measured["max_device_busy_s"] = max(busy)
     return measured
@@ -261,12 +289,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             layout = all_layouts[mode]
             log.info("affinity: %s on %s, mapping %s", mode, layout["devices"], layout["mapping"])
             measured = _run_mode(layout, args, tasks, mode)
+            # auto: the model of the mapping it learnt
+            learnt = measured.get("learning_batch", {}).get("routing")
+            mapping = {**layout["mapping"], **learnt} if learnt is not None else layout["mapping"]
             results[mode] = {
                 "devices": layout["devices"],
                 "cost": cost_of(layout["devices"]),
-                "mapping": layout["mapping"],
+                "mapping": mapping,
                 "measured": measured,
-                "model": model(layout, tasks, per_task),
+                "model": model({**layout, "mapping": mapping}, tasks, per_task),
             }
     finally:
         if own_ray:

@@ -27,6 +27,7 @@ from rollart.data.config import DataTask, EvalConfig
 from rollart.engines.base import SamplingParams
 from rollart.plugins import checked as _plain
 from rollart.resource_manager.specs import parse_pools
+from rollart.rollout.affinity import RoutingConfig
 from rollart.rollout.engine_config import EngineConfig
 from rollart.rollout.env_manager import EnvManagerConfig
 from rollart.rollout.scheduler import RolloutConfig
@@ -218,6 +219,7 @@ class PipelineConfig(BaseModel):
     train_pool: str = "train"
     rollout_pool: str = "rollout"
     tags: dict[str, list[str]] = Field(default_factory=lambda: {"*": list[str]()})
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)  # auto: reorder tags by their measured shape
     model: str | None = None
     tiny_model: dict[str, Any] = Field(default_factory=dict)
     engine: EngineConfig = Field(default_factory=EngineConfig)

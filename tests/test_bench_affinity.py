@@ -20,7 +20,7 @@ def test_affinity_mapping_beats_reverse_and_homogeneous_pools_of_the_same_cost(r
     affinity.add_arguments(p)
     result = affinity.run(p.parse_args(["--quick", "--out", str(tmp_path)]))
     modes = result["modes"]
-    assert list(modes) == ["affinity", "reverse", "h800-only", "h20-only"]
+    assert list(modes) == ["affinity", "reverse", "h800-only", "h20-only", "auto"]
     # the premise, from the datasheets: H800 prefills faster per token, H20 decodes faster per step
     assert profile_for("H800").prefill_s_per_token < profile_for("H20").prefill_s_per_token
     assert profile_for("H20").decode_weights_s < profile_for("H800").decode_weights_s
@@ -40,6 +40,15 @@ def test_affinity_mapping_beats_reverse_and_homogeneous_pools_of_the_same_cost(r
     for m in modes.values():
         assert set(lat_m := m["measured"]["task_latency_s"]) == {"Prefill", "Decode"} and min(lat_m.values()) > 0
         assert m["measured"]["trajectories_per_s"] > 0 and m["measured"]["output_tokens_per_s"] > 0
+    # auto: the learning batch ran on the no-hint order (everything on H800); then each task went where
+    # the static affinity mapping puts it, with the same modelled cost
+    auto, static = modes["auto"]["measured"], modes["affinity"]["measured"]
+    assert auto["learning_batch"]["hardware_by_tag"] == {"Decode": {"H800": 8}, "Prefill": {"H800": 8}}
+    assert auto["hardware_by_tag"] == static["hardware_by_tag"] == {"Decode": {"H20": 8}, "Prefill": {"H800": 8}}
+    assert modes["auto"]["mapping"] == {"*": ["H800", "H20"], "Decode": ["H20", "H800"]}
+    assert model["auto"] == pytest.approx(model["affinity"])
+    for other in ("reverse", "h800-only", "h20-only"):
+        assert busy["auto"] < busy[other], (other, busy)
     saved = json.loads((tmp_path / "affinity.json").read_text())
     assert saved["modes"]["affinity"]["mapping"] == {"Prefill": ["H800"], "Decode": ["H20"]}
     assert saved["tasks"]["Prefill"]["trajectories"] == saved["tasks"]["Decode"]["trajectories"] == 8

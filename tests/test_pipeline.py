@@ -343,3 +343,37 @@ def test_batch_statistics_of_advantages_credit_and_dead_positions():
     assert stats["dead_by_position"] == {"r": [0.0, 1.0, 0.0]}
     # 12 action tokens; non-zero only where a pair differs: position 0 of group 0, position 2 of both
     assert stats["advantage"]["frac_zero"] == 0.5 and stats["advantage"]["mean"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_routing_auto_sends_the_decode_heavier_task_to_h20_and_the_other_to_h800(ray_local, tmp_path):
+    """No hint (every tag prefers H800, then H20): once each task has 4 finished requests, the one whose
+    answer is long for its prompt (reverse-8) is reordered to H20 first; reverse-1 keeps H800."""
+    cfg = small_config(
+        tmp_path,
+        pools={
+            "train": {"hardware": "CPU", "cpus": 1},
+            "rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 1}],
+        },
+        tags={"*": ["H800", "H20"]},
+        routing={"auto": True, "min_requests": 4},
+        envs=[
+            {"name": "reverse", "groups": 2, "kwargs": {"length": 1}},
+            {"name": "reverse", "groups": 2, "kwargs": {"length": 8}},
+        ],
+        rollout={"num_env_groups": 4, "group_size": 4, "batch_groups": 2, "alpha": 1},
+        sampling={"temperature": 1.0, "max_new_tokens": 8},
+        steps=5,
+        checkpoint_every=0,
+    )
+    pipe = AgenticPipeline(cfg, progress=False)
+    try:
+        history = pipe.run()
+    finally:
+        pipe.shutdown()
+    assert history[-1]["routing"] == {"reverse-8": ["H20", "H800"]}
+    last = history[-1]["hardware_by_tag"]
+    assert set(last.get("reverse-8", {"H20": 1})) == {"H20"}, last
+    assert set(last.get("reverse-1", {"H800": 1})) == {"H800"}, last
+    assert "reverse-8" in last or "reverse-1" in last
+    first = history[0]["hardware_by_tag"]  # before any task was profiled: the static order, H800 first
+    assert all(set(hws) == {"H800"} for hws in first.values()), first

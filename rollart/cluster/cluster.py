@@ -6,6 +6,7 @@ the Cluster instance under the same name:
 - ``@register``: the call is planned by its dispatch mode, run on the ranks, collected.
 - ``@hw_mapping``: the call's ``tag_name`` picks the ordered hardware preference; the first hardware
   type with a live worker serves it, the least-loaded one (fewest calls in flight) within that type.
+  ``route_override`` (automatic affinity) may reorder a tag's preference.
   A worker found dead is marked so and the call is routed to the next candidate.
 - ``@register_serverless``: the arguments are POSTed as JSON to the URL; nothing runs on a worker.
 
@@ -120,6 +121,8 @@ class Cluster:
         self._lock = threading.Lock()
         self._live_changed = threading.Condition(self._lock)
         self.skip_dead_ranks = skip_dead_ranks
+        # tag -> hardware order that replaces the @hw_mapping one (None: keep it); see rollart.rollout.affinity
+        self.route_override: Callable[[str], tuple[str, ...] | None] | None = None
         self._death_listeners: list[Callable[[int, BaseException | None], None]] = []
         self._fatal: BaseException | None = None
         self._last_death: BaseException | None = None
@@ -593,7 +596,9 @@ class Cluster:
         return call
 
     def _route(self, spec: HwMappingSpec, tag: str) -> _Slot:
-        prefs = spec.preference(tag)
+        prefs = spec.preference(tag)  # an unknown tag is refused here, with or without an override
+        if self.route_override is not None:
+            prefs = self.route_override(tag) or prefs
         with self._lock:
             for hw in prefs:
                 live = [s for s in self._slots if s.hardware == hw and s.alive]

@@ -29,6 +29,7 @@ import ray
 from rollart.cluster import Cluster
 from rollart.cluster.errors import NoLiveWorkerError, WorkerDiedError
 from rollart.cluster.fault import RestartPolicy, WorkerSupervisor
+from rollart.rollout.affinity import AutoAffinity
 from rollart.rollout.types import GenerateOutput, GenerateRequest
 from rollart.weights.base import WeightChannel
 
@@ -38,8 +39,19 @@ log = logging.getLogger(__name__)
 class LLMProxy:
     """Shared by many EnvManagers; every method is a coroutine on the caller's event loop."""
 
-    def __init__(self, cluster: Cluster, *, restart: RestartPolicy | None = None, wait_for_worker_s: float = 300.0):
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        restart: RestartPolicy | None = None,
+        wait_for_worker_s: float = 300.0,
+        affinity: AutoAffinity | None = None,
+    ):
         self.cluster = cluster
+        # automatic hardware affinity: every finished request's lengths reorder its tag's preference
+        self.affinity = affinity
+        if affinity is not None:
+            cluster.route_override = affinity.preference
         self._aborted: set[str] = set()
         self._inflight: set[str] = set()
         self.version = 0
@@ -117,6 +129,8 @@ class LLMProxy:
                 )
             if rid in self._aborted:
                 out = out.model_copy(update={"finish_reason": "abort", "preempted": False})
+            if self.affinity is not None and out.finish_reason != "abort":
+                self.affinity.observe(tag, len(request.prompt_token_ids), len(out.output_token_ids))
             stats = self._by_hw[out.hardware]
             stats["requests"] += 1
             stats["output_tokens"] += len(out.output_token_ids)
