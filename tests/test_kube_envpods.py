@@ -319,14 +319,16 @@ def test_agentic_pipeline_with_kubernetes_backend_envs_learns_as_with_local_envs
     assert done.returncode == 0, done.stderr[-4000:]
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     out = json.loads(line[len("RESULT ") :])
-    (pool,) = out["pools"].values()
-    assert len(pool["urls"]) == 2  # two env pods, each reached at its own pod IP, both serving sessions
-    assert all(ipaddress.ip_address(u.split("//")[1].split(":")[0]) in kube.subnet for u in pool["urls"])
-    assert all(n > 0 for n in pool["sessions"].values())
+    pools = {len(p["urls"]): p for p in out["pools"].values()}
+    assert sorted(pools) == [1, 2]  # reverse in two env pods, FrozenLake in one
+    for pool in pools.values():  # each reached at its own pod IP, every pod serving sessions
+        assert all(ipaddress.ip_address(u.split("//")[1].split(":")[0]) in kube.subnet for u in pool["urls"])
+        assert all(n > 0 for n in pool["sessions"].values())
     history = out["history"]
     assert [h["trajectories_failed"] for h in history] == [0] * 10
+    assert all(set(h["reward_by_tag"]) == {"reverse-1", "FrozenLake"} for h in history)  # both tasks every step
     assert job_pods(api, "kube-e2e") == []  # the pipeline's shutdown deleted its pods
     # the reward rises as with local envs: a random policy scores ~0.05-0.1, a well-formed answer 0.5
-    curve = [h["reward_mean"] for h in history]
+    curve = [h["reward_by_tag"]["reverse-1"] for h in history]
     print("reward per step, kubernetes backend:", curve)
     assert sum(curve[-3:]) / 3 >= sum(curve[:3]) / 3 + 0.2 and sum(curve[-3:]) / 3 >= 0.35, curve

@@ -41,9 +41,17 @@ def main() -> None:
                 "backend": backend,
                 "servers": 2,
                 "call_timeout_s": 30,
-            }
+            },
+            {  # a second, multi-turn task on the same backend: a multi-task job
+                "name": "frozen_lake",
+                "groups": 2,
+                "kwargs": {"size": 3, "hole_prob": 0.1, "max_steps": 4, "max_new_tokens": 1},
+                "backend": backend,
+                "servers": 1,
+                "call_timeout_s": 30,
+            },
         ],
-        "rollout": {"num_env_groups": 4, "group_size": 8, "batch_groups": 4, "alpha": 0},
+        "rollout": {"num_env_groups": 6, "group_size": 8, "batch_groups": 6, "alpha": 0},
         "env_manager": {"reset_retries": 3, "reset_backoff_s": 0.05, "step_retries": 1},
         "sampling": {"temperature": 1.0, "max_new_tokens": 1, "seed": 1},
         "advantage": "grpo",  # the episode's reward (grpo_token would take the env's per-letter credit)
