@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import threading
+from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -87,7 +88,7 @@ class _HostCache:
         self.channel_name = channel_name
         self.shared: dict[int, tuple[_Shared, list[dict[str, Any]]]] = {}
         self.loading: dict[int, asyncio.Future] = {}
-        self.fetches: list[int] = []
+        self.fetches: deque[int] = deque(maxlen=1000)  # the versions fetched, the last 1000 (bounded memory)
         self.newest = -1
 
     async def get(self, version: int) -> dict[str, Any]:
