@@ -99,7 +99,13 @@ def advise(
         "profile": {**asdict(measured), "out": str(out)},
         "workload": {k: v for k, v in asdict(w).items() if k != "shape"},
         # the advice is the simulated sweep's best split; beta* (the bound's) is shown beside it
-        "advice": {"train_devices": best.train_devices, "rollout_devices": best.rollout_devices},
+        "advice": {
+            # synchronous: every device generates, then every device trains (no split); chosen when the
+            # simulation finds it faster than the best split (short generation tails, few devices)
+            "mode": "sync" if sync_sim < best.simulated_step_s else "async",
+            "train_devices": best.train_devices,
+            "rollout_devices": best.rollout_devices,
+        },
         "simulated_step_s": {"sync": sync_sim, "async": best.simulated_step_s},
         "bound_step_s": {"sync": sync_bound(w, total), "async": best.bound_step_s},
         "beta_star": beta,
@@ -156,7 +162,14 @@ def cmd_advise(args: argparse.Namespace) -> int:
         f"train {w['mu_train'] * 1e3:.2f} ms x {w['epochs']} epoch(s)",
     )
     head.add_row("samples per step", str(w["samples_per_step"]))
-    head.add_row("advice", f"{a['train_devices']} training, {a['rollout_devices']} generating")
+    if a["mode"] == "sync":
+        head.add_row(
+            "advice",
+            f"stay synchronous on all {result['devices']} (the best split, {a['train_devices']} training and "
+            f"{a['rollout_devices']} generating, is slower)",
+        )
+    else:
+        head.add_row("advice", f"{a['train_devices']} training, {a['rollout_devices']} generating")
     sim = result["simulated_step_s"]
     head.add_row(
         "step (simulated)", f"{sim['async']:.3f} s; synchronous on all {result['devices']}: {sim['sync']:.3f} s"

@@ -144,6 +144,8 @@ def test_advise_profiles_the_quickstart_and_advises_the_best_simulated_split(tmp
     assert w["mu_gen"] > 0 and w["mu_train"] > 0 and w["l_gen"] >= w["mu_gen"]
     a = result["advice"]
     assert a["train_devices"] + a["rollout_devices"] == 8
+    sim = result["simulated_step_s"]
+    assert a["mode"] == ("sync" if sim["sync"] < sim["async"] else "async")
     table = result["sweep"]
     assert [r["train_devices"] for r in table] == list(range(1, 8))
     best = min(table, key=lambda r: r["simulated_step_s"])
