@@ -49,7 +49,8 @@ def test_ray_backend_envs_run_on_the_env_pool_hosts_and_a_server_killed_mid_epis
     assert all(urlparse(u).hostname in ENV_HOSTS for u in pool["urls"])  # also the restarted server's URL
     # one server died mid-episode (a step took the kill file): its episodes failed and were played again
     assert (tmp_path / "kill.taken").exists() and not kill.exists()
-    # Ray restarted it and the pool took its new URL in place of the dead one (before the run's end)
+    # Ray restarted it and the pool took its new URL in place of the dead one (during the run, or in
+    # restore() after it when the restart outlasted the run)
     assert pool["down"] == [] and len(pool["urls"]) == 2
     assert len(set(pool["urls"]) - {s["url"].rstrip("/") for s in servers}) == 1, (pool, servers)
     history = out["history"]

@@ -136,6 +136,13 @@ class RayServerPool(ServerPool):
         self.add(new)
         log.info("task %s: env server %s is back as %s", self.name, old, new)
 
+    async def restore(self) -> None:
+        """Bring back every server marked down whose actor Ray has restarted, waiting for each (up to the
+        start timeout); a run that ends before a restart finishes leaves the pool as the next one needs it."""
+        for i, url in list(self.url_of.items()):
+            if url in self.down and i not in self._refreshing:
+                await self._refresh(i, url)
+
     def stop(self) -> None:
         for actor in self.actors:
             try:

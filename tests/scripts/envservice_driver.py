@@ -11,6 +11,7 @@ what the servers' pools saw.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -77,6 +78,10 @@ def main() -> None:
     try:
         servers = pipe.env_pools.servers()
         history = pipe.run()
+        for p in pipe.env_pools.pools.values():  # a server restarted after the run's last call: wait for it
+            restore = getattr(p, "restore", None)
+            if restore is not None:
+                asyncio.run(restore())
         pools = {
             p.name: {"urls": p.urls, "down": sorted(p.down), "sessions": dict(p.sessions)}
             for p in pipe.env_pools.pools.values()
