@@ -30,6 +30,9 @@ def config(channel: str, out: Path, steps: int) -> PipelineConfig:
                 "rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 2}],
             },
             "tags": {"reverse-3": ["H800"], "reverse-2": ["H20"]},
+            # one group of each task in every batch (without it the two H20 workers' reverse-2 groups
+            # can fill every batch of a short run)
+            "tasks": {"reverse-3": {"ratio": 0.5}, "reverse-2": {"ratio": 0.5}},
             "envs": [
                 {"name": "reverse", "groups": 2, "kwargs": {"length": 3}},
                 {"name": "reverse", "groups": 2, "kwargs": {"length": 2}},
