@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "soak",
         "minutes": args.minutes,
         "steps": res["steps"],
-        "error": res.get("error") or "none",
+        "error": res.get("error"),  # None when the run went to its end
         "sample_s": sample_s,
         "trajectories lost": led["lost"],
         "trained twice": led["trained_twice"],

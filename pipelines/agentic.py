@@ -31,6 +31,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import rollart as ra
 from rollart.cluster.errors import WorkerDiedError
 from rollart.cluster.fault import RoleBudgets
@@ -97,20 +99,6 @@ def batch_statistics(batch: Any, trajs: list) -> dict[str, Any]:
     if sums:
         out["credit_by_position"] = {tag: [x / n for x, n in zip(sums[tag], counts[tag])] for tag in sums}
         out["dead_by_position"] = _dead_by_position(trajs)
-    return out
-
-
-def _quantiles(values: list[float], qs: tuple[float, ...]) -> list[float] | None:
-    """Linear-interpolated quantiles ``qs`` (in [0, 1]) of ``values``; None when there are none."""
-    if not values:
-        return None
-    xs = sorted(values)
-    out = []
-    for q in qs:
-        pos = q * (len(xs) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        out.append(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
     return out
 
 
@@ -889,7 +877,9 @@ class AgenticPipeline:
                 "tokens": sum(lengths),
                 "trajectory_s_mean": sum(durations) / len(durations) if durations else None,
                 # min, p25, p50, p75, p90, max of the trajectories' wall times (rollart advise's tail)
-                "trajectory_s_quantiles": _quantiles(durations, (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)),
+                "trajectory_s_quantiles": (
+                    np.quantile(durations, (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)).tolist() if durations else None
+                ),
                 "staleness": {str(k): v for k, v in sorted(staleness.items())},
                 "max_staleness": max(staleness, default=0),
                 "held_back_groups": held_back.get(tag, 0),

@@ -16,7 +16,10 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollart.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,21 +35,14 @@ def config_devices(cfg: Any) -> tuple[int, int]:
 
 
 def advise(
-    config: str | Path,
-    overrides: dict[str, Any] | None = None,
-    *,
-    steps: int,
-    devices: int | None = None,
-    alpha: int | None = None,
-    out: Path,
+    cfg: PipelineConfig, *, steps: int, devices: int | None = None, alpha: int | None = None, out: Path
 ) -> dict[str, Any]:
-    """Profile the config at ``config`` (with ``overrides``, dotted keys) and return the advice as a
-    JSON-ready dict."""
-    from rollart.config import load_config
+    """Profile the job of ``cfg`` and return the advice as a JSON-ready dict. Raises ``ValueError``
+    (before anything starts) when there is no split to make."""
+    from rollart.pipeline_cli import build_pipeline
     from rollart.planning.partition import advised_split, beta_star, simulate, sweep, sync_bound
     from rollart.planning.profile import workload_from_records
 
-    cfg = load_config(config, overrides)
     k_train, k_rollout = config_devices(cfg)
     same_pool = cfg.train_pool == cfg.rollout_pool
     total = devices or (k_train if same_pool else k_train + k_rollout)
@@ -55,25 +51,19 @@ def advise(
     target_alpha = alpha if alpha is not None else (cfg.rollout.alpha or 1)
     if target_alpha < 1:
         raise ValueError("alpha: the split is for asynchronous training; give 1 or more")
-    profile_cfg = load_config(
-        config,
-        {
-            **(overrides or {}),
+    # the same job, synchronous, short, with nothing written but its metrics
+    profile_cfg = cfg.model_copy(
+        update={
             "steps": steps,
-            "rollout.alpha": 0,
+            "rollout": cfg.rollout.model_copy(update={"alpha": 0}),
             "checkpoint_every": 0,
             "output_dir": str(out),
-            "export.hf": False,
+            "export": cfg.export.model_copy(update={"hf": False}),
             "eval": None,
-        },
+        }
     )
-    pipeline_cls = profile_cfg.pipeline_class()
-    if pipeline_cls is None:
-        from rollart.pipelines.agentic import AgenticPipeline
-
-        pipeline_cls = AgenticPipeline
     log.info("profiling %s: %d synchronous step(s) in %s", cfg.name, steps, out)
-    pipe = pipeline_cls(profile_cfg, progress=False)
+    pipe = build_pipeline(profile_cfg, progress=False)
     try:
         history = pipe.run()
     finally:
@@ -133,19 +123,21 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if args.devices is not None and args.devices < 2:
         log.error("rollart advise --devices: a train/rollout split needs 2 or more devices")
         return 2
-    sets = parse_sets(args.set)
     try:  # every check before anything starts
-        cfg = load_config(args.config, sets)
+        cfg = load_config(args.config, parse_sets(args.set))
     except ConfigError as err:
         log.error("%s", err)
         return 2
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="rollart-advise-"))
     out.mkdir(parents=True, exist_ok=True)
     try:
-        result = advise(args.config, sets, steps=args.steps, devices=args.devices, alpha=args.alpha, out=out)
-    except ProfileError as err:
+        result = advise(cfg, steps=args.steps, devices=args.devices, alpha=args.alpha, out=out)
+    except ProfileError as err:  # the run gave no usable timings
         log.error("rollart advise: %s", err)
         return 1
+    except ValueError as err:  # no split to make: refused before anything started
+        log.error("rollart advise: %s", err)
+        return 2
     (out / "advise.json").write_text(json.dumps(result, indent=2))
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")

@@ -126,7 +126,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     result = args.bench_run(args)
-    failed = result.get("error", "none") != "none"  # a bench that reports what it measured up to a failure
+    failed = bool(result.get("error"))  # a bench that reports what it measured up to a failure
     if getattr(args, "json", False):
         print(json.dumps(result, default=str))
         return int(failed)

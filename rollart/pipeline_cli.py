@@ -34,6 +34,16 @@ def list_configs() -> str:
     return "\n".join(lines)
 
 
+def build_pipeline(cfg: Any, **kwargs: Any) -> Any:
+    """The config's pipeline (``pipeline:``, checked when the config loaded), else ``AgenticPipeline``."""
+    pipeline_cls = cfg.pipeline_class()
+    if pipeline_cls is None:
+        from rollart.pipelines.agentic import AgenticPipeline
+
+        pipeline_cls = AgenticPipeline
+    return pipeline_cls(cfg, **kwargs)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     if args.list:
         sys.stdout.write(list_configs() + "\n")
@@ -48,12 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         log.error("%s", err)
         return 2
-    pipeline_cls = cfg.pipeline_class()  # the config's pipeline: (checked when it loaded), else the built-in
-    if pipeline_cls is None:
-        from rollart.pipelines.agentic import AgenticPipeline
-
-        pipeline_cls = AgenticPipeline
-    pipe = pipeline_cls(cfg, resume=args.resume)
+    pipe = build_pipeline(cfg, resume=args.resume)
     try:
         history = pipe.run()
     except BaseException as err:  # the store's record of this attempt keeps the cause

@@ -16,7 +16,7 @@ comparison to make), or when one of its types has no profile (CPU or an unknown 
 from __future__ import annotations
 
 import logging
-import math
+import statistics
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -74,7 +74,6 @@ class AutoAffinity:
         self.profiles = {hw: profile_for(hw, model) for hw in HARDWARE}
         self.stats: dict[str, TaskShapeStats] = {}
         self._orders: dict[str, tuple[str, ...]] = {}  # the tags whose order differs from the static one
-        self._computed: dict[str, tuple[str, ...]] = {}  # every profiled tag's order (for the log)
         self._lock = threading.Lock()
 
     def observe(self, tag: str, prompt_tokens: int, output_tokens: int) -> None:
@@ -84,9 +83,7 @@ class AutoAffinity:
             s.requests += 1
             s.prompt_tokens += prompt_tokens
             s.output_tokens += output_tokens
-            if s.requests == self.config.min_requests or (
-                s.requests > self.config.min_requests and s.requests % self.config.min_requests == 0
-            ):
+            if s.requests % self.config.min_requests == 0:  # profiled now, or min_requests more since
                 self._recompute()
 
     def _recompute(self) -> None:
@@ -99,16 +96,17 @@ class AutoAffinity:
                 t: {hw: request_time_s(self.profiles[hw], s.prompt, s.answer, self.config.batch) for hw in hws}
                 for t, s in profiled.items()
             }
-            mean = {hw: math.exp(sum(math.log(times[t][hw]) for t in times) / len(times)) for hw in hws}
+            mean = {hw: statistics.geometric_mean(times[t][hw] for t in times) for hw in hws}
             orders = {}
             for t in profiled:
                 static = self.static(t)
-                orders[t] = tuple(sorted(static, key=lambda hw: (times[t][hw] / mean[hw], static.index(hw))))
-        changed = {t: o for t, o in orders.items() if self._computed.get(t) != o}
-        self._computed = orders
-        self._orders = {t: o for t, o in orders.items() if o != self.static(t)}
-        for t, o in changed.items():
-            s = profiled[t]
+                order = tuple(sorted(static, key=lambda hw: (times[t][hw] / mean[hw], static.index(hw))))
+                if order != static:
+                    orders[t] = order
+        changed = {t for t in set(orders) | set(self._orders) if orders.get(t) != self._orders.get(t)}
+        self._orders = orders
+        for t in changed:
+            s, o = self.stats[t], orders.get(t, self.static(t))
             log.info(
                 "routing: tag %r (prompt %.0f, answer %.0f tokens over %d requests) prefers %s",
                 t,
