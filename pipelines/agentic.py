@@ -370,7 +370,7 @@ class AgenticPipeline:
         if self.config.weights.channel == "none":
             version = self.train_version
         elif self.channel is None:
-            ref, version = await self.train.publish_weights(blocking=False)
+            ref, version = await self.train.snapshot_weights(blocking=False), self.train_version
             await self.proxy.model_update(ref, version)
         else:
             version = await self.train.publish_to(self.channel, not self.config.weights.async_publish, blocking=False)
@@ -389,7 +389,7 @@ class AgenticPipeline:
             await self.scheduler.set_version(self.train_version)
             return self.train_version, time.monotonic() - t0
         if self.channel is None:
-            ref, version = await self.train.publish_weights(blocking=False)
+            ref, version = await self.train.snapshot_weights(blocking=False), self.train_version
             await self.controller.sync_weights(ref, version, pause=wc.pause_rollout)
             return version, time.monotonic() - t0
         if wc.channel == "mooncake":  # the driver does not wait: the loader serves the newest version

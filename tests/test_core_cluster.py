@@ -47,6 +47,12 @@ class Trainer(ra.Worker):
     def pid(self) -> int:
         return os.getpid()
 
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL, by_ref=True)
+    def filled(self, n: int) -> torch.Tensor:
+        if n < 0:
+            raise ValueError(f"n={n} must be >= 0")
+        return torch.full((n,), float(self.rank))
+
     def not_exposed(self) -> None:
         return None
 
@@ -254,6 +260,38 @@ def test_object_refs_and_large_arguments_reach_every_rank(make_rm):
     assert [r[5] for r in c.whoami(ref)] == ["from the object store"] * 2  # a top-level ref is resolved
     big = "x" * 100_000
     assert [len(r[5]) for r in c.whoami(big)] == [100_000, 100_000]
+
+
+def test_by_ref_results_are_owned_by_the_caller_and_outlive_their_worker(make_rm):
+    """``@register(by_ref=True)``: each rank's result comes back as an ObjectRef (never copied into the
+    caller) that the caller owns, so it stays readable after the worker that made it died; errors and
+    dead workers fail the call like any other; the method itself is unchanged in-process."""
+    from rollart.cluster.worker import WorkerContext, host_class
+
+    rm = make_rm({"train": {"hardware": "H800", "devices": 2}})
+    c = ra.Cluster("trainer", Trainer, rm, pool="train")
+    refs = c.filled(60_000)  # 240 KB each: stored in the object store, not inline
+    assert len(refs) == 2 and all(isinstance(r, ray.ObjectRef) for r in refs)
+    fut = c.filled(3, blocking=False)
+    assert [ray.get(r).tolist() for r in asyncio.run(_awaited(fut))] == [[0.0] * 3, [1.0] * 3]
+    with pytest.raises(ValueError, match="n=-1 must be >= 0"):
+        c.filled(-1)
+    kill_and_wait(c.workers[1])
+    assert torch.equal(ray.get(refs[1], timeout=60), torch.full((60_000,), 1.0))  # outlives rank 1
+    with pytest.raises(ra.WorkerDiedError, match=r"trainer\[rank 1\] on H800 died"):
+        c.filled(1)
+    ctx = WorkerContext(cluster="local", job_id="t", rank=0, world_size=1, pool=None, hardware="CPU")
+    assert torch.equal(host_class(Trainer)(ctx, (), {}).filled(2), torch.zeros(2))
+    with pytest.raises(TypeError, match="by_ref takes a plain def method"):
+
+        class AsyncByRef(ra.Worker):
+            @ra.register(by_ref=True)
+            async def f(self) -> int:
+                return 1
+
+
+async def _awaited(fut):
+    return await fut
 
 
 class WithBlocking(ra.Worker):

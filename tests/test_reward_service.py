@@ -104,6 +104,25 @@ def test_idempotent_retry_is_counted_once_and_tenants_are_metered():
         assert "rollart_reward_latency_seconds_bucket" in metrics
 
 
+def test_the_idempotency_cache_keeps_only_the_newest_answers():
+    """Bounded memory on a long run: past ``idempotency_cache`` answers the oldest key is forgotten (a
+    retry of it is scored again), the newest ones are still answered from the cache."""
+    with ThreadServer(app(idempotency_cache=3)) as srv:
+
+        def post(key: str) -> None:
+            r = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"Idempotency-Key": key})
+            assert r.status_code == 200 and r.json()["result"] == [0.3, 1.0]
+
+        for key in ("k1", "k2", "k3", "k4"):
+            post(key)
+        before = rf.CALLS["count"]
+        for key in ("k2", "k3", "k4"):
+            post(key)
+        assert rf.CALLS["count"] == before  # the three newest: from the cache
+        post("k1")
+        assert rf.CALLS["count"] - before == 2  # evicted: both trajectories scored again
+
+
 def test_tenant_labels_are_bounded_and_validated():
     with ThreadServer(app(max_tenants=2)) as srv:
         for tenant in ("job-a", "job-b", "job-c", "job-d", "job-a"):

@@ -46,7 +46,7 @@ from rollart.cluster.dispatch import collect, plan_calls
 from rollart.cluster.errors import NoLiveWorkerError, WorkerDiedError
 from rollart.cluster.future import ACTOR_GONE, SKIPPED, ClusterFuture
 from rollart.cluster.methods import ExposedMethod, exposed_methods
-from rollart.cluster.worker import Worker, WorkerContext, host_class
+from rollart.cluster.worker import BY_REF_PREFIX, Worker, WorkerContext, host_class
 from rollart.decorators.specs import Dispatch, HwMappingSpec, ServerlessSpec
 from rollart.resource_manager.capacity import MAX_COLOCATED_ON_GPU
 from rollart.resource_manager.manager import ReservedGroup, ResourceManager
@@ -580,14 +580,24 @@ class Cluster:
             if len(targets) > 1:  # put shared arguments into the object store once, not once per rank
                 plan = _share_common_args(plan)
             calls = []
+            results: dict[int, ray.ObjectRef] = {}  # by_ref: rank -> the result's ObjectRef
             for rank in targets:
                 slot = self._slots[rank]
                 if not slot.alive:
                     raise self._died(rank)
                 a, kw = plan[rank]  # type: ignore[misc]
-                calls.append((rank, getattr(slot.actor, m.name).remote(*a, **kw)))
+                if spec.by_ref:
+                    method = getattr(slot.actor, BY_REF_PREFIX + m.name).options(num_returns=2)
+                    results[rank], done = method.remote(*a, **kw)
+                    calls.append((rank, done))  # answers the rank once the result is stored
+                else:
+                    calls.append((rank, getattr(slot.actor, m.name).remote(*a, **kw)))
             fut: ClusterFuture[Any] = ClusterFuture(
-                calls, lambda res: collect(spec, res), self._dead_skip if skip else self._dead
+                calls,
+                (lambda ranks: collect(spec, [results[r] for r in ranks]))
+                if spec.by_ref
+                else (lambda res: collect(spec, res)),
+                self._dead_skip if skip else self._dead,
             )
             if m.is_async or not blocking:
                 return fut

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,12 +89,35 @@ def host_class(worker_cls: type[Worker]) -> type:
         worker_cls.__init__(self, *args, **kwargs)
 
     # a distinct qualname makes cloudpickle ship this class by value instead of looking up the user's
-    return type(
-        worker_cls.__name__,
-        (worker_cls,),
-        {
-            "__init__": __init__,
-            "__module__": worker_cls.__module__,
-            "__qualname__": f"{worker_cls.__qualname__}.hosted",
-        },
-    )
+    attrs: dict[str, Any] = {
+        "__init__": __init__,
+        "__module__": worker_cls.__module__,
+        "__qualname__": f"{worker_cls.__qualname__}.hosted",
+    }
+    attrs.update(_by_ref_methods(worker_cls))
+    return type(worker_cls.__name__, (worker_cls,), attrs)
+
+
+BY_REF_PREFIX = "_rollart_by_ref_"
+
+
+def _by_ref_methods(worker_cls: type) -> dict[str, Callable[..., Any]]:
+    """For each ``@register(by_ref=True)`` method ``m``, ``_rollart_by_ref_m`` returns ``(result, rank)``:
+    the Cluster calls it with two returns, hands the caller the result's ObjectRef (a task's return is
+    owned by the caller: its object is freed when the caller drops the ref) and waits on the small
+    second one. The method itself is left as written."""
+    from rollart.cluster.methods import exposed_methods
+
+    return {
+        BY_REF_PREFIX + name: _two_returns(m.fn)
+        for name, m in exposed_methods(worker_cls).items()
+        if m.register is not None and m.register.by_ref
+    }
+
+
+def _two_returns(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn, assigned=("__doc__", "__module__"), updated=())
+    def call(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+        return fn(self, *args, **kwargs), self.rank
+
+    return call

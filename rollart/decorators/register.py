@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,6 +21,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 def register(
     dispatch: Dispatch | str | tuple[DispatchFn, CollectFn] = Dispatch.ONE_TO_ALL,
     execute: Execute | str = Execute.ALL,
+    *,
+    by_ref: bool = False,
 ) -> Callable[[F], F]:
     """Expose a worker method on its Cluster with a dispatch mode.
 
@@ -27,6 +30,10 @@ def register(
     ``dispatch_fn(world_size, args, kwargs)`` returns one ``(args, kwargs)`` per rank (``None`` skips a
     rank) and ``collect_fn(results)`` turns the list of results of the ranks that ran into the answer.
     ``execute=Execute.RANK_ZERO`` runs only rank 0 (only meaningful with ``ONE_TO_ALL``).
+    ``by_ref=True`` (plain ``def`` methods): the Cluster answers each rank's result as a ``ray.ObjectRef``
+    that the caller owns instead of the value. A large result (a weight snapshot) then stays in the
+    object store and can be passed on to other workers without the caller ever copying it; the call
+    still completes, and a dead worker still fails it, like any other.
     The decorator only attaches metadata; the method is returned unchanged.
     """
     dispatch_fn: DispatchFn | None = None
@@ -54,11 +61,13 @@ def register(
         raise ValueError(
             f"register(execute=RANK_ZERO) only goes with dispatch=ONE_TO_ALL or RANK_ZERO, not {dispatch!r}"
         )
-    spec = RegisterSpec(dispatch=mode, execute=exe, dispatch_fn=dispatch_fn, collect_fn=collect_fn)
+    spec = RegisterSpec(dispatch=mode, execute=exe, dispatch_fn=dispatch_fn, collect_fn=collect_fn, by_ref=by_ref)
 
     def mark(fn: F) -> F:
         if not callable(fn):
             raise TypeError("@register decorates a worker method")
+        if by_ref and inspect.iscoroutinefunction(fn):
+            raise TypeError(f"@register(by_ref=True) on {fn.__qualname__}: by_ref takes a plain def method, not async")
         setattr(fn, REGISTER_ATTR, spec)
         return fn
 

@@ -58,6 +58,7 @@ class RegisterSpec:
     execute: Execute
     dispatch_fn: DispatchFn | None = None
     collect_fn: CollectFn | None = None
+    by_ref: bool = False  # the Cluster returns each rank's result as an ObjectRef the caller owns
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ What it does
     :class:`~rollart.training.torch_strategy.TorchTrainWorker`, but runs it as megatron-core's
     ``GPTModel`` built from the local (non-Transformer-Engine) layer spec. The HF checkpoint is
     converted on load (:func:`hf_to_megatron`) and converted back whenever weights leave the worker
-    (:func:`megatron_to_hf`: ``cpu_state_dict``, ``publish_weights``, ``publish_to``), so inference
+    (:func:`megatron_to_hf`: ``cpu_state_dict``, ``snapshot_weights``, ``publish_to``), so inference
     engines load what it publishes unchanged. The conversion is exact in both directions (it only
     moves and concatenates tensors): the fused ``linear_qkv`` holds, per query group, that group's
     query heads, then its key head, then its value head (megatron's interleaving); ``linear_fc1`` is
@@ -446,7 +446,7 @@ class MegatronTrainWorker(TorchTrainWorker):
     """One data-parallel rank of the actor as a megatron-core ``GPTModel``.
 
     Same methods, dispatch modes and results as ``TorchTrainWorker`` (``setup_distributed``,
-    ``train_step``, ``compute_logprobs``, ``publish_weights``, ``publish_to``, ``wait_published``,
+    ``train_step``, ``compute_logprobs``, ``snapshot_weights``, ``publish_to``, ``wait_published``,
     ``save_checkpoint``, ``load_checkpoint``, ``weight_checksum``); weights leave it in Hugging Face
     names. A single rank builds its model at once; several ranks build it in ``setup_distributed``.
     Checkpoints hold megatron names (and the optimiser state in megatron's parameter order).

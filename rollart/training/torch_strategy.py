@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import ray
 import torch
 
 import rollart as ra
@@ -306,10 +305,14 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
 
         return str(export_hf(self.cpu_state_dict(), model_path(self.config.model), out))
 
-    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
-    def publish_weights(self) -> list:
-        """Rank 0 puts its weights into the Ray object store; returns ``[ObjectRef, version]``."""
-        return [ray.put(self.cpu_state_dict()), self.version]
+    @ra.register(dispatch=ra.Dispatch.RANK_ZERO, by_ref=True)
+    def snapshot_weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0's weights (CPU, Hugging Face names). Through the Cluster the answer is an ObjectRef
+        that the caller owns: the snapshot stays in the object store, inference workers load it from
+        there, and it is freed when the caller drops the ref. (A ``ray.put`` inside the trainer would
+        make the trainer the owner: Ray then keeps ~2 KB of bookkeeping per snapshot in the trainer's
+        process for as long as it lives, measured on Ray 2.60.)"""
+        return self.cpu_state_dict()
 
     @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
     def publish_to(self, channel: WeightChannel, wait: bool = True) -> int:
