@@ -46,13 +46,22 @@ def slope(series: list[tuple[float, float]]) -> float:
 
 
 def slopes(rss: dict[str, list[tuple[float, float]]], span_s: float) -> dict[str, dict[str, float]]:
-    """Per process series (start-up sample dropped): first and last MB and the slope in MB/min."""
+    """Per process series (start-up sample dropped): first and last MB, the slope in MB/min over the
+    whole series and over its second half (``settled_mb_per_min``: after warm-up steps such as the
+    allocator taking a new arena, which a whole-series fit spreads over the run)."""
     out = {}
     for name, series in sorted(rss.items()):
         s = [tuple(x) for x in series[1:]]
         if len(s) < 3 or s[-1][0] - s[0][0] < span_s / 4:
             continue
-        out[name] = {"first_mb": s[0][1], "last_mb": s[-1][1], "mb_per_min": slope(s), "samples": len(s)}  # type: ignore[arg-type]
+        late = [x for x in s if x[0] >= (s[0][0] + s[-1][0]) / 2]
+        out[name] = {
+            "first_mb": s[0][1],
+            "last_mb": s[-1][1],
+            "mb_per_min": slope(s),  # type: ignore[arg-type]
+            "settled_mb_per_min": slope(late) if len(late) >= 3 else float("nan"),  # type: ignore[arg-type]
+            "samples": len(s),
+        }
     return out
 
 
@@ -106,7 +115,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rss": per_proc,
     }
     for name, s in per_proc.items():
-        result[f"rss {name}"] = f"{s['first_mb']:.0f} -> {s['last_mb']:.0f} MB, {s['mb_per_min']:+.2f} MB/min"
+        result[f"rss {name}"] = (
+            f"{s['first_mb']:.0f} -> {s['last_mb']:.0f} MB, {s['mb_per_min']:+.2f} MB/min "
+            f"(second half {s['settled_mb_per_min']:+.2f})"
+        )
     (out / "soak.json").write_text(
         json.dumps({**result, "run": {k: v for k, v in res.items() if k != "metrics"}}, indent=2, default=str)
     )

@@ -73,3 +73,7 @@ def test_soak_slopes_drop_start_up_and_short_series():
     flat = [(0.0, 500.0), (60.0, 200.0), (120.0, 200.0), (180.0, 200.0), (240.0, 200.0)]  # start-up sample first
     out = slopes({"driver:1": flat, "infer0:2": flat[:3]}, span_s=240.0)
     assert list(out) == ["driver:1"] and out["driver:1"]["mb_per_min"] == pytest.approx(0.0)
+    # a warm-up step early in the series: the whole-series fit is positive, the second half is flat
+    stepped = [(0.0, 500.0)] + [(60.0 * i, 448.0 if i < 4 else 452.0) for i in range(1, 13)]
+    out = slopes({"train0:3": stepped}, span_s=720.0)["train0:3"]
+    assert out["mb_per_min"] > 0.1 and out["settled_mb_per_min"] == pytest.approx(0.0)
