@@ -732,17 +732,20 @@ class AgenticPipeline:
                     await self.train.export_hf(str((self.out_dir / "hf").resolve()), blocking=False)
                 )
         finally:
-            if self.loader is not None:  # a failed step: nothing waits for the fetch any more
-                await self.loader.cancel()
-            if bar is not None:
-                bar.close()
-            tracker.close()
-            await self.controller.stop()
-            # rewards in flight are answered (and counted) first
-            for client in [self.reward_client, *self.reward_clients.values()]:
-                if client is not None:
-                    await client.aclose()
-            self._write_ledger()
+            try:
+                if self.loader is not None:  # a failed step: nothing waits for the fetch any more
+                    await self.loader.cancel()
+                if bar is not None:
+                    bar.close()
+                tracker.close()
+                try:
+                    await self.controller.stop()
+                finally:  # rewards in flight are answered (and counted) first
+                    for client in [self.reward_client, *self.reward_clients.values()]:
+                        if client is not None:
+                            await client.aclose()
+            finally:  # whatever failed above, the run's account is written
+                self._write_ledger()
         return history
 
     def _ledger_step(self, trajs: list) -> dict[str, int]:

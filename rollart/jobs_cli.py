@@ -5,8 +5,9 @@ folder as the working directory (plus ``--module`` folders as ``py_modules``). T
 waits in the cluster's admission queue for its pools (:mod:`rollart.resource_manager.admission`), keeps
 to ``--quota``, and is ordered by ``--priority`` then submit time. The Ray Jobs address is ``--address``,
 else ``$RAY_JOBS_ADDRESS``, else port 8265 of the host that ``$RAY_ADDRESS`` names. ``rollart jobs`` reads
-the queue states (queued/running/finished/failed/stopped) from the cluster registry when
-``$RAY_ADDRESS`` is set, and the Ray Jobs status otherwise.
+the queue states (pending/queued/running/finished/failed/stopped) from the cluster registry when
+``$RAY_ADDRESS`` is set (``pending``: the driver has not joined the admission queue yet), and the Ray
+Jobs status otherwise.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         # `rollart stop` ends the run as Ctrl-C does: the step in progress is cancelled, rewards in flight
         # are answered and counted, ledger.json and the registry are written, then the driver exits
         "RAY_JOB_STOP_SIGNAL": "SIGINT",
-        "RAY_JOB_STOP_WAIT_TIME_S": os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", "60"),
+        "RAY_JOB_STOP_WAIT_TIME_S": os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", "120"),
     }
     runtime_env: dict[str, Any] = {"working_dir": str(config.resolve().parent), "env_vars": env_vars}
     if args.module:
@@ -141,7 +142,8 @@ def list_jobs(address: str | None) -> list[dict[str, Any]]:
         reap_dead_jobs(registry)
         return {r["job_id"]: r for r in registry.jobs()}
 
-    rows = _with_registry(read) or {}
+    registry_rows = _with_registry(read)  # None without $RAY_ADDRESS: Ray's states only
+    rows = registry_rows or {}
     out = []
     for sid, j in sorted(ray_jobs.items(), key=lambda kv: kv[1].start_time or 0):
         row = rows.get(sid, {})
@@ -149,6 +151,8 @@ def list_jobs(address: str | None) -> list[dict[str, Any]]:
         state = RAY_STATE.get(status, status.lower())
         if state in ("pending", "running") and row.get("state"):  # the driver runs: the registry says
             state = row["state"]  # whether it is queued, admitted, or done with its resources and exiting
+        elif state == "running" and registry_rows is not None:
+            state = "pending"  # the driver runs but has not joined the admission queue yet
         out.append(
             {
                 "job": sid,
@@ -247,6 +251,6 @@ def add_job_parsers(sub: Any) -> None:
 
     p = sub.add_parser("stop", help="stop a submitted job and free its resources")
     p.add_argument("job")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the job to end")
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds to wait for the job to end (default 150)")
     p.add_argument("--address", default=None, help=address_help)
     p.set_defaults(func=cmd_stop)

@@ -62,3 +62,50 @@ def test_devices_per_worker_gives_each_actor_that_many_devices_of_one_bundle(mak
     ref = ra.Cluster("wide_ref", Assigned, rm, pool="wide", devices_per_worker=2, colocate_with=wide)
     assert ref.assigned() == [0.0, 0.0]  # it shares its owner's bundle
     assert [p["node_id"] for p in ref.placement()] == [p["node_id"] for p in wide.placement()]
+
+
+def test_a_job_row_is_only_ever_written_under_the_admission_lock(ray_local, tmp_path):
+    """`rollart jobs` never sees a job as queued that the same lock hold admits: the row is first
+    written inside the hold that makes the first admission decision (a job with no row lists as
+    pending), so three jobs submitted at once show 'queued' only for the one that must wait."""
+    import threading
+
+    from rollart.resource_manager.admission import LOCK, Admission, wait_for_admission
+
+    class Recording(ClusterRegistry):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.writes: list[tuple[str, str | None, str | None]] = []  # (job, state, lock holder)
+
+        def update_job(self, job_id, **fields):
+            held = self._get(f"locks/{LOCK}")
+            self.writes.append((job_id, fields.get("state"), held and held["holder"]))
+            return super().update_job(job_id, **fields)
+
+    reg = Recording(namespace=f"rollart-test-{tmp_path.name}")
+    asks = {"H800": 6.0}  # the whole local cluster's H800s: one job at a time
+    assert reg.try_lock(LOCK, "another-driver")  # another driver is deciding: no row may appear meanwhile
+    first = threading.Thread(
+        target=wait_for_admission, args=(reg, "first", asks, {"H800": ["train"]}, Admission(poll_s=0.05))
+    )
+    first.start()
+    assert reg.jobs("first") == []  # not yet in the queue: `rollart jobs` lists it as pending
+    reg.unlock(LOCK, "another-driver")
+    first.join(timeout=60)
+    assert not first.is_alive()
+    assert [r["state"] for r in reg.jobs("first")] == ["running"]
+    assert reg.writes == [("first", "queued", "first"), ("first", "running", "first")]
+
+    # a second job, while the first holds every H800, waits in the queue (its row written under its own
+    # lock hold) and is admitted once the first ends
+    second = threading.Thread(
+        target=wait_for_admission, args=(reg, "second", asks, {"H800": ["train"]}, Admission(poll_s=0.05))
+    )
+    second.start()
+    reg.end_job("first", state="finished")
+    second.join(timeout=60)
+    assert not second.is_alive()
+    assert [w for w in reg.writes if w[0] == "second"] == [
+        ("second", "queued", "second"),
+        ("second", "running", "second"),
+    ]

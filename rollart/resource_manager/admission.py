@@ -7,10 +7,11 @@ before any placement group or actor exists:
 
 1. the pools are checked against the quota (no hardware type above it) and the cluster's totals (a job
    that can never fit fails now instead of waiting forever), with errors naming the field;
-2. the job's row in the cluster registry (:mod:`rollart.resource_manager.registry`) becomes ``queued``
-   with what it asks per hardware type;
-3. under the registry's admission lock (a GCS KV key written only if absent, so two drivers never
-   admit at once), the driver marks the rows of dead Ray jobs ``failed`` (their placement groups went
+2. under the registry's admission lock (a GCS KV key written only if absent, so two drivers never
+   admit at once), the job's row in the cluster registry (:mod:`rollart.resource_manager.registry`)
+   becomes ``queued`` with what it asks per hardware type (the first time: until then ``rollart jobs``
+   lists the job as ``pending``);
+3. under the same lock hold, and on every poll after it, the driver marks the rows of dead Ray jobs ``failed`` (their placement groups went
    with their driver), then walks the queue by (priority descending, submit time): each job that fits
    what running jobs leave free is admitted, the first that does not fit stops the walk (no job
    overtakes a waiting one of higher rank). If this job is admitted its row becomes ``running``;
@@ -162,20 +163,23 @@ def wait_for_admission(
     check_quota(asks, users, admission.quota)
     totals = {hw: cap.total for hw, cap in read_capacity().items()}
     check_fits_ever(asks, totals)
-    registry.update_job(
-        job_id,
-        state="queued",
-        asks=dict(asks),
-        quota=admission.quota,
-        priority=admission.priority,
-        submitted_at=admission.submitted_at or time.time(),
-        ray_job_id=ray.get_runtime_context().get_job_id(),
-        ended_at=None,
-    )
+    row = {
+        "state": "queued",
+        "asks": dict(asks),
+        "quota": admission.quota,
+        "priority": admission.priority,
+        "submitted_at": admission.submitted_at or time.time(),
+        "ray_job_id": ray.get_runtime_context().get_job_id(),
+        "ended_at": None,
+    }
     said = None
+    queued = False
     while True:
         if registry.try_lock(LOCK, job_id):
             try:
+                if not queued:  # the row is written under the lock that also decides its first admission:
+                    registry.update_job(job_id, **row)  # a job admitted at once is never seen as queued
+                    queued = True
                 reap_dead_jobs(registry)
                 rows = registry.jobs()
                 if job_id in admissible(rows, totals):
