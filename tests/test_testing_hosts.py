@@ -1,11 +1,15 @@
 """The namespace-host harness itself: isolation, hardware declared per host, teardown."""
 
+import json
 import os
+import secrets
 import subprocess
+import sys
 
 import pytest
 
 from rollart.testing import HostsError, HostSpec, skip_reason, start_hosts
+from rollart.testing.hosts import RUNS_DIR, _process_start, sweep_stale_runs
 
 NODES = (
     "import json, ray\n"
@@ -80,6 +84,7 @@ def test_a_host_pinned_to_a_core_runs_there_and_teardown_removes_everything_also
         raise RuntimeError("the test failed")
     assert not names & _namespaces()
     assert not cluster.dir.exists()
+    assert not (RUNS_DIR / f"{cluster.run_id}.json").exists()  # its owner record went with it
     assert all(_gone(pid) for pid in pids)
 
 
@@ -115,3 +120,44 @@ def test_bad_specs_are_refused_with_the_reason():
         start_hosts([HostSpec("a"), HostSpec("a")])
     with pytest.raises(HostsError, match=r"host a: cpus \[100000\] are not all among this process's cores"):
         start_hosts([HostSpec("a", cpus=(100000,))])
+
+
+def test_hosts_left_by_a_killed_owner_are_swept_and_a_live_owners_hosts_are_kept(tmp_path):
+    """A test process SIGKILLed before its teardown leaves its namespaces, their processes and its
+    directory behind; the next harness start removes them, and never touches a run whose owner lives."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    dead_run, live_run = secrets.token_hex(3), secrets.token_hex(3)
+    dead_ns, live_ns = f"rat{dead_run}h0", f"rat{live_run}h0"
+    dead_dir = tmp_path / f"rat{dead_run}-x"
+    dead_dir.mkdir()
+    owner = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    sleeper = None
+    RUNS_DIR.mkdir(parents=True, exist_ok=True)
+    records = [RUNS_DIR / f"{dead_run}.json", RUNS_DIR / f"{live_run}.json"]
+    try:
+        records[0].write_text(json.dumps({"pid": owner.pid, "start": _process_start(owner.pid), "dir": str(dead_dir)}))
+        records[1].write_text(json.dumps({"pid": os.getpid(), "start": _process_start(os.getpid()), "dir": ""}))
+        for ns in (dead_ns, live_ns):
+            subprocess.run(["ip", "netns", "add", ns], check=True)
+        sleeper = subprocess.Popen(
+            ["ip", "netns", "exec", dead_ns, sys.executable, "-c", "import time; time.sleep(600)"]
+        )
+        assert dead_ns not in sweep_stale_runs()  # its owner still runs
+        assert dead_ns in _namespaces() and records[0].exists() and sleeper.poll() is None
+        owner.kill()  # the owner is SIGKILLed: no teardown of its own runs
+        owner.wait(timeout=30)
+        swept = sweep_stale_runs()
+        assert dead_ns in swept and live_ns not in swept
+        assert sleeper.wait(timeout=30) == -9  # the run's process, killed by pid
+        assert dead_ns not in _namespaces() and not dead_dir.exists() and not records[0].exists()
+        assert live_ns in _namespaces() and records[1].exists()  # a live owner's hosts stay
+    finally:
+        owner.kill()
+        if sleeper is not None and sleeper.poll() is None:
+            sleeper.kill()
+        for ns in (dead_ns, live_ns):
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+        for r in records:
+            r.unlink(missing_ok=True)

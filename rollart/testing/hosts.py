@@ -18,6 +18,10 @@ The subnet is private to the run: addresses exist only inside the run's namespac
 processes that ``ip netns pids`` lists for the run's namespaces (never ``ray stop``, which would end
 every Ray of the machine), deletes the namespaces (which removes their links) and the run's directory.
 It runs on ``close()``, on leaving the ``with`` block, on a failed start, and at interpreter exit.
+No handler survives a SIGKILL of the process that built the hosts, so every run also leaves an owner
+record (``$TMPDIR/rollart-hosts/<run>.json``: its pid and that process's start time) until its
+teardown; each new :class:`HostCluster` first tears down the runs whose owner is gone
+(:func:`sweep_stale_runs`), and never one whose owner still runs.
 
 Needs root and iproute2 (``ip``); :func:`skip_reason` says why a machine cannot build hosts.
 
@@ -44,6 +48,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -65,6 +70,8 @@ RAY_PORT = 6379
 """The GCS port of the head (inside the head's namespace: no clash with any other Ray)."""
 DASHBOARD_PORT = 8265
 """The head's dashboard / Ray Jobs port when started with ``dashboard=True`` (on the head's own IP)."""
+RUNS_DIR = Path(tempfile.gettempdir()) / "rollart-hosts"
+"""Owner records of the runs not torn down yet (see :func:`sweep_stale_runs`)."""
 RESULT_PREFIX = "RESULT "
 """A driver prints ``RESULT <json>`` on stdout; :attr:`DriverResult.result` parses the last one."""
 
@@ -206,11 +213,13 @@ class HostCluster:
                     f"host {s.name}: cpus {list(s.cpus)} are not all among this process's cores {sorted(usable)}; "
                     "name cores from that list, or leave cpus unset"
                 )
+        sweep_stale_runs()
         self.run_id = secrets.token_hex(3)
         self.ray_port = ray_port
         self.dashboard = dashboard
         self.start_timeout_s = start_timeout_s
         self.dir = Path(tempfile.mkdtemp(prefix=f"rat{self.run_id}-", dir=workdir))
+        self._record = _write_owner_record(self.run_id, self.dir)
         self.token_path = self.dir / "auth_token"
         self.bridge_namespace = f"rat{self.run_id}br"
         self.hosts: list[Host] = [
@@ -231,7 +240,7 @@ class HostCluster:
         self._closed = False
         # the finalizer holds no reference to self (it tears down by namespace name and directory); it
         # runs on close(), when the object is collected, or at interpreter exit (weakref.finalize's atexit)
-        self._finalizer = weakref.finalize(self, _teardown, self._namespaces, str(self.dir))
+        self._finalizer = weakref.finalize(self, _teardown, self._namespaces, str(self.dir), str(self._record))
         try:
             self._build_network()
             self._start_ray()
@@ -496,8 +505,57 @@ def _netns_pids(namespace: str) -> list[int]:
     return [int(p) for p in proc.stdout.split() if p.isdigit()]
 
 
-def _teardown(namespaces: list[str], directory: str) -> None:
-    """Kill the processes of ``namespaces`` (by pid), delete the namespaces and ``directory``."""
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (``/proc/<pid>/stat`` field 22; None when it does not exist):
+    with the pid, it names one process even after the pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _write_owner_record(run_id: str, directory: Path) -> Path:
+    RUNS_DIR.mkdir(parents=True, exist_ok=True)
+    record = RUNS_DIR / f"{run_id}.json"
+    pid = os.getpid()
+    record.write_text(json.dumps({"pid": pid, "start": _process_start(pid), "dir": str(directory)}))
+    return record
+
+
+def list_namespaces() -> list[str]:
+    """The names ``ip netns list`` shows."""
+    proc = subprocess.run(
+        ["ip", "netns", "list"], check=False, capture_output=True, text=True, stdin=subprocess.DEVNULL
+    )
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
+
+def sweep_stale_runs() -> list[str]:
+    """Tear down every run whose owner process is gone (SIGKILLed before its teardown ran): kill the
+    processes of its namespaces by pid, delete the namespaces, its directory and its record. Runs whose
+    owner still runs are left alone, whoever started them. Returns the namespaces deleted."""
+    if not RUNS_DIR.is_dir():
+        return []
+    swept: list[str] = []
+    for record in sorted(RUNS_DIR.glob("*.json")):
+        try:
+            owner = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue  # being written (or already swept by a parallel run)
+        if owner.get("start") is not None and _process_start(int(owner["pid"])) == owner["start"]:
+            continue
+        pattern = re.compile(rf"rat{re.escape(record.stem)}(br|h\d+)")
+        namespaces = [ns for ns in list_namespaces() if pattern.fullmatch(ns)]
+        _teardown(namespaces[:], str(owner.get("dir", "")), str(record))
+        swept += namespaces
+        log.warning("hosts of run %s (owner pid %s is gone) torn down: %s", record.stem, owner.get("pid"), namespaces)
+    return swept
+
+
+def _teardown(namespaces: list[str], directory: str, record: str = "") -> None:
+    """Kill the processes of ``namespaces`` (by pid), delete the namespaces, ``directory`` and the
+    run's owner ``record``."""
     for _ in range(50):
         pids = [p for ns in namespaces for p in _netns_pids(ns) if p != os.getpid()]
         if not pids:
@@ -511,4 +569,7 @@ def _teardown(namespaces: list[str], directory: str) -> None:
     for ns in reversed(namespaces):
         subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True, stdin=subprocess.DEVNULL)
     namespaces.clear()
-    shutil.rmtree(directory, ignore_errors=True)
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
+    if record:
+        Path(record).unlink(missing_ok=True)
