@@ -155,3 +155,32 @@ async def test_failed_reward_replays_the_round_or_drops_the_trajectory(make_rm, 
     assert sched.counts["rounds_requeued_reward"] == (1 if requeue else 0)
     # requeue replays the same seed (same round); drop completes the first round from the others
     assert group[0].group_id == "0:0"
+
+
+async def test_the_newest_version_loader_keeps_a_bounded_record_over_a_long_run():
+    """One version offered and loaded per step: after 3000 steps the loader remembers only its last
+    ``keep`` versions (memory does not grow with the steps), counts every load, and a version offered
+    while another loads is still reported as skipped."""
+    from rollart.rollout.async_controller import NewestVersionLoader
+
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    async def load(version: int) -> None:
+        if version == 2999:  # held until 3000 and 3001 are offered
+            started.set()
+            await gate.wait()
+
+    loader = NewestVersionLoader(load, keep=5)
+    for v in range(1, 3000):
+        loader.offer(v)
+        if v < 2999:
+            await loader.wait()
+    await started.wait()
+    loader.offer(3000)
+    loader.offer(3001)  # offered while 2999 loads: 3000 is passed over for 3001
+    gate.set()
+    await loader.wait()
+    assert loader.served == 3001 and loader.loads == 3000
+    assert loader.offered == [2997, 2998, 2999, 3000, 3001]
+    assert loader.loaded == [2996, 2997, 2998, 2999, 3001]
+    assert loader.skipped == [3000]

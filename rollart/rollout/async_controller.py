@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -100,18 +101,32 @@ class NewestVersionLoader:
     ends the loop and is raised by the next ``offer`` or ``wait``.
     """
 
-    def __init__(self, load: Callable[[int], Awaitable[Any]], served: int = 0):
+    def __init__(self, load: Callable[[int], Awaitable[Any]], served: int = 0, keep: int = 1000):
         self._load = load
         self.served = served  # the newest version loaded
         self.wanted = served  # the newest version offered
-        self.offered: list[int] = []
-        self.loaded: list[int] = []  # in order; a skipped version is absent
+        # the last ``keep`` versions offered and loaded (bounded: one of each per step of a long run)
+        self._offered: deque[int] = deque(maxlen=keep)
+        self._loaded: deque[int] = deque(maxlen=keep)
+        self.loads = 0  # versions loaded in all
         self._task: asyncio.Task | None = None
 
     @property
+    def offered(self) -> list[int]:
+        """The last ``keep`` versions offered, in order."""
+        return list(self._offered)
+
+    @property
+    def loaded(self) -> list[int]:
+        """The last ``keep`` versions loaded, in order; a skipped version is absent."""
+        return list(self._loaded)
+
+    @property
     def skipped(self) -> list[int]:
-        """Offered versions passed over for a newer one."""
-        return [v for v in self.offered if v <= self.served and v not in self.loaded]
+        """Of :attr:`offered`, the versions passed over for a newer one (every loaded version at or
+        above the oldest of them is among the last ``keep`` loaded: loaded ones are a subset)."""
+        loaded = set(self._loaded)
+        return [v for v in self._offered if v <= self.served and v not in loaded]
 
     def offer(self, version: int) -> None:
         if self._task is not None and self._task.done():
@@ -119,7 +134,7 @@ class NewestVersionLoader:
             task.result()  # a failed loop raises here
         if version <= self.wanted:
             return
-        self.offered.append(version)
+        self._offered.append(version)
         self.wanted = version
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -135,7 +150,8 @@ class NewestVersionLoader:
                 log.warning("weights version %d not loaded (%r); loading version %d", version, err, self.wanted)
                 continue
             self.served = version
-            self.loaded.append(version)
+            self._loaded.append(version)
+            self.loads += 1
 
     async def wait(self) -> None:
         """Until the newest offered version is loaded; raises the loop's failure."""
