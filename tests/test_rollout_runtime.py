@@ -157,6 +157,39 @@ async def test_failed_reward_replays_the_round_or_drops_the_trajectory(make_rm, 
     assert group[0].group_id == "0:0"
 
 
+async def test_a_round_that_failed_then_succeeded_leaves_no_failure_record(make_rm):
+    """A round that fails (its members' resets fail) is retried with the same seed; once it succeeds,
+    whether it is trained or filtered out (zero variance), the scheduler keeps nothing of its failure:
+    the per-round failure record does not grow with a long run's transient faults."""
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 1}})
+    proxy = LLMProxy(simulated_cluster(rm, "rollout"))
+    cfg = EnvManagerConfig(reset_retries=0)
+
+    def by_member(i):
+        async def reward(traj):
+            return float(i)  # members disagree: the group is trained
+
+        return reward
+
+    flaky = [EnvManager(FlakyResetEnv(failures=1), proxy, CharCodec(), config=cfg) for _ in range(2)]  # filtered
+    steady = [EnvManager(CountEnv(turns=1), proxy, CharCodec(), reward_fn=by_member(i)) for i in range(2)]
+    # the policy version stays 0 here (no trainer): alpha leaves room for every round the test plays
+    rc = RolloutConfig(num_env_groups=2, group_size=2, batch_groups=1, alpha=300, filter_zero_variance=True)
+    sched = RolloutScheduler([flaky, steady], rc)
+    sched.start()
+    try:
+        for _ in range(200):  # batches until the flaky group's round 0 has failed and then been filtered
+            (group,) = await asyncio.wait_for(sched.get_batch(), timeout=60)
+            assert group.gid.env_group == 1
+            if sched.counts["groups_filtered"] >= 1:
+                break
+    finally:
+        await sched.stop()
+    assert sched.counts["rounds_failed"] >= 1 and sched.counts["groups_filtered"] >= 1
+    assert (0, 0) in sched.settled  # the flaky group's first round succeeded on its retry and was filtered
+    assert not sched._failures  # nothing held for rounds that succeeded
+
+
 async def test_the_newest_version_loader_keeps_a_bounded_record_over_a_long_run():
     """One version offered and loaded per step: after 3000 steps the loader remembers only its last
     ``keep`` versions (memory does not grow with the steps), counts every load, and a version offered

@@ -261,6 +261,7 @@ class RolloutScheduler:
             if not kept:  # a seed given up after repeated failures: counted, nothing to train on
                 await self._notify()
                 continue
+            self._failures.pop((g, r), None)  # the round succeeded: its failures are forgotten
             task_counts = self.counts_by_task[self.task_of_group[g]]
             if self.config.filter_zero_variance and len({t.reward for t in kept}) == 1 and len(kept) > 1:
                 self.counts["groups_filtered"] += 1
@@ -274,7 +275,6 @@ class RolloutScheduler:
                     counts["groups_accepted"] += 1
                     counts["trajectories_kept"] += len(kept)
                 self._failed_in_row = 0
-                self._failures.pop((g, r), None)
                 await self.buffer.put(Group(kept, GroupId(g, r)))
             await self._notify()
 
