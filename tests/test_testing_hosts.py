@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rollart.testing import HostsError, HostSpec, skip_reason, start_hosts
-from rollart.testing.hosts import RUNS_DIR, _process_start, sweep_stale_runs
+from rollart.testing.hosts import RUNS_DIR, _process_start, list_namespaces, sweep_stale_runs
 
 NODES = (
     "import json, ray\n"
@@ -20,8 +20,7 @@ NODES = (
 
 
 def _namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
+    return set(list_namespaces())
 
 
 def test_every_host_is_a_node_with_its_hardware_and_sees_the_cluster_from_any_host(hosts3):

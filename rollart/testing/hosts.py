@@ -538,6 +538,7 @@ def sweep_stale_runs() -> list[str]:
     if not RUNS_DIR.is_dir():
         return []
     swept: list[str] = []
+    existing: list[str] | None = None  # listed once, at the first stale run
     for record in sorted(RUNS_DIR.glob("*.json")):
         try:
             owner = json.loads(record.read_text())
@@ -545,8 +546,10 @@ def sweep_stale_runs() -> list[str]:
             continue  # being written (or already swept by a parallel run)
         if owner.get("start") is not None and _process_start(int(owner["pid"])) == owner["start"]:
             continue
+        if existing is None:
+            existing = list_namespaces()
         pattern = re.compile(rf"rat{re.escape(record.stem)}(br|h\d+)")
-        namespaces = [ns for ns in list_namespaces() if pattern.fullmatch(ns)]
+        namespaces = [ns for ns in existing if pattern.fullmatch(ns)]
         _teardown(namespaces[:], str(owner.get("dir", "")), str(record))
         swept += namespaces
         log.warning("hosts of run %s (owner pid %s is gone) torn down: %s", record.stem, owner.get("pid"), namespaces)

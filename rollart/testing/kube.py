@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from rollart.testing.hosts import HostsError, _netns_pids, _teardown, run_ip
+from rollart.testing.hosts import HostsError, _netns_pids, _teardown, list_namespaces, run_ip
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +229,7 @@ class KubeStandIn:
 
     def live_namespaces(self) -> list[str]:
         """The network namespaces of this run that still exist (the bridge's included)."""
-        out = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
-        return [ln.split()[0] for ln in out.splitlines() if ln.startswith(f"rak{self.run_id}")]
+        return [ns for ns in list_namespaces() if ns.startswith(f"rak{self.run_id}")]
 
     def close(self) -> None:
         """Stop the server, kill every pod's processes, delete the namespaces and links. Idempotent."""
