@@ -71,7 +71,9 @@ def test_bf16_step_is_finite_and_keeps_fp32_master_weights(tiny):
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny):
     cfg = {"model": tiny, "lr": 1e-2, "grad_clip": None, "max_tokens_per_microbatch": 24}
-    plain, ckpt = local_worker(**cfg), local_worker(**cfg, gradient_checkpointing=True)
+    # the plain worker runs whole rows (no prefix sharing, which checkpointing turns off too)
+    plain = local_worker(**cfg, prefix_sharing=False)
+    ckpt = local_worker(**cfg, gradient_checkpointing=True)
     recomputed = []
     for w in (plain, ckpt):  # count the MLP's forward calls (module hooks do not see the recomputation)
         mlp = w.module.model.layers[0].mlp

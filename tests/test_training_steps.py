@@ -39,8 +39,10 @@ def batch_of(n: int) -> ra.Batch:
 
 
 def count_forwards(worker) -> list[int]:
+    """Training passes: calls of the forward the train step runs (one per micro-batch pass, the
+    shared-prefix passes of one micro-batch included)."""
     calls = [0]
-    worker.module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    worker.forward_module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 

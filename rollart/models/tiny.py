@@ -23,6 +23,12 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# ChatML: a turn is <|im_start|>ROLE\nCONTENT<|im_end|>\n; a chat model's end of turn is its EOS
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 TASK_SYMBOLS = " +-*/()=:;,.?!'\"#_<>[]{}|@%&^~`\\$\n" + "√"
 
 
@@ -41,7 +47,9 @@ def default_corpus(n: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(corpus: Iterable[str], out_dir: Path, vocab_size: int = 320) -> object:
+def build_tokenizer(corpus: Iterable[str], out_dir: Path, vocab_size: int = 320, chat: bool = False) -> object:
+    """The character-level byte-BPE tokenizer. ``chat``: add the ChatML tokens and template, with
+    ``<|im_end|>`` (the end of a turn) as the EOS token."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,12 +63,16 @@ def build_tokenizer(corpus: Iterable[str], out_dir: Path, vocab_size: int = 320)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[PAD, BOS, EOS],
+        special_tokens=[PAD, BOS, IM_START, IM_END] if chat else [PAD, BOS, EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(list(corpus), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=IM_END if chat else EOS
+    )
+    if chat:
+        fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
 
@@ -76,14 +88,17 @@ def build_tiny(
     intermediate_size: int = 256,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    vocab_size: int = 320,
+    chat: bool = False,
 ) -> Path:
-    """Build the tokenizer and a random-init Qwen2 causal LM into ``out_dir``; returns the folder."""
+    """Build the tokenizer and a random-init Qwen2 causal LM into ``out_dir``; returns the folder.
+    ``chat``: the tokenizer has the ChatML template and ends a turn (its EOS) with ``<|im_end|>``."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(corpus if corpus is not None else default_corpus(seed=seed), out)
+    tok = build_tokenizer(corpus if corpus is not None else default_corpus(seed=seed), out, vocab_size, chat)
     torch.manual_seed(seed)
     cfg = Qwen2Config(
         vocab_size=len(tok),

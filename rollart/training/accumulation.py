@@ -49,11 +49,17 @@ class Share(Generic[MB]):
 
 
 def plan_share(
-    lengths: Sequence[int], max_tokens: int, make: Callable[[list[int]], MB], distributed: bool
+    lengths: Sequence[int],
+    max_tokens: int,
+    make: Callable[[list[int]], MB],
+    distributed: bool,
+    plans: list[list[int]] | None = None,
 ) -> Share[MB]:
-    """Pack rows of ``lengths`` into micro-batches under ``max_tokens`` and agree on the pass count
-    with the other ranks (a collective when ``distributed``: every rank must call it)."""
-    plans = plan_microbatches(list(lengths), max_tokens)
+    """Pack rows of ``lengths`` into micro-batches under ``max_tokens`` (or take the given ``plans``)
+    and agree on the pass count with the other ranks (a collective when ``distributed``: every rank
+    must call it)."""
+    if plans is None:
+        plans = plan_microbatches(list(lengths), max_tokens)
     mbs = [make(idx) for idx in plans]
     return Share(list(lengths), plans, mbs, microbatch_count(len(mbs), distributed))
 

@@ -73,6 +73,9 @@ class TrainConfig(BaseModel):
     # bf16: forward/backward under bf16 autocast, fp32 master weights and optimiser state
     dtype: Literal["fp32", "bf16"] = "fp32"
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory)
+    # train the rows that share a prompt on its tokens once (rollart.training.shared_prefix): the same
+    # log-probs and gradients, far fewer positions for n samples per prompt; off with gradient_checkpointing
+    prefix_sharing: bool = True
     lora: LoraSettings | None = None  # train.lora: {r, alpha, target_modules} (extra `lora`: peft)
 
     # filled from the pipeline config (not written by hand): the modules of its top-level ``plugins:``

@@ -470,6 +470,7 @@ class MegatronTrainWorker(TorchTrainWorker):
             self.logger.info("megatron-core on CPU: rollart.training.megatron_strategy.cpu_patches() applied")
         self._model: torch.nn.Module | None = None
         self._module: GPTCausalLM | None = None
+        self.prefix_sharing = False  # the shared-prefix passes need a Hugging Face KV cache (torch strategy)
         self.version = 0
         self.distributed = False
         self.backend = cfg.backend if cfg.backend != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")

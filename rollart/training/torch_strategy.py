@@ -29,6 +29,13 @@ from rollart.training.placement import (
     model_path,
     worker_device,
 )
+from rollart.training.shared_prefix import (
+    SharedPrefixForward,
+    plan_shared_microbatches,
+    prefix_length,
+    shared_layout,
+    shared_token_logprobs,
+)
 from rollart.weights.base import WeightChannel
 
 
@@ -101,9 +108,13 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
             from rollart.training.lora import apply_lora
 
             model = apply_lora(model, self.config.lora)
-        self.model = model.to(self.device)
-        self.model.train()
-        self.module = self.model
+        self.module = model.to(self.device)
+        self.module.train()
+        # prefix sharing needs the prefix's KV cache in the graph; gradient checkpointing turns the cache off
+        self.prefix_sharing = self.config.prefix_sharing and not self.config.gradient_checkpointing
+        # what the training passes call (and what DDP wraps): the model, or the shared-prefix forward around it
+        self.forward_module: torch.nn.Module = SharedPrefixForward(self.module) if self.prefix_sharing else self.module
+        self.model = self.forward_module
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=self.config.lr,
@@ -128,7 +139,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
     def setup_distributed(self, master_addr: str, master_port: int) -> str:
         """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the model in DDP."""
         self.model, backend = join_data_parallel(
-            self.module,
+            self.forward_module,
             rank=self.rank,
             world_size=self.world_size,
             backend=self.config.backend,
@@ -151,7 +162,15 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         }
         if C.REF_LOGPROBS in batch:
             out[C.REF_LOGPROBS] = pad_right([batch[C.REF_LOGPROBS][i] for i in idx], 0.0, torch.float32)
+        if self.prefix_sharing:
+            out.update(shared_layout(ids, [self._prefix_lens[i] for i in idx]))
         return {k: v.to(self.device) for k, v in out.items()}
+
+    def _logprobs(self, model: torch.nn.Module, mb: dict[str, torch.Tensor], with_entropy: bool = False) -> Any:
+        """``token_logprobs`` of a micro-batch through ``model``: the shared-prefix passes when on."""
+        if self.prefix_sharing:
+            return shared_token_logprobs(model, mb, mb[C.INPUT_IDS].shape[1], with_entropy)
+        return token_logprobs(model, mb[C.INPUT_IDS], mb[C.ATTENTION_MASK], with_entropy)
 
     def needs_proximal_pass(self) -> bool:
         """Whether ``train_step`` recomputes pi_old with an extra forward pass before the update. Not
@@ -177,15 +196,23 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         tokens = float(sum(sum(m) for m in batch[C.LOSS_MASK])) if lengths else 0.0
         local = float(len(lengths)) if seq_level else tokens
         total = global_sum([local], self.distributed)[0]
+        plans = None
+        if self.prefix_sharing and lengths:
+            self._prefix_lens = [prefix_length(m, n) for m, n in zip(batch[C.LOSS_MASK], lengths)]
+            plans = plan_shared_microbatches(batch[C.INPUT_IDS], self._prefix_lens, cfg.max_tokens_per_microbatch)
         share = plan_share(
-            lengths, cfg.max_tokens_per_microbatch, lambda idx: self._microbatch_tensors(batch, idx), self.distributed
+            lengths,
+            cfg.max_tokens_per_microbatch,
+            lambda idx: self._microbatch_tensors(batch, idx),
+            self.distributed,
+            plans,
         )
         scale_world = self.world_size if self.distributed else 1
         recomputed = self.needs_proximal_pass()
         if recomputed:
             with torch.no_grad(), self.autocast():  # the policy before this update: pi_old (local forwards)
                 for mb in share.microbatches:
-                    mb[C.PROXIMAL_LOGPROBS] = token_logprobs(self.module, mb[C.INPUT_IDS], mb[C.ATTENTION_MASK])
+                    mb[C.PROXIMAL_LOGPROBS] = self._logprobs(self.forward_module if self.prefix_sharing else self.module, mb)
         metrics: dict[str, float] = {}
         n_metric = 0
         # |pi_old - mu| over the action tokens: how far the engine that sampled is from the trainer (~0)
@@ -198,7 +225,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         def backward(mb: dict[str, torch.Tensor]) -> None:
             nonlocal n_metric
             with self.autocast():
-                logp, entropy = token_logprobs(self.model, mb[C.INPUT_IDS], mb[C.ATTENTION_MASK], with_entropy=True)
+                logp, entropy = self._logprobs(self.model, mb, with_entropy=True)
             mask, behaviour = mb[C.LOSS_MASK], mb[C.BEHAVIOUR_LOGPROBS]
             if recomputed:
                 proximal: torch.Tensor | None = mb[C.PROXIMAL_LOGPROBS]
