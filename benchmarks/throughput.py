@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--trl-threads", default="1,2", help="torch threads of the TRL runs, one run per value")
     p.add_argument("--no-rollart", action="store_true", help="run only the TRL side (with --trl)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value of the rollart runs"
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: 3 steps, 4 prompts x 4 samples, a 1-layer model")
     p.add_argument("--out", default="runs/bench/throughput")
 
@@ -120,8 +123,9 @@ def throughput(history: list[dict[str, Any]], skip: int) -> dict[str, float]:
 
 def _run_mode(args: argparse.Namespace, setting: Setting, alpha: int) -> tuple[list[dict[str, Any]], float]:
     from rollart.config import load_config
+    from rollart.pipeline_cli import parse_sets
 
-    overrides = mode_config(args, setting, alpha, Path(args.out) / f"alpha{alpha}")
+    overrides = {**mode_config(args, setting, alpha, Path(args.out) / f"alpha{alpha}"), **parse_sets(args.set)}
     return run_pipeline_once(load_config("pipelines/quickstart.yaml", overrides))
 
 
@@ -212,6 +216,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result[f"trl {threads}t"] = trl
             bars[f"TRL {threads} thread(s)"] = trl["samples_per_s"]
             log.info("TRL, %d thread(s): %s", threads, trl)
+    for name, value in bars.items():  # the table's rows: one figure per run
+        result[f"samples/s {name}"] = round(value, 1)
+    trl_best = max((v for k, v in bars.items() if k.startswith("TRL")), default=None)
+    if trl_best:
+        for alpha in alphas:
+            result[f"rollart alpha {alpha} / best TRL"] = round(bars[f"rollart alpha {alpha}"] / trl_best, 2)
     return write_report(
         args.out, "throughput", result, bars, "samples/s (end to end)", "rollart bench throughput: reverse-3 chat, 32x8"
     )

@@ -251,7 +251,9 @@ class AgenticPipeline:
             spec = self.infer.methods["generate"].hw_mapping
             assert spec is not None
             affinity = AutoAffinity(spec.preference, config.routing)
-        self.proxy = LLMProxy(self.infer, restart=restart, affinity=affinity)
+        self.proxy = LLMProxy(
+            self.infer, restart=restart, affinity=affinity, batch_requests=config.engine.batch_requests
+        )
         codec = HFCodec(AutoTokenizer.from_pretrained(model_path))
         self.reward_client = None  # the pipeline's reward: service
         self.reward_clients: dict[str, Any] = {}  # per task tag whose reward comes from a service
@@ -300,7 +302,9 @@ class AgenticPipeline:
         self.mooncake_master: Any = None
         self.channel: WeightChannel | None = self._weight_channel()
         self.train_version = 0  # the trainer's policy version (one per step); served versions may lag it
-        self.loader: NewestVersionLoader | None = None  # mooncake: serves the newest published version
+        # mooncake, and the ray channel with background_load: serves the newest published version
+        self.loader: NewestVersionLoader | None = None
+        self._snapshots: dict[int, Any] = {}  # ray channel, background_load: the newest snapshot not loaded yet
         if config.weights.channel == "none":
             log.warning("weights.channel=none: the inference workers keep their initial weights (benchmarks only)")
         self.start_step = 0
@@ -390,7 +394,14 @@ class AgenticPipeline:
             return self.train_version, time.monotonic() - t0
         if self.channel is None:
             ref, version = await self.train.snapshot_weights(blocking=False), self.train_version
-            await self.controller.sync_weights(ref, version, pause=wc.pause_rollout)
+            if not self._background_load():
+                await self.controller.sync_weights(ref, version, pause=wc.pause_rollout)
+                return version, time.monotonic() - t0
+            # the next batch trains while the workers load this snapshot; only the newest waiting one is kept
+            self._snapshots = {version: ref}
+            if self.loader is None:
+                self.loader = NewestVersionLoader(self._load_snapshot, served=self.scheduler.version)
+            self.loader.offer(version)  # raises a failed load of an earlier version
             return version, time.monotonic() - t0
         if wc.channel == "mooncake":  # the driver does not wait: the loader serves the newest version
             if self.loader is None:
@@ -404,6 +415,16 @@ class AgenticPipeline:
         version = await self.train.publish_to(self.channel, not wc.async_publish, blocking=False)
         await self.controller.sync_weights(None, version, channel=self.channel)
         return version, time.monotonic() - t0
+
+    def _background_load(self) -> bool:
+        """Whether ray-channel snapshots load in the background (``weights.background_load``)."""
+        mode = self.config.weights.background_load
+        return self.config.rollout.alpha >= 1 if mode == "auto" else bool(mode)
+
+    async def _load_snapshot(self, version: int) -> None:
+        """Load the kept snapshot of ``version`` into every worker (the background loader's job)."""
+        ref = self._snapshots.pop(version)
+        await self.controller.sync_weights(ref, version, pause=self.config.weights.pause_rollout)
 
     async def _await_loading(self) -> None:
         """Wait until every worker serves the newest published version (mooncake); re-raise a failure."""
@@ -628,6 +649,7 @@ class AgenticPipeline:
         self.scheduler = new
         self.controller = AsyncController(new, self.proxy)
         self.loader = None
+        self._snapshots = {}
         # the reloaded weights go out under a version newer than any served before (workers only move forward)
         version = max(self.train_version, old.version, self.proxy.version) + 1
         await self.train.set_version(version, blocking=False)

@@ -173,6 +173,9 @@ class WeightsConfig(BaseModel):
 
     channel: Literal["ray", "mooncake", "dist", "none"] = "ray"
     pause_rollout: bool = True  # ray channel: suspend every worker for the swap (False: each swaps between its steps)
+    # ray channel: the driver hands the snapshot to a background loader and trains the next batch while the
+    # workers load it (the newest version wins, as with mooncake); auto: on when rollout.alpha >= 1
+    background_load: bool | Literal["auto"] = False
     mooncake_master: str | None = None  # host:port of a running master; None: rollart starts one on the head node's IP
     protocol: Literal["tcp", "rdma"] = "tcp"  # mooncake transfer engine
     rdma_devices: list[str] = Field(default_factory=list)  # protocol rdma: device names, e.g. [mlx5_0, mlx5_1]

@@ -621,6 +621,33 @@ class Cluster:
             f"cluster {self.name}: no live worker of {list(prefs)} for tag {tag!r}; restart workers with restart_worker(rank)"
         )
 
+    def route_many(self, method: str, tag: str, n: int) -> list[tuple[int, Any]]:
+        """Route ``n`` calls of the ``@hw_mapping`` method ``method`` for ``tag``, each as a call of its
+        own would be (least-loaded live worker of the tag's preference, counted in flight): a
+        ``(rank, actor)`` per call, for a caller that sends them to each worker together (one Ray call
+        per worker). Each is given back with :meth:`release` once answered."""
+        m = self.methods.get(method)
+        if m is None or m.hw_mapping is None:
+            raise TypeError(f"cluster {self.name!r}: {method!r} is not a routed (@hw_mapping) method")
+        self._check_fatal()
+        out = []
+        for _ in range(n):
+            slot = self._route(m.hw_mapping, tag)
+            out.append((slot.rank, slot.actor))
+        return out
+
+    def release(self, rank: int, n: int = 1) -> None:
+        """``n`` calls routed to ``rank`` by :meth:`route_many` were answered (or failed)."""
+        slot = self._slots[rank]
+        with self._lock:
+            slot.inflight = max(0, slot.inflight - n)
+
+    def worker_died(self, rank: int, err: BaseException) -> WorkerDiedError:
+        """Mark ``rank`` dead (routing skips it, death listeners such as a supervisor are told) and
+        return the error that names it: what a caller of a batched call raises for each of its calls."""
+        self._mark_dead(rank, err)
+        return self._died(rank, err)
+
     def _submit_routed(self, slot: _Slot, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
         ref = getattr(slot.actor, method).remote(*args, **kwargs)
 

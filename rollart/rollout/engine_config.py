@@ -19,7 +19,8 @@ ENGINE_KINDS: dict[str, str] = {
 
 class EngineConfig(BaseModel):
     """``kind`` is one of ``torch`` (default), ``vllm``, ``sglang``, ``simulated`` or ``module:Class``;
-    ``model`` a Hugging Face folder (default: the built-in tiny model); ``options`` go to the engine.
+    ``model`` a Hugging Face folder (default: the built-in tiny model); ``options`` go to the engine;
+    ``batch_requests`` sends each worker the requests of one event-loop turn as one call.
     The simulated engine's ``options.profile: auto`` takes the latency profile of the worker's own
     hardware (``rollart.engines.hardware``: H800, H20), so each rollout pool runs at its device's speed."""
 
@@ -28,6 +29,9 @@ class EngineConfig(BaseModel):
     kind: str = "torch"
     model: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    # the LLMProxy sends the requests of one event-loop turn to each worker as one streaming call
+    # (rollart.rollout.batching); false: one Ray call per request
+    batch_requests: bool = True
 
 
 LATENCY_OPTIONS = ("decode_base_s", "decode_per_seq_s", "prefill_per_token_s")

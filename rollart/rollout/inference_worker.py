@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +68,15 @@ class UpdateCommand:
 
 
 Command = AddCommand | AbortCommand | UpdateCommand
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """A request of a :meth:`InferenceWorker.generate_many` call that failed on the worker (the engine
+    refused it, or its id was running already): its caller gets an error naming ``reason``."""
+
+    request_id: str
+    reason: str
 
 
 class InferenceWorker(ra.Worker):
@@ -239,6 +248,40 @@ class InferenceWorker(ra.Worker):
         self.stats["requests"] += 1
         await self._commands.put(AddCommand(pending))
         return await fut
+
+    async def generate_many(
+        self, requests: Sequence[GenerateRequest], tag_name: str
+    ) -> AsyncIterator[list[GenerateOutput | RequestFailed]]:
+        """Generate several requests sent in one call (the LLMProxy's batched ADD); yields, as they
+        finish, the outputs of each engine step's finished requests together (a ``RequestFailed`` for a
+        request the engine refused). Called as a Ray streaming generator: one Ray call and a few yields
+        per batch instead of one call per request; each request still finishes on its own."""
+        self._ensure_loop()
+        assert self._resumed is not None and self._commands is not None
+        await self._resumed.wait()
+        loop = asyncio.get_running_loop()
+        futures: dict[asyncio.Future[GenerateOutput], str] = {}
+        failed: list[GenerateOutput | RequestFailed] = []
+        for request in requests:
+            if request.request_id in self._pending:
+                failed.append(
+                    RequestFailed(request.request_id, f"request_id {request.request_id!r} is already running")
+                )
+                continue
+            fut: asyncio.Future[GenerateOutput] = loop.create_future()
+            pending = _Pending(request, fut, self.engine.weight_version)
+            self._pending[request.request_id] = pending
+            self.stats["requests"] += 1
+            self._commands.put_nowait(AddCommand(pending))
+            futures[fut] = request.request_id
+        if failed:
+            yield failed
+        waiting = set(futures)
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            yield [
+                f.result() if f.exception() is None else RequestFailed(futures[f], repr(f.exception())) for f in done
+            ]
 
     async def generate_n(self, request: GenerateRequest, n: int, tag_name: str) -> list[GenerateOutput]:
         """``n`` samples of one prompt as one request pinned to this worker (no prompt replication:

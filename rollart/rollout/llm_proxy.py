@@ -30,10 +30,16 @@ from rollart.cluster import Cluster
 from rollart.cluster.errors import NoLiveWorkerError, WorkerDiedError
 from rollart.cluster.fault import RestartPolicy, WorkerSupervisor
 from rollart.rollout.affinity import AutoAffinity
+from rollart.rollout.batching import RequestBatcher
 from rollart.rollout.types import GenerateOutput, GenerateRequest
 from rollart.weights.base import WeightChannel
 
 log = logging.getLogger(__name__)
+
+
+def _has_generate_many(cluster: Cluster) -> bool:
+    """Whether the cluster's workers answer batched calls (``InferenceWorker.generate_many``)."""
+    return callable(getattr(cluster.worker_cls, "generate_many", None))
 
 
 class LLMProxy:
@@ -46,8 +52,11 @@ class LLMProxy:
         restart: RestartPolicy | None = None,
         wait_for_worker_s: float = 300.0,
         affinity: AutoAffinity | None = None,
+        batch_requests: bool = False,
     ):
         self.cluster = cluster
+        # batched ADD (rollart.rollout.batching): one streaming call per worker per event-loop turn
+        self.batcher = RequestBatcher(cluster) if batch_requests and _has_generate_many(cluster) else None
         # automatic hardware affinity: every finished request's lengths reorder its tag's preference
         self.affinity = affinity
         if affinity is not None:
@@ -103,7 +112,10 @@ class LLMProxy:
                     base = out or GenerateOutput(request_id=rid)
                     return base.model_copy(update={"finish_reason": "abort", "preempted": False})
                 try:
-                    part: GenerateOutput = await self.cluster.generate(req, tag_name=tag)
+                    if self.batcher is not None:
+                        part: GenerateOutput = await self.batcher.submit(req, tag)
+                    else:
+                        part = await self.cluster.generate(req, tag_name=tag)
                 except (NoLiveWorkerError, WorkerDiedError) as err:
                     if not await self._wait_for_worker(rid):
                         raise

@@ -212,7 +212,9 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         if recomputed:
             with torch.no_grad(), self.autocast():  # the policy before this update: pi_old (local forwards)
                 for mb in share.microbatches:
-                    mb[C.PROXIMAL_LOGPROBS] = self._logprobs(self.forward_module if self.prefix_sharing else self.module, mb)
+                    mb[C.PROXIMAL_LOGPROBS] = self._logprobs(
+                        self.forward_module if self.prefix_sharing else self.module, mb
+                    )
         metrics: dict[str, float] = {}
         n_metric = 0
         # |pi_old - mu| over the action tokens: how far the engine that sampled is from the trainer (~0)
