@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 from rollart.cluster import Cluster
@@ -27,6 +27,10 @@ from rollart.cluster.future import ACTOR_GONE
 from rollart.rollout.types import GenerateOutput, GenerateRequest
 
 log = logging.getLogger(__name__)
+
+
+def _unanswered(futures: dict[str, deque[asyncio.Future[GenerateOutput]]]) -> list[asyncio.Future[GenerateOutput]]:
+    return [f for waiting in futures.values() for f in waiting if not f.done()]
 
 
 class RequestFailedError(RuntimeError):
@@ -78,7 +82,9 @@ class RequestBatcher:
     async def _stream(
         self, rank: int, actor: Any, tag: str, items: list[tuple[GenerateRequest, asyncio.Future[GenerateOutput]]]
     ) -> None:
-        futures = {req.request_id: fut for req, fut in items}
+        futures: dict[str, deque[asyncio.Future[GenerateOutput]]] = defaultdict(deque)  # an id sent twice: in order
+        for req, fut in items:
+            futures[req.request_id].append(fut)
         self.calls += 1
         self.requests += len(items)
         try:
@@ -89,9 +95,14 @@ class RequestBatcher:
             )
             async for ref in stream:
                 for out in await ref:
-                    fut = futures.pop(out.request_id, None)
+                    waiting = futures.get(out.request_id)
+                    if not waiting:
+                        continue
+                    fut = waiting.popleft()
+                    if not waiting:
+                        del futures[out.request_id]
                     self.cluster.release(rank)
-                    if fut is None or fut.done():
+                    if fut.done():
                         continue
                     if isinstance(out, GenerateOutput):
                         fut.set_result(out)
@@ -99,19 +110,17 @@ class RequestBatcher:
                         fut.set_exception(RequestFailedError(f"request {out.request_id}: {out.reason}"))
         except ACTOR_GONE as err:
             died = self.cluster.worker_died(rank, err)
-            for fut in futures.values():
-                if not fut.done():
-                    fut.set_exception(died)
+            for fut in _unanswered(futures):
+                fut.set_exception(died)
         except Exception as err:  # the call itself broke: its unanswered requests fail with the cause
-            for fut in futures.values():
-                if not fut.done():
-                    fut.set_exception(err)
+            for fut in _unanswered(futures):
+                fut.set_exception(err)
         finally:
-            if futures:
-                self.cluster.release(rank, len(futures))
-            for fut in futures.values():
-                if not fut.done():
-                    fut.set_exception(RuntimeError(f"rank {rank}: the batched call ended without answering"))
+            left = sum(len(w) for w in futures.values())
+            if left:
+                self.cluster.release(rank, left)
+            for fut in _unanswered(futures):
+                fut.set_exception(RuntimeError(f"rank {rank}: the batched call ended without answering"))
 
     async def aclose(self) -> None:
         """Cancel the streams still running (the rollout stopped)."""
