@@ -37,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="weight swaps without a global rollout pause (weights.pause_rollout=false)",
     )
+    p.add_argument(
+        "--background-load",
+        action="store_true",
+        help="asynchronous runs train the next batch while the workers load the weights (weights.background_load)",
+    )
     p.add_argument("--out", default="runs/bench/async-train")
     p.add_argument("--json", action="store_true")
 
@@ -79,7 +84,7 @@ def _config(args: argparse.Namespace, alpha: int, out: str) -> Any:
             "steps": args.steps,
             "checkpoint_every": 0,
             "output_dir": out,
-            "weights": {"pause_rollout": not args.no_pause},
+            "weights": {"pause_rollout": not args.no_pause, "background_load": args.background_load and alpha > 0},
         }
     )
 
