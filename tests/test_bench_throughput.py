@@ -47,3 +47,19 @@ def test_quick_bench_reports_every_figure(ray_local, tmp_path, capsys):
 def test_bench_rejects_a_negative_alpha(tmp_path):
     with pytest.raises(SystemExit, match="--alphas"):
         main(["bench", "throughput", "--alphas", "-1", "--out", str(tmp_path)])
+
+
+def test_the_task_reward_scores_exact_answers_letters_in_place_and_stopping():
+    from rollart.benchmarks.reverse_chat_task import make_rows, score
+
+    assert score("cba", "cba") == 1.0 and score(" cba ", "cba") == 1.0
+    assert score("cbx", "cba") == pytest.approx(0.8 * 2 / 3 + 0.1)  # two in place, stopped after 3
+    assert score("cbaa", "cba") == pytest.approx(0.8 + 0.0)  # three in place, did not stop
+    assert score("", "cba") == 0.0
+    rows = make_rows(5, seed=1)
+    assert rows == make_rows(5, seed=1) and all(r["prompt"] == f"Reverse: {r['answer'][::-1]}" for r in rows)
+
+
+def test_trl_without_its_interpreter_names_the_fix(tmp_path):
+    with pytest.raises(SystemExit, match="python3 -m venv .venv-trl"):
+        main(["bench", "throughput", "--trl", str(tmp_path / "no-python"), "--out", str(tmp_path)])
