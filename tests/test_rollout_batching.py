@@ -92,3 +92,17 @@ async def test_requests_of_a_killed_worker_move_to_a_live_one_from_their_stored_
     finally:
         proxy.close()
         cluster.shutdown()
+
+
+def test_a_worker_class_that_overrides_generate_keeps_one_call_per_request():
+    from types import SimpleNamespace
+
+    from rollart.rollout.inference_worker import InferenceWorker, inference_worker_class
+    from rollart.rollout.llm_proxy import _has_generate_many
+
+    class Logged(InferenceWorker):  # a user's generate must run for every request
+        async def generate(self, request, tag_name):
+            return await super().generate(request, tag_name)
+
+    assert _has_generate_many(SimpleNamespace(worker_cls=inference_worker_class({"*": ["CPU"]})))
+    assert not _has_generate_many(SimpleNamespace(worker_cls=Logged))

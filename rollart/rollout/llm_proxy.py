@@ -38,8 +38,17 @@ log = logging.getLogger(__name__)
 
 
 def _has_generate_many(cluster: Cluster) -> bool:
-    """Whether the cluster's workers answer batched calls (``InferenceWorker.generate_many``)."""
-    return callable(getattr(cluster.worker_cls, "generate_many", None))
+    """Whether the cluster's workers answer batched calls (``InferenceWorker.generate_many``) the way
+    their ``generate`` answers single ones: a worker class that overrides ``generate`` keeps one call
+    per request, so its own ``generate`` runs for every request."""
+    cls = cluster.worker_cls
+    if not callable(getattr(cls, "generate_many", None)):
+        return False
+    generate = getattr(cls, "generate", None)
+    if getattr(generate, "__module__", None) != __name__.rsplit(".", 1)[0] + ".inference_worker":
+        log.info("batched ADD off for %s: it overrides generate (one Ray call per request)", cls.__name__)
+        return False
+    return True
 
 
 class LLMProxy:
