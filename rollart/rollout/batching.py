@@ -121,10 +121,3 @@ class RequestBatcher:
                 self.cluster.release(rank, left)
             for fut in _unanswered(futures):
                 fut.set_exception(RuntimeError(f"rank {rank}: the batched call ended without answering"))
-
-    async def aclose(self) -> None:
-        """Cancel the streams still running (the rollout stopped)."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
