@@ -41,11 +41,12 @@ def _has_generate_many(cluster: Cluster) -> bool:
     """Whether the cluster's workers answer batched calls (``InferenceWorker.generate_many``) the way
     their ``generate`` answers single ones: a worker class that overrides ``generate`` keeps one call
     per request, so its own ``generate`` runs for every request."""
+    from rollart.rollout import inference_worker  # the module whose generate answers like generate_many
+
     cls = cluster.worker_cls
     if not callable(getattr(cls, "generate_many", None)):
         return False
-    generate = getattr(cls, "generate", None)
-    if getattr(generate, "__module__", None) != __name__.rsplit(".", 1)[0] + ".inference_worker":
+    if getattr(getattr(cls, "generate", None), "__module__", None) != inference_worker.__name__:
         log.info("batched ADD off for %s: it overrides generate (one Ray call per request)", cls.__name__)
         return False
     return True

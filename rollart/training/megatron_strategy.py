@@ -498,6 +498,11 @@ class MegatronTrainWorker(TorchTrainWorker):
             return self.model  # type: ignore[return-value]  # raises the message above
         return self._module
 
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        """What the local (non-DDP) passes call: the model itself (no shared-prefix forward here)."""
+        return self.module
+
     def _build(self) -> None:
         if self.device.type == "cuda":
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

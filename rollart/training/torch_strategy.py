@@ -151,7 +151,9 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         return backend
 
     # ------------------------------------------------------------------ training
-    def _microbatch_tensors(self, batch: ra.Batch, idx: list[int]) -> dict[str, torch.Tensor]:
+    def _microbatch_tensors(
+        self, batch: ra.Batch, idx: list[int], prefix_lens: list[int] | None = None
+    ) -> dict[str, torch.Tensor]:
         ids = [batch[C.INPUT_IDS][i] for i in idx]
         out = {
             C.INPUT_IDS: pad_right(ids, 0, torch.long),
@@ -162,8 +164,8 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         }
         if C.REF_LOGPROBS in batch:
             out[C.REF_LOGPROBS] = pad_right([batch[C.REF_LOGPROBS][i] for i in idx], 0.0, torch.float32)
-        if self.prefix_sharing:
-            out.update(shared_layout(ids, [self._prefix_lens[i] for i in idx]))
+        if prefix_lens is not None:  # the shared-prefix passes' layout
+            out.update(shared_layout(ids, [prefix_lens[i] for i in idx]))
         return {k: v.to(self.device) for k, v in out.items()}
 
     def _logprobs(self, model: torch.nn.Module, mb: dict[str, torch.Tensor], with_entropy: bool = False) -> Any:
@@ -196,14 +198,14 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         tokens = float(sum(sum(m) for m in batch[C.LOSS_MASK])) if lengths else 0.0
         local = float(len(lengths)) if seq_level else tokens
         total = global_sum([local], self.distributed)[0]
-        plans = None
+        plans, prefix_lens = None, None
         if self.prefix_sharing and lengths:
-            self._prefix_lens = [prefix_length(m, n) for m, n in zip(batch[C.LOSS_MASK], lengths)]
-            plans = plan_shared_microbatches(batch[C.INPUT_IDS], self._prefix_lens, cfg.max_tokens_per_microbatch)
+            prefix_lens = [prefix_length(m, n) for m, n in zip(batch[C.LOSS_MASK], lengths)]
+            plans = plan_shared_microbatches(batch[C.INPUT_IDS], prefix_lens, cfg.max_tokens_per_microbatch)
         share = plan_share(
             lengths,
             cfg.max_tokens_per_microbatch,
-            lambda idx: self._microbatch_tensors(batch, idx),
+            lambda idx: self._microbatch_tensors(batch, idx, prefix_lens),
             self.distributed,
             plans,
         )
@@ -212,9 +214,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         if recomputed:
             with torch.no_grad(), self.autocast():  # the policy before this update: pi_old (local forwards)
                 for mb in share.microbatches:
-                    mb[C.PROXIMAL_LOGPROBS] = self._logprobs(
-                        self.forward_module if self.prefix_sharing else self.module, mb
-                    )
+                    mb[C.PROXIMAL_LOGPROBS] = self._logprobs(self.forward_module, mb)
         metrics: dict[str, float] = {}
         n_metric = 0
         # |pi_old - mu| over the action tokens: how far the engine that sampled is from the trainer (~0)
