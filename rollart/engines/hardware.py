@@ -72,6 +72,16 @@ class HardwareProfile:
         """Seconds to read one context token's KV cache in a decode step."""
         return self.model.kv_bytes_per_token / (self.hardware.hbm_tb_s * 1e12)
 
+    def kv_capacity_tokens(self, memory_utilization: float = 0.9) -> int:
+        """Tokens of KV cache the device holds next to the weights when the engine may use
+        ``memory_utilization`` of its memory (vLLM's ``gpu_memory_utilization`` default 0.9)."""
+        free = self.hardware.hbm_gb * 1e9 * memory_utilization - self.model.params * self.model.bytes_per_param
+        if free <= 0:
+            raise ValueError(
+                f"{self.model.name} does not fit in one {self.name} at {memory_utilization:.0%} memory use"
+            )
+        return int(free // self.model.kv_bytes_per_token)
+
     def step_s(self, new_prompt_tokens: int, running: int, context_tokens: int) -> float:
         """One engine step: prefill of ``new_prompt_tokens``, one decoded token for each of ``running``
         sequences whose contexts hold ``context_tokens`` tokens in all; the longer of compute and memory."""

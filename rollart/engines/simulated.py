@@ -11,6 +11,14 @@ device's roofline instead: compute-bound prefill, bandwidth-bound decode of the 
 cache of every running sequence. Each token is a
 deterministic function of the previous token and the position, so a resumed request continues the
 same sequence.
+
+Batching follows a paged-KV engine (vLLM's scheduler): requests wait in arrival order and join the
+running batch while ``max_batch_size`` and ``kv_capacity_tokens`` allow (``"auto"``: what the
+profile's device holds after its weights at 90% memory use); when the next step's KV cache would not
+fit, the newest running request is preempted back to the head of the queue and recomputed (its prompt
+and tokens prefilled again) when it rejoins. ``token_scale`` lets one simulated token stand for that
+many real ones (a step decodes ``token_scale`` tokens of each sequence; costs and capacity count real
+tokens), so 30k-token responses simulate in 1k steps. ``sim_s`` is the modelled time, unscaled.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ from __future__ import annotations
 import random
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 import torch
 
@@ -41,6 +51,8 @@ class SimulatedEngine(InferenceEngine):
         difficulty_from_first_token: float | None = None,
         profile: str | None = None,
         profile_model: Mapping[str, float | str] | None = None,
+        kv_capacity_tokens: int | Literal["auto"] | None = None,
+        token_scale: int = 1,
     ):
         self.decode_base_s, self.decode_per_seq_s = decode_base_s, decode_per_seq_s
         self.prefill_per_token_s, self.time_scale = prefill_per_token_s, time_scale
@@ -54,37 +66,99 @@ class SimulatedEngine(InferenceEngine):
         self.profile: HardwareProfile | None = None
         if profile is not None:
             self.profile = profile_for(profile, ModelShape(**profile_model) if profile_model else None)  # type: ignore[arg-type]
+        if int(token_scale) < 1:
+            raise ValueError(f"engine.options.token_scale={token_scale!r}: must be an integer >= 1")
+        self.token_scale = int(token_scale)
+        if kv_capacity_tokens == "auto":
+            if self.profile is None:
+                raise ValueError(
+                    "engine.options.kv_capacity_tokens: 'auto' reads the device of a profile; "
+                    "set profile (e.g. H800) or give the capacity in tokens"
+                )
+            kv_capacity_tokens = self.profile.kv_capacity_tokens()
+        if kv_capacity_tokens is not None and int(kv_capacity_tokens) < 1:
+            raise ValueError(f"engine.options.kv_capacity_tokens={kv_capacity_tokens!r}: must be >= 1, or unset")
+        self.kv_capacity_tokens = None if kv_capacity_tokens is None else int(kv_capacity_tokens)
         self.weight_version = 0
-        self._running: dict[str, tuple[EngineRequest, RequestOutput, int]] = {}
+        # arrival order: requests wait (FIFO; a preempted one goes back to the head), then run
+        self._waiting: deque[str] = deque()
+        self._requests: dict[str, tuple[EngineRequest, RequestOutput, int]] = {}
+        self._running: dict[str, None] = {}
         self._new_prompt_tokens = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # slept (scaled) seconds
+        self.sim_s = 0.0  # modelled seconds
+        self.preemptions = 0
 
     def add_request(self, request: EngineRequest) -> None:
-        if request.request_id in self._running:
+        if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} is already running")
+        target = self.target_length(request)
+        out = RequestOutput(request.request_id, list(request.prompt_token_ids), weight_version=self.weight_version)
+        self._requests[request.request_id] = (request, out, target)
+        self._waiting.append(request.request_id)
+
+    def target_length(self, request: EngineRequest) -> int:
+        """The output length this engine gives ``request``: drawn from ``length_sampler`` (seeded by the
+        sampling seed, else the request id) and the prompt's difficulty, capped at ``max_new_tokens``."""
         seed = request.params.seed if request.params.seed is not None else zlib.crc32(request.request_id.encode())
-        rng = random.Random(seed)
         target = request.params.max_new_tokens
         if self.length_sampler is not None:
-            length = float(self.length_sampler(rng))
+            length = float(self.length_sampler(random.Random(seed)))
             if self.difficulty_from_first_token and request.prompt_token_ids:
                 # per-prompt difficulty: the first prompt token scales the expected length
                 length *= request.prompt_token_ids[0] * self.difficulty_from_first_token
             target = max(1, min(target, int(length)))
-        out = RequestOutput(request.request_id, list(request.prompt_token_ids), weight_version=self.weight_version)
-        self._running[request.request_id] = (request, out, target)
-        self._new_prompt_tokens += len(request.prompt_token_ids)
+        return target
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        item = self._running.pop(request_id, None)
+        item = self._requests.pop(request_id, None)
         if item is None:
             return None
+        if request_id in self._running:
+            del self._running[request_id]
+        else:
+            self._waiting.remove(request_id)
         _, out, _ = item
         out.finished, out.finish_reason = True, "abort"
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self._running)
+        return bool(self._requests)
+
+    def _context(self, rid: str) -> int:
+        req, out, _ = self._requests[rid]
+        return len(req.prompt_token_ids) + len(out.output_token_ids)
+
+    def _schedule(self) -> None:
+        """Admit waiting requests while batch size and KV capacity allow; preempt the newest running
+        ones when this step's KV cache would not fit (at least one request always runs)."""
+        cap = None if self.kv_capacity_tokens is None else self.kv_capacity_tokens / self.token_scale
+        # KV after this step: every running context plus the tokens it decodes now
+        used = sum(self._context(rid) + 1 for rid in self._running)
+        while cap is not None and used > cap and len(self._running) > 1:
+            rid = next(reversed(self._running))
+            del self._running[rid]
+            self._waiting.appendleft(rid)
+            used -= self._context(rid) + 1
+            self.preemptions += 1
+        while self._waiting and len(self._running) < self.max_batch_size:
+            need = self._context(self._waiting[0]) + 1
+            if cap is not None and self._running and used + need > cap:
+                break
+            rid = self._waiting.popleft()
+            self._running[rid] = None
+            self._new_prompt_tokens += need - 1  # prefilled on admission (again, after a preemption)
+            used += need
+
+    def _step_s(self, running: int, context: int) -> float:
+        """The modelled time of one step (``token_scale`` real decode steps), in real-token units."""
+        s, new = self.token_scale, self._new_prompt_tokens * self.token_scale
+        if self.profile is not None:
+            ctx = context * s
+            first = self.profile.step_s(new, running, ctx)
+            return first + (s - 1) * self.profile.step_s(0, running, ctx + running * s // 2)
+        decode = self.decode_base_s + self.decode_per_seq_s * running
+        return s * decode + self.prefill_per_token_s * new
 
     def _token(self, req: EngineRequest, out: RequestOutput) -> int:
         # a function of the previous token and the position: a resumed request (prompt + partial
@@ -95,29 +169,25 @@ class SimulatedEngine(InferenceEngine):
         return tok if tok != self.stop_token_id else tok + 1
 
     def step(self) -> list[RequestOutput]:
-        active = list(self._running.items())[: self.max_batch_size]
-        if self.profile is not None:
-            context = sum(len(req.prompt_token_ids) + len(out.output_token_ids) for _, (req, out, _) in active)
-            delay = self.profile.step_s(self._new_prompt_tokens, len(active), context) * self.time_scale
-        else:
-            delay = (
-                self.decode_base_s
-                + self.decode_per_seq_s * len(active)
-                + self.prefill_per_token_s * self._new_prompt_tokens
-            ) * self.time_scale
+        self._schedule()
+        active = list(self._running)
+        model_s = self._step_s(len(active), sum(self._context(rid) for rid in active)) if active else 0.0
         self._new_prompt_tokens = 0
+        delay = model_s * self.time_scale
         if delay > 0:
             time.sleep(delay)
         self.busy_s += delay
+        self.sim_s += model_s
         finished = []
-        for rid, (req, out, target) in active:
+        for rid in active:
+            req, out, target = self._requests[rid]
             out.output_token_ids.append(self._token(req, out))
             out.output_logprobs.append(-1.0)
             if len(out.output_token_ids) >= target:
                 out.finished = True
                 out.finish_reason = "stop" if target < req.params.max_new_tokens else "length"
                 finished.append(out)
-                del self._running[rid]
+                del self._running[rid], self._requests[rid]
         return finished
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
