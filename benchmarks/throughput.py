@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value of the rollart runs"
     )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of both frameworks' runs (sampling, data order, initialisation)"
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: 3 steps, 4 prompts x 4 samples, a 1-layer model")
     p.add_argument("--out", default="runs/bench/throughput")
 
@@ -85,8 +88,12 @@ def mode_config(args: argparse.Namespace, setting: Setting, alpha: int, out_dir:
         "rollout.group_size": args.group_size,
         "rollout.batch_groups": args.groups,
         "rollout.alpha": alpha,
-        "sampling": {"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "seed": 0},
+        "sampling": {"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "seed": args.seed},
+        "seed": args.seed,
         "advantage": "grpo",
+        # asynchronous runs train on samples up to alpha versions old: the decoupled objective (seed 000
+        # §2.2) centres the trust region on the trainer's policy and weights each token by pi_old / mu
+        "train.loss": "decoupled_ppo" if alpha > 0 else "ppo",
         "train.lr": 3e-4,
         "train.entropy_coef": 0.0,
         "train.loss_agg": "token-mean",
@@ -148,6 +155,7 @@ def trl_command(args: argparse.Namespace, setting: Setting, out: Path) -> list[s
         f"--group-size={args.group_size}",
         f"--max-new-tokens={MAX_NEW_TOKENS}",
         "--lr=3e-4",
+        f"--seed={args.seed}",
     ]
 
 
@@ -198,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "throughput",
         "model": model,
         "groups": args.groups,
+        "seed": args.seed,
         "group_size": args.group_size,
         "warmup_loss": [setting.warmup_loss[0], setting.warmup_loss[-1]],
     }

@@ -63,3 +63,25 @@ def test_the_task_reward_scores_exact_answers_letters_in_place_and_stopping():
 def test_trl_without_its_interpreter_names_the_fix(tmp_path):
     with pytest.raises(SystemExit, match="python3 -m venv .venv-trl"):
         main(["bench", "throughput", "--trl", str(tmp_path / "no-python"), "--out", str(tmp_path)])
+
+
+def test_mode_config_seeds_both_sides_and_corrects_stale_samples_in_async_modes(tmp_path):
+    import argparse
+    from pathlib import Path
+
+    from rollart.benchmarks import throughput as bench
+    from rollart.benchmarks.reverse_chat import Setting
+    from rollart.config import load_config
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--seed", "3", "--trl", "python3"])
+    (tmp_path / "t.jsonl").write_text(json.dumps({"prompt": "Reverse: abc", "answer": "cba"}) + "\n")
+    setting = Setting(model=Path("m"), train=tmp_path / "t.jsonl", warmup_loss=[])
+    sync, async1 = (bench.mode_config(args, setting, a, tmp_path / f"a{a}") for a in (0, 1))
+    assert sync["train.loss"] == "ppo" and async1["train.loss"] == "decoupled_ppo"
+    assert sync["seed"] == async1["seed"] == 3 and sync["sampling"]["seed"] == 3
+    assert "--seed=3" in bench.trl_command(args, setting, tmp_path / "trl.json")
+    # the overrides make a valid pipeline config (the loss and its behaviour log-probs included)
+    cfg = load_config("pipelines/quickstart.yaml", {**async1, "model": None})
+    assert cfg.train.loss == "decoupled_ppo" and cfg.rollout.alpha == 1
