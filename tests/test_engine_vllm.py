@@ -100,6 +100,12 @@ def test_vllm_greedy_equals_hf_generate_for_a_batch_of_different_lengths(vllm_ru
         assert len(got["logprobs"]) == 12 and all(lp <= 0 for lp in got["logprobs"])
 
 
+def test_vllm_options_name_the_unknown_one_and_take_max_batch_size(vllm_run):
+    result, _, _ = vllm_run
+    assert "['prefix_sharing'] are not options of the vllm engine" in result["unknown_refused"]
+    assert result["max_num_seqs"] == 8
+
+
 def test_vllm_abort_returns_partial_tokens_and_stop_ids_end_a_request(vllm_run):
     result, model, _ = vllm_run
     ab = result["abort"]

