@@ -25,6 +25,7 @@ import string
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def schedule(kinds: list[str], steps: int, seed: int, first: int = 3, gap: int =
     return {first + gap * i: k for i, k in enumerate(order)}
 
 
-def config(out: Path, steps: int, reward_url: str, seed: int) -> Any:
+def config(out: Path, steps: int, reward_url: str, seed: int, history_keep: int = 1000) -> Any:
     from rollart.config import PipelineConfig
 
     return PipelineConfig.model_validate(
@@ -94,6 +95,7 @@ def config(out: Path, steps: int, reward_url: str, seed: int) -> Any:
                 "train": {"max_restarts": 10, "window_s": 600, "backoff_s": 0.2},
             },
             "steps": steps,
+            "history_keep": history_keep,
             "checkpoint_every": 2,  # the trainer fault restores the latest checkpoint
             "output_dir": str(out),
             "cluster": {"metadata_store": str(out / "meta.sqlite")},
@@ -196,11 +198,15 @@ def make_pipeline(
     every_s: float = 0.0,
     kinds: list[str] | None = None,
     seed: int = 0,
+    snapshots: list[Any] | None = None,
+    snapshot_after_s: float = 0.0,
 ) -> Any:
     """The agentic pipeline with a hook after every step that injects the fault planned for it; with a
     ``deadline`` (soak) it samples the resident memory of the driver, of every worker and of the reward
     service every ``sample_s`` seconds and ends the run with :class:`TimeUp` at the deadline; with
-    ``every_s`` a fault drawn from ``kinds`` (seeded) is added to ``plan`` every ``every_s`` seconds."""
+    ``every_s`` a fault drawn from ``kinds`` (seeded) is added to ``plan`` every ``every_s`` seconds.
+    While :mod:`tracemalloc` traces, the first sample after ``snapshot_after_s`` also appends a snapshot
+    of the driver's allocations to ``snapshots`` (the baseline of :func:`allocation_growth`)."""
     rng = random.Random(seed)
     last_fault: list[float] = []  # the first step's time: no fault before the run has started
     injected_at: set[int] = set()  # the steps whose fault was injected
@@ -227,6 +233,9 @@ def make_pipeline(
                 mb = rss_mb(pid)
                 if mb is not None:
                     record["rss"].setdefault(f"{name}:{pid}", []).append((t, mb))
+            if snapshots is not None and not snapshots and tracemalloc.is_tracing() and t >= snapshot_after_s:
+                snapshots.append(tracemalloc.take_snapshot())
+                record["tracemalloc_baseline_s"] = t
 
         def _record(self, step: int, version: int, trajs: list, *rest: Any) -> dict[str, Any]:
             if deadline is not None:
@@ -301,6 +310,27 @@ def make_pipeline(
     return ChaosPipeline(cfg, progress=False)
 
 
+def allocation_growth(base: Any, now: Any, top: int = 60) -> tuple[list[dict[str, Any]], str]:
+    """The allocations of the driver that grew between two :mod:`tracemalloc` snapshots, grouped by
+    their allocating traceback: the ``top`` largest as records and as text (full tracebacks)."""
+    drop = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib._bootstrap>")]
+    diff = now.filter_traces(drop).compare_to(base.filter_traces(drop), "traceback")
+    grown = [d for d in diff if d.size_diff > 0][:top]
+    rows, text = [], []
+    for d in grown:
+        frame = d.traceback[-1] if len(d.traceback) else None
+        rows.append(
+            {
+                "kb": round(d.size_diff / 1024, 1),
+                "blocks": d.count_diff,
+                "at": f"{frame.filename}:{frame.lineno}" if frame else "?",
+            }
+        )
+        text.append(f"+{d.size_diff / 1024:.1f} KiB in {d.count_diff:+d} blocks")
+        text.extend(f"    {line}" for line in d.traceback.format(most_recent_first=True))
+    return rows, "\n".join(text) + "\n"
+
+
 def driver_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -311,7 +341,13 @@ def driver_main(argv: list[str]) -> int:
     p.add_argument("--sample-s", type=float, default=60.0, help="soak: seconds between memory samples")
     p.add_argument("--fault-every-s", type=float, default=0.0, help="soak: a random fault this often")
     p.add_argument("--kinds", default="", help="soak: the fault kinds to draw from (comma-separated)")
+    p.add_argument(
+        "--tracemalloc", type=int, default=0, help="soak: trace the driver's allocations with this many frames"
+    )
     a = p.parse_args(argv)
+    snapshots: list[Any] = []
+    if a.tracemalloc > 0:
+        tracemalloc.start(a.tracemalloc)
     logging.basicConfig(level=logging.WARNING)
     plan = {int(k): v for k, v in json.loads(a.plan).items()}
     out = Path(a.out)
@@ -328,7 +364,9 @@ def driver_main(argv: list[str]) -> int:
     try:
         record["t0"] = t0 = time.monotonic()
         deadline = t0 + 60.0 * a.minutes if a.minutes > 0 else None
-        cfg = config(out, a.steps, reward.url, a.seed)
+        # a soak keeps 50 step records in memory (the default 1000 fills only after ~15 minutes here), so
+        # a slope measured past the first minute is growth beyond the bounded history
+        cfg = config(out, a.steps, reward.url, a.seed, history_keep=50 if a.minutes > 0 else 1000)
         pipe = make_pipeline(
             cfg,
             plan,
@@ -339,6 +377,8 @@ def driver_main(argv: list[str]) -> int:
             every_s=a.fault_every_s,
             kinds=[k for k in a.kinds.split(",") if k],
             seed=a.seed,
+            snapshots=snapshots,
+            snapshot_after_s=15.0 * a.minutes,  # a quarter of the run: past the warm-up
         )
         try:
             record["steps"] = len(pipe.run())
@@ -351,6 +391,10 @@ def driver_main(argv: list[str]) -> int:
         record["wall_s"] = time.monotonic() - t0
         record["faults"] = pipe.proxy.fault_metrics()
         record["events"] = [e["event"] for e in pipe.proxy.supervisor.events] if pipe.proxy.supervisor else []
+        if snapshots:
+            rows, text = allocation_growth(snapshots[0], tracemalloc.take_snapshot())
+            record["allocation_growth"] = rows
+            (out / "tracemalloc.txt").write_text(text)
     finally:
         if pipe is not None:
             pipe.shutdown()

@@ -32,6 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kinds", default=",".join(FAULT_KINDS), help="comma-separated fault kinds to draw from")
+    p.add_argument(
+        "--tracemalloc",
+        type=int,
+        default=0,
+        metavar="FRAMES",
+        help="trace the driver's allocations (this many frames each; slows the driver) and report what grew "
+        "from a quarter of the run to its end (tracemalloc.txt)",
+    )
     p.add_argument("--out", default="runs/bench/soak")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -82,7 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     extra = ["--minutes", str(args.minutes), "--sample-s", str(sample_s), "--fault-every-s", str(args.fault_every_s)]
-    extra += ["--kinds", ",".join(kinds)]
+    extra += ["--kinds", ",".join(kinds), "--tracemalloc", str(args.tracemalloc)]
     with start_hosts(three_hosts(), start_timeout_s=300) as hosts:
         res = run_chaos(
             hosts,
@@ -114,6 +122,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "faults": res["faults"],
         "rss": per_proc,
     }
+    if res.get("allocation_growth"):
+        result["driver allocations grown"] = res["allocation_growth"][:10]
+        result["files"] = [str(out / "run" / "tracemalloc.txt")]
     for name, s in per_proc.items():
         result[f"rss {name}"] = (
             f"{s['first_mb']:.0f} -> {s['last_mb']:.0f} MB, {s['mb_per_min']:+.2f} MB/min "
@@ -122,5 +133,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (out / "soak.json").write_text(
         json.dumps({**result, "run": {k: v for k, v in res.items() if k != "metrics"}}, indent=2, default=str)
     )
-    result["files"] = [str(out / "soak.json")]
+    result["files"] = [str(out / "soak.json"), *result.get("files", [])]
     return result

@@ -77,3 +77,24 @@ def test_soak_slopes_drop_start_up_and_short_series():
     stepped = [(0.0, 500.0)] + [(60.0 * i, 448.0 if i < 4 else 452.0) for i in range(1, 13)]
     out = slopes({"train0:3": stepped}, span_s=720.0)["train0:3"]
     assert out["mb_per_min"] > 0.1 and out["settled_mb_per_min"] == pytest.approx(0.0)
+
+
+def test_allocation_growth_names_the_line_that_allocated():
+    """The soak's ``--tracemalloc`` report: what grew between two snapshots, by allocating line."""
+    import tracemalloc
+
+    from rollart.benchmarks.chaos import allocation_growth
+
+    tracemalloc.start(4)
+    try:
+        base = tracemalloc.take_snapshot()
+        kept = [bytearray(4096) for _ in range(64)]  # 256 KiB allocated on this line
+        now = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    rows, text = allocation_growth(base, now)
+    assert len(kept) == 64
+    top = rows[0]
+    assert "test_chaos.py:" in top["at"]
+    assert top["kb"] >= 256 and top["blocks"] >= 64
+    assert "bytearray(4096)" in text

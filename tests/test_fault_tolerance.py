@@ -117,6 +117,7 @@ async def test_a_restarted_worker_serves_the_current_version_then_leaves_when_it
     try:
         await proxy.model_update({}, 3)
         bundle = (cluster._slots[0].group.placement_group.id, cluster._slots[0].bundle_index)
+        actor_class = cluster._actor_class
         old_pid = kill(cluster, 0)
         await proxy.model_update({}, 4)  # finds rank 0 dead: skipped, restart starts
         await proxy.model_update({}, 5)  # may run while rank 0 is coming back: it must end at 5 either way
@@ -125,6 +126,8 @@ async def test_a_restarted_worker_serves_the_current_version_then_leaves_when_it
         assert sorted((m["rank"], m["weight_version"]) for m in await proxy.worker_metrics()) == [(0, 5), (1, 5)]
         assert cluster.pids()[0] != old_pid
         assert (cluster._slots[0].group.placement_group.id, cluster._slots[0].bundle_index) == bundle
+        # the restart reused the pool's Ray actor class: none is built, pickled and exported per fault
+        assert actor_class is not None and cluster._actor_class is actor_class
         outs = await asyncio.gather(*(proxy.generate(request(f"r{i}"), "x") for i in range(4)))
         assert {o.rank for o in outs} == {0, 1} and all(o.token_versions == [5] * 8 for o in outs)
         kill(cluster, 0)  # its one restart is spent: removed, the job goes on with rank 1

@@ -129,6 +129,7 @@ class Cluster:
         self.fault_counts: dict[str, int] = {"deaths": 0, "rerouted": 0, "skipped": 0, "restarts": 0, "removed": 0}
         self._slots: list[_Slot] = []
         self._executor: ThreadPoolExecutor | None = None
+        self._actor_class: Any = None  # the Ray actor class of worker_cls, built at the first start
         self._worker_args = tuple(worker_args)
         self._worker_kwargs = dict(worker_kwargs or {})
         self._colocate_with = colocate_with
@@ -251,8 +252,11 @@ class Cluster:
             shared_gpus=self._shared_devices(slot),
         )
         opts = self._actor_options(slot)
-        actor_cls = ray.remote(host_class(self.worker_cls))
-        slot.actor = actor_cls.options(**opts).remote(ctx, self._worker_args, self._worker_kwargs)
+        if self._actor_class is None:
+            # one Ray actor class for every rank and every restart: a class built per actor is pickled,
+            # exported and kept by the driver once per restart (memory that grows with each fault)
+            self._actor_class = ray.remote(host_class(self.worker_cls))
+        slot.actor = self._actor_class.options(**opts).remote(ctx, self._worker_args, self._worker_kwargs)
         slot.actor_name = opts["name"]
         return slot.actor._rollart_info.remote()
 

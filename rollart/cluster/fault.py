@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from rollart.cluster.cluster import Cluster
 
 log = logging.getLogger(__name__)
+EVENTS_KEPT = 1000  # restart / removal / failure events a supervisor keeps (the newest)
 
 
 class RestartPolicy(BaseModel):
@@ -156,7 +157,9 @@ class WorkerSupervisor:
         self.ready_timeout_s = ready_timeout_s
         self.version_lock = threading.Lock()
         self.restarting: set[int] = set()
-        self.events: list[dict[str, Any]] = []  # one per restart / removal / failure, for metrics and tests
+        # one per restart / removal / failure, for metrics and tests: the newest EVENTS_KEPT (a long run
+        # with restarts must not grow without bound)
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self._cond = threading.Condition()
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -176,7 +179,7 @@ class WorkerSupervisor:
         t = threading.Thread(
             target=self._restart, args=(rank, backoff, cause), name=f"restart-{self.cluster.name}-{rank}", daemon=True
         )
-        self._threads.append(t)
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]  # finished restarts are not kept
         t.start()
 
     def _exhausted(self, rank: int, cause: BaseException | None) -> None:
@@ -227,7 +230,7 @@ class WorkerSupervisor:
                 self._on_death(rank, err)
 
     # ------------------------------------------------------------------ waiting (tests, shutdown)
-    def wait_for(self, predicate: Callable[[list[dict[str, Any]]], bool], timeout_s: float) -> bool:
+    def wait_for(self, predicate: Callable[[deque[dict[str, Any]]], bool], timeout_s: float) -> bool:
         """Block until ``predicate(events)`` holds (True) or ``timeout_s`` passes (False)."""
         with self._cond:
             return self._cond.wait_for(lambda: predicate(self.events), timeout=timeout_s)
