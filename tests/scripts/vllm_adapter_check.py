@@ -52,9 +52,20 @@ def main(model: str, new_weights: str, out_path: str) -> None:
     except ValueError as err:
         result["unknown_refused"] = str(err)
     # max_batch_size, the engine-neutral name of the running-batch limit, is vLLM's max_num_seqs
-    engine = VLLMEngine(model, dtype="float32", max_model_len=256, max_batch_size=8)
-    result["max_num_seqs"] = engine._engine.vllm_config.scheduler_config.max_num_seqs
+    engine = VLLMEngine(model, dtype="float32", max_model_len=512, max_batch_size=8)
+    sched = engine._engine.vllm_config.scheduler_config
+    result["max_num_seqs"], result["max_num_batched_tokens"] = sched.max_num_seqs, sched.max_num_batched_tokens
     result["greedy"] = run(engine, greedy("g"))
+    # seeded sampling, 12 requests at once, twice: the same tokens both times
+    seeded = [
+        [
+            EngineRequest(f"{k}{i}", p, SamplingParams(temperature=1.0, max_new_tokens=8, seed=i))
+            for i, p in enumerate(PROMPTS * 4)
+        ]
+        for k in ("x", "y")
+    ]
+    runs = [run(engine, reqs) for reqs in seeded]
+    result["seeded"] = [[runs[k][f"{'xy'[k]}{i}"]["tokens"] for i in range(len(seeded[0]))] for k in (0, 1)]
 
     # abort mid-generation: partial tokens come back, the other request finishes
     engine.add_request(EngineRequest("long", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=40)))
