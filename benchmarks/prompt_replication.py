@@ -53,20 +53,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=192)
     p.add_argument("--token-scale", type=int, default=32, help="real tokens per simulated token")
     p.add_argument(
-        "--kv-capacity", default="auto", help="KV cache tokens per device: auto (from the profile), a number, or none"
+        "--kv-capacity",
+        type=_kv_capacity,
+        default="auto",
+        help="KV cache tokens per device: auto (from the profile), a number, or none",
     )
     p.add_argument("--sweep", action="store_true", help="only the model, over the configurations of Fig. 8")
     add_common_arguments(p, "runs/bench/prompt-replication", time_scale=0.03)
 
 
+def _kv_capacity(text: str) -> int | str | None:
+    """``--kv-capacity``: ``auto``, ``none`` or a number of tokens."""
+    if text.lower() in ("auto", "none"):
+        return None if text.lower() == "none" else "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto, none or a number of tokens") from None
+
+
 def _engine_options(args: argparse.Namespace, time_scale: float) -> dict[str, Any]:
     s = args.token_scale
-    kv: Any = {"none": None, "auto": "auto"}.get(str(args.kv_capacity).lower())
-    if kv is None and str(args.kv_capacity).lower() != "none":
-        kv = int(args.kv_capacity)
     return {
         "profile": args.profile,
-        "kv_capacity_tokens": kv,
+        "kv_capacity_tokens": args.kv_capacity,
         "token_scale": s,
         "time_scale": time_scale,
         "length_lognormal": (args.length_median / s, args.length_sigma),

