@@ -140,6 +140,30 @@ async def test_a_restarted_worker_serves_the_current_version_then_leaves_when_it
         cluster.shutdown()
 
 
+async def test_repeated_restarts_reuse_the_supervisors_threads(make_rm):
+    """Every restart used to start a thread of its own; over a long run with faults that was most of
+    the driver's memory growth (a new malloc arena now and then). Restarts now run on reused threads:
+    four restarts one after the other, of two ranks, need one thread."""
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 2}})
+    cluster = simulated_cluster(rm, "rollout")
+    proxy = LLMProxy(cluster, restart=RestartPolicy(max_restarts=10, backoff_s=0.0))
+    try:
+        for n in range(1, 4):
+            kill(cluster, 0)
+            await proxy.model_update({}, n)  # finds rank 0 dead: restart
+            await events(proxy, "restarted", n)
+        kill(cluster, 1)
+        await proxy.model_update({}, 4)
+        await events(proxy, "restarted", 4)
+        assert proxy.supervisor.restart_threads == 1
+        assert sorted((m["rank"], m["weight_version"]) for m in await proxy.worker_metrics()) == [(0, 4), (1, 4)]
+    finally:
+        proxy.close()
+        cluster.shutdown()
+    # stop() ended the reused threads
+    assert not any(t.is_alive() for t in proxy.supervisor._threads)
+
+
 async def test_on_exhausted_fail_fails_the_next_call_with_the_cause(make_rm):
     rm = make_rm({"rollout": {"hardware": "H20", "devices": 2}})
     cluster = simulated_cluster(rm, "rollout")

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -162,7 +163,12 @@ class WorkerSupervisor:
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self._cond = threading.Condition()
         self._stopped = threading.Event()
+        # Restarts run on a few long-lived daemon threads, started as needed (at most one per rank)
+        # and reused: a new thread per restart gets a fresh malloc arena from glibc now and then, and
+        # over thousands of restarts those arenas were most of the driver's growth.
+        self._jobs: queue.SimpleQueue[tuple[int, float, BaseException | None] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        self._idle = 0  # restart threads waiting for a job
         cluster.add_death_listener(self._on_death)
 
     # ------------------------------------------------------------------ reacting to a death
@@ -176,11 +182,30 @@ class WorkerSupervisor:
                 return
             self.restarting.add(rank)
             self.cluster.mark_restarting(rank)
-        t = threading.Thread(
-            target=self._restart, args=(rank, backoff, cause), name=f"restart-{self.cluster.name}-{rank}", daemon=True
-        )
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]  # finished restarts are not kept
-        t.start()
+            if self._idle <= self._jobs.qsize():  # no waiting thread left for this job: one more
+                t = threading.Thread(
+                    target=self._restart_loop, name=f"restart-{self.cluster.name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
+            self._jobs.put((rank, backoff, cause))
+
+    def _restart_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._idle += 1
+            job = self._jobs.get()
+            with self._cond:
+                self._idle -= 1
+            if job is None:  # stop()
+                return
+            self._restart(*job)
+
+    @property
+    def restart_threads(self) -> int:
+        """How many restart threads this supervisor has started (they are reused, never more than
+        the number of ranks restarting at the same time)."""
+        return len(self._threads)
 
     def _exhausted(self, rank: int, cause: BaseException | None) -> None:
         p = self.policy
@@ -239,5 +264,8 @@ class WorkerSupervisor:
         """No more restarts; waits (bounded) for the restarts under way to end."""
         self._stopped.set()
         self.cluster.remove_death_listener(self._on_death)
+        for _ in self._threads:
+            self._jobs.put(None)
+        deadline = time.monotonic() + timeout_s
         for t in self._threads:
-            t.join(timeout_s)
+            t.join(max(0.0, deadline - time.monotonic()))

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import ray
 
+from rollart.resource_manager.allocator import limit_malloc_arenas
 from rollart.resource_manager.specs import CPU
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def ensure_ray(local_resources: Mapping[str, float] | None = None, job_id: str |
     """
     if ray.is_initialized():
         return ray.get_runtime_context().namespace or job_id or new_job_id()
+    limit_malloc_arenas()  # the driver's memory stays flat over long runs with faults (resource_manager.allocator)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     job_id = job_id or new_job_id()
     address = os.environ.get("RAY_ADDRESS")
