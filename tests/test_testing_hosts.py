@@ -80,6 +80,14 @@ def test_a_host_pinned_to_a_core_runs_there_and_teardown_removes_everything_also
         # the host's Ray node, its driver and the workers it starts all run on that core only
         assert cluster.run_python(AFFINITY).check().result == {"driver": [core], "task": [core]}
         assert _affinities(cluster.head.pids()) == {frozenset({core})}
+        # and the packets it receives are processed there (RPS), not on the sender's core
+        rps = subprocess.run(
+            cluster.head.exec_args(["cat", "/sys/class/net/eth0/queues/rx-0/rps_cpus"]),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert int(rps.strip().replace(",", ""), 16) == 1 << core
         raise RuntimeError("the test failed")
     assert not names & _namespaces()
     assert not cluster.dir.exists()

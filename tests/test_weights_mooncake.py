@@ -150,6 +150,41 @@ def test_only_the_newest_versions_stay_in_the_store(master):
         restarted.fetch(2)
 
 
+def test_a_background_publish_owns_its_bytes_once_it_returns(master):
+    """The trainer hands its live tensors to ``publish_async`` and trains on at once: the channel packs
+    them into its reused buffer before returning, so later changes to those tensors never reach that
+    version, and the next version packed into the same buffer leaves the one in the store intact."""
+    from rollart.weights.mooncake_channel import MooncakeChannel
+
+    channel = MooncakeChannel("bg", master.address, keep=3, chunk_mb=1, segment_mb=32, timeout_s=30)
+    live = sample_state(0)
+    first = channel.publish_async(live, 0)
+    for t in live.values():  # the "next train step" writes the live tensors while the write goes on
+        t.zero_() if t.dtype != torch.int64 else t.fill_(-1)
+    second = channel.publish_async(live, 1)  # waits for version 0's write before packing again
+    assert first.done()
+    second.result()
+    assert same(channel.fetch(0), sample_state(0))
+    assert same(channel.fetch(1), live)
+
+
+def test_snapshot_checksum_is_crc32_and_older_sha256_manifests_still_verify():
+    from rollart.weights.snapshot import ChecksumMismatch, flat_checksum, pack_state, verify_flat
+
+    flat, layout = pack_state(sample_state(3))
+    crc = flat_checksum(flat, layout)
+    assert crc.startswith("crc32:") and len(crc) == len("crc32:") + 8
+    verify_flat(flat, layout, crc, 3)
+    verify_flat(flat, layout, flat_checksum(flat, layout, "sha256"), 3)  # a manifest written before
+    flat[100] ^= 1  # one flipped bit
+    for expected in (crc, flat_checksum(pack_state(sample_state(3))[0], layout, "sha256")):
+        with pytest.raises(ChecksumMismatch, match="version 3"):
+            verify_flat(flat, layout, expected, 3)
+    moved = [dict(item, offset=item["offset"] + 64) for item in layout]  # the same bytes, another layout
+    flat[100] ^= 1
+    assert flat_checksum(flat, moved) != crc
+
+
 async def test_a_torn_snapshot_is_refused_and_the_engine_keeps_serving_its_version(ray_local, make_rm, master):
     import tempfile
 

@@ -110,7 +110,10 @@ class HostSpec:
     num_cpus: int = 1
     object_store_mb: int = 128
     # the machine's cores this host's processes may run on (``taskset``); None: all of them. Pinning
-    # hosts to disjoint cores keeps one host's work from slowing another's, as on separate machines
+    # hosts to disjoint cores keeps one host's work from slowing another's, as on separate machines.
+    # A pinned host also receives its packets on its own cores: the kernel's receive work for a veth
+    # runs on the *sender's* core unless steered (RPS on the host's ``eth0``), so without it a host that
+    # sends a lot (a trainer serving weights) would pay its receivers' share of the work as well.
     cpus: tuple[int, ...] | None = None
 
 
@@ -405,7 +408,23 @@ class HostCluster:
             self._ip("-n", br, "link", "set", f"p{h.index}", "up")
             self._ip("-n", h.namespace, "addr", "add", f"{h.ip}/24", "dev", "eth0")
             self._ip("-n", h.namespace, "link", "set", "eth0", "up")
+            if h.cpus:
+                self._steer_receive(h)
         log.info("hosts %s on %s.0/24 (run %s)", [(h.name, h.ip) for h in self.hosts], SUBNET_PREFIX, self.run_id)
+
+    def _steer_receive(self, h: Host) -> None:
+        """Receive processing of ``h``'s ``eth0`` on ``h``'s own cores (RPS), as on its own machine."""
+        mask = f"{sum(1 << c for c in h.cpus or ()):x}"
+        path = "/sys/class/net/eth0/queues/rx-0/rps_cpus"
+        proc = subprocess.run(
+            ["ip", "netns", "exec", h.namespace, "sh", "-c", f"echo {mask} > {path}"],
+            check=False,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        if proc.returncode != 0:
+            raise HostsError(f"host {h.name}: could not set {path} to {mask}: {proc.stderr.strip()}")
 
     def _ray_start(self, h: Host, head: bool) -> None:
         h.temp_dir.mkdir(parents=True, exist_ok=True)

@@ -554,6 +554,10 @@ class MegatronTrainWorker(TorchTrainWorker):
         """The ``GPTModel``'s own weights (megatron names, on the worker's device)."""
         return {k: v for k, v in self.module.gpt.state_dict().items() if not _ignored(k)}
 
+    def publish_state(self) -> dict[str, torch.Tensor]:
+        """Converted to Hugging Face names (a copy of its own)."""
+        return self.cpu_state_dict()
+
     def cpu_state_dict(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the weights in Hugging Face names (each tensor its own storage)."""
         with torch.no_grad():

@@ -351,9 +351,20 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         self.wait_published()
         if wait:
             channel.publish(self.cpu_state_dict(), self.version)
+        elif getattr(channel, "packs_on_publish", False):
+            # the channel packs the tensors into a buffer of its own before it returns: the module's
+            # own tensors go as they are, no snapshot-sized copy per publish
+            self._publishing = channel.publish_async(self.publish_state(), self.version, copy=True)
         else:
             self._publishing = channel.publish_async(self.cpu_state_dict(), self.version, copy=False)
         return self.version
+
+    def publish_state(self) -> dict[str, torch.Tensor]:
+        """The weights to publish in Hugging Face names, for a channel that copies them at once: the
+        module's own tensors (on its device) unless adapters must be merged first."""
+        if self.config.lora is not None:
+            return self.cpu_state_dict()
+        return dict(self.module.state_dict())
 
     @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
     def wait_published(self) -> None:

@@ -212,6 +212,10 @@ class HostSharedChannel:
     def publish_async(self, state: Mapping[str, torch.Tensor], version: int, *, copy: bool = True) -> Future:
         return self.inner.publish_async(state, version, copy=copy)
 
+    @property
+    def packs_on_publish(self) -> bool:
+        return bool(getattr(self.inner, "packs_on_publish", False))
+
     def latest(self) -> int | None:
         return self.inner.latest()
 

@@ -6,8 +6,8 @@ under the channel's prefix ``rollart/<name>``::
 
     rollart/<name>/v<v>/chunk<i>     the snapshot's bytes, all tensors back to back, cut in chunks
     rollart/<name>/v<v>/manifest     JSON: version, chunk count, and per tensor name, dtype, shape,
-                                     byte offset, and the SHA-256 checksum of that layout and the
-                                     bytes (checked before unpacking) — written after every chunk
+                                     byte offset, and the checksum of that layout and the bytes
+                                     (CRC-32, checked before unpacking) — written after every chunk
     rollart/<name>/latest            the newest version whose manifest is written (upserted last)
 
 Invariants: a reader sees a version only through its manifest, which is written after all its
@@ -37,7 +37,15 @@ import torch
 
 from rollart.cluster.net import node_ip
 from rollart.weights.mooncake_master import MooncakeUnavailable
-from rollart.weights.snapshot import flat_checksum, pack_state, unpack_state, verify_flat
+from rollart.weights.snapshot import (
+    flat_checksum,
+    pack_into,
+    pack_state,
+    packed_nbytes,
+    snapshot_layout,
+    unpack_state,
+    verify_flat,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +98,41 @@ class _Client:
             return store
 
 
+class _Publisher:
+    """A publishing process's state for one channel: the flat buffer it packs every version into
+    (reused, so a publish does not allocate and fault in a snapshot's worth of fresh pages) and the one
+    background thread that writes it. A channel object reaches the trainer as a fresh copy in every
+    remote call, so this lives per process, not in the channel."""
+
+    _lock = threading.Lock()
+    _by_channel: dict[tuple[str, str], _Publisher] = {}
+
+    def __init__(self, name: str):
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mooncake-{name}")
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.pending: Future | None = None
+        self.lock = threading.Lock()  # one publish of this channel at a time packs into the buffer
+
+    @classmethod
+    def of(cls, master: str, name: str) -> _Publisher:
+        with cls._lock:
+            if (master, name) not in cls._by_channel:
+                cls._by_channel[(master, name)] = cls(name)
+            return cls._by_channel[(master, name)]
+
+    def flat(self, nbytes: int) -> torch.Tensor:
+        """The reused buffer, ``nbytes`` long; the previous background write must be done (it reads it)."""
+        if self.pending is not None:
+            try:
+                self.pending.result()
+            except Exception:  # its caller holds that future and sees the error there
+                logger.debug("previous background publish failed", exc_info=True)
+            self.pending = None
+        if self.buffer.numel() < nbytes:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffer[:nbytes]
+
+
 def close_clients() -> None:
     """Leave every Mooncake store this process joined (before its master goes away)."""
     with _Client._lock:
@@ -105,6 +148,8 @@ class MooncakeChannel:
     (the trainer's next step runs while the bytes move). ``fetch(version)`` waits up to ``timeout_s``
     for that version's manifest, then reads and verifies it.
     """
+
+    packs_on_publish = True  # publish_async copies the tensors into its own buffer before it returns
 
     def __init__(
         self,
@@ -138,12 +183,6 @@ class MooncakeChannel:
         self.segment_mb = segment_mb
         self.buffer_mb = buffer_mb
         self.timeout_s = timeout_s
-        self._executor: ThreadPoolExecutor | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_executor"] = None
-        return state
 
     @property
     def prefix(self) -> str:
@@ -189,8 +228,12 @@ class MooncakeChannel:
     # ------------------------------------------------------------------ publisher
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> int:
         """Write ``state`` as ``version``; returns the bytes written."""
-
-        return self._publish_packed(*pack_state(state), version)
+        publisher = _Publisher.of(self.master, self.name)
+        layout = snapshot_layout(state)
+        with publisher.lock:
+            flat = publisher.flat(packed_nbytes(layout))
+            pack_into(state, layout, flat)
+            return self._publish_packed(flat, layout, version)
 
     def _publish_packed(self, flat: torch.Tensor, layout: list[dict[str, Any]], version: int) -> int:
 
@@ -225,13 +268,17 @@ class MooncakeChannel:
         return len(view)
 
     def publish_async(self, state: Mapping[str, torch.Tensor], version: int, *, copy: bool = True) -> Future:
-        """Copy ``state`` to CPU now (the caller may keep training) and write it in the background;
-        ``copy=False`` when the caller hands over a snapshot it will not touch again."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mooncake-{self.name}")
-        if copy:  # packing is the copy: the caller's tensors are free once this returns
-            return self._executor.submit(self._publish_packed, *pack_state(state), version)
-        return self._executor.submit(self.publish, dict(state), version)
+        """Pack ``state`` now into this process's reused buffer for the channel (that is the copy: the
+        caller may change its tensors, e.g. train on, once this returns) and write it in the background.
+        The next call waits for this write first. ``copy`` is accepted for the channel protocol; the
+        packing copies either way."""
+        publisher = _Publisher.of(self.master, self.name)
+        layout = snapshot_layout(state)
+        with publisher.lock:
+            flat = publisher.flat(packed_nbytes(layout))
+            pack_into(state, layout, flat)
+            publisher.pending = publisher.executor.submit(self._publish_packed, flat, layout, version)
+            return publisher.pending
 
     def _drop_old_versions(self, version: int, n_chunks: int) -> None:
         """Remove versions beyond the newest ``keep``; a key still leased to a reader is retried later.

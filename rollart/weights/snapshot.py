@@ -5,15 +5,19 @@ dtypes, shapes and bytes in name order. A receiver recomputes the digest before 
 never serves a torn or mixed snapshot.
 
 Packed form (the Mooncake store, the per-host shared copy): every tensor back to back in one flat
-``uint8`` buffer plus a layout ``[{name, dtype, shape, offset, nbytes}]`` (:func:`pack_state`); its
-digest (:func:`flat_checksum`, SHA-256: hardware-accelerated on current CPUs, 4.5x faster than BLAKE2b
-on this project's machine) covers the layout and the buffer in one pass, without unpacking.
+``uint8`` buffer plus a layout ``[{name, dtype, shape, offset, nbytes}]`` (:func:`pack_state`, or
+:func:`pack_into` a buffer the publisher reuses); its checksum (:func:`flat_checksum`) covers the
+layout and the buffer in one pass, without unpacking. It is CRC-32 (``"crc32:<hex>"``): the check is
+against transfer errors and torn or mixed versions, not an adversary, and CRC-32 costs the publisher
+2.2 ms per 15.5 MB where SHA-256 cost 8.9 ms (this project's machine), on the trainer's own core.
+A checksum without a prefix is SHA-256 (manifests written before).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,9 +40,9 @@ DTYPES = {
 }
 
 
-def pack_state(state: Mapping[str, torch.Tensor], align: int = 64) -> tuple[torch.Tensor, list[dict[str, Any]]]:
-    """All tensors as one flat ``uint8`` buffer plus ``[{name, dtype, shape, offset, nbytes}]``, in one
-    copy; every tensor starts at a multiple of ``align`` bytes so a reader can view it in place."""
+def snapshot_layout(state: Mapping[str, torch.Tensor], align: int = 64) -> list[dict[str, Any]]:
+    """``[{name, dtype, shape, offset, nbytes}]`` of ``state`` packed in name order, every tensor at a
+    multiple of ``align`` bytes (so a reader can view it in place); the packed size is :func:`packed_nbytes`."""
     layout: list[dict[str, Any]] = []
     offset = 0
     for name in sorted(state):
@@ -48,15 +52,37 @@ def pack_state(state: Mapping[str, torch.Tensor], align: int = 64) -> tuple[torc
             {"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": int(nbytes)}
         )
         offset += nbytes + (-nbytes % align)
-    flat = torch.empty(offset, dtype=torch.uint8)
+    return layout
+
+
+def packed_nbytes(layout: list[dict[str, Any]], align: int = 64) -> int:
+    if not layout:
+        return 0
+    last = layout[-1]
+    return last["offset"] + last["nbytes"] + (-last["nbytes"] % align)
+
+
+def pack_into(state: Mapping[str, torch.Tensor], layout: list[dict[str, Any]], flat: torch.Tensor) -> None:
+    """Copy ``state`` (on any device) into ``flat`` (a CPU ``uint8`` tensor of :func:`packed_nbytes`
+    bytes) at ``layout``'s offsets; the alignment padding is zeroed (it is checksummed with the rest)."""
     end = 0
-    for item in layout:
-        flat[end : item["offset"]] = 0  # the alignment padding (hashed with the rest)
-        end = item["offset"] + item["nbytes"]
-        if item["nbytes"]:
-            dst = flat[item["offset"] : item["offset"] + item["nbytes"]].view(DTYPES[item["dtype"]])
-            dst.copy_(state[item["name"]].detach().reshape(-1))
-    flat[end:] = 0
+    with torch.no_grad():
+        for item in layout:
+            if item["offset"] > end:
+                flat[end : item["offset"]] = 0
+            end = item["offset"] + item["nbytes"]
+            if item["nbytes"]:
+                dst = flat[item["offset"] : end].view(DTYPES[item["dtype"]])
+                dst.copy_(state[item["name"]].detach().reshape(-1))
+        if flat.numel() > end:
+            flat[end:] = 0
+
+
+def pack_state(state: Mapping[str, torch.Tensor], align: int = 64) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """All tensors as one new flat ``uint8`` buffer plus its layout (:func:`snapshot_layout`), in one copy."""
+    layout = snapshot_layout(state, align)
+    flat = torch.empty(packed_nbytes(layout, align), dtype=torch.uint8)
+    pack_into(state, layout, flat)
     return flat, layout
 
 
@@ -78,18 +104,25 @@ def unpack_state(flat: torch.Tensor, layout: list[dict[str, Any]]) -> dict[str, 
     return {name: t.clone() for name, t in tensor_views(flat, layout).items()}
 
 
-def flat_checksum(flat: Any, layout: list[dict[str, Any]]) -> str:
-    """SHA-256 of a packed snapshot: its layout (names, dtypes, shapes, offsets) and its bytes.
+def flat_checksum(flat: Any, layout: list[dict[str, Any]], algorithm: str = "crc32") -> str:
+    """Checksum of a packed snapshot: its layout (names, dtypes, shapes, offsets) and its bytes, as
+    ``"crc32:<hex>"`` (default) or a bare SHA-256 hex digest (``algorithm="sha256"``, older manifests).
     ``flat``: anything exposing a buffer (``bytes``, ``mmap``, numpy array) or a ``uint8`` tensor."""
-    h = hashlib.sha256()
-    h.update(json.dumps(layout, sort_keys=True).encode())
-    data = flat.numpy() if isinstance(flat, torch.Tensor) else flat
-    h.update(memoryview(data).cast("B"))
-    return h.hexdigest()
+    head = json.dumps(layout, sort_keys=True).encode()
+    data = memoryview(flat.numpy() if isinstance(flat, torch.Tensor) else flat).cast("B")
+    if algorithm == "crc32":
+        return f"crc32:{zlib.crc32(data, zlib.crc32(head)):08x}"
+    if algorithm == "sha256":
+        h = hashlib.sha256(head)
+        h.update(data)
+        return h.hexdigest()
+    raise ValueError(f"unknown snapshot checksum algorithm {algorithm!r} (crc32 or sha256)")
 
 
 def verify_flat(flat: Any, layout: list[dict[str, Any]], expected: str, version: int) -> None:
-    got = flat_checksum(flat, layout)
+    """Raise :class:`ChecksumMismatch` unless ``flat`` has the checksum its publisher announced (with
+    the algorithm the announced checksum names)."""
+    got = flat_checksum(flat, layout, "crc32" if expected.startswith("crc32:") else "sha256")
     if got != expected:
         raise ChecksumMismatch(f"weights version {version}: checksum {got} != published {expected}; not loaded")
 
