@@ -347,7 +347,9 @@ class AgenticPipeline:
                 protocol=wc.protocol,
                 rdma_devices=wc.rdma_devices,
             )
-            return HostSharedChannel(channel, keep=wc.keep) if wc.host_shared else channel
+            if not wc.host_shared:
+                return channel
+            return HostSharedChannel(channel, keep=wc.keep, relay=self._relay_order() if wc.relay else None)
         if wc.channel == "dist":
             from rollart.weights.dist_channel import TorchBroadcastChannel
 
@@ -355,6 +357,16 @@ class AgenticPipeline:
                 name, num_receivers=len(self.infer.workers), bucket_bytes=wc.bucket_mb << 20, timeout_s=wc.timeout_s
             )
         return None
+
+    def _relay_order(self) -> list[str]:
+        """The inference hosts' IPs in relay-tree order: the trainer's host first when it also runs
+        inference workers (its copy is local), then the others in worker order."""
+        import ray
+
+        infos = ray.get([w._rollart_info.remote() for w in self.infer.workers + self.train.workers[:1]])
+        trainer_ip = infos[-1]["node_ip"]
+        hosts = list(dict.fromkeys(i["node_ip"] for i in infos[:-1]))
+        return sorted(hosts, key=lambda ip: ip != trainer_ip)
 
     async def _make_batch(self, groups: list) -> tuple[Any, Any]:
         """The training batch, built once, then its advantages; with ``advantage: gae`` the critic scores

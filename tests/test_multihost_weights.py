@@ -87,6 +87,13 @@ def test_async_multitask_pipeline_syncs_weights_across_hosts(hosts, channel, tmp
     assert set(fetched) == infer_ips
     for fetches in fetched.values():  # one fetch per host and version it served
         assert len(set(fetches)) == len(fetches) and set(loaded) <= set(fetches) <= set(r["versions"])
+    # relay: the trainer's host sent each version once: one rollout host read every version from the
+    # publisher, the other every version from that host's copy
+    [root] = [x for x in r["host_caches"] if x["relay_parent"] is None]
+    [child] = [x for x in r["host_caches"] if x["relay_parent"] is not None]
+    assert set(root["sources"]) == {"publisher"} and root["node_ip"] == r["infer"][0]["ip"]
+    assert child["relay_parent"] == root["node_ip"] and set(child["sources"]) == {root["node_ip"]}
+    assert root["relay_fallbacks"] == child["relay_fallbacks"] == 0
 
 
 def test_rdma_needs_device_names_and_names_the_field(tmp_path):

@@ -168,6 +168,52 @@ def test_a_background_publish_owns_its_bytes_once_it_returns(master):
     assert same(channel.fetch(1), live)
 
 
+def test_relay_a_root_host_keeps_copies_for_its_children_and_drops_them_with_its_cache(ray_local, own_master):
+    """Relay tree over [this host, another]: this host reads from the publisher and keeps a copy of each
+    version in its own segment for its child, readable under its IP; a version its cache drops goes
+    from the store as well."""
+    from rollart.weights import HostSharedChannel
+    from rollart.weights.host_cache import host_cache_stats
+    from rollart.weights.mooncake_channel import MooncakeChannel
+
+    ip = ray.util.get_node_ip_address()
+    inner = MooncakeChannel("relay-root", own_master.address, keep=2, chunk_mb=1, segment_mb=32, timeout_s=30)
+    channel = HostSharedChannel(inner, keep=2, relay=[ip, "127.0.0.2"])
+    reader = Reader.remote()
+    for v in (1, 2, 3):
+        inner.publish(sample_state(v), v)
+        assert same(ray.get(reader.fetch.remote(channel, v)), sample_state(v))
+    [stats] = host_cache_stats("relay-root")
+    assert stats["relay_parent"] is None and stats["relay_fallbacks"] == 0 and stats["sources"] == ["publisher"] * 3
+    flat, layout = inner.fetch_into(3, lambda n: torch.empty(n, dtype=torch.uint8), holder=ip, timeout_s=5)
+    from rollart.weights.snapshot import unpack_state
+
+    assert same(unpack_state(flat, layout), sample_state(3))
+    with pytest.raises(TimeoutError, match=f"version 1 was not a copy on {ip}"):  # dropped with the cache's v1
+        inner.fetch_into(1, lambda n: torch.empty(n, dtype=torch.uint8), holder=ip, timeout_s=0.5)
+    ray.kill(reader, no_restart=True)
+
+
+def test_relay_a_host_whose_parent_has_no_copy_reads_from_the_publisher(ray_local, own_master):
+    """The parent in the relay tree never writes its copy (its host is gone): this host waits
+    ``relay_wait_s`` once, then reads every version from the publisher, and every version is right."""
+    from rollart.weights import HostSharedChannel
+    from rollart.weights.host_cache import host_cache_stats
+    from rollart.weights.mooncake_channel import MooncakeChannel
+
+    ip = ray.util.get_node_ip_address()
+    inner = MooncakeChannel("relay-orphan", own_master.address, keep=2, chunk_mb=1, segment_mb=32, timeout_s=30)
+    channel = HostSharedChannel(inner, keep=2, relay=["127.0.0.2", ip], relay_wait_s=1.0)
+    reader = Reader.remote()
+    for v in (1, 2):
+        inner.publish(sample_state(v), v)
+        assert same(ray.get(reader.fetch.remote(channel, v)), sample_state(v))
+    [stats] = host_cache_stats("relay-orphan")
+    assert stats["relay_parent"] is None and stats["relay_fallbacks"] == 1
+    assert stats["sources"] == ["publisher", "publisher"]
+    ray.kill(reader, no_restart=True)
+
+
 def test_snapshot_checksum_is_crc32_and_older_sha256_manifests_still_verify():
     from rollart.weights.snapshot import ChecksumMismatch, flat_checksum, pack_state, verify_flat
 

@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from rollart.resource_manager.allocator import DEFAULT_ARENAS
+
 log = logging.getLogger(__name__)
 
 SUBNET_PREFIX = "10.201.0"
@@ -282,8 +284,9 @@ class HostCluster:
 
     def env(self, extra: Mapping[str, str] | None = None, *, with_address: bool = True) -> dict[str, str]:
         """The environment of a process in this cluster: token auth with the run's token, the cluster's
-        ``RAY_ADDRESS`` (unless ``with_address=False``), one thread per library, no
-        ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``."""
+        ``RAY_ADDRESS`` (unless ``with_address=False``), one thread per library, two malloc arenas
+        (``MALLOC_ARENA_MAX``, as rollart's local Ray has them: see ``resource_manager.allocator``),
+        no ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``."""
         env = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
         env.update(
             RAY_AUTH_MODE="token",
@@ -292,6 +295,7 @@ class HostCluster:
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
             TOKENIZERS_PARALLELISM="false",
             PYTHONUNBUFFERED="1",
+            MALLOC_ARENA_MAX=env.get("MALLOC_ARENA_MAX", str(DEFAULT_ARENAS)),
         )
         if with_address:
             env["RAY_ADDRESS"] = self.address

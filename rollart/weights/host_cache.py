@@ -12,6 +12,11 @@ same pages through ``/proc/<pid>/fd/<fd>`` (a reader and its cache share a node,
 and copies each tensor out once. So the cross-host transfer happens once per host and version, and
 there is no serialisation on the host: no object-store put, no unpickling, one copy per reader.
 
+Relay (``relay=[host IPs]``, the pipeline's ``weights.relay``): the hosts form a binary tree, and each
+host reads a version from its parent's copy in the store instead of the publisher's, so the trainer's
+host sends each version once (not once per host) and no host sends it more than twice. A host whose
+parent's copy does not come reads from the publisher from then on.
+
 Invariants: the bytes in shared memory are the ones the wrapped channel verified (its checksum); a
 reader maps a version only after checking that the file it opened is that version's (its memfd name),
 and the newest ``keep`` versions stay cached (an older one is closed: its memory goes once no reader
@@ -78,18 +83,58 @@ class _Shared:
         os.close(self.fd)
 
 
+def relay_parent(order: list[str], ip: str) -> str | None:
+    """The host ``ip`` reads a version from in the relay tree over ``order`` (a binary heap: host k reads
+    from host (k-1)//2, host 0 from the publisher): None for the root and for a host not in ``order``."""
+    if ip not in order:
+        return None
+    k = order.index(ip)
+    return order[(k - 1) // 2] if k > 0 else None
+
+
+def relay_children(order: list[str], ip: str) -> list[str]:
+    """The hosts that read from ``ip`` in the relay tree over ``order`` (at most two)."""
+    if ip not in order:
+        return []
+    k = order.index(ip)
+    return order[2 * k + 1 : 2 * k + 3]
+
+
 @ray.remote(num_cpus=0)
 class _HostCache:
-    """On one node: each version fetched once from ``channel`` into shared memory, newest ``keep`` kept."""
+    """On one node: each version fetched once from ``channel`` into shared memory, newest ``keep`` kept.
 
-    def __init__(self, channel: WeightChannel, keep: int, channel_name: str):
+    With a relay ``order`` (the hosts' IPs) the caches form a binary tree: the first host reads from the
+    publisher, every other host from its parent's relay copy (``put_copy``), and a host with children
+    keeps a copy of its own in its segment. So the publisher serves each version once, however many
+    hosts read it, and no host serves more than two. A parent whose copy does not come within
+    ``relay_wait_s`` (its host died, its cache is gone) is skipped from then on: this host reads from
+    the publisher."""
+
+    def __init__(
+        self,
+        channel: WeightChannel,
+        keep: int,
+        channel_name: str,
+        relay: list[str] | None = None,
+        relay_wait_s: float = 10.0,
+    ):
         self.channel = channel
         self.keep = keep
         self.channel_name = channel_name
         self.shared: dict[int, tuple[_Shared, list[dict[str, Any]]]] = {}
         self.loading: dict[int, asyncio.Future] = {}
         self.fetches: deque[int] = deque(maxlen=1000)  # the versions fetched, the last 1000 (bounded memory)
+        self.sources: deque[str] = deque(maxlen=1000)  # where each of them came from: "publisher" or a host IP
         self.newest = -1
+        me = node_ip()
+        relaying = bool(relay) and hasattr(channel, "put_copy")
+        self.ip = me
+        self.parent = relay_parent(list(relay or []), me) if relaying else None
+        self.relays = bool(relay_children(list(relay or []), me)) if relaying else False
+        self.relay_wait_s = relay_wait_s
+        self.copies: dict[int, int] = {}  # version -> chunks of this host's relay copies still in the store
+        self.relay_fallbacks = 0  # times the parent's copy did not come (then the publisher is read)
 
     async def get(self, version: int) -> dict[str, Any]:
 
@@ -123,7 +168,16 @@ class _HostCache:
         self.newest = max(self.newest, version)
         for old in sorted(self.shared)[: -self.keep]:
             self.shared.pop(old)[0].close()
+        if self.copies:
+            await asyncio.get_running_loop().run_in_executor(None, self._drop_copies)
         fut.set_result(None)
+
+    def _drop_copies(self) -> None:
+        """Remove this host's relay copies of the versions it no longer caches (a copy a reader still
+        holds a lease on is tried again after the next fetch)."""
+        for version in [v for v in self.copies if v not in self.shared]:
+            if self.channel.drop_copy(version, self.copies[version], self.ip):  # type: ignore[attr-defined]
+                del self.copies[version]
 
     def _fetch(self, version: int) -> tuple[_Shared, list[dict[str, Any]]]:
 
@@ -134,20 +188,59 @@ class _HostCache:
             made.append(_Shared(name, nbytes))
             return made[-1].flat()
 
+        def drop_made() -> None:
+            for shm in made:
+                shm.close()
+            made.clear()
+
+        source = "publisher"
         try:
-            fetch_into = getattr(self.channel, "fetch_into", None)
-            if fetch_into is not None:  # the inner channel writes its bytes straight into shared memory
-                _, layout = fetch_into(version, alloc)
-            else:
+            manifest = None
+            if self.parent is not None:  # the relay tree: from the parent's copy
+                try:
+                    _, manifest = self.channel.fetch_manifest_into(  # type: ignore[attr-defined]
+                        version, alloc, holder=self.parent, timeout_s=self.relay_wait_s
+                    )
+                    source = self.parent
+                except Exception as err:  # any failure of the copy: the publisher has it too
+                    logger.warning(
+                        "host cache %s: no relay copy of version %d from %s (%s); reading from the publisher "
+                        "from now on",
+                        self.ip,
+                        version,
+                        self.parent,
+                        err,
+                    )
+                    self.parent = None
+                    self.relay_fallbacks += 1
+                    drop_made()
+                    manifest = None
+            if manifest is None and hasattr(self.channel, "fetch_manifest_into"):
+                _, manifest = self.channel.fetch_manifest_into(version, alloc)
+            if manifest is not None:
+                layout = manifest["tensors"]
+                if self.relays:
+                    self._put_copy(made[-1].flat(), manifest)
+            else:  # a channel without packed reads
                 flat, layout = pack_state(self.channel.fetch(version))
                 alloc(flat.numel()).copy_(flat)
         except BaseException:
-            for shm in made:
-                shm.close()
+            drop_made()
             raise
         self.fetches.append(version)
-        logger.debug("host cache %s: fetched version %d", node_ip(), version)
+        self.sources.append(source)
+        logger.debug("host cache %s: fetched version %d from %s", self.ip, version, source)
         return made[-1], layout
+
+    def _put_copy(self, flat: torch.Tensor, manifest: dict[str, Any]) -> None:
+        """This host's relay copy for its children; a failure costs them a read from the publisher only."""
+        try:
+            self.channel.put_copy(flat, manifest, self.ip)  # type: ignore[attr-defined]
+            self.copies[manifest["version"]] = manifest["chunks"]
+        except Exception as err:
+            logger.warning(
+                "host cache %s: relay copy of version %d not written (%s)", self.ip, manifest["version"], err
+            )
 
     def warm(self) -> None:
         warm = getattr(self.channel, "warm", None)
@@ -159,6 +252,9 @@ class _HostCache:
             "node_ip": node_ip(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "fetches": list(self.fetches),
+            "sources": list(self.sources),
+            "relay_parent": self.parent,
+            "relay_fallbacks": self.relay_fallbacks,
             "cached": sorted(self.shared),
         }
 
@@ -198,10 +294,14 @@ class HostSharedChannel:
     """Serializable handle: ``inner`` (e.g. a :class:`~rollart.weights.mooncake_channel.MooncakeChannel`)
     read once per host and version; every reader of a host gets that host's copy."""
 
-    def __init__(self, inner: WeightChannel, keep: int = 2):
+    def __init__(self, inner: WeightChannel, keep: int = 2, relay: list[str] | None = None, relay_wait_s: float = 10.0):
+        """``relay``: the reading hosts' IPs in tree order (see :class:`_HostCache`); None: every host
+        reads from the publisher."""
         self.inner = inner
         self.name = inner.name
         self.keep = keep
+        self.relay = list(relay) if relay else None
+        self.relay_wait_s = relay_wait_s
 
     def __repr__(self) -> str:
         return f"HostSharedChannel({self.inner!r})"
@@ -228,7 +328,7 @@ class HostSharedChannel:
                     name=name,
                     get_if_exists=True,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                ).remote(self.inner, self.keep, self.name)
+                ).remote(self.inner, self.keep, self.name, self.relay, self.relay_wait_s)
             return _HANDLES[name]
 
     def warm(self) -> None:

@@ -313,16 +313,26 @@ class MooncakeChannel:
         raw = self._store().get(f"{self.prefix}/latest")
         return int(raw) if raw else None
 
-    def _manifest(self, store: Any, version: int) -> dict[str, Any]:
-        """``version``'s manifest, waiting up to ``timeout_s`` for its publisher (in another process)."""
+    def _base(self, version: int, holder: str | None = None) -> str:
+        """Where ``version``'s keys live: the publisher's, or a relay copy held by ``holder``."""
         base = f"{self.prefix}/v{version}"
-        deadline = time.monotonic() + self.timeout_s
+        return base if holder is None else f"{base}/copy/{holder}"
+
+    def _manifest(
+        self, store: Any, version: int, holder: str | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """``version``'s manifest (of ``holder``'s copy, if given), waiting up to ``timeout_s`` (default:
+        the channel's) for its writer (in another process)."""
+        base = self._base(version, holder)
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait_s
         delay = 0.002
         while not (raw := store.get(f"{base}/manifest")):
             if time.monotonic() > deadline:
+                where = f"a copy on {holder}" if holder else "published"
                 raise TimeoutError(
-                    f"weight channel {self.name!r}: version {version} was not published within "
-                    f"{self.timeout_s} s (latest: {self.latest()})"
+                    f"weight channel {self.name!r}: version {version} was not {where} within "
+                    f"{wait_s} s (latest: {self.latest()})"
                 )
             time.sleep(delay)  # polling for a publisher in another process; bounded by timeout_s
             delay = min(delay * 2, 0.02)  # a short cap: the wait is on the path of every weight update
@@ -333,11 +343,11 @@ class MooncakeChannel:
             )
         return manifest
 
-    def _get_chunks_into(self, store: Any, manifest: dict[str, Any], flat: torch.Tensor) -> None:
-        """Every chunk of a version straight into ``flat`` (one batched transfer, no intermediate
-        ``bytes``); a chunk whose transfer failed is read again with backoff."""
+    def _get_chunks_into(self, store: Any, manifest: dict[str, Any], flat: torch.Tensor, base: str) -> None:
+        """Every chunk of a version (under ``base``) straight into ``flat`` (one batched transfer, no
+        intermediate ``bytes``); a chunk whose transfer failed is read again with backoff."""
         version, n = manifest["version"], manifest["nbytes"]
-        base, ptr = f"{self.prefix}/v{version}", flat.data_ptr()
+        ptr = flat.data_ptr()
         keys = [f"{base}/chunk{i}" for i in range(manifest["chunks"])]
         # the writer's chunk size (a reader's chunk_mb may differ); older manifests: ask the store
         step = manifest.get("chunk_bytes")
@@ -371,19 +381,55 @@ class MooncakeChannel:
             store.unregister_buffer(ptr)
 
     def fetch_into(
-        self, version: int, alloc: Callable[[int], torch.Tensor]
+        self,
+        version: int,
+        alloc: Callable[[int], torch.Tensor],
+        *,
+        holder: str | None = None,
+        timeout_s: float | None = None,
     ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
         """``version`` packed: ``alloc(nbytes)`` gives a flat writable ``uint8`` tensor (e.g. over shared
         memory), the store's bytes land in it directly and are checksum verified; returns it and its
-        layout (:func:`~rollart.weights.snapshot.tensor_views` makes the tensors)."""
+        layout (:func:`~rollart.weights.snapshot.tensor_views` makes the tensors). ``holder``: read the
+        relay copy that host holds (:meth:`put_copy`) instead of the publisher's, waiting ``timeout_s``."""
+        flat, manifest = self.fetch_manifest_into(version, alloc, holder=holder, timeout_s=timeout_s)
+        return flat, manifest["tensors"]
 
+    def fetch_manifest_into(
+        self,
+        version: int,
+        alloc: Callable[[int], torch.Tensor],
+        *,
+        holder: str | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """:meth:`fetch_into`, returning the whole manifest (checksum, chunking) with the bytes."""
         store = self._store()
-        manifest = self._manifest(store, version)
+        manifest = self._manifest(store, version, holder, timeout_s)
         flat = alloc(manifest["nbytes"])
         if manifest["nbytes"]:
-            self._get_chunks_into(store, manifest, flat)
+            self._get_chunks_into(store, manifest, flat, self._base(version, holder))
         verify_flat(flat, manifest["tensors"], manifest["checksum"], version)
-        return flat, manifest["tensors"]
+        return flat, manifest
+
+    # ------------------------------------------------------------------ relay copies (host caches)
+    def put_copy(self, flat: torch.Tensor, manifest: dict[str, Any], holder: str) -> None:
+        """A relay copy of a fetched version in this process's own segment, under ``holder`` (its host):
+        chunks first, its manifest (the publisher's, same checksum) last, so another host can read it
+        from here instead of from the publisher. Remove it with :meth:`drop_copy`."""
+        base = self._base(manifest["version"], holder)
+        view, step = flat.numpy(), manifest.get("chunk_bytes") or self.chunk_bytes
+        for i in range(manifest["chunks"]):
+            self._put(f"{base}/chunk{i}", memoryview(view[i * step : (i + 1) * step]), upsert=True)
+        self._put(f"{base}/manifest", json.dumps(manifest).encode(), upsert=True)
+
+    def drop_copy(self, version: int, chunks: int, holder: str) -> bool:
+        """Remove ``holder``'s relay copy of ``version``; False while a reader's lease still holds a key."""
+        store = self._store()
+        base = self._base(version, holder)
+        keys = [f"{base}/manifest"] + [f"{base}/chunk{i}" for i in range(chunks)]
+        codes = [store.remove(k) for k in keys]
+        return not any(c != 0 and store.is_exist(k) == 1 for c, k in zip(codes, keys))
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
         flat, layout = self.fetch_into(version, lambda n: torch.empty(n, dtype=torch.uint8))
