@@ -69,6 +69,7 @@ def slopes(rss: dict[str, list[tuple[float, float]]], span_s: float) -> dict[str
             "mb_per_min": slope(s),  # type: ignore[arg-type]
             "settled_mb_per_min": slope(late) if len(late) >= 3 else float("nan"),  # type: ignore[arg-type]
             "samples": len(s),
+            "series_mb": [round(mb, 2) for _, mb in s],  # every sample, to read the shape, not only the slope
         }
     return out
 
