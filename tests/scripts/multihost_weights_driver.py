@@ -46,7 +46,9 @@ def config(channel: str, out: Path, steps: int) -> PipelineConfig:
             "checkpoint_every": 0,
             "output_dir": str(out),
             "cluster": {"metadata_store": str(out / "meta.sqlite")},
-            "weights": {"channel": channel, "segment_mb": 16, "timeout_s": 120},
+            # relay (mooncake): the rollout hosts read in a tree, the trainer's host sends each version once
+            "weights": {"channel": channel, "segment_mb": 16, "timeout_s": 120}
+            | ({"relay": True} if channel == "mooncake" else {}),
         }
     )
 
