@@ -191,7 +191,7 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         train_cpus, rollout_cpus = split_cores(args.pin)
         specs = [
             HostSpec("head", {"H800": 1}, num_cpus=2, cpus=train_cpus),
-            HostSpec("b", {"H800": 1}, num_cpus=2, cpus=rollout_cpus),
+            HostSpec("b", {"A800": 1}, num_cpus=2, cpus=rollout_cpus),
             HostSpec("c", {"H20": 2}, num_cpus=2, cpus=rollout_cpus),
         ]
         with start_hosts(specs, start_timeout_s=300) as cluster:

@@ -37,10 +37,12 @@ def bench_config(
     raw: dict[str, Any] = {
         "name": f"ws-{channel}",
         "pools": {
+            # the rollout's compute-class type is not the trainer's, so the trainer always lands on the head
+            # host (with H800 on two hosts Ray put it on either, and runs differed by up to 25%)
             "train": {"hardware": "H800", "devices": 1},
-            "rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 2}],
+            "rollout": [{"hardware": "A800", "devices": 1}, {"hardware": "H20", "devices": 2}],
         },
-        "tags": {"reverse-3": ["H800"], "reverse-2": ["H20"]},
+        "tags": {"reverse-3": ["A800"], "reverse-2": ["H20"]},
         "envs": [
             {"name": "reverse", "groups": 3, "kwargs": {"length": 3}},
             {"name": "reverse", "groups": 3, "kwargs": {"length": 2}},
@@ -60,7 +62,7 @@ def bench_config(
         "weights": {"channel": channel, "segment_mb": 512, "timeout_s": 300},
     }
     if local:
-        raw["cluster"]["local_resources"] = {"H800": 2, "H20": 2, "CPU": 4}
+        raw["cluster"]["local_resources"] = {"H800": 1, "A800": 1, "H20": 2, "CPU": 4}
     for dotted, value in (sets or {}).items():
         node = raw
         *parents, leaf = dotted.split(".")
