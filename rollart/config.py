@@ -182,7 +182,7 @@ class WeightsConfig(BaseModel):
     host_shared: bool = True  # mooncake: one fetch per host, shared by that host's workers through its object store
     # mooncake with host_shared: the rollout hosts relay each version in a binary tree, so the trainer's host
     # sends it once, not once per host (a host whose parent fails reads from the trainer). Off by default:
-    # with two rollout hosts it measured the same as without it, and the chaos suite has not run with it yet
+    # with two rollout hosts it measured the same as without it, and no chaos run has covered it (nor mooncake) yet
     relay: bool = False
     segment_mb: int = Field(default=256, ge=1)
     chunk_mb: int = Field(default=16, ge=1)
