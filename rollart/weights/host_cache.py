@@ -83,23 +83,6 @@ class _Shared:
         os.close(self.fd)
 
 
-def relay_parent(order: list[str], ip: str) -> str | None:
-    """The host ``ip`` reads a version from in the relay tree over ``order`` (a binary heap: host k reads
-    from host (k-1)//2, host 0 from the publisher): None for the root and for a host not in ``order``."""
-    if ip not in order:
-        return None
-    k = order.index(ip)
-    return order[(k - 1) // 2] if k > 0 else None
-
-
-def relay_children(order: list[str], ip: str) -> list[str]:
-    """The hosts that read from ``ip`` in the relay tree over ``order`` (at most two)."""
-    if ip not in order:
-        return []
-    k = order.index(ip)
-    return order[2 * k + 1 : 2 * k + 3]
-
-
 @ray.remote(num_cpus=0)
 class _HostCache:
     """On one node: each version fetched once from ``channel`` into shared memory, newest ``keep`` kept.
@@ -127,11 +110,13 @@ class _HostCache:
         self.fetches: deque[int] = deque(maxlen=1000)  # the versions fetched, the last 1000 (bounded memory)
         self.sources: deque[str] = deque(maxlen=1000)  # where each of them came from: "publisher" or a host IP
         self.newest = -1
-        me = node_ip()
-        relaying = bool(relay) and hasattr(channel, "put_copy")
-        self.ip = me
-        self.parent = relay_parent(list(relay or []), me) if relaying else None
-        self.relays = bool(relay_children(list(relay or []), me)) if relaying else False
+        self.ip = node_ip()
+        # the relay tree is a binary heap over ``relay``: host k reads from host (k-1)//2, host 0 from the
+        # publisher, and a host keeps a copy when a host 2k+1 exists
+        order = list(relay or []) if hasattr(channel, "put_copy") else []
+        k = order.index(self.ip) if self.ip in order else None
+        self.parent: str | None = order[(k - 1) // 2] if k else None
+        self.relays = k is not None and 2 * k + 1 < len(order)
         self.relay_wait_s = relay_wait_s
         self.copies: dict[int, int] = {}  # version -> chunks of this host's relay copies still in the store
         self.relay_fallbacks = 0  # times the parent's copy did not come (then the publisher is read)
@@ -249,7 +234,7 @@ class _HostCache:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "node_ip": node_ip(),
+            "node_ip": self.ip,
             "node_id": ray.get_runtime_context().get_node_id(),
             "fetches": list(self.fetches),
             "sources": list(self.sources),

@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -120,17 +120,20 @@ class _Publisher:
                 cls._by_channel[(master, name)] = cls(name)
             return cls._by_channel[(master, name)]
 
-    def flat(self, nbytes: int) -> torch.Tensor:
-        """The reused buffer, ``nbytes`` long; the previous background write must be done (it reads it)."""
+    def pack(self, state: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        """``state`` packed into the reused buffer, and its layout; call it holding :attr:`lock`. Waits for
+        the previous background write first (it reads the buffer); that write's outcome stays in its
+        future, with its caller."""
         if self.pending is not None:
-            try:
-                self.pending.result()
-            except Exception:  # its caller holds that future and sees the error there
-                logger.debug("previous background publish failed", exc_info=True)
+            wait([self.pending])
             self.pending = None
+        layout = snapshot_layout(state)
+        nbytes = packed_nbytes(layout)
         if self.buffer.numel() < nbytes:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self.buffer[:nbytes]
+        flat = self.buffer[:nbytes]
+        pack_into(state, layout, flat)
+        return flat, layout
 
 
 def close_clients() -> None:
@@ -229,11 +232,8 @@ class MooncakeChannel:
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> int:
         """Write ``state`` as ``version``; returns the bytes written."""
         publisher = _Publisher.of(self.master, self.name)
-        layout = snapshot_layout(state)
         with publisher.lock:
-            flat = publisher.flat(packed_nbytes(layout))
-            pack_into(state, layout, flat)
-            return self._publish_packed(flat, layout, version)
+            return self._publish_packed(*publisher.pack(state), version)
 
     def _publish_packed(self, flat: torch.Tensor, layout: list[dict[str, Any]], version: int) -> int:
 
@@ -273,11 +273,8 @@ class MooncakeChannel:
         The next call waits for this write first. ``copy`` is accepted for the channel protocol; the
         packing copies either way."""
         publisher = _Publisher.of(self.master, self.name)
-        layout = snapshot_layout(state)
         with publisher.lock:
-            flat = publisher.flat(packed_nbytes(layout))
-            pack_into(state, layout, flat)
-            publisher.pending = publisher.executor.submit(self._publish_packed, flat, layout, version)
+            publisher.pending = publisher.executor.submit(self._publish_packed, *publisher.pack(state), version)
             return publisher.pending
 
     def _drop_old_versions(self, version: int, n_chunks: int) -> None:
