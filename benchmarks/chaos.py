@@ -60,7 +60,17 @@ def schedule(kinds: list[str], steps: int, seed: int, first: int = 3, gap: int =
     return {first + gap * i: k for i, k in enumerate(order)}
 
 
-def config(out: Path, steps: int, reward_url: str, seed: int, history_keep: int = 1000) -> Any:
+def config(
+    out: Path,
+    steps: int,
+    reward_url: str,
+    seed: int,
+    history_keep: int = 1000,
+    channel: str = "ray",
+    relay: bool = False,
+) -> Any:
+    """The chaos run's job; ``channel`` is ``weights.channel`` (``ray`` or ``mooncake``), ``relay`` its
+    ``weights.relay`` (mooncake)."""
     from rollart.config import PipelineConfig
 
     return PipelineConfig.model_validate(
@@ -97,6 +107,7 @@ def config(out: Path, steps: int, reward_url: str, seed: int, history_keep: int 
             "steps": steps,
             "history_keep": history_keep,
             "checkpoint_every": 2,  # the trainer fault restores the latest checkpoint
+            "weights": {"channel": channel, **({"relay": True} if relay else {})},
             "output_dir": str(out),
             "cluster": {"metadata_store": str(out / "meta.sqlite")},
         }
@@ -266,8 +277,16 @@ def make_pipeline(
             return super()._record(step, version, trajs, *rest)
 
         def _worker(self, hardware: str) -> int:
-            infos = ray.get([w._rollart_info.remote() for w in self.infer.workers], timeout=60)
-            return next(i["pid"] for i in infos if i["hardware"] == hardware)
+            """The pid of the live inference worker on ``hardware`` (another may be down: a killed host's
+            worker until its restart)."""
+            for w in self.infer.workers:
+                try:
+                    info = ray.get(w._rollart_info.remote(), timeout=60)
+                except ray.exceptions.RayError:
+                    continue
+                if info["hardware"] == hardware:
+                    return int(info["pid"])
+            raise RuntimeError(f"no live inference worker on {hardware} to kill")
 
         def _inject(self, kind: str) -> str:
             if kind == "inference_worker":  # the H800 worker: restarted in its bundle
@@ -275,6 +294,11 @@ def make_pipeline(
                 os.kill(pid, signal.SIGKILL)
                 return f"SIGKILL inference worker pid {pid} (H800)"
             if kind == "rollout_host":
+                if self.config.weights.channel == "mooncake" and self.channel is not None:
+                    # where each host read its versions from until now (the killed host's cache goes with it)
+                    from rollart.weights.host_cache import host_cache_stats
+
+                    record["host_caches_before_kill"] = host_cache_stats(self.channel.name)
                 _ask_outer(f"kill_host {LOST_HOST}")
                 return f"every process of host {LOST_HOST} killed (H20 worker), its Ray node started again"
             if kind == "reward_service":
@@ -337,6 +361,8 @@ def driver_main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", required=True, help="JSON {step: kind}")
+    p.add_argument("--channel", default="ray", choices=["ray", "mooncake"], help="weights.channel")
+    p.add_argument("--relay", action="store_true", help="weights.relay (mooncake)")
     p.add_argument("--minutes", type=float, default=0.0, help="soak: run this long (steps is then an upper bound)")
     p.add_argument("--sample-s", type=float, default=60.0, help="soak: seconds between memory samples")
     p.add_argument("--fault-every-s", type=float, default=0.0, help="soak: a random fault this often")
@@ -366,7 +392,15 @@ def driver_main(argv: list[str]) -> int:
         deadline = t0 + 60.0 * a.minutes if a.minutes > 0 else None
         # a soak keeps 50 step records in memory (the default 1000 fills only after ~15 minutes here), so
         # a slope measured past the first minute is growth beyond the bounded history
-        cfg = config(out, a.steps, reward.url, a.seed, history_keep=50 if a.minutes > 0 else 1000)
+        cfg = config(
+            out,
+            a.steps,
+            reward.url,
+            a.seed,
+            history_keep=50 if a.minutes > 0 else 1000,
+            channel=a.channel,
+            relay=a.relay,
+        )
         pipe = make_pipeline(
             cfg,
             plan,
@@ -391,6 +425,10 @@ def driver_main(argv: list[str]) -> int:
         record["wall_s"] = time.monotonic() - t0
         record["faults"] = pipe.proxy.fault_metrics()
         record["events"] = [e["event"] for e in pipe.proxy.supervisor.events] if pipe.proxy.supervisor else []
+        if a.channel == "mooncake" and pipe.channel is not None:  # where each host read each version from
+            from rollart.weights.host_cache import host_cache_stats
+
+            record["host_caches"] = host_cache_stats(pipe.channel.name)
         if snapshots:
             rows, text = allocation_growth(snapshots[0], tracemalloc.take_snapshot())
             record["allocation_growth"] = rows
@@ -415,14 +453,18 @@ def run_chaos(
     plan: dict[int, str] | None = None,
     extra: list[str] | None = None,
     keep_failed: bool = False,
+    channel: str = "ray",
+    relay: bool = False,
 ) -> dict:
     """Run the driver in the head host of ``hosts`` (a :class:`~rollart.testing.hosts.HostCluster` from
     :func:`~rollart.testing.hosts.three_hosts`) with the seeded plan; serve its requests to kill a host.
     Returns the driver's record plus ``plan``, ``metrics`` (``metrics.jsonl``) and ``ledger``. A failed
-    run raises, unless ``keep_failed`` (the soak): then the record comes back with its ``error``."""
+    run raises, unless ``keep_failed`` (the soak): then the record comes back with its ``error``.
+    ``channel`` and ``relay``: how weights reach the workers (``weights.channel``, ``weights.relay``)."""
     plan = schedule(kinds, steps, seed) if plan is None else plan
     args = [sys.executable, "-m", "rollart.benchmarks.chaos", "--driver"]
     args += ["--out", str(out), "--steps", str(steps), "--seed", str(seed), "--plan", json.dumps(plan)]
+    args += ["--channel", channel] + (["--relay"] if relay else [])
     args += extra or []
     proc = hosts.popen("head", args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     result: dict[str, Any] | None = None
@@ -515,8 +557,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated fault kinds (of {FAULT_KINDS + list(OPTIONAL_KINDS)}); optional ones are skipped "
         "with a note unless listed here",
     )
+    add_weight_arguments(p)
     p.add_argument("--out", default="runs/bench/chaos")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_weight_arguments(p: argparse.ArgumentParser) -> None:
+    """``--channel`` and ``--relay`` of the chaos and soak runs."""
+    p.add_argument(
+        "--channel",
+        default="ray",
+        choices=["ray", "mooncake"],
+        help="weights.channel: how new weights reach the workers (the trainer fault and the host kill hit it)",
+    )
+    p.add_argument("--relay", action="store_true", help="mooncake: weights.relay (hosts read from each other)")
+
+
+def check_weight_arguments(args: argparse.Namespace) -> None:
+    if args.relay and args.channel != "mooncake":
+        raise SystemExit("--relay: the relay is the mooncake channel's; add --channel mooncake")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -529,15 +588,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = set(kinds) - set(FAULT_KINDS) - set(OPTIONAL_KINDS)
     if unknown:
         raise SystemExit(f"--kinds: unknown {sorted(unknown)}; choose from {FAULT_KINDS + list(OPTIONAL_KINDS)}")
+    check_weight_arguments(args)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     with start_hosts(three_hosts(), start_timeout_s=300) as hosts:
-        res = run_chaos(hosts, out / "run", steps=args.steps, seed=args.seed, kinds=kinds)
+        res = run_chaos(
+            hosts, out / "run", steps=args.steps, seed=args.seed, kinds=kinds, channel=args.channel, relay=args.relay
+        )
     s = summarise(res)
     skipped = {k: v for k, v in OPTIONAL_KINDS.items() if k not in kinds}
     result: dict[str, Any] = {
         "bench": "chaos",
         "seed": args.seed,
+        "weights": args.channel + (" (relay)" if args.relay else ""),
         "steps": s["steps"],
         "trajectories lost": s["lost"],
         "trained twice": s["trained_twice"],

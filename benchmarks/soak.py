@@ -16,7 +16,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rollart.benchmarks.chaos import FAULT_KINDS, OPTIONAL_KINDS, run_chaos
+from rollart.benchmarks.chaos import (
+    FAULT_KINDS,
+    OPTIONAL_KINDS,
+    add_weight_arguments,
+    check_weight_arguments,
+    run_chaos,
+)
 
 log = logging.getLogger("rollart.bench")
 
@@ -40,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="trace the driver's allocations (this many frames each; slows the driver) and report what grew "
         "from a quarter of the run to its end (tracemalloc.txt)",
     )
+    add_weight_arguments(p)
     p.add_argument("--out", default="runs/bench/soak")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -86,6 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = set(kinds) - set(FAULT_KINDS) - set(OPTIONAL_KINDS)
     if unknown:
         raise SystemExit(f"--kinds: unknown {sorted(unknown)}; choose from {FAULT_KINDS + list(OPTIONAL_KINDS)}")
+    check_weight_arguments(args)
     sample_s = args.sample_s or min(60.0, args.minutes * 60.0 / 10)
     max_steps = 100_000
     out = Path(args.out).resolve()
@@ -103,6 +111,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             extra=extra,
             timeout_s=args.minutes * 60 + 900,
             keep_failed=True,
+            channel=args.channel,
+            relay=args.relay,
         )
     led = res["ledger"]
     per_proc = slopes(res["rss"], args.minutes * 60.0)
@@ -112,6 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "bench": "soak",
         "minutes": args.minutes,
+        "weights": args.channel + (" (relay)" if args.relay else ""),
         "steps": res["steps"],
         "error": res.get("error"),  # None when the run went to its end
         "sample_s": sample_s,

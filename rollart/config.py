@@ -181,8 +181,8 @@ class WeightsConfig(BaseModel):
     rdma_devices: list[str] = Field(default_factory=list)  # protocol rdma: device names, e.g. [mlx5_0, mlx5_1]
     host_shared: bool = True  # mooncake: one fetch per host, shared by that host's workers through its object store
     # mooncake with host_shared: the rollout hosts relay each version in a binary tree, so the trainer's host
-    # sends it once, not once per host (a host whose parent fails reads from the trainer). Off by default:
-    # with two rollout hosts it measured the same as without it, and no chaos run has covered it (nor mooncake) yet
+    # sends it once, not once per host (a host whose parent fails reads from the trainer after 10 s). Off by
+    # default: with two rollout hosts it measured the same as without it (the chaos test runs with it on)
     relay: bool = False
     segment_mb: int = Field(default=256, ge=1)
     chunk_mb: int = Field(default=16, ge=1)

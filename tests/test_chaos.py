@@ -1,11 +1,21 @@
 """The chaos run (issue #13) on three namespace hosts: during an asynchronous run (alpha 1) with a seeded
 schedule, an inference worker is SIGKILLed, every process of rollout host c is killed, the reward
 service (a real ``rollart serve rewards`` process) is restarted, one env fail-stops and one
-fail-slows. The run completes its steps, and the trajectory ledger holds."""
+fail-slows. The run completes its steps, and the trajectory ledger holds: with weights over the Ray
+channel, and over Mooncake with the relay tree (the killed host is a relay child)."""
 
 import pytest
 
-from rollart.benchmarks.chaos import BATCH_GROUPS, FAULT_KINDS, KEEP, OPTIONAL_KINDS, run_chaos, schedule, summarise
+from rollart.benchmarks.chaos import (
+    BATCH_GROUPS,
+    FAULT_KINDS,
+    KEEP,
+    LOST_HOST,
+    OPTIONAL_KINDS,
+    run_chaos,
+    schedule,
+    summarise,
+)
 from rollart.rollout.ledger import trajectory_ledger
 
 pytestmark = pytest.mark.timeout(900)
@@ -41,8 +51,11 @@ def test_the_ledger_accounts_for_every_trajectory_and_names_the_lost_ones():
     assert trajectory_ledger(counts, buffered=0, in_flight=1)["lost"] == 2
 
 
-def test_an_asynchronous_run_on_three_hosts_survives_the_chaos_schedule(hosts3, tmp_path):
-    res = run_chaos(hosts3, tmp_path / "run", steps=STEPS, seed=SEED, kinds=FAULT_KINDS)
+@pytest.mark.parametrize(("channel", "relay"), [("ray", False), ("mooncake", True)], ids=["ray", "mooncake-relay"])
+def test_an_asynchronous_run_on_three_hosts_survives_the_chaos_schedule(hosts3, tmp_path, channel, relay):
+    if channel == "mooncake":
+        pytest.importorskip("mooncake.store")
+    res = run_chaos(hosts3, tmp_path / "run", steps=STEPS, seed=SEED, kinds=FAULT_KINDS, channel=channel, relay=relay)
     s = summarise(res, alpha=1)
     led = res["ledger"]
     # every fault of the schedule was injected, and the run completed its steps
@@ -64,6 +77,15 @@ def test_an_asynchronous_run_on_three_hosts_survives_the_chaos_schedule(hosts3, 
     assert all(m["ledger"]["trained_twice"] == 0 and m["ledger"]["rewards_invented"] == 0 for m in res["metrics"])
     # the reward still rises through the faults
     assert s["reward_last"] > s["reward_first"] + 0.1, [m["reward_mean"] for m in res["metrics"]]
+    if relay:
+        # until the kill, the lost host read every version from its relay parent's copy; the parent, the
+        # root, read from the publisher before and after it, never falling back
+        before = {c["node_ip"]: c for c in res["host_caches_before_kill"]}
+        lost = before[hosts3.host(LOST_HOST).ip]
+        assert lost["fetches"] and set(lost["sources"]) == {lost["relay_parent"]}, before
+        [root] = [c for c in res["host_caches"] if c["node_ip"] == lost["relay_parent"]]
+        assert root["relay_parent"] is None and set(root["sources"]) == {"publisher"}, root
+        assert root["relay_fallbacks"] == 0 and root["fetches"][-1] > max(lost["fetches"]), root
 
 
 def test_soak_slopes_drop_start_up_and_short_series():
