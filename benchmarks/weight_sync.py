@@ -176,6 +176,19 @@ def split_cores(pin: bool) -> tuple[tuple[int, ...] | None, tuple[int, ...] | No
     return tuple(cores[:half]), tuple(cores[half:])
 
 
+def cpu_line(cores: dict[str, dict[str, float]], core_hosts: dict[str, list[str]]) -> str:
+    """One mode's CPU per measured step, per core and the hosts pinned to it: "core 0 (head): busy 301
+    ms (system 8, softirq 2), idle 0 ms; ..."."""
+    parts = []
+    for core, c in sorted(cores.items(), key=lambda kv: int(kv[0])):
+        hosts = f" ({', '.join(core_hosts[core])})" if core in core_hosts else ""
+        parts.append(
+            f"core {core}{hosts}: busy {c['busy']:.0f} ms (system {c['system']:.0f}, softirq {c['softirq']:.0f}), "
+            f"idle {c['idle']:.0f} ms"
+        )
+    return "; ".join(parts) + " per step" if parts else "no /proc/stat"
+
+
 def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     from pathlib import Path
 
@@ -184,6 +197,7 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
 
     out = Path(args.out).resolve()
     where = "local Ray"
+    core_hosts: dict[str, list[str]] = {}  # core -> the namespace hosts pinned to it
     if args.hosts:
         from rollart.testing import HostSpec, start_hosts
 
@@ -218,6 +232,9 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
                 timeout=3600,
             ).check()
             modes = res.result
+            for h in cluster.hosts:
+                for core in h.cpus or ():
+                    core_hosts.setdefault(str(core), []).append(h.name)
             where = f"{len(specs)} namespace hosts " + ", ".join(
                 f"{h.name}={h.ip}" + (f" (cores {','.join(map(str, h.cpus))})" if h.cpus else "") for h in cluster.hosts
             )
@@ -247,6 +264,7 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         result[f"{mode}_step_s"] = m["step_s"]
         if base:
             result[f"{mode}_vs_none"] = m["step_s"] / base
+        result[f"{mode}_cpu"] = cpu_line(m.get("cpu_ms_per_step", {}), core_hosts)
     state_mb = next(iter(modes.values()))["state_mb"] if modes else 0.0
     title = ", ".join(f"{k} {v['step_s']:.2f}s" for k, v in modes.items())
     return write_report(

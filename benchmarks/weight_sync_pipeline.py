@@ -83,12 +83,22 @@ def run_mode(
     local: bool,
     sets: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    import time
+
     import ray
 
+    from rollart.benchmarks.cpu_account import CoreSampler
     from rollart.pipelines.agentic import AgenticPipeline
 
+    class StampedPipeline(AgenticPipeline):
+        """Each step record carries the moment the step ended (``time.monotonic``), for the CPU window."""
+
+        def _record(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            return {**super()._record(*args, **kwargs), "ended": time.monotonic()}
+
     cfg = bench_config(channel, out, steps=steps + warmup, hidden=hidden, layers=layers, local=local, sets=sets)
-    pipe = AgenticPipeline(cfg, progress=False)
+    pipe = StampedPipeline(cfg, progress=False)
+    sampler = CoreSampler().start()
     try:
         history = pipe.run()
         served = [m["weight_version"] for m in pipe.infer.metrics().result()]
@@ -98,9 +108,13 @@ def run_mode(
             t.numel() * t.element_size() for t in ray.get(pipe.train.workers[0].cpu_state_dict.remote()).values()
         ) / (1 << 20)
     finally:
+        sampler.stop()
         pipe.shutdown()
     measured = history[warmup:]
     steps_s = [h["time"]["step_s"] for h in measured]
+    # the measured steps ran from the end of the last warm-up step (or the first step's start) to the last's end
+    start = history[warmup - 1]["ended"] if warmup > 0 else measured[0]["ended"] - steps_s[0]
+    cpu = sampler.per_step(start, measured[-1]["ended"], len(measured))
     return {
         "channel": channel,
         "step_s": statistics.mean(steps_s),
@@ -113,6 +127,8 @@ def run_mode(
         "max_staleness": max(h["max_staleness"] for h in history),
         "final_versions": served,
         "state_mb": state_mb,
+        # per core, ms per measured step: busy (of it system, softirq) and idle (benchmarks.cpu_account)
+        "cpu_ms_per_step": {str(core): {k: round(v, 1) for k, v in c.items()} for core, c in cpu.items()},
         "workers": [{"hardware": p["hardware"], "ip": ips.get(p["node_id"], "?")} for p in places],
     }
 
