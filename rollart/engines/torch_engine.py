@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rollart.engines.base import EngineRequest, InferenceEngine, RequestOutput, SamplingParams
+from rollart.models.kv_cache import cache_kwargs, output_cache
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +164,10 @@ class TorchEngine(InferenceEngine):
             input_ids=last[:, None],
             attention_mask=self._mask,
             position_ids=self._next_pos[:, None],
-            past_key_values=self._cache,
             use_cache=True,
+            **cache_kwargs(self.model, self._cache),
         )
-        self._cache = out.past_key_values
+        self._cache = output_cache(out)
         self._next_pos = self._next_pos + 1
         self.stats["decode_forwards"] += 1
         self.stats["decode_tokens"] += len(batch)
@@ -200,7 +201,7 @@ class TorchEngine(InferenceEngine):
         self.stats["prefill_tokens"] += sum(len(s) for s in useqs)
         self.stats["shared_prefill_rows"] += len(seqs) - len(useqs)
         logits = out.logits[:, -1, :].float()
-        new = out.past_key_values
+        new = output_cache(out)
         next_pos = pos[:, -1] + 1
         if len(useqs) < len(seqs):  # copy the shared rows' cache to every request of the group
             sel = torch.tensor(rows, dtype=torch.long, device=dev)

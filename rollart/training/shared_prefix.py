@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from rollart.models.kv_cache import cache_kwargs, output_cache
+
 # the keys of a micro-batch's shared layout (tensors, built on the CPU by :func:`shared_layout`)
 PREFIX_IDS, PREFIX_MASK, PREFIX_POS = "prefix_ids", "prefix_mask", "prefix_pos"
 GROUP_INDEX = "group_index"
@@ -128,7 +130,7 @@ class SharedPrefixForward(torch.nn.Module):
             use_cache=True,
         )
         group = layout[GROUP_INDEX]
-        cache = pre.past_key_values
+        cache = output_cache(pre)
         for layer in cache.layers:  # every row reads its prefix's keys and values (a graph edge, not a copy)
             layer.keys, layer.values = layer.keys.index_select(0, group), layer.values.index_select(0, group)
         mask = torch.cat([layout[PREFIX_MASK].index_select(0, group), layout[SUFFIX_MASK]], dim=1)
@@ -136,8 +138,8 @@ class SharedPrefixForward(torch.nn.Module):
             input_ids=layout[SUFFIX_IDS],
             attention_mask=mask,
             position_ids=layout[SUFFIX_POS],
-            past_key_values=cache,
             use_cache=True,
+            **cache_kwargs(self.lm, cache),
         )
         return pre.logits[:, -1, :], suf.logits
 
