@@ -351,7 +351,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         self.wait_published()
         if wait:
             channel.publish(self.cpu_state_dict(), self.version)
-        elif getattr(channel, "packs_on_publish", False):
+        elif channel.packs_on_publish:
             # the channel packs the tensors into a buffer of its own before it returns: the module's
             # own tensors go as they are, no snapshot-sized copy per publish
             self._publishing = channel.publish_async(self.publish_state(), self.version, copy=True)

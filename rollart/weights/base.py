@@ -23,6 +23,9 @@ class WeightChannel(Protocol):
     """Versioned weight snapshots from one publisher to many readers."""
 
     name: str
+    # True when ``publish_async`` copies the tensors it is given before it returns: the trainer may then
+    # hand over its module's live tensors (no snapshot-sized copy of its own) and train on at once
+    packs_on_publish: bool
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> Any:
         """Make ``state`` available as ``version``; returns once it is (channel-specific result)."""

@@ -194,6 +194,8 @@ class TorchBroadcastChannel:
     workers alike. The trainer calls :meth:`publish`, each of the ``num_receivers`` worker processes
     calls :meth:`fetch` for the same versions in the same order."""
 
+    packs_on_publish = False  # publish_async keeps the tensors it is given (the caller hands over a copy)
+
     def __init__(
         self,
         name: str,

@@ -299,7 +299,7 @@ class HostSharedChannel:
 
     @property
     def packs_on_publish(self) -> bool:
-        return bool(getattr(self.inner, "packs_on_publish", False))
+        return self.inner.packs_on_publish
 
     def latest(self) -> int | None:
         return self.inner.latest()

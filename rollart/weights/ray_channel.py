@@ -37,6 +37,8 @@ class _Registry:
 class RayObjectChannel:
     """Serializable handle: pass it to trainer and inference workers alike."""
 
+    packs_on_publish = False  # publish_async keeps the tensors it is given (the caller hands over a copy)
+
     def __init__(self, name: str, keep: int = 2):
         self.name = name
         self.keep = keep
