@@ -150,6 +150,45 @@ def test_only_the_newest_versions_stay_in_the_store(master):
         restarted.fetch(2)
 
 
+def test_a_version_a_reader_touched_is_removed_once_its_lease_runs_out(own_master):
+    """Leases (200 ms on this master) hold the versions readers read; the publisher retries those at
+    every publish and must not renew them while it does (the master grants a lease on every existence
+    check): a version read once is gone a few leases later, however often the publisher publishes,
+    and the same holds for a host's relay copy."""
+    import json
+    import time
+
+    from rollart.weights.mooncake_channel import MooncakeChannel
+
+    channel = MooncakeChannel("lease", own_master.address, keep=2, chunk_mb=1, segment_mb=64, timeout_s=30)
+    small = {"w": torch.arange(1000, dtype=torch.float32)}
+    store = channel._store()
+
+    def doomed() -> list[int]:
+        return [v for v, _ in json.loads(store.get(f"{channel.prefix}/index"))["doomed"]]
+
+    for v in range(3):  # version 0 is dropped at v2's publish, while its read's lease still holds it
+        channel.publish(small, v)
+        assert same(channel.fetch(v), small)
+    assert doomed() == [0]
+    deadline, v = time.monotonic() + 10.0, 3
+    while 0 in doomed() and time.monotonic() < deadline:  # publishes and reads far more often than 200 ms
+        channel.publish(small, v)
+        channel.fetch(v)
+        v += 1
+    assert 0 not in doomed(), f"version 0 still held after {v - 3} more publishes"
+    with pytest.raises(TimeoutError, match="version 0 was not published"):
+        MooncakeChannel("lease", own_master.address, timeout_s=0.2).fetch(0)
+    # a relay copy: read (leased), then dropped again and again until it goes
+    flat, manifest = channel.fetch_manifest_into(v - 1, lambda n: torch.empty(n, dtype=torch.uint8))
+    channel.put_copy(flat, manifest, "10.0.0.9")
+    channel.fetch_into(v - 1, lambda n: torch.empty(n, dtype=torch.uint8), holder="10.0.0.9", timeout_s=5)
+    deadline, tries = time.monotonic() + 10.0, 1
+    while not channel.drop_copy(v - 1, manifest["chunks"], "10.0.0.9") and time.monotonic() < deadline:
+        tries += 1
+    assert time.monotonic() < deadline, f"the relay copy still held after {tries} drops"
+
+
 def test_a_background_publish_owns_its_bytes_once_it_returns(master):
     """The trainer hands its live tensors to ``publish_async`` and trains on at once: the channel packs
     them into its reused buffer before returning, so later changes to those tensors never reach that

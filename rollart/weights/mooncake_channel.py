@@ -56,6 +56,19 @@ class MooncakeStoreError(RuntimeError):
     """A Mooncake store call returned an error code."""
 
 
+OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode for a key that is not in the store
+
+
+def _remove_keys(store: Any, keys: list[str]) -> bool:
+    """Remove ``keys``; True when none of them is left. A key a reader still holds a lease on is refused
+    (``OBJECT_HAS_LEASE``) and stays: the caller tries again later, once the lease has run out. Whether
+    a key is gone is read from ``remove``'s own code, never asked of the master: the master grants a
+    lease on every existence check (``is_exist``), so a retry that asked would renew the lease it waits
+    for, and a version a reader had touched would never be removed (each publish then retried all of
+    them: measured, a publish grew from 7 to 70 ms over 1 200 versions)."""
+    return all(code in (0, OBJECT_NOT_FOUND) for code in [store.remove(k) for k in keys])
+
+
 class _Client:
     """One ``MooncakeDistributedStore`` per process and master address."""
 
@@ -289,17 +302,22 @@ class MooncakeChannel:
         # publish order, not version order: a trainer restarted from an older checkpoint publishes
         # lower numbers than the versions its predecessor left, and those are the ones to drop
         published = [p for p in index["published"] if p[0] != version] + [[version, n_chunks]]
-        doomed = [d for d in index["doomed"] if d[0] != version] + published[: -self.keep]
+        waiting = [d for d in index["doomed"] if d[0] != version]
+        still: list[list[int]] = []
+        # oldest first, up to the first one still leased: readers read versions in order, so their leases
+        # run out in that order, and the newer ones would be refused too (each refusal is a master call)
+        for v, chunks in waiting:
+            if still or not self._remove_version(store, v, chunks):
+                still.append([v, chunks])
+        # the versions dropped now are tried at once: one nobody read goes straight away
+        still += [[v, chunks] for v, chunks in published[: -self.keep] if not self._remove_version(store, v, chunks)]
         published = published[-self.keep :]
-        still = [[v, chunks] for v, chunks in doomed if not self._remove_version(store, v, chunks)]
         self._put(f"{self.prefix}/index", json.dumps({"published": published, "doomed": still}).encode(), upsert=True)
 
     def _remove_version(self, store: Any, version: int, chunks: int) -> bool:
         """Remove a version's manifest, then its chunks; False while a reader's lease still holds one."""
         base = f"{self.prefix}/v{version}"
-        keys = [f"{base}/manifest"] + [f"{base}/chunk{i}" for i in range(chunks)]
-        codes = [store.remove(k) for k in keys]
-        return not any(c != 0 and store.is_exist(k) == 1 for c, k in zip(codes, keys))
+        return _remove_keys(store, [f"{base}/manifest"] + [f"{base}/chunk{i}" for i in range(chunks)])
 
     def warm(self) -> None:
         """Join the store now (mount this process's segment), not on the first weight update."""
@@ -422,11 +440,8 @@ class MooncakeChannel:
 
     def drop_copy(self, version: int, chunks: int, holder: str) -> bool:
         """Remove ``holder``'s relay copy of ``version``; False while a reader's lease still holds a key."""
-        store = self._store()
         base = self._base(version, holder)
-        keys = [f"{base}/manifest"] + [f"{base}/chunk{i}" for i in range(chunks)]
-        codes = [store.remove(k) for k in keys]
-        return not any(c != 0 and store.is_exist(k) == 1 for c, k in zip(codes, keys))
+        return _remove_keys(self._store(), [f"{base}/manifest"] + [f"{base}/chunk{i}" for i in range(chunks)])
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
         flat, layout = self.fetch_into(version, lambda n: torch.empty(n, dtype=torch.uint8))
