@@ -239,6 +239,16 @@ def make_pipeline(
             procs.update({f"train{r}": pid for r, pid in self.train.pids().items()})
             if reward.proc is not None:
                 procs["reward_service"] = reward.proc.pid
+            if self.mooncake_master is not None and self.mooncake_master.pid is not None:
+                procs["mooncake_master"] = self.mooncake_master.pid
+            if self.config.weights.channel == "mooncake" and self.channel is not None:
+                from rollart.weights.host_cache import host_cache_stats
+
+                try:
+                    caches = host_cache_stats(self.channel.name)
+                except ray.exceptions.RayError:  # a cache on a host being killed: sampled next time
+                    caches = []
+                procs.update({f"host_cache@{c['node_ip']}": c["pid"] for c in caches})
             t = now - record["t0"]
             for name, pid in procs.items():
                 mb = rss_mb(pid)

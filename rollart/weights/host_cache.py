@@ -236,6 +236,7 @@ class _HostCache:
         return {
             "node_ip": self.ip,
             "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
             "fetches": list(self.fetches),
             "sources": list(self.sources),
             "relay_parent": self.parent,
@@ -333,7 +334,8 @@ class HostSharedChannel:
 
 
 def host_cache_stats(channel_name: str) -> list[dict[str, Any]]:
-    """``{node_ip, node_id, fetches, cached}`` of every host cache of a channel (one per host that read it)."""
+    """``{node_ip, node_id, pid, fetches, sources, relay_parent, relay_fallbacks, cached}`` of every host
+    cache of a channel (one per host that read it)."""
     out = []
     for node in ray.nodes():
         if not node.get("Alive"):
