@@ -5,6 +5,7 @@ keep working when the deprecated ``past_key_values`` goes away (transformers 5.4
 import functools
 import warnings
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -65,3 +66,11 @@ def test_decode_and_shared_prefix_passes_raise_no_cache_deprecation(tmp_path):
     assert [len(o.output_token_ids) for o in done] == [4]
     cache_warnings = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
     assert cache_warnings == []
+
+
+def test_a_peft_model_passes_the_cache_under_its_base_models_name(tmp_path):
+    peft = pytest.importorskip("peft")
+    tiny = str(build_tiny(tmp_path / "tiny", hidden_size=32, num_layers=1, intermediate_size=64, seed=2))
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert cache_kwargs(wrapped, "kv") == cache_kwargs(base, "kv")

@@ -21,9 +21,13 @@ def _argument(forward_of: type) -> str:
 
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
-    """``{name: cache}`` for ``model(...)``: the argument ``model``'s forward takes the cache as (a
-    ``torch.compile`` wrapper is looked through)."""
-    return {_argument(type(getattr(model, "_orig_mod", model))): cache}
+    """``{name: cache}`` for ``model(...)``: the argument ``model``'s forward takes the cache as. Wrappers
+    that hand their keyword arguments on are looked through: ``torch.compile``'s (``_orig_mod``) and a
+    PEFT model's (``get_base_model()``, e.g. LoRA)."""
+    inner = getattr(model, "_orig_mod", model)
+    if callable(getattr(inner, "get_base_model", None)):
+        inner = inner.get_base_model()
+    return {_argument(type(inner)): cache}
 
 
 def output_cache(out: Any) -> Any:
