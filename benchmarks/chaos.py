@@ -241,14 +241,11 @@ def make_pipeline(
                 procs["reward_service"] = reward.proc.pid
             if self.mooncake_master is not None and self.mooncake_master.pid is not None:
                 procs["mooncake_master"] = self.mooncake_master.pid
-            if self.config.weights.channel == "mooncake" and self.channel is not None:
-                from rollart.weights.host_cache import host_cache_stats
-
-                try:
-                    caches = host_cache_stats(self.channel.name)
-                except ray.exceptions.RayError:  # a cache on a host being killed: sampled next time
-                    caches = []
-                procs.update({f"host_cache@{c['node_ip']}": c["pid"] for c in caches})
+            try:
+                caches = self.host_caches()
+            except ray.exceptions.RayError:  # a cache on a host being killed: sampled next time
+                caches = []
+            procs.update({f"host_cache@{c['node_ip']}": c["pid"] for c in caches})
             t = now - record["t0"]
             for name, pid in procs.items():
                 mb = rss_mb(pid)
@@ -286,6 +283,14 @@ def make_pipeline(
                 self._heal_env(plan[step - 3])  # an env fault lasts three steps
             return super()._record(step, version, trajs, *rest)
 
+        def host_caches(self) -> list[dict[str, Any]]:
+            """``host_cache_stats`` of the Mooncake channel's host caches; none on another channel."""
+            if self.config.weights.channel != "mooncake" or self.channel is None:
+                return []
+            from rollart.weights.host_cache import host_cache_stats
+
+            return host_cache_stats(self.channel.name)
+
         def _worker(self, hardware: str) -> int:
             """The pid of the live inference worker on ``hardware`` (another may be down: a killed host's
             worker until its restart)."""
@@ -304,11 +309,8 @@ def make_pipeline(
                 os.kill(pid, signal.SIGKILL)
                 return f"SIGKILL inference worker pid {pid} (H800)"
             if kind == "rollout_host":
-                if self.config.weights.channel == "mooncake" and self.channel is not None:
-                    # where each host read its versions from until now (the killed host's cache goes with it)
-                    from rollart.weights.host_cache import host_cache_stats
-
-                    record["host_caches_before_kill"] = host_cache_stats(self.channel.name)
+                if caches := self.host_caches():  # where each host read from so far (its cache dies with it)
+                    record["host_caches_before_kill"] = caches
                 _ask_outer(f"kill_host {LOST_HOST}")
                 return f"every process of host {LOST_HOST} killed (H20 worker), its Ray node started again"
             if kind == "reward_service":
@@ -435,10 +437,8 @@ def driver_main(argv: list[str]) -> int:
         record["wall_s"] = time.monotonic() - t0
         record["faults"] = pipe.proxy.fault_metrics()
         record["events"] = [e["event"] for e in pipe.proxy.supervisor.events] if pipe.proxy.supervisor else []
-        if a.channel == "mooncake" and pipe.channel is not None:  # where each host read each version from
-            from rollart.weights.host_cache import host_cache_stats
-
-            record["host_caches"] = host_cache_stats(pipe.channel.name)
+        if caches := pipe.host_caches():  # where each host read each version from
+            record["host_caches"] = caches
         if snapshots:
             rows, text = allocation_growth(snapshots[0], tracemalloc.take_snapshot())
             record["allocation_growth"] = rows
