@@ -358,6 +358,15 @@ class AgenticPipeline:
             )
         return None
 
+    async def _start_host_caches(self) -> None:
+        """The driver makes each inference host's weight cache, so a cache (and the relay copy its
+        children read) outlives the death of the worker on its host."""
+        from rollart.weights.host_cache import HostSharedChannel
+
+        if isinstance(self.channel, HostSharedChannel):
+            infos = await asyncio.gather(*[w._rollart_info.remote() for w in self.infer.workers])
+            await asyncio.to_thread(self.channel.start_caches, [i["node_id"] for i in infos])
+
     def _relay_order(self) -> list[str]:
         """The inference hosts' IPs in relay-tree order: the trainer's host first when it also runs
         inference workers (its copy is local), then the others in worker order."""
@@ -704,6 +713,7 @@ class AgenticPipeline:
         cfg = self.config
         tracker = self._make_tracker()
         if cfg.weights.channel == "mooncake" and self.channel is not None:  # every host joins the store now
+            await self._start_host_caches()
             await self.infer.warm_channel(self.channel)
         self.controller.start()
         bar = None

@@ -96,6 +96,26 @@ def test_async_multitask_pipeline_syncs_weights_across_hosts(hosts, channel, tmp
     assert root["relay_fallbacks"] == child["relay_fallbacks"] == 0
 
 
+def test_a_relay_child_reads_its_parents_copy_though_no_reader_of_the_parent_asked(hosts, tmp_path):
+    """The relay parent's host has no reader asking (its worker busy, or restarting after a kill): the
+    child's cache asks the parent's cache to fetch, so the child still reads every version from the
+    parent's copy (before, it waited ``relay_wait_s`` and left the relay for good)."""
+    pytest.importorskip("mooncake.store")
+    b, c = hosts.host("b").ip, hosts.host("c").ip
+    res = hosts.run_driver(
+        [str(REPO / "tests" / "scripts" / "relay_prompt_driver.py"), "--parent", b, "--child", c]
+        + ["--out", str(tmp_path / "run")],
+        cwd=REPO,
+        timeout=300,
+    ).check()
+    r = res.result
+    assert r["same"] == [True, True, True], r
+    caches = {x["node_ip"]: x for x in r["host_caches"]}
+    assert caches[c]["relay_parent"] == b and caches[c]["sources"] == [b] * 3, caches
+    assert caches[b]["sources"] == ["publisher"] * 3 and caches[b]["fetches"] == [1, 2, 3], caches
+    assert caches[b]["relay_fallbacks"] == caches[c]["relay_fallbacks"] == 0
+
+
 def test_rdma_needs_device_names_and_names_the_field(tmp_path):
     from rollart.config import ConfigError, load_config
 

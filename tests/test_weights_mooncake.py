@@ -234,8 +234,8 @@ def test_relay_a_root_host_keeps_copies_for_its_children_and_drops_them_with_its
 
 
 def test_relay_a_host_whose_parent_has_no_copy_reads_from_the_publisher(ray_local, own_master):
-    """The parent in the relay tree never writes its copy (its host is gone): this host waits
-    ``relay_wait_s`` once, then reads every version from the publisher, and every version is right."""
+    """The parent in the relay tree is no Ray node (its host is gone): this host leaves the relay at its
+    first fetch and reads every version from the publisher, and every version is right."""
     from rollart.weights import HostSharedChannel
     from rollart.weights.host_cache import host_cache_stats
     from rollart.weights.mooncake_channel import MooncakeChannel

@@ -14,8 +14,12 @@ there is no serialisation on the host: no object-store put, no unpickling, one c
 
 Relay (``relay=[host IPs]``, the pipeline's ``weights.relay``): the hosts form a binary tree, and each
 host reads a version from its parent's copy in the store instead of the publisher's, so the trainer's
-host sends each version once (not once per host) and no host sends it more than twice. A host whose
-parent's copy does not come reads from the publisher from then on.
+host sends each version once (not once per host) and no host sends it more than twice. A child asks
+its parent's cache to fetch the version (the parent's readers may not have asked: busy, or a worker
+restarting), so the copy comes whether or not the parent's host wants that version yet. A host whose
+parent host is gone, or whose parent's copy does not come, reads from the publisher from then on. The
+job's driver makes the caches of the hosts it starts with (:meth:`HostSharedChannel.start_caches`), so
+a worker's death does not take its host's cache with it.
 
 Invariants: the bytes in shared memory are the ones the wrapped channel verified (its checksum); a
 reader maps a version only after checking that the file it opened is that version's (its memfd name),
@@ -90,9 +94,10 @@ class _HostCache:
     With a relay ``order`` (the hosts' IPs) the caches form a binary tree: the first host reads from the
     publisher, every other host from its parent's relay copy (``put_copy``), and a host with children
     keeps a copy of its own in its segment. So the publisher serves each version once, however many
-    hosts read it, and no host serves more than two. A parent whose copy does not come within
-    ``relay_wait_s`` (its host died, its cache is gone) is skipped from then on: this host reads from
-    the publisher."""
+    hosts read it, and no host serves more than two. Before waiting on its parent's copy a host asks
+    the parent's cache to fetch that version (:meth:`prefetch`). A parent host no longer alive, or a
+    copy that does not come within ``relay_wait_s``, is skipped from then on: this host reads from the
+    publisher."""
 
     def __init__(
         self,
@@ -138,6 +143,16 @@ class _HostCache:
         shm, layout = self.shared[version]
         return {"pid": os.getpid(), "fd": shm.fd, "name": shm.name, "nbytes": shm.nbytes, "layout": layout}
 
+    async def prefetch(self, version: int) -> None:
+        """Fetch ``version`` now, for a relay child waiting on this host's copy (its readers may not have
+        asked yet: busy, or restarting); a version already superseded here is left to the publisher."""
+        try:
+            await self.get(version)
+        except SupersededVersion:
+            pass
+        except Exception as err:  # the child times out and reads from the publisher; say why here
+            logger.warning("host cache %s: prefetch of version %d for a relay child failed: %s", self.ip, version, err)
+
     async def _load(self, version: int) -> None:
         fut = asyncio.get_running_loop().create_future()
         self.loading[version] = fut
@@ -181,6 +196,14 @@ class _HostCache:
         source = "publisher"
         try:
             manifest = None
+            if self.parent is not None and not self._prompt_parent(version):
+                logger.warning(
+                    "host cache %s: relay parent %s has no cache (host gone); reading from the publisher from now on",
+                    self.ip,
+                    self.parent,
+                )
+                self.parent = None
+                self.relay_fallbacks += 1
             if self.parent is not None:  # the relay tree: from the parent's copy
                 try:
                     _, manifest = self.channel.fetch_manifest_into(  # type: ignore[attr-defined]
@@ -216,6 +239,21 @@ class _HostCache:
         self.sources.append(source)
         logger.debug("host cache %s: fetched version %d from %s", self.ip, version, source)
         return made[-1], layout
+
+    def _prompt_parent(self, version: int) -> bool:
+        """Ask the parent host's cache to fetch ``version`` (and so write its relay copy) without waiting
+        for its own readers (they may be busy, or restarting); False when the parent host is gone. A
+        parent host whose readers have not made its cache yet is not prompted (its first reader makes it)."""
+        node_id = next(
+            (n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == self.parent), None
+        )
+        if node_id is None:
+            return False
+        try:
+            ray.get_actor(_cache_name(self.channel_name, node_id)).prefetch.remote(version)
+        except ValueError:  # no cache there yet
+            logger.debug("host cache %s: relay parent %s has no cache yet; not prompted", self.ip, self.parent)
+        return True
 
     def _put_copy(self, flat: torch.Tensor, manifest: dict[str, Any]) -> None:
         """This host's relay copy for its children; a failure costs them a read from the publisher only."""
@@ -305,8 +343,10 @@ class HostSharedChannel:
     def latest(self) -> int | None:
         return self.inner.latest()
 
-    def _cache(self) -> Any:
-        node_id = ray.get_runtime_context().get_node_id()
+    def _cache(self, node_id: str | None = None) -> Any:
+        """The cache actor of ``node_id`` (default: this process's node), made there if it does not exist;
+        this process holds its handle (a cache this process made lives as long as this process)."""
+        node_id = node_id or ray.get_runtime_context().get_node_id()
         name = _cache_name(self.name, node_id)
         with _HANDLES_LOCK:
             if name not in _HANDLES:
@@ -316,6 +356,13 @@ class HostSharedChannel:
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 ).remote(self.inner, self.keep, self.name, self.relay, self.relay_wait_s)
             return _HANDLES[name]
+
+    def start_caches(self, node_ids: list[str]) -> None:
+        """Make the caches of these nodes from this process (the job's driver), so each outlives the
+        readers of its host: a reader's death does not take its host's cache (and its copies) with it.
+        A node not started here (a host that joined or came back later) gets its cache from its first
+        reader."""
+        ray.get([self._cache(n).stats.remote() for n in dict.fromkeys(node_ids)])
 
     def warm(self) -> None:
         """Start this host's cache and let it join the inner channel (its store) before any version."""
