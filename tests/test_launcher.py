@@ -21,6 +21,49 @@ DRIVER = (
 )
 
 
+LOOPBACK_DRIVER = """
+import json, psutil, ray
+from rollart.cluster.net import node_ip
+from rollart.resource_manager.launcher import ensure_ray
+ensure_ray({'H800': 1}, job_id='loopback-test')
+ours = [p for p in psutil.Process().children() if p.name() in ('gcs_server', 'raylet')]
+procs = ours + [c for p in ours for c in p.children(recursive=True)]
+listening = sorted({(p.name(), c.laddr.ip) for p in procs for c in p.net_connections(kind='inet')
+                    if c.status == psutil.CONN_LISTEN})
+result = {
+    'nodes': [n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']],
+    'worker': ray.get(ray.remote(num_cpus=0)(node_ip).remote()),
+    'started': sorted(p.name() for p in ours),
+    'listening': listening,
+}
+print('RESULT ' + json.dumps(result))
+ray.shutdown()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_local_ray_listens_on_loopback_only():
+    """``rollart run`` on one machine: the local Ray (and every address rollart derives from its node IP:
+    Mooncake segments, env and reward servers) is on 127.0.0.1, never on the machine's network address,
+    even in a process that imported ray before rollart set Ray's single-machine switch."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    proc = subprocess.run(
+        [sys.executable, "-c", LOOPBACK_DRIVER],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    r = json.loads(lines[-1][len("RESULT ") :])
+    assert r["nodes"] == ["127.0.0.1"] and r["worker"] == "127.0.0.1", r
+    assert r["started"] == ["gcs_server", "raylet"], r
+    assert r["listening"] and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _, ip in r["listening"]), r
+
+
 @pytest.mark.timeout(300)
 def test_a_stale_ray_current_cluster_file_does_not_stop_a_local_start():
     # Ray's temp dir follows TMPDIR: a private one whose ray_current_cluster names a cluster that is gone

@@ -63,6 +63,7 @@ def ensure_ray(local_resources: Mapping[str, float] | None = None, job_id: str |
         ray.init(address=address, namespace=job_id, log_to_driver=True)
         return job_id
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    _bind_to_loopback()
     resources = dict(local_resources or {})
     cpus = resources.pop(CPU, None)
     num_cpus = int(max(cpus or 0, os.cpu_count() or 1, 2))
@@ -82,6 +83,18 @@ def ensure_ray(local_resources: Mapping[str, float] | None = None, job_id: str |
         },
     )
     return job_id
+
+
+def _bind_to_loopback() -> None:
+    """Make ``ray.init(_node_ip_address="127.0.0.1")`` keep 127.0.0.1. Ray turns a loopback address into
+    the machine's routable one (so other hosts could join) unless its single-machine switch is on, and
+    it reads that switch (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) once, when ``ray`` is imported: before
+    this function runs. Without this, the "local" Ray (its GCS, raylet, object transfers, and every
+    address rollart derives from the node IP, such as Mooncake segments) listened on the machine's
+    network address. The processes Ray starts read the variable set above."""
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _token_auth_for_joining() -> None:
