@@ -439,6 +439,10 @@ def driver_main(argv: list[str]) -> int:
         record["events"] = [e["event"] for e in pipe.proxy.supervisor.events] if pipe.proxy.supervisor else []
         if caches := pipe.host_caches():  # where each host read each version from
             record["host_caches"] = caches
+            from rollart.weights.host_cache import host_cache_stats
+
+            # the channels a trainer restart replaced: their host caches (memory, relay copies) are gone
+            record["retired_channels"] = {n: host_cache_stats(n) for n in pipe.retired_channels}
         if snapshots:
             rows, text = allocation_growth(snapshots[0], tracemalloc.take_snapshot())
             record["allocation_growth"] = rows
@@ -476,7 +480,11 @@ def run_chaos(
     args += ["--out", str(out), "--steps", str(steps), "--seed", str(seed), "--plan", json.dumps(plan)]
     args += ["--channel", channel] + (["--relay"] if relay else [])
     args += extra or []
-    proc = hosts.popen("head", args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the driver's log goes to a file: whole, kept for a failure's cause, and no pipe to fill while stdout is read
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "driver.log"
+    with log_path.open("w") as log_file:
+        proc = hosts.popen("head", args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True)
     result: dict[str, Any] | None = None
     deadline = time.monotonic() + timeout_s
     try:
@@ -497,9 +505,9 @@ def run_chaos(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    stderr = proc.stderr.read() if proc.stderr is not None else ""
     if result is None or (proc.returncode != 0 and not (keep_failed and "error" in result)):
-        raise RuntimeError(f"the chaos driver failed (exit {proc.returncode}):\n{stderr[-6000:]}")
+        tail = log_path.read_text(errors="replace")[-6000:]
+        raise RuntimeError(f"the chaos driver failed (exit {proc.returncode}; its whole log: {log_path}):\n{tail}")
     result["plan"] = (
         {str(i["step"]): i["kind"] for i in result["injected"]} if extra else {str(k): v for k, v in plan.items()}
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,8 @@ from rollart.training.strategies import train_worker_class
 from rollart.weights.base import WeightChannel
 
 log = logging.getLogger(__name__)
+
+TRAINER_PROBE_S = 5.0  # while a batch fills for longer than this, the trainer side is probed (and as often)
 
 
 def _default_tenant(config: PipelineConfig, job_id: str) -> str:
@@ -301,6 +304,7 @@ class AgenticPipeline:
         self.controller = AsyncController(self.scheduler, self.proxy)
         self.mooncake_master: Any = None
         self.channel: WeightChannel | None = self._weight_channel()
+        self.retired_channels: list[str] = []  # the names of the channels trainer restarts replaced
         self.train_version = 0  # the trainer's policy version (one per step); served versions may lag it
         # mooncake, and the ray channel with background_load: serves the newest published version
         self.loader: NewestVersionLoader | None = None
@@ -324,7 +328,12 @@ class AgenticPipeline:
 
     def _weight_channel(self) -> WeightChannel | None:
         """None for the Ray object store path (and ``none``); else a channel handle shared by trainer and
-        workers."""
+        workers.
+
+        Mooncake: the channel's keys live under a name of this trainer incarnation (a new one after a
+        trainer restart, and after a driver restart): the keys a dead trainer published stay registered
+        in its dead segment until the master notices, and a successor that read or overwrote them
+        (``latest``, the index, a version number it publishes again) would wait on that segment."""
         wc = self.config.weights
         name = f"{self.rm.job_id}-actor"
         if wc.channel == "mooncake":
@@ -333,9 +342,13 @@ class AgenticPipeline:
             from rollart.weights.mooncake_channel import MooncakeChannel
             from rollart.weights.mooncake_master import MooncakeMaster
 
+            name = f"{name}-{uuid.uuid4().hex[:8]}"
             master = wc.mooncake_master
-            if master is None:  # on the head host (the driver's), reachable by every host
+            if (
+                master is None and self.mooncake_master is None
+            ):  # on the head host (the driver's), reachable by every host
                 self.mooncake_master = MooncakeMaster(host=node_ip(), log_dir=self.out_dir).start()
+            if master is None:
                 master = self.mooncake_master.address
             channel = MooncakeChannel(
                 name,
@@ -358,14 +371,40 @@ class AgenticPipeline:
             )
         return None
 
+    async def _renew_weight_channel(self) -> WeightChannel:
+        """A trainer restart over Mooncake: a channel under a new name (see :meth:`_weight_channel`) and
+        its host caches; returns the old one, retired (:meth:`_retire_weight_channel`) once the
+        recovery version is served from the new one."""
+        old, self.channel = self.channel, self._weight_channel()
+        assert old is not None and self.channel is not None
+        self.retired_channels.append(old.name)
+        log.info("weights: trainer restarted; channel %s replaces %s", self.channel.name, old.name)
+        await self._start_host_caches()
+        return old
+
+    async def _retire_weight_channel(self, old: WeightChannel) -> None:
+        """Every reader stops reading the old channel (a load of the dead trainer's last version, which
+        may never come, fails now instead of after ``weights.timeout_s``), then its host caches are
+        retired (their memory and relay copies go). After the new version is served: a worker whose
+        restart was loading the old version then loads the new one."""
+        from rollart.weights.host_cache import HostSharedChannel
+
+        if isinstance(old, HostSharedChannel):
+            await self.infer.retire_channel(old.name)  # first: no reader makes a new cache of the old one
+            await asyncio.to_thread(old.close_caches)
+
     async def _start_host_caches(self) -> None:
         """The driver makes each inference host's weight cache, so a cache (and the relay copy its
         children read) outlives the death of the worker on its host."""
         from rollart.weights.host_cache import HostSharedChannel
 
         if isinstance(self.channel, HostSharedChannel):
-            infos = await asyncio.gather(*[w._rollart_info.remote() for w in self.infer.workers])
-            await asyncio.to_thread(self.channel.start_caches, [i["node_id"] for i in infos])
+            infos = await asyncio.gather(
+                *[w._rollart_info.remote() for w in self.infer.workers], return_exceptions=True
+            )
+            # a worker down now (restarting, its host lost) is skipped: its host's first reader makes that cache
+            nodes = [i["node_id"] for i in infos if isinstance(i, dict)]
+            await asyncio.to_thread(self.channel.start_caches, nodes)
 
     def _relay_order(self) -> list[str]:
         """The inference hosts' IPs in relay-tree order: the trainer's host first when it also runs
@@ -397,8 +436,8 @@ class AgenticPipeline:
         elif self.channel is None:
             ref, version = await self.train.snapshot_weights(blocking=False), self.train_version
             await self.proxy.model_update(ref, version)
-        else:
-            version = await self.train.publish_to(self.channel, not self.config.weights.async_publish, blocking=False)
+        else:  # written before the workers load it: a failed write is this call's error, not their timeout
+            version = await self.train.publish_to(self.channel, True, blocking=False)
             await self.proxy.model_update_from(self.channel, version)
         self.scheduler.version = version
         # admission counts the groups consumed so far against the version: as if ``version`` steps ran
@@ -602,6 +641,41 @@ class AgenticPipeline:
                     raise
                 await self._recover_training(died, err, history)
 
+    async def _next_batch(self) -> list:
+        """The next training batch. While it fills, the trainer side is probed every
+        ``TRAINER_PROBE_S``: a rank that dies while the driver waits for rollouts would otherwise be
+        found only at its next call, after the batch, and the batch may never fill without it (an
+        inference worker restarting loads the version the dead trainer was still publishing)."""
+        batch = asyncio.ensure_future(self.controller.get_batch(self.train_version))
+        try:
+            while True:
+                done, _ = await asyncio.wait({batch}, timeout=TRAINER_PROBE_S)
+                if done:
+                    return batch.result()
+                died = await self._probe_trainer_side()
+                if died is not None:
+                    raise died
+        finally:
+            if not batch.done():
+                batch.cancel()
+
+    async def _probe_trainer_side(self) -> WorkerDiedError | None:
+        """A trainer-side rank Ray reports dead (a rank busy or briefly unreachable counts as alive)."""
+        import ray
+
+        for _, cluster in self._trainer_clusters().values():
+            for rank, actor in enumerate(cluster.workers):
+                if actor is None:
+                    continue
+                try:
+                    await asyncio.wait_for(asyncio.wrap_future(actor._rollart_ping.remote().future()), TRAINER_PROBE_S)
+                except (TimeoutError, ray.exceptions.ActorUnavailableError):
+                    continue
+                except ray.exceptions.RayActorError as err:
+                    log.error("%s rank %d found dead while the rollout filled a batch: %r", cluster.name, rank, err)
+                    return cluster._died(rank, err)
+        return None
+
     def _trainer_clusters(self) -> dict[str, tuple[str, Any]]:
         """Cluster name → (role, Cluster) of the trainer side."""
         out = {self.train.name: ("train", self.train)}
@@ -669,13 +743,19 @@ class AgenticPipeline:
         new.counts = counts
         self.scheduler = new
         self.controller = AsyncController(new, self.proxy)
+        if self.loader is not None:  # a load of the dead trainer's versions goes nowhere now
+            await self.loader.cancel()
         self.loader = None
         self._snapshots = {}
         # the reloaded weights go out under a version newer than any served before (workers only move forward)
         version = max(self.train_version, old.version, self.proxy.version) + 1
         await self.train.set_version(version, blocking=False)
         self.train_version = version
+        # mooncake: the new trainer publishes under keys of its own
+        old_channel = await self._renew_weight_channel() if self.config.weights.channel == "mooncake" else None
         await self._push_resumed_weights()
+        if old_channel is not None:
+            await self._retire_weight_channel(old_channel)
         await self.proxy.resume()  # in case the death came between a suspend and its resume
         history[:] = [h for h in history if h["step"] < self.start_step]
         self.recoveries.append(
@@ -727,7 +807,7 @@ class AgenticPipeline:
                 t0 = time.monotonic()
                 stale_before = Counter(self.scheduler.staleness)
                 task_stale_before = {t: Counter(c) for t, c in self.scheduler.staleness_by_task.items()}
-                groups = await self.controller.get_batch(self.train_version)
+                groups = await self._next_batch()
                 held_back = self.scheduler.buffered_by_task()
                 # the order groups finished in depends on timing; a fixed order keeps a seeded run repeatable
                 groups = sorted((Group(sorted(g, key=lambda t: t.traj_id), g.gid) for g in groups), key=lambda g: g.gid)

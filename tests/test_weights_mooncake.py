@@ -5,6 +5,7 @@ in a fetched version between engine steps, and the pipeline running on the Moonc
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import ray
@@ -251,6 +252,53 @@ def test_relay_a_host_whose_parent_has_no_copy_reads_from_the_publisher(ray_loca
     assert stats["relay_parent"] is None and stats["relay_fallbacks"] == 1
     assert stats["sources"] == ["publisher", "publisher"]
     ray.kill(reader, no_restart=True)
+
+
+def _until(predicate, what: str, timeout_s: float = 60.0):
+    """Poll ``predicate`` until it holds (its value), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+    return value
+
+
+def test_a_retired_channel_frees_its_caches_and_refuses_every_read_at_once(ray_local, own_master):
+    """A trainer restart replaces the channel: ``close_caches`` frees the versions its host caches hold,
+    a fetch still waiting for a version the dead trainer never finished stops (not after ``timeout_s``),
+    a reader that asks later (a worker still starting) is refused at once by the tombstone instead of
+    making a new cache and waiting, and the tombstone ends after its grace."""
+    from rollart.weights import HostSharedChannel
+    from rollart.weights.host_cache import SupersededVersion, host_cache_stats
+    from rollart.weights.mooncake_channel import MooncakeChannel
+
+    inner = MooncakeChannel("retire-me", own_master.address, keep=2, chunk_mb=1, segment_mb=32, timeout_s=300)
+    channel = HostSharedChannel(inner, keep=2)
+    channel.start_caches([ray.get_runtime_context().get_node_id()])  # this process owns the cache, as the driver
+    inner.publish(sample_state(1), 1)
+    reader, late = Reader.remote(), Reader.remote()
+    assert same(ray.get(reader.fetch.remote(channel, 1)), sample_state(1))
+    waiting = reader.fetch.remote(channel, 2)  # never published: waits up to timeout_s (300 s)
+    _until(lambda: host_cache_stats("retire-me")[0]["loading"] == [2], "the fetch of version 2 in flight")
+    channel.close_caches(grace_s=600)
+    with pytest.raises(ray.exceptions.RayTaskError) as err:
+        ray.get(waiting, timeout=120)
+    assert not isinstance(err.value.cause, TimeoutError), err.value  # stopped, not timed out
+    [stats] = host_cache_stats("retire-me")
+    assert stats["retired"] and stats["cached"] == [] and stats["loading"] == [], stats
+    with pytest.raises(ray.exceptions.RayTaskError) as err:  # a fresh reader: refused, no new cache
+        ray.get(late.fetch.remote(channel, 1), timeout=120)
+    assert isinstance(err.value.cause, SupersededVersion) and "replaced" in str(err.value.cause)
+    assert [s["pid"] for s in host_cache_stats("retire-me")] == [stats["pid"]]
+    # with no grace the tombstone ends once idle
+    inner2 = MooncakeChannel("retire-now", own_master.address, keep=2, chunk_mb=1, segment_mb=32, timeout_s=30)
+    channel2 = HostSharedChannel(inner2, keep=2)
+    inner2.publish(sample_state(1), 1)
+    assert same(ray.get(reader.fetch.remote(channel2, 1)), sample_state(1))
+    channel2.close_caches(grace_s=0)
+    _until(lambda: host_cache_stats("retire-now") == [], "the retired cache ended")
+    for r in (reader, late):
+        ray.kill(r, no_restart=True)
 
 
 def test_snapshot_checksum_is_crc32_and_older_sha256_manifests_still_verify():

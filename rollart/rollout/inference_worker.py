@@ -355,6 +355,14 @@ class InferenceWorker(ra.Worker):
             await asyncio.get_running_loop().run_in_executor(None, warm)
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    async def retire_channel(self, name: str) -> None:
+        """Weight channel ``name`` was replaced (a trainer restart): this worker reads nothing more of it
+        (a load of it still in flight fails instead of making a new host cache)."""
+        from rollart.weights.host_cache import retire_channel
+
+        retire_channel(name)
+
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     async def metrics(self) -> dict[str, Any]:
         return {
             "rank": self.rank,

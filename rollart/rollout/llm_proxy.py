@@ -91,10 +91,22 @@ class LLMProxy:
     def _load_serving(self, actor: Any) -> int:
         """Load the served weights into a restarted worker (runs in the supervisor's thread)."""
         weights, channel, version = self._serving
-        if channel is not None:
-            ray.get(actor.load_weights_from.remote(channel, version))
-        elif weights is not None:
-            ray.get(actor.update_weights.remote(weights, version))
+        try:
+            if channel is not None:
+                ray.get(actor.load_weights_from.remote(channel, version))
+            elif weights is not None:
+                ray.get(actor.update_weights.remote(weights, version))
+        except ray.exceptions.RayTaskError as err:
+            if self._serving[2] == version:
+                raise
+            # the served version moved on while this load ran (e.g. a trainer restart replaced the weight
+            # channel, whose caches now refuse it): the supervisor sees a newer version and loads that
+            log.info(
+                "version %d not loaded into a restarted worker (%s); version %d is served now",
+                version,
+                err,
+                self._serving[2],
+            )
         return version
 
     async def _wait_for_worker(self, rid: str) -> bool:

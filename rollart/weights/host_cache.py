@@ -36,6 +36,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -59,6 +60,17 @@ _HANDLES_LOCK = threading.Lock()
 
 class SupersededVersion(RuntimeError):
     """A host cache no longer holds this version (``keep`` newer ones arrived): load a newer one."""
+
+
+# the channels this process was told are replaced (a trainer restart): never read, never given a new cache
+_RETIRED: set[str] = set()
+
+
+def retire_channel(name: str) -> None:
+    """This process reads nothing more of channel ``name``: a fetch of it raises :class:`SupersededVersion`,
+    and a reader whose host cache ended does not make a new one for it (the job's driver tells every
+    reader before it retires the channel's caches, :meth:`HostSharedChannel.close_caches`)."""
+    _RETIRED.add(name)
 
 
 class _Shared:
@@ -125,9 +137,13 @@ class _HostCache:
         self.relay_wait_s = relay_wait_s
         self.copies: dict[int, int] = {}  # version -> chunks of this host's relay copies still in the store
         self.relay_fallbacks = 0  # times the parent's copy did not come (then the publisher is read)
+        # set by :meth:`retire` (the channel was replaced): no version is served any more
+        self.retired = threading.Event()
+        self.end_at = float("inf")  # retired: when this tombstone may end
 
     async def get(self, version: int) -> dict[str, Any]:
 
+        self._refuse_if_retired(version)
         if version not in self.shared:
             if version <= self.newest - self.keep:  # readers asking for it are behind: load a newer one
                 raise SupersededVersion(
@@ -138,6 +154,7 @@ class _HostCache:
                 await asyncio.shield(self.loading[version])
             else:
                 await self._load(version)
+        self._refuse_if_retired(version)
         if version not in self.shared:
             raise SupersededVersion(f"weight channel {self.channel_name!r}: version {version} was superseded")
         shm, layout = self.shared[version]
@@ -153,17 +170,49 @@ class _HostCache:
         except Exception as err:  # the child times out and reads from the publisher; say why here
             logger.warning("host cache %s: prefetch of version %d for a relay child failed: %s", self.ip, version, err)
 
+    def _refuse_if_retired(self, version: int) -> None:
+        if self.retired.is_set():
+            raise SupersededVersion(
+                f"weight channel {self.channel_name!r} was replaced (a trainer restart): version {version} "
+                "is not served; load from the new channel"
+            )
+
+    async def retire(self, grace_s: float) -> None:
+        """The channel was replaced (a trainer restart publishes under a new name): free every version
+        now, refuse every later read (:class:`SupersededVersion`) and stop a fetch still waiting. The
+        actor stays ``grace_s`` as the channel's tombstone, then ends once no fetch is in flight: a
+        load sent with the old channel before it was replaced (e.g. to a worker still starting) is
+        refused here at once; were the cache gone, that reader would make a new one and wait for a
+        version that never comes."""
+        self.retired.set()
+        self.end_at = time.monotonic() + grace_s
+        for shm, _ in self.shared.values():
+            shm.close()
+        self.shared.clear()
+        asyncio.get_running_loop().call_later(grace_s, self._end_if_idle)
+
+    def _end_if_idle(self) -> None:
+        if self.retired.is_set() and not self.loading and time.monotonic() >= self.end_at:
+            ray.get_runtime_context().current_actor.end.remote()
+
+    async def end(self) -> None:
+        ray.actor.exit_actor()
+
     async def _load(self, version: int) -> None:
         fut = asyncio.get_running_loop().create_future()
         self.loading[version] = fut
         try:
             entry = await asyncio.get_running_loop().run_in_executor(None, self._fetch, version)
+            if self.retired.is_set():
+                entry[0].close()
+                self._refuse_if_retired(version)
         except BaseException as err:
             fut.set_exception(err)
             fut.exception()  # retrieved: no "never retrieved" warning when nobody else waited
             raise
         finally:
             self.loading.pop(version, None)
+            self._end_if_idle()
         self.shared[version] = entry
         self.newest = max(self.newest, version)
         for old in sorted(self.shared)[: -self.keep]:
@@ -207,7 +256,7 @@ class _HostCache:
             if self.parent is not None:  # the relay tree: from the parent's copy
                 try:
                     _, manifest = self.channel.fetch_manifest_into(  # type: ignore[attr-defined]
-                        version, alloc, holder=self.parent, timeout_s=self.relay_wait_s
+                        version, alloc, holder=self.parent, timeout_s=self.relay_wait_s, stop=self.retired
                     )
                     source = self.parent
                 except Exception as err:  # any failure of the copy: the publisher has it too
@@ -224,7 +273,7 @@ class _HostCache:
                     drop_made()
                     manifest = None
             if manifest is None and hasattr(self.channel, "fetch_manifest_into"):
-                _, manifest = self.channel.fetch_manifest_into(version, alloc)
+                _, manifest = self.channel.fetch_manifest_into(version, alloc, stop=self.retired)
             if manifest is not None:
                 layout = manifest["tensors"]
                 if self.relays:
@@ -280,6 +329,8 @@ class _HostCache:
             "relay_parent": self.parent,
             "relay_fallbacks": self.relay_fallbacks,
             "cached": sorted(self.shared),
+            "loading": sorted(self.loading),
+            "retired": self.retired.is_set(),
         }
 
 
@@ -364,15 +415,48 @@ class HostSharedChannel:
         reader."""
         ray.get([self._cache(n).stats.remote() for n in dict.fromkeys(node_ids)])
 
+    def _refuse_if_retired(self, version: int) -> None:
+        if self.name in _RETIRED:
+            raise SupersededVersion(
+                f"weight channel {self.name!r} was replaced (a trainer restart): version {version} is not "
+                "served; load from the new channel"
+            )
+
+    def close_caches(self, grace_s: float | None = None) -> None:
+        """This channel is replaced: retire its cache on every node (see :meth:`_HostCache.retire`: their
+        shared memory goes now; the actors, with their relay copies, after ``grace_s``, by default the
+        inner channel's ``timeout_s``, the longest a load sent before now can take to arrive)."""
+        if grace_s is None:
+            grace_s = float(getattr(self.inner, "timeout_s", 120.0))
+        retiring = []
+        for node in ray.nodes():
+            if not node["Alive"]:
+                continue
+            name = _cache_name(self.name, node["NodeID"])
+            # a handle this process made stays held: dropping it would end the tombstone at once
+            with _HANDLES_LOCK:
+                cache = _HANDLES.get(name)
+            try:
+                retiring.append((cache or ray.get_actor(name)).retire.remote(grace_s))
+            except ValueError:  # no reader of that node read this channel
+                continue
+        for ref in retiring:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:  # it ended meanwhile (its host, or its owner, died)
+                continue
+
     def warm(self) -> None:
         """Start this host's cache and let it join the inner channel (its store) before any version."""
         ray.get(self._cache().warm.remote())
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
 
+        self._refuse_if_retired(version)
         try:
             handle = ray.get(self._cache().get.remote(version))
         except ray.exceptions.RayActorError:  # its creator is gone: this host gets a new cache
+            self._refuse_if_retired(version)  # or it was retired: then no new one
             with _HANDLES_LOCK:
                 _HANDLES.pop(_cache_name(self.name, ray.get_runtime_context().get_node_id()), None)
             handle = ray.get(self._cache().get.remote(version))
@@ -381,15 +465,17 @@ class HostSharedChannel:
 
 
 def host_cache_stats(channel_name: str) -> list[dict[str, Any]]:
-    """``{node_ip, node_id, pid, fetches, sources, relay_parent, relay_fallbacks, cached}`` of every host
-    cache of a channel (one per host that read it)."""
+    """``{node_ip, node_id, pid, fetches, sources, relay_parent, relay_fallbacks, cached, loading, retired}``
+    of every host cache of a channel (one per host that read it; a cache ending meanwhile is left out)."""
     out = []
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
         try:
             cache = ray.get_actor(_cache_name(channel_name, node["NodeID"]))
+            out.append(ray.get(cache.stats.remote()))
         except ValueError:  # no reader on that node
             continue
-        out.append(ray.get(cache.stats.remote()))
+        except ray.exceptions.RayActorError:  # it is ending (a retired tombstone, its host going)
+            continue
     return out

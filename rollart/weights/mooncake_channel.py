@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["MooncakeChannel", "MooncakeStoreError", "close_clients", "pack_state", "unpack_state"]
 
 
+class FetchStopped(RuntimeError):
+    """A reader stopped waiting for a version (its channel was replaced)."""
+
+
 class MooncakeStoreError(RuntimeError):
     """A Mooncake store call returned an error code."""
 
@@ -334,15 +338,22 @@ class MooncakeChannel:
         return base if holder is None else f"{base}/copy/{holder}"
 
     def _manifest(
-        self, store: Any, version: int, holder: str | None = None, timeout_s: float | None = None
+        self,
+        store: Any,
+        version: int,
+        holder: str | None = None,
+        timeout_s: float | None = None,
+        stop: threading.Event | None = None,
     ) -> dict[str, Any]:
         """``version``'s manifest (of ``holder``'s copy, if given), waiting up to ``timeout_s`` (default:
-        the channel's) for its writer (in another process)."""
+        the channel's) for its writer (in another process), or until ``stop`` is set."""
         base = self._base(version, holder)
         wait_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
         delay = 0.002
         while not (raw := store.get(f"{base}/manifest")):
+            if stop is not None and stop.is_set():
+                raise FetchStopped(f"weight channel {self.name!r}: the wait for version {version} was stopped")
             if time.monotonic() > deadline:
                 where = f"a copy on {holder}" if holder else "published"
                 raise TimeoutError(
@@ -417,10 +428,12 @@ class MooncakeChannel:
         *,
         holder: str | None = None,
         timeout_s: float | None = None,
+        stop: threading.Event | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """:meth:`fetch_into`, returning the whole manifest (checksum, chunking) with the bytes."""
+        """:meth:`fetch_into`, returning the whole manifest (checksum, chunking) with the bytes; setting
+        ``stop`` (from another thread) ends the wait for the manifest with :class:`FetchStopped`."""
         store = self._store()
-        manifest = self._manifest(store, version, holder, timeout_s)
+        manifest = self._manifest(store, version, holder, timeout_s, stop)
         flat = alloc(manifest["nbytes"])
         if manifest["nbytes"]:
             self._get_chunks_into(store, manifest, flat, self._base(version, holder))
