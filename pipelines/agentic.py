@@ -344,9 +344,8 @@ class AgenticPipeline:
 
             name = f"{name}-{uuid.uuid4().hex[:8]}"
             master = wc.mooncake_master
-            if (
-                master is None and self.mooncake_master is None
-            ):  # on the head host (the driver's), reachable by every host
+            # none given: rollart starts one (once per job) on the head host, the driver's, reachable by every host
+            if master is None and self.mooncake_master is None:
                 self.mooncake_master = MooncakeMaster(host=node_ip(), log_dir=self.out_dir).start()
             if master is None:
                 master = self.mooncake_master.address

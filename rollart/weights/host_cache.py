@@ -247,7 +247,7 @@ class _HostCache:
             manifest = None
             if self.parent is not None and not self._prompt_parent(version):
                 logger.warning(
-                    "host cache %s: relay parent %s has no cache (host gone); reading from the publisher from now on",
+                    "host cache %s: relay parent %s is no live Ray node (its host is gone); reading from the publisher",
                     self.ip,
                     self.parent,
                 )
@@ -260,6 +260,8 @@ class _HostCache:
                     )
                     source = self.parent
                 except Exception as err:  # any failure of the copy: the publisher has it too
+                    if self.retired.is_set():  # stopped: the channel was replaced, nothing to read
+                        raise
                     logger.warning(
                         "host cache %s: no relay copy of version %d from %s (%s); reading from the publisher "
                         "from now on",
