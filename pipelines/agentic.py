@@ -667,7 +667,7 @@ class AgenticPipeline:
                 if actor is None:
                     continue
                 try:
-                    await asyncio.wait_for(asyncio.wrap_future(actor._rollart_ping.remote().future()), TRAINER_PROBE_S)
+                    await asyncio.wait_for(actor._rollart_ping.remote(), TRAINER_PROBE_S)
                 except (TimeoutError, ray.exceptions.ActorUnavailableError):
                     continue
                 except ray.exceptions.RayActorError as err:

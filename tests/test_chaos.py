@@ -56,12 +56,11 @@ def test_the_ledger_accounts_for_every_trajectory_and_names_the_lost_ones():
 def test_an_asynchronous_run_on_three_hosts_survives_the_chaos_schedule(hosts3, tmp_path, channel, relay):
     if channel == "mooncake":
         pytest.importorskip("mooncake.store")
-    kinds = FAULT_KINDS
-    res = run_chaos(hosts3, tmp_path / "run", steps=STEPS, seed=SEED, kinds=kinds, channel=channel, relay=relay)
+    res = run_chaos(hosts3, tmp_path / "run", steps=STEPS, seed=SEED, kinds=FAULT_KINDS, channel=channel, relay=relay)
     s = summarise(res, alpha=1)
     led = res["ledger"]
     # every fault of the schedule was injected, and the run completed its steps
-    assert sorted(s["injected"]) == sorted(kinds) and s["steps"] == STEPS, res["injected"]
+    assert sorted(s["injected"]) == sorted(FAULT_KINDS) and s["steps"] == STEPS, res["injected"]
     # the ledger: every trajectory started was trained, retried or reported failed; none lost, none
     # trained twice, no reward invented (each trained reward recomputed from response and ground truth)
     assert led["started"] == led["trained"] + led["retried"] + led["failed"] + led["filtered"] + led["buffered"]
@@ -69,7 +68,7 @@ def test_an_asynchronous_run_on_three_hosts_survives_the_chaos_schedule(hosts3, 
     assert led["rewards_invented"] == 0 and res["rewards_mismatch"] == 0 and res["unverifiable"] == 0
     # every step trained its batch once; what a trainer restore undid was trained again, counted apart
     assert led["trained"] - led["rolled_back"] == STEPS * BATCH_GROUPS * KEEP
-    assert res["metrics"][-1]["trainer_restarts"] == ("trainer" in kinds)
+    assert res["metrics"][-1]["trainer_restarts"] == 1
     # the faults were felt: two deaths in the pool, env steps that hung or were slow (a hanging member
     # is failed after its timeout, or aborted as redundant once its round is complete: retried, or failed)
     assert res["faults"]["deaths"] >= 2, res["faults"]

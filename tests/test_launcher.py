@@ -21,6 +21,24 @@ DRIVER = (
 )
 
 
+def run_local_driver(code: str, **env_extra: str) -> object:
+    """Run ``code`` in a fresh Python as a user's driver would start (no RAY_ADDRESS, none of Ray's
+    single-machine switch the test set-up exports); the JSON of its last ``RESULT`` line."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env | env_extra,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
 LOOPBACK_DRIVER = """
 import json, psutil, ray
 from rollart.cluster.net import node_ip
@@ -46,19 +64,7 @@ def test_the_local_ray_listens_on_loopback_only():
     """``rollart run`` on one machine: the local Ray (and every address rollart derives from its node IP:
     Mooncake segments, env and reward servers) is on 127.0.0.1, never on the machine's network address,
     even in a process that imported ray before rollart set Ray's single-machine switch."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    proc = subprocess.run(
-        [sys.executable, "-c", LOOPBACK_DRIVER],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    r = json.loads(lines[-1][len("RESULT ") :])
+    r = run_local_driver(LOOPBACK_DRIVER)
     assert r["nodes"] == ["127.0.0.1"] and r["worker"] == "127.0.0.1", r
     assert r["started"] == ["gcs_server", "raylet"], r
     assert r["listening"] and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _, ip in r["listening"]), r
@@ -72,20 +78,7 @@ def test_a_stale_ray_current_cluster_file_does_not_stop_a_local_start():
         os.makedirs(os.path.join(tmp, "ray"))
         with open(os.path.join(tmp, "ray", "ray_current_cluster"), "w") as f:
             f.write("127.0.0.1:9")  # the discard port: no GCS there
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-        env["TMPDIR"] = tmp
-        proc = subprocess.run(
-            [sys.executable, "-c", DRIVER],
-            capture_output=True,
-            text=True,
-            timeout=280,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-        assert json.loads(lines[-1][len("RESULT ") :]) == 2.0
+        assert run_local_driver(DRIVER, TMPDIR=tmp) == 2.0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

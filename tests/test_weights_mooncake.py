@@ -270,7 +270,7 @@ def test_a_retired_channel_frees_its_caches_and_refuses_every_read_at_once(ray_l
     making a new cache and waiting, and the tombstone ends after its grace."""
     from rollart.weights import HostSharedChannel
     from rollart.weights.host_cache import SupersededVersion, host_cache_stats
-    from rollart.weights.mooncake_channel import MooncakeChannel
+    from rollart.weights.mooncake_channel import FetchStopped, MooncakeChannel
 
     inner = MooncakeChannel("retire-me", own_master.address, keep=2, chunk_mb=1, segment_mb=32, timeout_s=300)
     channel = HostSharedChannel(inner, keep=2)
@@ -283,7 +283,7 @@ def test_a_retired_channel_frees_its_caches_and_refuses_every_read_at_once(ray_l
     channel.close_caches(grace_s=600)
     with pytest.raises(ray.exceptions.RayTaskError) as err:
         ray.get(waiting, timeout=120)
-    assert not isinstance(err.value.cause, TimeoutError), err.value  # stopped, not timed out
+    assert isinstance(err.value.cause, FetchStopped), err.value  # stopped, not timed out
     [stats] = host_cache_stats("retire-me")
     assert stats["retired"] and stats["cached"] == [] and stats["loading"] == [], stats
     with pytest.raises(ray.exceptions.RayTaskError) as err:  # a fresh reader: refused, no new cache

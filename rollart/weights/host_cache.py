@@ -66,6 +66,13 @@ class SupersededVersion(RuntimeError):
 _RETIRED: set[str] = set()
 
 
+def _replaced(channel_name: str, version: int) -> SupersededVersion:
+    return SupersededVersion(
+        f"weight channel {channel_name!r} was replaced (a trainer restart): version {version} is not served; "
+        "load from the new channel"
+    )
+
+
 def retire_channel(name: str) -> None:
     """This process reads nothing more of channel ``name``: a fetch of it raises :class:`SupersededVersion`,
     and a reader whose host cache ended does not make a new one for it (the job's driver tells every
@@ -135,6 +142,7 @@ class _HostCache:
         self.parent: str | None = order[(k - 1) // 2] if k else None
         self.relays = k is not None and 2 * k + 1 < len(order)
         self.relay_wait_s = relay_wait_s
+        self.parent_node: str | None = None  # the Ray node id of ``parent``, looked up when first needed
         self.copies: dict[int, int] = {}  # version -> chunks of this host's relay copies still in the store
         self.relay_fallbacks = 0  # times the parent's copy did not come (then the publisher is read)
         # set by :meth:`retire` (the channel was replaced): no version is served any more
@@ -172,10 +180,7 @@ class _HostCache:
 
     def _refuse_if_retired(self, version: int) -> None:
         if self.retired.is_set():
-            raise SupersededVersion(
-                f"weight channel {self.channel_name!r} was replaced (a trainer restart): version {version} "
-                "is not served; load from the new channel"
-            )
+            raise _replaced(self.channel_name, version)
 
     async def retire(self, grace_s: float) -> None:
         """The channel was replaced (a trainer restart publishes under a new name): free every version
@@ -295,15 +300,19 @@ class _HostCache:
         """Ask the parent host's cache to fetch ``version`` (and so write its relay copy) without waiting
         for its own readers (they may be busy, or restarting); False when the parent host is gone. A
         parent host whose readers have not made its cache yet is not prompted (its first reader makes it)."""
-        node_id = next(
-            (n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == self.parent), None
-        )
-        if node_id is None:
-            return False
-        try:
-            ray.get_actor(_cache_name(self.channel_name, node_id)).prefetch.remote(version)
-        except ValueError:  # no cache there yet
-            logger.debug("host cache %s: relay parent %s has no cache yet; not prompted", self.ip, self.parent)
+        for fresh in (False, True):  # the parent's node as last seen, then as Ray lists it now (it may have restarted)
+            if fresh or self.parent_node is None:
+                self.parent_node = next(
+                    (n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == self.parent), None
+                )
+                if self.parent_node is None:
+                    return False
+            try:
+                ray.get_actor(_cache_name(self.channel_name, self.parent_node)).prefetch.remote(version)
+                return True
+            except ValueError:  # no cache there (yet, or its node is gone)
+                continue
+        logger.debug("host cache %s: relay parent %s has no cache yet; not prompted", self.ip, self.parent)
         return True
 
     def _put_copy(self, flat: torch.Tensor, manifest: dict[str, Any]) -> None:
@@ -419,10 +428,7 @@ class HostSharedChannel:
 
     def _refuse_if_retired(self, version: int) -> None:
         if self.name in _RETIRED:
-            raise SupersededVersion(
-                f"weight channel {self.name!r} was replaced (a trainer restart): version {version} is not "
-                "served; load from the new channel"
-            )
+            raise _replaced(self.name, version)
 
     def close_caches(self, grace_s: float | None = None) -> None:
         """This channel is replaced: retire its cache on every node (see :meth:`_HostCache.retire`: their
