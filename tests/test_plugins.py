@@ -1,6 +1,6 @@
 """Plug-ins from YAML: ``MODULE:NAME`` imports with errors naming the field, envs / pipeline / loss /
 aggregation / advantage from a user's module checked against their signatures when the config loads,
-every problem in one ConfigError before Ray starts, and the README's plug-in example run as written."""
+every problem in one ConfigError before Ray starts, and the documented plug-in example (docs/pipelines.md) run as written."""
 
 import json
 import re
@@ -21,7 +21,7 @@ from rollart.training import columns as C
 from rollart.training.config import TrainConfig
 from rollart.training.data import add_advantages
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "pipelines.md"
 POOLS = {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}}
 
 
@@ -374,27 +374,27 @@ def test_rollart_run_with_a_bad_config_exits_2_before_ray_starts(tmp_path, user_
         assert f"  - {field}: " in out.stderr
 
 
-# ---------------------------------------------------------------- the README example, as written
+# ---------------------------------------------------------------- the documented example, as written
 
 
-def readme_block(lang: str, first_line: str) -> str:
-    text = README.read_text()
+def page_block(lang: str, first_line: str) -> str:
+    text = PAGE.read_text()
     match = re.search(rf"```{lang}\n({re.escape(first_line)}\n.*?)```", text, re.S)
-    assert match, f"README has no ```{lang} block starting with {first_line!r}"
+    assert match, f"{PAGE.name} has no ```{lang} block starting with {first_line!r}"
     return match.group(1)
 
 
 @pytest.mark.timeout(600)
-def test_readme_plugin_example_runs_as_written(ray_local, tmp_path, monkeypatch, capsys):
-    """The README's my_plugins.py and plugins.yaml, unchanged, through `rollart run plugins.yaml`: the
+def test_documented_plugin_example_runs_as_written(ray_local, tmp_path, monkeypatch, capsys):
+    """The page's my_plugins.py and plugins.yaml, unchanged, through `rollart run plugins.yaml`: the
     user's env next to a registry env, the user's pipeline class, loss and advantage. The Ray workers
     were started from another directory, so the trainer finds my_plugins through the config's folder."""
     from rollart.cli import main
 
     monkeypatch.setattr(sys, "path", list(sys.path))
-    (tmp_path / "my_plugins.py").write_text(readme_block("python", "# my_plugins.py, next to the config"))
+    (tmp_path / "my_plugins.py").write_text(page_block("python", "# my_plugins.py, next to the config"))
     (tmp_path / "plugins.yaml").write_text(
-        readme_block("yaml", "# plugins.yaml: `rollart run plugins.yaml` in the folder of my_plugins.py")
+        page_block("yaml", "# plugins.yaml: `rollart run plugins.yaml` in the folder of my_plugins.py")
     )
     monkeypatch.chdir(tmp_path)
     try:

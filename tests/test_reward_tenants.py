@@ -161,8 +161,8 @@ def test_tenants_file_errors_name_the_tenant_and_the_fix(tmp_path, monkeypatch):
         build_app({"length": length}, ServerSettings(tenants_file=str(path), token_env="TOK_B"))
 
 
-def test_the_readme_shared_service_commands_run_as_written(tmp_path):
-    """The README's tenants.yaml and `rollart serve rewards ... --tenants` line, on a free port."""
+def test_the_documented_shared_service_commands_run_as_written(tmp_path):
+    """The reward-service page's tenants.yaml and `rollart serve rewards ... --tenants` line, on a free port."""
     import os
     import re
     import shlex
@@ -171,8 +171,8 @@ def test_the_readme_shared_service_commands_run_as_written(tmp_path):
 
     from reward_fixtures import free_port, start_reward_server
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Shared reward service") :]
+    page = (Path(__file__).parents[1] / "docs" / "reward-service.md").read_text()
+    section = page[page.index("## Shared reward service") :]
     (tmp_path / "tenants.yaml").write_text(re.search(r"<<'YAML'\n(.*?)\nYAML\n", section, re.S).group(1) + "\n")
     command = re.search(r"\n(rollart serve rewards .*?--tenants tenants\.yaml[^\n]*)\n", section.replace("\\\n", ""))
     args = shlex.split(command.group(1))[3:]

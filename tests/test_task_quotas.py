@@ -254,7 +254,7 @@ def test_bad_tasks_config_names_the_field_and_the_fix():
     assert msg.startswith("tasks.addition.sampling.temprature: unknown key; did you mean 'temperature'?")
 
 
-def test_the_readme_multi_task_config_validates_as_written():
+def test_the_documented_multi_task_config_validates_as_written():
     import re
     from pathlib import Path
 
@@ -262,8 +262,8 @@ def test_the_readme_multi_task_config_validates_as_written():
 
     from rollart.config import validate_config
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### Multi-task jobs (`tasks:`)", 1)[1]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "pipelines.md").read_text()
+    section = page.split("## Multi-task jobs (`tasks:`)", 1)[1]
     raw = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
     raw["pools"] = {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}}
     cfg = validate_config(raw)
