@@ -54,11 +54,22 @@ def _import_plugin(module: str) -> str:
 
 
 class ClusterConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """``cluster:``: where Ray comes from (a local Ray, or the cluster ``RAY_ADDRESS`` names) and the job."""
 
-    local_resources: dict[str, float] | None = None  # what a locally started Ray declares
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    local_resources: dict[str, float] | None = None
+    """What a locally started Ray declares, e.g. `{H800: 4, H20: 4, CPU: 16}`; default: the hardware the pools
+    ask for. Ignored when joining a cluster (`RAY_ADDRESS`).
+    """
     metadata_store: str | None = None
+    """The SQLite metadata store of jobs, pools and workers; default `$ROLLART_METADATA_DB`, else
+    `~/.rollart/metadata.sqlite`.
+    """
     job_id: str | None = None
+    """The job's id (its Ray namespace and its tenant at a reward service); default: kept in `RUN_DIR/job_id`,
+    new for a new run. `rollart submit --name` sets it.
+    """
 
 
 class EnvEntry(BaseModel):
@@ -66,21 +77,36 @@ class EnvEntry(BaseModel):
     ``TextEnv`` subclass), how many env groups play it; ``kwargs`` are checked against its
     constructor here, before anything starts."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str
+    """The env: a registry name (`reverse`, `addition`, `countdown`, `frozen_lake`, `sokoban`, `code_sandbox`) or
+    your `TextEnv` subclass as `MODULE:CLASS`.
+    """
     tag: str | None = None
+    """The task's routing tag and metrics key; default: the env's own tag."""
     groups: int = Field(default=1, ge=1)
+    """Env groups playing this task (they count toward `rollout.num_env_groups`)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Arguments of the env's constructor (checked against its signature)."""
     max_steps: int | None = None
+    """Turns per episode; default: the env's own."""
     max_new_tokens: int | None = None
-    # where the env runs: in the driver (local), or as a service (rollart.envservice): env servers as Ray
-    # actors on the CPU pool ``pool`` (ray), or Kubernetes pods from the ``kubernetes`` spec
+    """Tokens per turn at most; default: the env's own (or `tasks.TAG.sampling.max_new_tokens`, not both)."""
     backend: Literal["local", "ray", "kubernetes"] = "local"
-    servers: int = Field(default=1, ge=1)  # remote backends: warm env servers of this task
-    pool: str = "env"  # backend ray: the CPU pool the servers run in (one CPU each)
-    call_timeout_s: float = Field(default=60.0, gt=0)  # remote backends: one reset or step on the server
-    kubernetes: dict[str, Any] | None = None  # backend kubernetes: the pod spec (image, command, resources, ...)
+    """Where the env runs: `local` (in the driver), `ray` (env servers as Ray actors on a CPU pool) or
+    `kubernetes` (env servers as pods).
+    """
+    servers: int = Field(default=1, ge=1)
+    """Remote backends: warm env servers of this task."""
+    pool: str = "env"
+    """Backend `ray`: the CPU pool the env servers run in (one CPU each)."""
+    call_timeout_s: float = Field(default=60.0, gt=0)
+    """Remote backends: the server's timeout of one reset or step, in seconds."""
+    kubernetes: dict[str, Any] | None = None
+    """Backend `kubernetes`: the pod spec (`image`, `port`, `resources`, `node_selector`, `labels`,
+    `ready_timeout_s`, `max_start_attempts`, `connection`).
+    """
 
     @model_validator(mode="after")
     def _backend(self) -> EnvEntry:
@@ -119,28 +145,42 @@ class EnvEntry(BaseModel):
 class RewardConfig(BaseModel):
     """Score trajectories with a reward service instead of the env's own reward."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     url: str
+    """The reward service's endpoint, e.g. `http://127.0.0.1:8100/rewards/reverse`."""
     timeout_s: float = 30.0
+    """Timeout of one request, in seconds."""
     retries: int = 3
+    """Retries of a failing request (with backoff and jitter; `Retry-After` honoured)."""
     token_env: str | None = None
-    on_failure: Literal["drop", "requeue"] = "requeue"  # replay the round, or drop the trajectory alone
-    # the X-Rollart-Tenant this job is metered, cached and throttled as; default cluster.job_id, else name.
-    # On a service with a token per tenant (--tenants) it must be the tenant of token_env's token.
+    """The environment variable holding the bearer token; null: no token."""
+    on_failure: Literal["drop", "requeue"] = "requeue"
+    """A trajectory whose reward still fails: `requeue` plays its round again, `drop` drops it alone. Never
+    scored 0.
+    """
     tenant: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
+    """The `X-Rollart-Tenant` this job is metered, cached and throttled as; default `cluster.job_id`, else
+    `name`. On a service with a token per tenant it must be the tenant of the token.
+    """
 
 
 class TaskSampling(BaseModel):
     """Generation settings of one task, over the pipeline's ``sampling:`` (unset fields keep it);
     ``max_new_tokens`` replaces the env's own budget, like ``envs[i].max_new_tokens``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     temperature: float | None = Field(default=None, ge=0)
+    """Sampling temperature of this task; null: `sampling.temperature`."""
     top_p: float | None = Field(default=None, gt=0, le=1)
+    """Nucleus sampling of this task; null: `sampling.top_p`."""
     top_k: int | None = None
+    """Top-k of this task; null: `sampling.top_k`."""
     max_new_tokens: int | None = Field(default=None, ge=1)
+    """Tokens per turn of this task at most (replaces the env's own budget); null: the env's or
+    `sampling.max_new_tokens`.
+    """
 
     def over(self, base: SamplingParams) -> SamplingParams:
         """``base`` with this task's settings."""
@@ -152,11 +192,16 @@ class TaskConfig(BaseModel):
     (``ratio``; every tag gets one or none does), its reward service (else the pipeline's ``reward:``,
     else the env's own reward) and its generation settings."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     ratio: float | None = Field(default=None, gt=0)
+    """The task's share of every training batch (`batch_groups * ratio / sum(ratios)` groups); every tag gets one
+    or none does.
+    """
     reward: RewardConfig | None = None
+    """The task's reward service; null: the pipeline's `reward:`, else the env's own reward."""
     sampling: TaskSampling = Field(default_factory=TaskSampling)
+    """The task's generation settings, over the pipeline's `sampling:`."""
 
 
 class WeightsConfig(BaseModel):
@@ -169,27 +214,46 @@ class WeightsConfig(BaseModel):
     (benchmarks only): no weights move, the policy version still advances — the baseline a weight
     channel's overhead is measured against."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     channel: Literal["ray", "mooncake", "dist", "none"] = "ray"
-    pause_rollout: bool = True  # ray channel: suspend every worker for the swap (False: each swaps between its steps)
-    # ray channel: the driver hands the snapshot to a background loader and trains the next batch while the
-    # workers load it (the newest version wins, as with mooncake); auto: on when rollout.alpha >= 1
+    """How new weights reach the inference workers: `ray` (object store), `mooncake` (a Mooncake store, in the
+    background), `dist` (torch.distributed broadcast), `none` (benchmarks only: no transfer).
+    """
+    pause_rollout: bool = True
+    """Channel `ray`: suspend every worker for the swap; false: each worker swaps between two of its engine
+    steps.
+    """
     background_load: bool | Literal["auto"] = False
-    mooncake_master: str | None = None  # host:port of a running master; None: rollart starts one on the head node's IP
-    protocol: Literal["tcp", "rdma"] = "tcp"  # mooncake transfer engine
-    rdma_devices: list[str] = Field(default_factory=list)  # protocol rdma: device names, e.g. [mlx5_0, mlx5_1]
-    host_shared: bool = True  # mooncake: one fetch per host, shared by that host's workers through its object store
-    # mooncake with host_shared: the rollout hosts relay each version in a binary tree, so the trainer's host
-    # sends it once, not once per host (a host whose parent fails reads from the trainer after 10 s). Off by
-    # default: with two rollout hosts it measured the same as without it (the chaos test runs with it on)
+    """Channel `ray`: train the next batch while the workers load the snapshot (the newest version wins); `auto`:
+    on when `rollout.alpha >= 1`.
+    """
+    mooncake_master: str | None = None
+    """Channel `mooncake`: `host:port` of a running master; null: rollart starts one on the driver's node IP for
+    the job.
+    """
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    """Channel `mooncake`: the transfer protocol, `tcp` or `rdma` (needs `rdma_devices`)."""
+    rdma_devices: list[str] = Field(default_factory=list)
+    """Protocol `rdma`: the RDMA device names of every host, e.g. `[mlx5_0, mlx5_1]` (`ibv_devices` lists them)."""
+    host_shared: bool = True
+    """Channel `mooncake`: each host fetches a version once, into shared memory its workers map."""
     relay: bool = False
+    """Channel `mooncake` with `host_shared`: the rollout hosts relay each version in a binary tree, so the
+    trainer's host sends it once (a host whose parent fails reads from the trainer).
+    """
     segment_mb: int = Field(default=256, ge=1)
+    """Channel `mooncake`: the size of each process's Mooncake segment, in MB."""
     chunk_mb: int = Field(default=16, ge=1)
+    """Channel `mooncake`: the size of one stored chunk of a snapshot, in MB."""
     bucket_mb: int = Field(default=32, ge=1)
+    """Channel `dist`: the size of one broadcast bucket, in MB."""
     keep: int = Field(default=2, ge=1)
+    """Channel `mooncake`: versions kept in the store (older ones are removed once no reader holds them)."""
     async_publish: bool = True
+    """Channel `mooncake`: the trainer writes each version in the background and trains on."""
     timeout_s: float = Field(default=120.0, gt=0)
+    """How long a worker waits for a version before the load fails, in seconds."""
 
     @model_validator(mode="after")
     def _check(self) -> WeightsConfig:
@@ -207,56 +271,112 @@ class ExportConfig(BaseModel):
     """What a finished run exports: ``hf: true`` writes ``RUN_DIR/hf``, a Hugging Face folder of the
     final policy (``rollart export RUN_DIR --hf OUT`` does the same from the latest checkpoint)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     hf: bool = True
+    """Write `RUN_DIR/hf`, a Hugging Face folder of the final policy, when the run finishes."""
 
 
 class PipelineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A pipeline config: the YAML file ``rollart run`` takes."""
 
-    # user modules imported first (from the config's folder, the working directory or the installed
-    # packages): the names they register (@register_env / @register_loss / @register_loss_agg /
-    # @register_advantage) are then usable below. Declared first: fields are validated in order.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    # declared first: fields are validated in order, so the names a plug-in module registers are known
+    # to the fields below
     plugins: list[Annotated[str, AfterValidator(_import_plugin)]] = Field(default_factory=list)
-    pipeline: str | None = None  # MODULE:CLASS with the entry points of rollart.plugins.PipelineLike
+    """Your modules, imported first (from the config's folder, the working directory or the installed packages):
+    the names they register (`@register_env`, `@register_loss`, `@register_loss_agg`, `@register_advantage`)
+    are usable below.
+    """
+    pipeline: str | None = None
+    """The pipeline class as `MODULE:CLASS` (a subclass of `AgenticPipeline`, or any class with its entry
+    points); null: `AgenticPipeline`.
+    """
     name: str = "rollart"
+    """The run's name: the default `output_dir` is `runs/{name}`, and it names the job when `cluster.job_id` is
+    unset.
+    """
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Where Ray comes from and the job's identity."""
     pools: dict[str, Any]
+    """Resource pools by name: `{hardware: H800, devices: 2}`, a list of such groups, or `{hardware: CPU, cpus:
+    8}`; the same dicts `ResourceManager` takes.
+    """
     train_pool: str = "train"
+    """The pool the trainer (and its reference and critic) runs on."""
     rollout_pool: str = "rollout"
+    """The pool the inference workers run on."""
     tags: dict[str, list[str]] = Field(default_factory=lambda: {"*": list[str]()})
-    routing: RoutingConfig = Field(default_factory=RoutingConfig)  # auto: reorder tags by their measured shape
+    """Each task tag's hardware preference, in order (the inference workers' `@hw_mapping`); `*` is every other
+    tag.
+    """
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    """Automatic hardware affinity: reorder `tags:` by each task's measured shape."""
     model: str | None = None
+    """The policy to train: a local Hugging Face folder (with a `config.json`) or a model name the offline
+    Hugging Face cache holds; null: the built-in tiny model.
+    """
     tiny_model: dict[str, Any] = Field(default_factory=dict)
+    """Size of the built-in tiny model (`hidden_size`, `num_layers`, `num_heads`, `num_kv_heads`,
+    `intermediate_size`) when `model` is null.
+    """
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The inference engine."""
     train: TrainConfig = Field(default_factory=TrainConfig)
+    """How the actor is trained."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Groups, batch and the asynchronous bound of the rollout."""
     env_manager: EnvManagerConfig = Field(default_factory=EnvManagerConfig)
+    """Env fault handling and prompt rendering (chat template, truncation)."""
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    """Generation settings of every request (per task: `tasks.TAG.sampling`)."""
     envs: list[EnvEntry] = Field(default_factory=list)
-    data: list[DataTask] = Field(default_factory=list)  # prompt datasets as tasks (rollart.data); one or a list
-    eval: EvalConfig | None = None  # held-out evaluation every eval.every steps
+    """The env tasks of the job (one entry per task)."""
+    data: list[DataTask] = Field(default_factory=list)
+    """Tasks from prompt datasets (one, or a list)."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation every `eval.every` steps; null: none."""
     reward: RewardConfig | None = None
-    tasks: dict[str, TaskConfig] = Field(default_factory=dict)  # per task tag: batch ratio, reward, sampling
+    """Score trajectories with a reward service instead of the env's own reward; null: the env's reward."""
+    tasks: dict[str, TaskConfig] = Field(default_factory=dict)
+    """Per task tag: its share of every batch, its reward service and its generation settings."""
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
-    fault: FaultConfig = Field(default_factory=FaultConfig)  # restart policy per role (rollart.cluster.fault)
-    # grpo, grpo_token, reinforce, running_mean, gae, a name registered with @register_advantage, or
-    # MODULE:FUNC; advantage_params go to a registered / MODULE:FUNC estimator
+    """How new weights reach the inference workers."""
+    fault: FaultConfig = Field(default_factory=FaultConfig)
+    """Restart policy per role."""
     advantage: str = "grpo"
+    """The advantage estimator: `grpo`, `grpo_token`, `reinforce`, `running_mean`, `gae` (needs `critic:`), a
+    name registered with `@register_advantage`, or `MODULE:FUNC`.
+    """
     advantage_params: dict[str, Any] = Field(default_factory=dict)
-    critic: CriticConfig | None = None  # advantage: gae — a value model trained K times per actor step
-    running_mean: RunningMeanConfig = Field(default_factory=RunningMeanConfig)  # advantage: running_mean
+    """Keyword arguments of a registered or `MODULE:FUNC` estimator (checked against its signature)."""
+    critic: CriticConfig | None = None
+    """A value model trained K times per actor step (for `advantage: gae`); null: none."""
+    running_mean: RunningMeanConfig = Field(default_factory=RunningMeanConfig)
+    """The baseline of `advantage: running_mean`."""
     steps: int = Field(default=20, ge=1)
+    """Training steps of the run."""
     checkpoint_every: int = Field(default=0, ge=0)
-    checkpoint_keep: int = Field(default=1, ge=1)  # checkpoint folders kept (the newest K; older ones deleted)
-    # step records the driver keeps in memory (what run() returns); metrics.jsonl and the plot have every step
+    """Save a checkpoint every this many steps (`RUN_DIR/checkpoint/step-N`); 0: none."""
+    checkpoint_keep: int = Field(default=1, ge=1)
+    """Checkpoint folders kept (the newest K; older ones are deleted)."""
     history_keep: int = Field(default=1000, ge=1)
+    """Step records the driver keeps in memory (what `run()` returns); `metrics.jsonl` and the plot have every
+    step.
+    """
     export: ExportConfig = Field(default_factory=ExportConfig)
+    """What a finished run exports."""
     output_dir: str = "runs/{name}"
+    """The run folder (`RUN_DIR`): metrics, checkpoints, the export; `{name}` is replaced by `name`. Relative to
+    the working directory; a submitted job's is resolved on the cluster (see Sharing a cluster).
+    """
     seed: int = 0
-    # metrics.jsonl is always written; tensorboard / wandb (offline) / mlflow (file store) are extras
+    """The run's seed: the prompt order of data tasks and the env seeds."""
     tracking: list[TrackerName] = Field(default_factory=lambda: list[TrackerName](["jsonl"]))
+    """Experiment trackers: `jsonl` (always written), `tensorboard`, `wandb` (offline), `mlflow` (file store);
+    each but jsonl is an extra of the same name.
+    """
 
     @model_validator(mode="before")
     @classmethod

@@ -39,25 +39,38 @@ EVENTS_KEPT = 1000  # restart / removal / failure events a supervisor keeps (the
 class RestartPolicy(BaseModel):
     """How often a role's dead workers are restarted, and what happens when that is spent."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    max_restarts: int = Field(default=2, ge=0)  # per worker (rank), within window_s
-    window_s: float = Field(default=300.0, gt=0)  # restarts older than this no longer count
-    backoff_s: float = Field(default=1.0, ge=0)  # wait before each restart (doubles per restart in the window)
-    on_exhausted: Literal["remove", "fail"] = "remove"  # drop the rank from the pool, or fail the job
+    max_restarts: int = Field(default=2, ge=0)
+    """Restarts per worker (rank) within `window_s`."""
+    window_s: float = Field(default=300.0, gt=0)
+    """Restarts older than this many seconds no longer count."""
+    backoff_s: float = Field(default=1.0, ge=0)
+    """Seconds waited before each restart (doubles with each restart in the window)."""
+    on_exhausted: Literal["remove", "fail"] = "remove"
+    """When the restarts are spent: `remove` drops the worker from its pool, `fail` fails the job with the cause
+    (the only choice for train, reference and critic).
+    """
 
 
 class FaultConfig(BaseModel):
-    """``fault:`` — one restart policy per role (only ``inference`` is enforced; see the module doc)."""
+    """``fault:`` — one restart policy per role (``inference``, ``train``, ``reference`` and ``critic`` are
+    enforced; ``env`` and ``reward`` are parsed only)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     inference: RestartPolicy = Field(default_factory=RestartPolicy)
+    """Restart policy of the inference workers."""
     train: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_restarts=0, on_exhausted="fail"))
+    """Restart policy of the trainer ranks (a dead rank rebuilds every rank from the latest checkpoint)."""
     reference: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_restarts=0, on_exhausted="fail"))
+    """Restart policy of the reference ranks."""
     critic: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_restarts=0, on_exhausted="fail"))
+    """Restart policy of the critic ranks."""
     env: RestartPolicy = Field(default_factory=RestartPolicy)
+    """Restart policy of env workers (parsed, not enforced: the EnvManager's retries handle env faults)."""
     reward: RestartPolicy = Field(default_factory=RestartPolicy)
+    """Restart policy of reward workers (parsed, not enforced: the reward client's retries handle reward faults)."""
 
     @model_validator(mode="before")
     @classmethod

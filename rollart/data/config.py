@@ -21,17 +21,28 @@ class DataTask(BaseModel):
     ``datasets.Dataset.save_to_disk`` (a ``DatasetDict`` folder: its ``train`` split for ``train`` and
     its ``validation`` or ``test`` split for ``val``). Relative paths are relative to the config file."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     train: str = Field(min_length=1)
-    val: str | None = None  # held-out prompts for eval: (default eval set of this task)
+    """The training prompts: a JSONL or Parquet file or a `save_to_disk` folder, relative to the config file."""
+    val: str | None = None
+    """Held-out prompts, the default eval set of this task."""
     prompt_key: str = "prompt"
+    """The column holding the prompt."""
     answer_key: str = "answer"
-    system_prompt: str | None = None  # prepended to every prompt, followed by a newline
-    tag: str | None = None  # routing tag and metrics key (default: the train file's name without suffix)
-    verifier: str | None = None  # MODULE:FUNC, FILE.py:FUNC or a built-in name (default exact_match)
-    groups: int = Field(default=1, ge=1)  # env groups playing this task (count toward rollout.num_env_groups)
-    max_new_tokens: int | None = Field(default=None, ge=1)  # default: sampling.max_new_tokens
+    """The column holding the answer (passed to the verifier)."""
+    system_prompt: str | None = None
+    """Text put before every prompt, followed by a newline."""
+    tag: str | None = None
+    """Routing tag and metrics key; default: the train file's name without its suffix."""
+    verifier: str | None = None
+    """Scores a completion: `MODULE:FUNC`, `FILE.py:FUNC` or a built-in name (`exact_match`, `number`,
+    `contains`, `reverse`, `addition`, `countdown`); default `exact_match`.
+    """
+    groups: int = Field(default=1, ge=1)
+    """Env groups playing this task (they count toward `rollout.num_env_groups`)."""
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    """Tokens per answer at most; default: `sampling.max_new_tokens`."""
 
     @property
     def name(self) -> str:
@@ -47,14 +58,20 @@ class DataTask(BaseModel):
 class EvalEnv(BaseModel):
     """A procedural env to evaluate on (``envs`` registry name), on held-out reset seeds."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str = Field(min_length=1)
+    """The env to evaluate on (a registry name or `MODULE:CLASS`)."""
     tag: str | None = None
+    """Metrics key of this eval set; default: the env's tag."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Arguments of the env's constructor."""
     max_steps: int | None = Field(default=None, ge=1)
+    """Turns per episode; default: the env's own."""
     max_new_tokens: int | None = Field(default=None, ge=1)
-    seed: int = 1_000_000_007  # first reset seed of the eval prompts (far from the training seeds)
+    """Tokens per turn at most; default: the env's own, else `sampling.max_new_tokens`."""
+    seed: int = 1_000_000_007
+    """First reset seed of the eval episodes (far from the training seeds)."""
 
 
 class EvalConfig(BaseModel):
@@ -62,17 +79,26 @@ class EvalConfig(BaseModel):
     steps and after the last step. The eval sets: ``data`` (a file read with the keys and verifier of
     the only data task), ``env`` (a procedural env), else the ``val`` split of every data task."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     every: int = Field(default=10, ge=1)
+    """Evaluate every this many steps (and after the last step)."""
     data: str | None = None
+    """An eval file read with the keys and verifier of the only data task; default: the `val` of every data task."""
     env: EvalEnv | None = None
+    """Evaluate on a procedural env on held-out seeds instead."""
     samples_per_prompt: int = Field(default=4, ge=1)
+    """Samples drawn per eval prompt."""
     temperature: float = Field(default=1.0, ge=0)
-    max_prompts: int | None = Field(default=64, ge=1)  # per eval set; None: all of it
-    pass_k: list[int] | None = None  # default [1, samples_per_prompt]
-    success_threshold: float = 1.0  # a sample with reward >= this counts as correct
-    concurrency: int = Field(default=64, ge=1)  # episodes in flight at once
+    """Sampling temperature of the eval."""
+    max_prompts: int | None = Field(default=64, ge=1)
+    """Prompts per eval set at most; null: all of it."""
+    pass_k: list[int] | None = None
+    """The k of every pass@k reported; default `[1, samples_per_prompt]`."""
+    success_threshold: float = 1.0
+    """A sample with a reward at least this counts as correct (for `accuracy` and pass@k)."""
+    concurrency: int = Field(default=64, ge=1)
+    """Eval episodes in flight at once."""
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:

@@ -24,15 +24,22 @@ from pydantic import BaseModel, ConfigDict, Field
 class SamplingParams(BaseModel):
     """How to sample a continuation. ``temperature == 0`` is greedy; ``top_k <= 0`` disables top-k."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
     top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
     top_k: int = -1
+    """Keep the k most likely tokens; 0 or less: off."""
     max_new_tokens: int = Field(default=32, ge=1)
+    """Tokens generated per turn at most (an env's own budget or `max_new_tokens` of a task replaces it)."""
     stop_token_ids: list[int] = Field(default_factory=list)
+    """Token ids that end a generation (besides the end-of-sequence token)."""
     seed: int | None = None
+    """Seed of the per-request sampling streams: the same config and seed give the same samples; null: unseeded."""
     logprobs: bool = True
+    """Return the log-probabilities of the sampled tokens (the behaviour log-probs the losses need)."""
 
 
 @dataclass

@@ -24,14 +24,22 @@ class EngineConfig(BaseModel):
     The simulated engine's ``options.profile: auto`` takes the latency profile of the worker's own
     hardware (``rollart.engines.hardware``: H800, H20), so each rollout pool runs at its device's speed."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     kind: str = "torch"
+    """The inference engine: `torch`, `vllm`, `sglang`, `simulated`, or your own as `MODULE:CLASS`."""
     model: str | None = None
+    """A Hugging Face model folder for the engine; default: the pipeline's `model` (else the built-in tiny
+    model).
+    """
     options: dict[str, Any] = Field(default_factory=dict)
-    # the LLMProxy sends the requests of one event-loop turn to each worker as one streaming call
-    # (rollart.rollout.batching); false: one Ray call per request
+    """Engine options, passed to the engine (torch: `max_batch_size`, `prefix_sharing`; vllm: `EngineArgs`
+    fields; simulated: `profile`, ...).
+    """
     batch_requests: bool = True
+    """Send each inference worker the requests of one event-loop turn as one streaming call (batched ADD); false:
+    one Ray call per request.
+    """
 
 
 LATENCY_OPTIONS = ("decode_base_s", "decode_per_seq_s", "prefill_per_token_s")

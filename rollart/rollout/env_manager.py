@@ -84,19 +84,32 @@ class HFCodec:
 class EnvManagerConfig(BaseModel):
     """Fault handling of one EnvManager."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     reset_retries: int = 3
+    """Retries of a failing env reset (with backoff)."""
     reset_backoff_s: float = 0.05
+    """Backoff before the first reset retry, in seconds (doubles per retry)."""
     reset_timeout_s: float = 60.0
+    """Timeout of one env reset, in seconds."""
     step_retries: int = 1
+    """Retries of a failing env step before the trajectory ends as failed."""
     step_timeout_s: float = 60.0
-    max_steps: int | None = None  # default: the env's own max_steps
-    # auto: the tokenizer's chat template when it has one; none: raw text; else a file or inline Jinja
+    """Timeout of one env step, in seconds."""
+    max_steps: int | None = None
+    """Turns per episode; null: the env's own `max_steps`."""
     chat_template: str = "auto"
-    observation_role: Literal["user", "tool"] = "user"  # the role of every observation after the first
-    max_prompt_length: int | None = Field(default=None, ge=1)  # tokens of the first prompt
-    truncation: Literal["left", "error"] = "left"  # a longer first prompt: keep its last tokens, or fail
+    """How prompts are written: `auto` (the tokenizer's chat template when it has one), `none` (the env's raw
+    text), a Jinja file path or an inline Jinja template.
+    """
+    observation_role: Literal["user", "tool"] = "user"
+    """The chat role of every observation after the first: `user` or `tool`."""
+    max_prompt_length: int | None = Field(default=None, ge=1)
+    """Bound on the first prompt, in tokens after rendering; null: no bound."""
+    truncation: Literal["left", "error"] = "left"
+    """A longer first prompt: keep its last `max_prompt_length` tokens (`left`), or fail the trajectory
+    (`error`).
+    """
 
     @field_validator("chat_template")
     @classmethod

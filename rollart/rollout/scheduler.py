@@ -52,18 +52,32 @@ log = logging.getLogger(__name__)
 
 
 class RolloutConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """``rollout:``: env groups, the training batch and the asynchronous bound."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     num_env_groups: int = 8
+    """Env groups playing at once (each plays one prompt `group_size` times); the tasks' `groups` add up to it."""
     group_size: int = 8
-    group_keep: int | None = None  # trajectories a group needs (default: group_size)
-    batch_groups: int = 8  # groups per training batch
-    alpha: int = 0  # asynchronous bound; 0 is synchronous
+    """Trajectories per group (samples of one prompt)."""
+    group_keep: int | None = None
+    """Trajectories a group needs to complete (the rest are aborted: redundant rollouts); null: `group_size`."""
+    batch_groups: int = 8
+    """Groups per training batch (at most `num_env_groups`; more env groups than this are redundancy)."""
+    alpha: int = 0
+    """The asynchronous bound: a group begun under policy version v is trained on only while the current version
+    is at most v + alpha; 0 is synchronous.
+    """
     filter_zero_variance: bool = False
-    max_round_failures: int = 3  # a seed whose rounds fail this often is given up (and counted)
-    requeue_reward_failures: bool = True  # a failed reward replays its round (else the trajectory is dropped)
+    """Drop groups whose rewards are all equal (no learning signal) and play more (dynamic filtering)."""
+    max_round_failures: int = 3
+    """A seed whose rounds fail this often is given up (and counted)."""
+    requeue_reward_failures: bool = True
+    """A failed reward replays its round; false: the trajectory alone is dropped (set from `reward.on_failure`)."""
     seed_offset: int = 0
-    max_consecutive_failed_rounds: int = Field(default=50, ge=1)  # then get_batch raises with the last error
+    """Added to every env reset seed."""
+    max_consecutive_failed_rounds: int = Field(default=50, ge=1)
+    """Failed rounds in a row after which the rollout stops with the last error."""
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:

@@ -24,12 +24,16 @@ class LoraSettings(BaseModel):
     layers that get an adapter (names as in the Hugging Face model). The inference engines and exports
     always get the merged full weights."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     r: int = Field(default=8, ge=1)
+    """Rank of the low-rank adapters."""
     alpha: float = Field(default=16.0, gt=0)
+    """Scale numerator: adapter updates are scaled by `alpha / r`."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    """The linear layers that get an adapter (names as in the Hugging Face model)."""
     dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input."""
 
 
 class TrainConfig(BaseModel):
@@ -44,46 +48,83 @@ class TrainConfig(BaseModel):
     ``tensor_parallel`` / ``pipeline_parallel`` are megatron's model-parallel sizes and must be 1 in
     this version (checked here, before any actor starts)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     strategy: Literal["torch", "megatron"] = "torch"
+    """The training worker: `torch` (the Hugging Face module) or `megatron` (a megatron-core GPTModel; extra
+    `megatron`).
+    """
     tensor_parallel: int = Field(default=1, ge=1)
+    """Megatron tensor-parallel size; must be 1 in this version (data parallelism is the train pool's size)."""
     pipeline_parallel: int = Field(default=1, ge=1)
+    """Megatron pipeline-parallel size; must be 1 in this version."""
     model: str | None = None
+    """A Hugging Face model folder to train; default: the pipeline's `model` (else the built-in tiny model)."""
     lr: float = Field(default=1e-3, gt=0)
+    """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     warmup_steps: int = Field(default=0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
     grad_clip: float | None = 1.0
+    """Clip the gradient norm to this value; null: no clipping."""
     max_tokens_per_microbatch: int = Field(default=16384, gt=0)
+    """Token budget of one micro-batch (rows are packed up to it; gradients accumulate over micro-batches)."""
     loss: str = "ppo"
+    """The policy loss: `ppo`, `decoupled_ppo`, `tis`, `cispo`, `topr`, `weighted_topr`, `dis`, a name registered
+    with `@register_loss`, or `MODULE:FUNC`.
+    """
     loss_params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the loss (checked against its signature), e.g. `{eps: 0.2}`."""
     loss_agg: str = "token-mean"
-    tis_cap: float | None = None  # train/inference mismatch truncated IS (seed 000 eq. 12)
+    """How per-token losses are aggregated: `token-mean`, `seq-mean-token-sum`, `seq-mean-token-mean`, `group-
+    mean`, a registered name or `MODULE:FUNC`.
+    """
+    tis_cap: float | None = None
+    """Truncated importance-sampling cap of the train/inference mismatch weight `min(pi_old/mu, cap)`, added to
+    any loss; null: off.
+    """
     kl_coef: float = Field(default=0.0, ge=0)
-    entropy_coef: float = Field(default=0.0, ge=0)  # loss -= coef * mean entropy of the action tokens
+    """Weight of the KL penalty against the frozen initial policy (> 0 adds a reference cluster colocated with
+    the trainer).
+    """
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Entropy bonus: the loss subtracts this times the mean entropy of the action tokens."""
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
+    """The KL estimator: `k1`, `k2`, `k3` or `abs`."""
     ppo_epochs: int = Field(default=1, ge=1)
-    # pi_old (the proximal policy): "auto" recomputes it with an extra forward pass only when it can
-    # differ from the current policy's detached log-probs (ppo_epochs > 1) and the loss reads it;
-    # "recompute" always does (one extra forward per micro-batch; for comparisons)
+    """Passes over each batch (optimizer updates per step)."""
     proximal: Literal["auto", "recompute"] = "auto"
+    """The proximal policy pi_old: `auto` recomputes it with an extra forward pass only when it can differ from
+    the current policy (`ppo_epochs > 1`) and the loss reads it; `recompute` always does.
+    """
     seed: int = 0
+    """Seed of the trainer's random state."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    # bf16: forward/backward under bf16 autocast, fp32 master weights and optimiser state
+    """torch.distributed backend of data-parallel training: `auto` (NCCL on GPUs, gloo on CPU), `gloo` or `nccl`."""
     dtype: Literal["fp32", "bf16"] = "fp32"
-    gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory)
-    # train the rows that share a prompt on its tokens once (rollart.training.shared_prefix): the same
-    # log-probs and gradients, far fewer positions for n samples per prompt; off with gradient_checkpointing
+    """Training precision: `fp32`, or `bf16` (forward and backward under bf16 autocast, fp32 master weights and
+    optimizer state).
+    """
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, about one extra forward)."""
     prefix_sharing: bool = True
-    lora: LoraSettings | None = None  # train.lora: {r, alpha, target_modules} (extra `lora`: peft)
+    """Train the rows that share a prompt on its tokens once (same log-probs and gradients, far fewer positions);
+    off with `gradient_checkpointing`.
+    """
+    lora: LoraSettings | None = None
+    """Train LoRA adapters instead of the full weights (extra `lora`); null: full fine-tuning."""
 
-    # filled from the pipeline config (not written by hand): the modules of its top-level ``plugins:``
-    # and the folders they are looked up in (the config's folder, the working directory). Each training
-    # worker imports them before it looks up ``loss`` / ``loss_agg``, so names a user's module
-    # registers (``@register_loss("my_loss")``) and ``MODULE:FUNC`` specs resolve there too.
     plugins: list[str] = Field(default_factory=list)
+    """Filled from the pipeline's `plugins:` (not written by hand): modules each training worker imports before
+    it looks up `loss` / `loss_agg`.
+    """
     plugin_paths: list[str] = Field(default_factory=list)
+    """Filled by the config loader (not written by hand): the folders the plug-in modules are looked up in (the
+    config's folder, the working directory).
+    """
 
     @model_validator(mode="before")
     @classmethod
@@ -164,12 +205,14 @@ class TrainConfig(BaseModel):
 
 
 class RunningMeanConfig(BaseModel):
-    """``advantage: running_mean`` (seed 003's critic-free single-rollout baseline, see
+    """``advantage: running_mean`` (the critic-free single-rollout baseline of SAO, see
     :class:`rollart.algorithms.RunningMeanBaseline`): ``A = r - mean(window)`` over the ``window`` most
     recent rewards of the same prompt (``scope: prompt``, the paper's ablation: 8) or of all prompts
     (``scope: global``, the paper's online setting: 128)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     window: int = Field(default=8, ge=1)
+    """How many of the most recent rewards the baseline averages."""
     scope: Literal["prompt", "global"] = "prompt"
+    """Whose rewards: the same prompt's (`prompt`) or every prompt's (`global`)."""

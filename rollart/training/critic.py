@@ -87,24 +87,40 @@ class CriticConfig(BaseModel):
     the critic's regression targets (the returns), ``None`` for the policy's. ``preset: sao`` fills in
     :data:`SAO_PRESET` for every field the config does not give."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     preset: Literal["sao"] | None = None
+    """`sao` fills in the SAO recipe for every field not given."""
     model: str | None = None
+    """A Hugging Face causal-LM folder for the critic; default: the built-in tiny model."""
     lr: float = Field(default=1e-3, gt=0)
-    warmup_steps: int = Field(default=0, ge=0)  # linear learning-rate warm-up over this many train_steps
+    """The critic's AdamW learning rate."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear learning-rate warm-up, in actor steps."""
     epochs: int = Field(default=2, ge=1)
+    """K: value updates per actor step."""
     freeze_attention: bool = False
+    """Keep the self-attention weights at their pre-trained values."""
     value_clip: float | None = 0.2
+    """Clip range of the value loss around the old values; null: no clipping."""
     gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount."""
     lam: float = Field(default=0.95, ge=0, le=1)
+    """The policy's GAE lambda (the advantages)."""
     length_adaptive_lambda: bool = False
-    lambda_alpha: float = Field(default=0.05, gt=0)  # VAPO's 0.05 unless preset: sao (1.5)
+    """Per trajectory, lambda = 1 - 1/(`lambda_alpha` * l) for l action tokens."""
+    lambda_alpha: float = Field(default=0.05, gt=0)
+    """Alpha of the length-adaptive lambda."""
     critic_lambda: float | None = Field(default=None, ge=0, le=1)
+    """Lambda of the critic's regression targets (the returns); null: the policy's."""
     max_tokens_per_microbatch: int = Field(default=16384, gt=0)
+    """Token budget of one critic micro-batch."""
     grad_clip: float | None = 1.0
+    """Clip the critic's gradient norm to this value; null: no clipping."""
     seed: int = 0
+    """Seed of the critic's random state."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend of the critic's data-parallel group: `auto`, `gloo` or `nccl`."""
 
     @model_validator(mode="before")
     @classmethod

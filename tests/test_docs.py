@@ -1,0 +1,67 @@
+"""The README and the documentation site: what a newcomer runs first, links that resolve, papers cited by
+title, and a configuration reference that covers (and describes) every config key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from rollart.config_reference import markdown, sections, undocumented
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def bash_blocks(text: str) -> list[str]:
+    return [b.strip() for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S)]
+
+
+def test_the_readme_has_the_two_set_up_commands_and_stays_short():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300
+    install, tests = bash_blocks(text)
+    # one command that makes and activates the venv, installs and runs the quickstart: the commands that
+    # follow it (here and in the docs) say `rollart`, so the venv must be active in that shell
+    assert install.count("\n") == 0 and ". .venv/bin/activate" in install
+    assert install.startswith("python3 -m venv .venv") and install.endswith("rollart run quickstart")
+    assert tests == "bash scripts/test.sh"
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_getting_started_begins_with_the_readme_command():
+    page = (DOCS / "getting-started.md").read_text()
+    assert bash_blocks(page)[0] == bash_blocks(README.read_text())[0]
+
+
+@pytest.mark.parametrize("path", [README, ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))], ids=lambda p: p.name)
+def test_papers_are_cited_by_title_and_only_files_of_the_repository(path):
+    text = path.read_text()
+    assert not re.search(r"\bseed 00\d", text, flags=re.I), "cite the paper by its title"
+    assert "DESIGN.md" not in text
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if not target.startswith(("http://", "https://")):
+            assert (path.parent / target).exists(), f"{path.name} links to {target}, which does not exist"
+
+
+def test_every_docs_page_is_in_the_site_nav():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert {p.name for p in DOCS.glob("*.md")} == set(re.findall(r":\s+(\S+\.md)\s*$", nav, flags=re.M))
+
+
+def test_every_config_field_has_a_description():
+    assert undocumented() == []
+
+
+def test_the_config_reference_lists_every_key_of_every_section():
+    text = markdown()
+    for section in sections():
+        assert f"{{#{section.anchor}}}" in text
+        for name in section.model.model_fields:
+            assert f"| `{name}` |" in text, f"{section.path}.{name} is missing"
+    # a few rows in full: type with its bound, default, description
+    assert re.search(r"\| `steps` \| integer \(≥ 1\) \| `20` \| \S", text)
+    assert re.search(r'\| `channel` \| `"ray"` \\\| `"mooncake"` \\\| `"dist"` \\\| `"none"` \| `"ray"` \| \S', text)
+    assert re.search(r"\| `pools` \| mapping of string to any \| required \| \S", text)
