@@ -59,8 +59,7 @@ def summarise(rewards: Sequence[float], *, window: int, threshold: float) -> dic
 
 def _run_seed(args: argparse.Namespace, seed: int) -> tuple[list[float], float]:
     from rollart.benchmarks.common import run_pipeline_once
-    from rollart.config import load_config
-    from rollart.pipeline_cli import parse_sets
+    from rollart.config import load_config, parse_sets
 
     overrides = {**parse_sets(args.set), "seed": seed, "output_dir": str(Path(args.out) / f"seed{seed}")}
     history, seconds = run_pipeline_once(load_config(args.config, overrides))  # a fresh local Ray per seed

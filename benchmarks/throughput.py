@@ -129,8 +129,7 @@ def throughput(history: list[dict[str, Any]], skip: int) -> dict[str, float]:
 
 
 def _run_mode(args: argparse.Namespace, setting: Setting, alpha: int) -> tuple[list[dict[str, Any]], float]:
-    from rollart.config import load_config
-    from rollart.pipeline_cli import parse_sets
+    from rollart.config import load_config, parse_sets
 
     overrides = {**mode_config(args, setting, alpha, Path(args.out) / f"alpha{alpha}"), **parse_sets(args.set)}
     return run_pipeline_once(load_config("pipelines/quickstart.yaml", overrides))

@@ -193,7 +193,7 @@ def _run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     from pathlib import Path
 
     from rollart.benchmarks.weight_sync_pipeline import run_modes
-    from rollart.pipeline_cli import parse_sets
+    from rollart.config import parse_sets
 
     out = Path(args.out).resolve()
     where = "local Ray"

@@ -174,7 +174,7 @@ def run_modes(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rollart.pipeline_cli import parse_sets
+    from rollart.config import parse_sets
 
     p = argparse.ArgumentParser()
     p.add_argument("--modes", default="none,mooncake,ray")

@@ -627,6 +627,18 @@ def resolve_config_path(path: str | Path) -> Path:
     raise ConfigError(f"config file {p} does not exist (shipped configs, usable by name: {', '.join(sorted(shipped))})")
 
 
+def parse_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items as ``load_config`` overrides (each value read as YAML); a malformed item
+    exits with the fix."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"--set {item!r}: use key=value, e.g. --set steps=5")
+        key, value = item.split("=", 1)
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """Read and validate a YAML config; ``overrides`` are dotted keys (``{"steps": 3}``)."""
     p = resolve_config_path(path)

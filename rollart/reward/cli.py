@@ -91,9 +91,8 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_serve_parser(sub: Any) -> None:
-    serve = sub.add_parser("serve", help="serve rollart services")
-    what = serve.add_subparsers(dest="service", required=True)
+def add_rewards_parser(what: Any) -> None:
+    """Mount ``rewards`` under ``rollart serve``."""
     p = what.add_parser("rewards", help="reward functions as an HTTP service")
     p.add_argument("functions", nargs="+", metavar="MODULE:FUNC", help="reward functions (name=MODULE:FUNC renames)")
     p.add_argument("--host", default="127.0.0.1")
@@ -135,6 +134,3 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--ray-serve", action="store_true", help="deploy on Ray Serve with autoscaling from zero")
     p.add_argument("--max-replicas", type=int, default=4, help="Ray Serve: most replicas")
     p.set_defaults(func=cmd_serve_rewards)
-    from rollart.envservice.cli import add_env_parser
-
-    add_env_parser(what)

@@ -39,7 +39,7 @@ def advise(
 ) -> dict[str, Any]:
     """Profile the job of ``cfg`` and return the advice as a JSON-ready dict. Raises ``ValueError``
     (before anything starts) when there is no split to make."""
-    from rollart.pipeline_cli import build_pipeline
+    from rollart.cli.run import build_pipeline
     from rollart.planning.partition import advised_split, beta_star, simulate, sweep, sync_bound
     from rollart.planning.profile import workload_from_records
 
@@ -110,8 +110,7 @@ def advise(
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from rollart.config import ConfigError, load_config
-    from rollart.pipeline_cli import parse_sets
+    from rollart.config import ConfigError, load_config, parse_sets
     from rollart.planning.profile import ProfileError
 
     if args.steps < 2:

@@ -75,8 +75,7 @@ def _with_registry(fn: Any) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from rollart.config import ConfigError, load_config
-    from rollart.pipeline_cli import parse_sets
+    from rollart.config import ConfigError, load_config, parse_sets
     from rollart.resource_manager.admission import Admission, check_quota, parse_quota
     from rollart.resource_manager.launcher import new_job_id
     from rollart.resource_manager.specs import ResourceSpecError, parse_pools

@@ -8,19 +8,7 @@ import logging
 import sys
 from typing import Any
 
-import yaml
-
 log = logging.getLogger(__name__)
-
-
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise SystemExit(f"--set {item!r}: use key=value, e.g. --set steps=5")
-        key, value = item.split("=", 1)
-        out[key] = yaml.safe_load(value)
-    return out
 
 
 def list_configs() -> str:
@@ -51,7 +39,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.config is None:
         log.error("rollart run: give a CONFIG (a YAML path or a shipped name; --list shows them)")
         return 2
-    from rollart.config import ConfigError, load_config
+    from rollart.config import ConfigError, load_config, parse_sets
 
     try:  # every check, plug-ins included, before anything starts
         cfg = load_config(args.config, parse_sets(args.set))

@@ -1,0 +1,16 @@
+"""``rollart serve rewards ...`` and ``rollart serve env ...``: the services' commands, mounted under
+``serve``. Each service's module defines its own arguments and runs it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def add_serve_parser(sub: Any) -> None:
+    from rollart.envservice.cli import add_env_parser
+    from rollart.reward.cli import add_rewards_parser
+
+    serve = sub.add_parser("serve", help="serve rollart services")
+    what = serve.add_subparsers(dest="service", required=True)
+    add_rewards_parser(what)
+    add_env_parser(what)

@@ -1,0 +1,118 @@
+"""``rollart status [--store FILE] [--job ID] [--json] [--local]``: jobs, pools, worker bindings and
+endpoints, from the Ray cluster's registry or the local metadata store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cluster_state(address: str, job: str | None) -> dict[str, Any]:
+    """The Ray cluster's registry (every host's and driver's jobs), read through a short-lived driver."""
+    import ray
+
+    from rollart.resource_manager.launcher import _token_auth_for_joining
+    from rollart.resource_manager.registry import ClusterRegistry
+
+    _token_auth_for_joining()
+    os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    ray.init(address=address, namespace="rollart-status", log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        state: dict[str, Any] = {"cluster": address, **ClusterRegistry().snapshot(job)}
+    finally:
+        ray.shutdown()
+    for j in state["jobs"]:  # a driver on another host: its pid cannot be checked from here
+        j["driver_alive"] = None if j["ended_at"] is None else False
+    return state
+
+
+def _local_state(store_path: str | None, job: str | None) -> tuple[dict[str, Any], str]:
+    from rollart.resource_manager.store import MetadataStore
+
+    store = MetadataStore(store_path)
+    state: dict[str, Any] = {
+        "store": str(store.path),
+        "jobs": store.jobs(job),
+        "pools": store.pools(job),
+        "bindings": store.bindings(job),
+        "endpoints": store.endpoints(job),
+        "runs": store.runs(job),
+    }
+    for j in state["jobs"]:
+        j["driver_alive"] = j["ended_at"] is None and _pid_alive(j["driver_pid"])
+    return state, f"metadata store: {store.path}"
+
+
+def _print_tables(state: dict[str, Any], where: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(where)
+    for title, rows, cols in (
+        ("jobs", state["jobs"], ["job_id", "state", "driver_pid", "driver_alive", "ray_address", "ended_at"]),
+        ("pools", state["pools"], ["job_id", "pool", "group_index", "hardware", "devices", "cpus", "state"]),
+        (
+            "workers",
+            state["bindings"],
+            ["job_id", "cluster", "rank", "pool", "hardware", "node_ip", "node_id", "device_ids", "state"],
+        ),
+        ("endpoints", state["endpoints"], ["job_id", "cluster", "method", "url", "timeout_s", "retries"]),
+        (
+            "runs",
+            state.get("runs", []),
+            ["job_id", "attempt", "driver_pid", "started_at", "ended_at", "status", "cause"],
+        ),
+    ):
+        table = Table(title=title)
+        for c in cols:
+            table.add_column(c)
+        for r in rows:
+            table.add_row(*[str(r.get(c))[:16] if c == "node_id" else str(r.get(c)) for c in cols])
+        console.print(table)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print jobs, pools, worker bindings and endpoints: the Ray cluster's registry when ``RAY_ADDRESS`` is
+    set (every host's jobs), else the local metadata store (``--local`` forces the store)."""
+    address = os.environ.get("RAY_ADDRESS")
+    if address and not args.local and args.store is None:
+        state = _cluster_state(address, args.job)
+        where = f"Ray cluster: {address}"
+    else:
+        state, where = _local_state(args.store, args.job)
+    if args.json:
+        print(json.dumps(state, indent=2, default=str))
+        return 0
+    _print_tables(state, where)
+    return 0
+
+
+def add_status_parser(sub: Any) -> None:
+    status = sub.add_parser("status", help="pools, workers and endpoints from the metadata store")
+    status.add_argument(
+        "--store", default=None, help="metadata store file (default $ROLLART_METADATA_DB or ~/.rollart/metadata.sqlite)"
+    )
+    status.add_argument("--job", default=None, help="only this job id")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument(
+        "--local", action="store_true", help="read the local metadata store even when RAY_ADDRESS names a cluster"
+    )
+    status.set_defaults(func=cmd_status)
