@@ -41,7 +41,8 @@ from typing import Any
 
 from rollart.benchmarks.common import TinyCodec, write_report
 from rollart.engines.hardware import HARDWARE, profile_for
-from rollart.rollout.affinity import AutoAffinity, RoutingConfig
+from rollart.rollout.affinity import AutoAffinity
+from rollart.rollout.config import RoutingConfig
 
 log = logging.getLogger("rollart.bench")
 MODES = ("affinity", "reverse", "h800-only", "h20-only", "auto")
@@ -165,8 +166,9 @@ def _seeds(first: int) -> Callable[[int, int], int]:
 
 async def _batches(proxy: Any, args: argparse.Namespace, tasks: list[TaskShape]) -> dict[str, Any]:
     from rollart.engines.base import SamplingParams
+    from rollart.rollout.config import RolloutConfig
     from rollart.rollout.env_manager import EnvManager
-    from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
+    from rollart.rollout.scheduler import RolloutScheduler
 
     codec = TinyCodec()
     latencies: list[tuple[str, float]] = []

@@ -61,8 +61,9 @@ async def _batch_level(proxy: Any, envs: list[ScriptedLatencyEnv], codec: TinyCo
 
 
 async def _trajectory_level(proxy: Any, envs: list[ScriptedLatencyEnv], codec: TinyCodec) -> float:
+    from rollart.rollout.config import RolloutConfig
     from rollart.rollout.env_manager import EnvManager
-    from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
+    from rollart.rollout.scheduler import RolloutScheduler
 
     groups = [[EnvManager(e, proxy, codec)] for e in envs]
     cfg = RolloutConfig(num_env_groups=len(envs), group_size=1, batch_groups=len(envs), alpha=0)

@@ -208,8 +208,9 @@ def _summary(calls: list[tuple[str, bool, float]], op: str) -> dict[str, float]:
 async def _measure(args: argparse.Namespace, urls: list[str], shape: tuple[int, int]) -> dict[str, Any]:
     from rollart.cluster.serverless import RetryPolicy
     from rollart.envservice import RemoteEnv, ServerPool
-    from rollart.rollout.env_manager import EnvManager, EnvManagerConfig
-    from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
+    from rollart.rollout.config import EnvManagerConfig, RolloutConfig
+    from rollart.rollout.env_manager import EnvManager
+    from rollart.rollout.scheduler import RolloutScheduler
 
     env_name = "rollart.benchmarks.env_service:FaultyServiceEnv"
     pool = ServerPool("faulty", urls, retry=RetryPolicy(retries=4, backoff_base_s=0.02, backoff_max_s=0.5))

@@ -86,8 +86,9 @@ async def _batch_rollout(proxy: Any, args: argparse.Namespace, clock: ScaledCloc
 
 async def _queue(proxy: Any, args: argparse.Namespace, clock: ScaledClock, rng: Any, first_seed: int) -> float:
     from rollart.engines.base import SamplingParams
+    from rollart.rollout.config import RolloutConfig
     from rollart.rollout.env_manager import EnvManager
-    from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
+    from rollart.rollout.scheduler import RolloutScheduler
 
     codec = TinyCodec()
     n_groups = args.prompts + args.extra

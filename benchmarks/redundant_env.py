@@ -55,8 +55,9 @@ def _shape(text: str) -> tuple[int, int]:
 async def _collect(
     proxy: Any, args: argparse.Namespace, groups: int, size: int, rng: Any, clock: ScaledClock
 ) -> tuple[float, dict]:
-    from rollart.rollout.env_manager import EnvManager, EnvManagerConfig
-    from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
+    from rollart.rollout.config import EnvManagerConfig, RolloutConfig
+    from rollart.rollout.env_manager import EnvManager
+    from rollart.rollout.scheduler import RolloutScheduler
 
     mcfg = EnvManagerConfig(step_retries=0, step_timeout_s=args.timeout * clock.scale)
     codec = TinyCodec()

@@ -22,17 +22,13 @@ from pydantic import (
     model_validator,
 )
 
-from rollart.cluster.fault import FaultConfig
+from rollart.cluster.config import FaultConfig
 from rollart.data.config import DataTask, EvalConfig
 from rollart.engines.base import SamplingParams
 from rollart.plugins import checked as _plain
 from rollart.resource_manager.specs import parse_pools
-from rollart.rollout.affinity import RoutingConfig
-from rollart.rollout.engine_config import EngineConfig
-from rollart.rollout.env_manager import EnvManagerConfig
-from rollart.rollout.scheduler import RolloutConfig
-from rollart.training.config import RunningMeanConfig, TrainConfig
-from rollart.training.critic import CriticConfig
+from rollart.rollout.config import EngineConfig, EnvManagerConfig, RolloutConfig, RoutingConfig
+from rollart.training.config import CriticConfig, RunningMeanConfig, TrainConfig
 
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]  # rollart.tracking's backends
 
@@ -113,7 +109,7 @@ class EnvEntry(BaseModel):
         if self.kubernetes is not None and self.backend != "kubernetes":
             raise ValueError(f"kubernetes: a pod spec is set but backend is {self.backend!r}; set backend: kubernetes")
         if self.backend == "kubernetes":
-            from rollart.envservice.backends import kubernetes_problem
+            from rollart.envservice.config import kubernetes_problem
 
             problem = kubernetes_problem()
             if problem is not None:
@@ -568,7 +564,7 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
     data = [data] if isinstance(data, dict) else data
     if isinstance(envs, list) and isinstance(data, list) and not envs and not data:
         out.append("envs: no task to train on; add envs: [{name: reverse}] or data: {train: FILE.jsonl}")
-    from rollart.envservice.backends import env_service_problems
+    from rollart.envservice.config import env_service_problems
 
     out += env_service_problems(raw)
     rollout: Mapping[str, Any] = raw["rollout"] if isinstance(raw.get("rollout"), dict) else {}

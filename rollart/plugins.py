@@ -17,10 +17,7 @@ import sys
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from rollart.config import PipelineConfig
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -208,15 +205,16 @@ class PipelineLike(Protocol):
     """The entry points ``rollart run`` uses, which a ``pipeline: MODULE:CLASS`` must provide (a
     subclass of :class:`rollart.pipelines.agentic.AgenticPipeline` has them):
 
-    - ``Pipeline(config, *, resume=False, progress=True)`` builds it from the validated
-      :class:`~rollart.config.PipelineConfig` (clusters may start here);
+    - ``Pipeline(config, *, resume=False, progress=True)`` builds it from the validated config (a
+      :class:`~rollart.config.PipelineConfig`; this module sits below the config and names no type of
+      it) — clusters may start here;
     - ``run() -> list[dict]`` trains, returning one metrics record per step (``reward_mean`` read by
       the summary when present);
     - ``shutdown()`` releases what it started (called even when ``run`` raised);
     - ``metrics_path`` / ``plot_path`` (optional attributes) go into ``rollart run --json``'s summary.
     """
 
-    def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True) -> None: ...
+    def __init__(self, config: Any, *, resume: bool = False, progress: bool = True) -> None: ...
 
     def run(self) -> list[dict[str, Any]]: ...
 

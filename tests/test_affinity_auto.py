@@ -4,7 +4,8 @@ hardware rooflines, and when it keeps the @hw_mapping order."""
 import pytest
 
 from rollart.engines.hardware import profile_for
-from rollart.rollout.affinity import AutoAffinity, RoutingConfig, request_time_s
+from rollart.rollout.affinity import AutoAffinity, request_time_s
+from rollart.rollout.config import RoutingConfig
 
 BOTH = ("H800", "H20")
 

@@ -16,7 +16,8 @@ from rollart.config import ConfigError, PipelineConfig, load_config
 from rollart.data import DataTask, EpochSampler, EvalConfig, RoundSeeds, load_rows, pass_at_k, summarise
 from rollart.data.prompts import load_prompts
 from rollart.pipelines.data_tasks import DataTasks, eval_sets
-from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
+from rollart.rollout.config import RolloutConfig
+from rollart.rollout.scheduler import RolloutScheduler
 from rollart.rollout.types import Trajectory
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "level": a % 3} for a in range(4) for b in range(3)]

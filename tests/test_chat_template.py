@@ -14,7 +14,8 @@ from tokenizers import Tokenizer, decoders, models, trainers
 from transformers import PreTrainedTokenizerFast
 
 from rollart.rollout.chat import ChatFormat, ChatTemplateError, chat_format
-from rollart.rollout.env_manager import EnvManager, EnvManagerConfig, HFCodec
+from rollart.rollout.config import EnvManagerConfig
+from rollart.rollout.env_manager import EnvManager, HFCodec
 from rollart.rollout.types import GenerateOutput, GenerateRequest
 
 TEMPLATE = (

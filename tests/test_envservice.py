@@ -32,7 +32,8 @@ from rollart.envservice import (
 )
 from rollart.envservice.protocol import EnvOverrides
 from rollart.envservice.server import ThreadedServer, build_env_app
-from rollart.rollout.env_manager import EnvManager, EnvManagerConfig
+from rollart.rollout.config import EnvManagerConfig
+from rollart.rollout.env_manager import EnvManager
 from rollart.rollout.types import GenerateOutput, GenerateRequest
 
 ENVS = {"counting": "envservice_fixtures:CountingEnv", "slow": "envservice_fixtures:SlowEnv", "reverse": "reverse"}
@@ -273,7 +274,7 @@ def test_config_checks_the_backend_of_each_env():
     assert (cfg.envs[0].backend, cfg.envs[0].servers, cfg.envs[0].pool) == ("ray", 2, "env")
     with pytest.raises(ConfigError, match=r"envs\[0\]: kubernetes: a pod spec is set but backend is 'local'"):
         validate_config({**base, "envs": [{"name": "reverse", "kubernetes": {"image": "x"}}]})
-    from rollart.envservice.backends import kubernetes_problem
+    from rollart.envservice.config import kubernetes_problem
 
     if kubernetes_problem() is not None:  # until the Kubernetes backend is in this build: refused, saying so
         with pytest.raises(ConfigError, match=r"envs\[0\]: backend: kubernetes is not available"):

@@ -12,16 +12,18 @@ import ray
 from rollout_fixtures import CharCodec, CountEnv, simulated_cluster
 
 import rollart as ra
+from rollart.cluster.config import FaultConfig, RestartPolicy
 from rollart.cluster.errors import NoLiveWorkerError, WorkerDiedError
-from rollart.cluster.fault import FaultConfig, RestartBudget, RestartPolicy
+from rollart.cluster.fault import RestartBudget
 from rollart.config import ConfigError, load_config
 from rollart.engines.base import SamplingParams
+from rollart.rollout.config import RolloutConfig
 from rollart.rollout.env_manager import EnvManager
 from rollart.rollout.inference_worker import inference_worker_class
 from rollart.rollout.ledger import RoundLedger
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.sample_buffer import RolloutError
-from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
+from rollart.rollout.scheduler import RolloutScheduler
 from rollart.rollout.types import GenerateRequest
 
 pytestmark = pytest.mark.timeout(300)

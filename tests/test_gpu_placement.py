@@ -24,7 +24,7 @@ class GpuProbe(ra.Worker):
     def facts(self) -> dict:
         import ray
 
-        from rollart.training.placement import worker_device
+        from rollart.cluster.devices import worker_device
 
         dev = worker_device(self.device_ids)
         x = torch.ones(4, device=dev) * 2  # the device exists in this process

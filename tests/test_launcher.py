@@ -41,7 +41,7 @@ def run_local_driver(code: str, **env_extra: str) -> object:
 
 LOOPBACK_DRIVER = """
 import json, psutil, ray
-from rollart.cluster.net import node_ip
+from rollart.resource_manager.net import node_ip
 from rollart.resource_manager.launcher import ensure_ray
 ensure_ray({'H800': 1}, job_id='loopback-test')
 ours = [p for p in psutil.Process().children() if p.name() in ('gcs_server', 'raylet')]

@@ -145,7 +145,7 @@ def test_mooncake_channel_takes_protocol_and_devices():
 
 
 def test_interface_is_the_one_carrying_the_ip():
-    from rollart.cluster.net import interface_of
+    from rollart.resource_manager.net import interface_of
 
     assert interface_of("127.0.0.1") == "lo"
     with pytest.raises(ValueError, match="no interface of this host carries 192.0.2.77"):

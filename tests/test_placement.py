@@ -5,12 +5,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from rollart.training.placement import (
-    free_port,
-    interface_of,
-    worker_device,
-    worker_devices,
-)
+from rollart.cluster.devices import worker_device, worker_devices
+from rollart.resource_manager.net import free_port, interface_of
 
 Addr = namedtuple("Addr", "family address netmask broadcast ptp")
 IFACES = {

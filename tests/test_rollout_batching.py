@@ -11,7 +11,7 @@ import pytest
 import ray
 from rollout_fixtures import simulated_cluster
 
-from rollart.cluster.fault import RestartPolicy
+from rollart.cluster.config import RestartPolicy
 from rollart.engines.base import SamplingParams
 from rollart.rollout.batching import RequestFailedError
 from rollart.rollout.llm_proxy import LLMProxy

@@ -8,9 +8,10 @@ import pytest
 from rollout_fixtures import BrokenStepEnv, CharCodec, CountEnv, FlakyResetEnv, GatedEnv, simulated_cluster
 
 from rollart.engines.base import SamplingParams
-from rollart.rollout.env_manager import EnvManager, EnvManagerConfig
+from rollart.rollout.config import EnvManagerConfig, RolloutConfig
+from rollart.rollout.env_manager import EnvManager
 from rollart.rollout.llm_proxy import LLMProxy
-from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
+from rollart.rollout.scheduler import RolloutScheduler
 from rollart.rollout.types import GenerateRequest
 
 pytestmark = pytest.mark.timeout(300)

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from rollart.rollout.config import RolloutConfig
 from rollart.rollout.sample_buffer import Group
-from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
+from rollart.rollout.scheduler import RolloutScheduler
 from rollart.rollout.types import GroupId, Trajectory
 
 

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollart.rollout.config import RolloutConfig
 from rollart.rollout.quotas import ratio_problems, ratio_quotas
 from rollart.rollout.sample_buffer import Group, SampleBuffer, select_batch
-from rollart.rollout.scheduler import RolloutConfig, RolloutScheduler
+from rollart.rollout.scheduler import RolloutScheduler
 from rollart.rollout.types import GroupId, Trajectory
 
 # ---------------------------------------------------------------------------------------------- ratios

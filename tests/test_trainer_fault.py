@@ -128,7 +128,7 @@ def test_without_a_checkpoint_the_initial_weights_come_back_then_a_spent_policy_
 
 
 def test_remove_is_refused_for_trainer_roles(tmp_path):
-    from rollart.cluster.fault import FaultConfig
+    from rollart.cluster.config import FaultConfig
 
     with pytest.raises(ValueError, match=r"fault.critic.on_exhausted: 'remove' is not possible"):
         FaultConfig.model_validate({"critic": {"on_exhausted": "remove"}})

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 import rollart as ra
-from rollart.cluster.net import free_port
 from rollart.models import build_tiny
+from rollart.resource_manager.net import free_port
 from rollart.rollout.types import Trajectory
 from rollart.training import columns as C
-from rollart.training.critic import CriticConfig, CriticWorker, gae_batch
+from rollart.training.config import CriticConfig
+from rollart.training.critic import CriticWorker, gae_batch
 
 pytestmark = pytest.mark.timeout(300)
 

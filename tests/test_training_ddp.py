@@ -6,8 +6,8 @@ import torch
 from ray_helpers import kill_and_wait
 
 import rollart as ra
-from rollart.cluster.net import free_port
 from rollart.models import build_tiny
+from rollart.resource_manager.net import free_port
 from rollart.training import columns as C
 from rollart.training.placement import start_data_parallel
 from rollart.training.torch_strategy import TorchTrainWorker

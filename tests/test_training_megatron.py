@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 
 import rollart as ra
-from rollart.cluster.net import free_port
 from rollart.models import build_tiny
+from rollart.resource_manager.net import free_port
 from rollart.training import columns as C
 from rollart.training.megatron_strategy import (
     MegatronConfig,

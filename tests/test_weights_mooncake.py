@@ -382,7 +382,7 @@ async def test_a_torn_snapshot_is_refused_and_the_engine_keeps_serving_its_versi
 
 def test_unreachable_master_is_a_clear_error():
     _require_mooncake()
-    from rollart.cluster.net import free_port
+    from rollart.resource_manager.net import free_port
     from rollart.weights.mooncake_channel import MooncakeChannel, MooncakeStoreError
 
     channel = MooncakeChannel("nowhere", f"127.0.0.1:{free_port()}", segment_mb=8, timeout_s=1)

@@ -75,7 +75,7 @@ class ClusterRegistry:
 
     # writes (the MetadataStore's signatures) --------------------------------------------------------
     def record_job(self, job_id: str, ray_address: str | None) -> None:
-        from rollart.cluster.net import node_ip
+        from rollart.resource_manager.net import node_ip
 
         old = self._get(f"jobs/{job_id}") or {}  # an admitted job keeps its queue fields
         self._put(

@@ -21,30 +21,10 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from rollart.engines.hardware import HARDWARE, HardwareProfile, ModelShape, profile_for
+from rollart.rollout.config import RoutingConfig
 
 log = logging.getLogger(__name__)
-
-
-class RoutingConfig(BaseModel):
-    """``routing:`` in a pipeline config. ``auto: true`` turns automatic affinity on."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    auto: bool = False
-    """Reorder each task tag's hardware preference (`tags:`) by its measured prompt and answer lengths against
-    each hardware type's roofline; off: the static preference.
-    """
-    min_requests: int = Field(default=16, ge=1)
-    """Finished requests of a tag before its preference is reordered."""
-    batch: int = Field(default=32, ge=1)
-    """The running sequences a decode step is assumed to share (for the rooflines)."""
-    params: float = Field(default=ModelShape().params, gt=0)
-    """Parameters of the served model, for the rooflines (default: Qwen3-8B)."""
-    kv_bytes_per_token: float = Field(default=ModelShape().kv_bytes_per_token, gt=0)
-    """KV-cache bytes per token of the served model, for the rooflines (default: Qwen3-8B in BF16)."""
 
 
 @dataclass

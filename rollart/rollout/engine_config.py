@@ -5,9 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from rollart.engines.base import InferenceEngine
+from rollart.rollout.config import EngineConfig
 
 ENGINE_KINDS: dict[str, str] = {
     "torch": "rollart.engines.torch_engine:TorchEngine",
@@ -15,31 +14,6 @@ ENGINE_KINDS: dict[str, str] = {
     "sglang": "rollart.engines.sglang_engine:SGLangEngine",
     "simulated": "rollart.engines.simulated:SimulatedEngine",
 }
-
-
-class EngineConfig(BaseModel):
-    """``kind`` is one of ``torch`` (default), ``vllm``, ``sglang``, ``simulated`` or ``module:Class``;
-    ``model`` a Hugging Face folder (default: the built-in tiny model); ``options`` go to the engine;
-    ``batch_requests`` sends each worker the requests of one event-loop turn as one call.
-    The simulated engine's ``options.profile: auto`` takes the latency profile of the worker's own
-    hardware (``rollart.engines.hardware``: H800, H20), so each rollout pool runs at its device's speed."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    kind: str = "torch"
-    """The inference engine: `torch`, `vllm`, `sglang`, `simulated`, or your own as `MODULE:CLASS`."""
-    model: str | None = None
-    """A Hugging Face model folder for the engine; default: the pipeline's `model` (else the built-in tiny
-    model).
-    """
-    options: dict[str, Any] = Field(default_factory=dict)
-    """Engine options, passed to the engine (torch: `max_batch_size`, `prefix_sharing`; vllm: `EngineArgs`
-    fields; simulated: `profile`, ...).
-    """
-    batch_requests: bool = True
-    """Send each inference worker the requests of one event-loop turn as one streaming call (batched ADD); false:
-    one Ray call per request.
-    """
 
 
 LATENCY_OPTIONS = ("decode_base_s", "decode_per_seq_s", "prefill_per_token_s")

@@ -30,13 +30,12 @@ import time
 import uuid
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, Protocol
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Any, Protocol
 
 from rollart.cluster.errors import ClusterError
 from rollart.engines.base import SamplingParams
-from rollart.rollout.chat import ChatFormat, ChatTemplateError, chat_format, check_template_setting
+from rollart.rollout.chat import ChatFormat, ChatTemplateError, chat_format
+from rollart.rollout.config import EnvManagerConfig
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.types import GenerateRequest, Trajectory
 
@@ -79,42 +78,6 @@ class HFCodec:
         if key not in self._chat:
             self._chat[key] = chat_format(self.tokenizer, setting, observation_role)
         return self._chat[key]
-
-
-class EnvManagerConfig(BaseModel):
-    """Fault handling of one EnvManager."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    reset_retries: int = 3
-    """Retries of a failing env reset (with backoff)."""
-    reset_backoff_s: float = 0.05
-    """Backoff before the first reset retry, in seconds (doubles per retry)."""
-    reset_timeout_s: float = 60.0
-    """Timeout of one env reset, in seconds."""
-    step_retries: int = 1
-    """Retries of a failing env step before the trajectory ends as failed."""
-    step_timeout_s: float = 60.0
-    """Timeout of one env step, in seconds."""
-    max_steps: int | None = None
-    """Turns per episode; null: the env's own `max_steps`."""
-    chat_template: str = "auto"
-    """How prompts are written: `auto` (the tokenizer's chat template when it has one), `none` (the env's raw
-    text), a Jinja file path or an inline Jinja template.
-    """
-    observation_role: Literal["user", "tool"] = "user"
-    """The chat role of every observation after the first: `user` or `tool`."""
-    max_prompt_length: int | None = Field(default=None, ge=1)
-    """Bound on the first prompt, in tokens after rendering; null: no bound."""
-    truncation: Literal["left", "error"] = "left"
-    """A longer first prompt: keep its last `max_prompt_length` tokens (`left`), or fail the trajectory
-    (`error`).
-    """
-
-    @field_validator("chat_template")
-    @classmethod
-    def _template(cls, value: str) -> str:
-        return check_template_setting(value)
 
 
 async def _call_env(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:

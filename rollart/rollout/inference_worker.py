@@ -26,7 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import rollart as ra
+from rollart.cluster.batch import Batch
+from rollart.cluster.worker import Worker
+from rollart.decorators.hw_mapping import hw_mapping
+from rollart.decorators.register import register
+from rollart.decorators.specs import Dispatch
 from rollart.engines.base import EngineRequest, RequestOutput
 from rollart.rollout.engine_config import EngineConfig, build_engine
 from rollart.rollout.types import GenerateOutput, GenerateRequest
@@ -79,12 +83,12 @@ class RequestFailed:
     reason: str
 
 
-class InferenceWorker(ra.Worker):
+class InferenceWorker(Worker):
     """Serves ``generate`` calls routed by tag. Subclass with ``@hw_mapping`` on ``generate`` (or use
     :func:`inference_worker_class`) to choose the hardware per tag."""
 
     def __init__(self, engine: EngineConfig | dict[str, Any] | None = None):
-        from rollart.training.placement import worker_device
+        from rollart.cluster.devices import worker_device
 
         self.engine = build_engine(
             engine or EngineConfig(),
@@ -294,14 +298,14 @@ class InferenceWorker(ra.Worker):
             reqs.append(request.model_copy(update={"request_id": f"{request.request_id}#{i}", "sampling": sampling}))
         return list(await asyncio.gather(*(self.generate(r, tag_name) for r in reqs)))
 
-    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
-    async def generate_batch(self, batch: ra.Batch) -> list[GenerateOutput]:
+    @register(dispatch=Dispatch.DP_SPLIT)
+    async def generate_batch(self, batch: Batch) -> list[GenerateOutput]:
         """Batch-level generation (a ``Batch`` with a ``requests`` column): every request of this rank's
         share is added at once and the call returns when the last one finishes — the batched baseline
         the trajectory-level path is compared against."""
         return list(await asyncio.gather(*(self.generate(r, "*") for r in batch["requests"])))
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     async def abort(self, request_ids: Sequence[str]) -> int:
         """Abort these requests if they run here; their callers get the partial tokens."""
         return await self._command_abort(list(request_ids), preempt=False)
@@ -313,7 +317,7 @@ class InferenceWorker(ra.Worker):
         await self._commands.put(AbortCommand(tuple(rids), preempt, reply))
         return await reply
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     async def suspend(self) -> int:
         """Stop generating: in-flight requests return their partial tokens (preempted); new ones wait."""
         self._ensure_loop()
@@ -321,7 +325,7 @@ class InferenceWorker(ra.Worker):
         self._resumed.clear()
         return await self._command_abort(list(self._pending), preempt=True)
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     async def resume(self) -> int:
         """Serve again; returns the engine's weight version."""
         self._ensure_loop()
@@ -329,7 +333,7 @@ class InferenceWorker(ra.Worker):
         self._resumed.set()
         return self.engine.weight_version
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     async def update_weights(self, weights: Mapping[str, Any], version: int) -> int:
         """Load a full state dict as ``version`` between two steps (in-flight requests are preempted)."""
         self._ensure_loop()
@@ -338,7 +342,7 @@ class InferenceWorker(ra.Worker):
         await self._commands.put(UpdateCommand(weights, version, reply))
         return await reply
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     async def load_weights_from(self, channel: WeightChannel, version: int) -> int:
         """Fetch ``version`` from a weight channel while generation goes on, then swap it in between two
         engine steps (requests in flight are preempted and continue under it; their tokens keep the
@@ -346,7 +350,7 @@ class InferenceWorker(ra.Worker):
         weights = await asyncio.get_running_loop().run_in_executor(None, channel.fetch, version)
         return await self.update_weights(weights, version)
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     async def warm_channel(self, channel: WeightChannel) -> None:
         """Set up what ``channel`` needs on this worker's host (e.g. join its store) before the first
         weight update, so that update is not slower than the next ones."""
@@ -354,7 +358,7 @@ class InferenceWorker(ra.Worker):
         if warm is not None:
             await asyncio.get_running_loop().run_in_executor(None, warm)
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     async def retire_channel(self, name: str) -> None:
         """Weight channel ``name`` was replaced (a trainer restart): this worker reads nothing more of it
         (a load of it still in flight fails instead of making a new host cache)."""
@@ -362,7 +366,7 @@ class InferenceWorker(ra.Worker):
 
         retire_channel(name)
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     async def metrics(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
@@ -391,8 +395,8 @@ def inference_worker_class(
 
     generate.__doc__ = base.generate.__doc__
     generate_n.__doc__ = base.generate_n.__doc__
-    ra.hw_mapping(mapping)(generate)
-    ra.hw_mapping(mapping)(generate_n)
+    hw_mapping(mapping)(generate)
+    hw_mapping(mapping)(generate_n)
     return type(
         "InferenceWorker",
         (base,),

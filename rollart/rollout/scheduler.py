@@ -41,61 +41,13 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from rollart.rollout.config import RolloutConfig
 from rollart.rollout.env_manager import EnvManager
 from rollart.rollout.ledger import RoundLedger, trajectory_ledger
 from rollart.rollout.sample_buffer import Group, RolloutError, SampleBuffer
 from rollart.rollout.types import GroupId, Trajectory
 
 log = logging.getLogger(__name__)
-
-
-class RolloutConfig(BaseModel):
-    """``rollout:``: env groups, the training batch and the asynchronous bound."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    num_env_groups: int = 8
-    """Env groups playing at once (each plays one prompt `group_size` times); the tasks' `groups` add up to it."""
-    group_size: int = 8
-    """Trajectories per group (samples of one prompt)."""
-    group_keep: int | None = None
-    """Trajectories a group needs to complete (the rest are aborted: redundant rollouts); null: `group_size`."""
-    batch_groups: int = 8
-    """Groups per training batch (at most `num_env_groups`; more env groups than this are redundancy)."""
-    alpha: int = 0
-    """The asynchronous bound: a group begun under policy version v is trained on only while the current version
-    is at most v + alpha; 0 is synchronous.
-    """
-    filter_zero_variance: bool = False
-    """Drop groups whose rewards are all equal (no learning signal) and play more (dynamic filtering)."""
-    max_round_failures: int = 3
-    """A seed whose rounds fail this often is given up (and counted)."""
-    requeue_reward_failures: bool = True
-    """A failed reward replays its round; false: the trajectory alone is dropped (set from `reward.on_failure`)."""
-    seed_offset: int = 0
-    """Added to every env reset seed."""
-    max_consecutive_failed_rounds: int = Field(default=50, ge=1)
-    """Failed rounds in a row after which the rollout stops with the last error."""
-
-    @model_validator(mode="after")
-    def _check(self) -> RolloutConfig:
-        keep = self.group_keep if self.group_keep is not None else self.group_size
-        if not 1 <= keep <= self.group_size:
-            raise ValueError(f"rollout.group_keep={keep} must be between 1 and group_size={self.group_size}")
-        if self.batch_groups > self.num_env_groups:
-            raise ValueError(
-                f"rollout.batch_groups={self.batch_groups} exceeds num_env_groups={self.num_env_groups}; "
-                "raise num_env_groups (more groups than the batch needs is redundancy) or lower batch_groups"
-            )
-        if self.alpha < 0:
-            raise ValueError("rollout.alpha must be >= 0 (0 is synchronous training)")
-        return self
-
-    @property
-    def keep(self) -> int:
-        return self.group_keep if self.group_keep is not None else self.group_size
 
 
 class _Round:

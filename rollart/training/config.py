@@ -216,3 +216,80 @@ class RunningMeanConfig(BaseModel):
     """How many of the most recent rewards the baseline averages."""
     scope: Literal["prompt", "global"] = "prompt"
     """Whose rewards: the same prompt's (`prompt`) or every prompt's (`global`)."""
+
+
+SAO_PRESET: dict[str, Any] = {
+    "epochs": 2,  # K = 2 value updates per actor step
+    "freeze_attention": True,
+    "gamma": 1.0,
+    "length_adaptive_lambda": True,  # lambda_policy = 1 - 1 / (alpha * l)
+    "lambda_alpha": 1.5,
+    "critic_lambda": 1.0,  # lambda_critic = 1: the value targets are the Monte-Carlo returns
+    "warmup_steps": 10,
+}
+"""What ``preset: sao`` sets (seed 003 §4 "Implementation details"); a field given explicitly wins. The
+paper's critic learning rate (5e-6, for a 30B model) is not part of it: set ``lr`` for your model."""
+
+
+class CriticConfig(BaseModel):
+    """How the critic trains and how its values become advantages. ``model`` is a Hugging Face causal-LM
+    folder (default: the built-in tiny model); ``epochs`` is K, the value updates per actor step.
+
+    Lambdas: ``lam`` is the policy's GAE lambda (the advantages), or with ``length_adaptive_lambda``
+    ``1 - 1 / (lambda_alpha * l)`` per trajectory of ``l`` action tokens; ``critic_lambda`` is the lambda of
+    the critic's regression targets (the returns), ``None`` for the policy's. ``preset: sao`` fills in
+    :data:`SAO_PRESET` for every field the config does not give."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    preset: Literal["sao"] | None = None
+    """`sao` fills in the SAO recipe for every field not given."""
+    model: str | None = None
+    """A Hugging Face causal-LM folder for the critic; default: the built-in tiny model."""
+    lr: float = Field(default=1e-3, gt=0)
+    """The critic's AdamW learning rate."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear learning-rate warm-up, in actor steps."""
+    epochs: int = Field(default=2, ge=1)
+    """K: value updates per actor step."""
+    freeze_attention: bool = False
+    """Keep the self-attention weights at their pre-trained values."""
+    value_clip: float | None = 0.2
+    """Clip range of the value loss around the old values; null: no clipping."""
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount."""
+    lam: float = Field(default=0.95, ge=0, le=1)
+    """The policy's GAE lambda (the advantages)."""
+    length_adaptive_lambda: bool = False
+    """Per trajectory, lambda = 1 - 1/(`lambda_alpha` * l) for l action tokens."""
+    lambda_alpha: float = Field(default=0.05, gt=0)
+    """Alpha of the length-adaptive lambda."""
+    critic_lambda: float | None = Field(default=None, ge=0, le=1)
+    """Lambda of the critic's regression targets (the returns); null: the policy's."""
+    max_tokens_per_microbatch: int = Field(default=16384, gt=0)
+    """Token budget of one critic micro-batch."""
+    grad_clip: float | None = 1.0
+    """Clip the critic's gradient norm to this value; null: no clipping."""
+    seed: int = 0
+    """Seed of the critic's random state."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend of the critic's data-parallel group: `auto`, `gloo` or `nccl`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") is not None:
+            if data["preset"] != "sao":
+                raise ValueError(f"critic.preset={data['preset']!r}: the only preset is 'sao' (or leave it out)")
+            data = {**SAO_PRESET, **data}
+        return data
+
+    def gae_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`rollart.training.data.add_advantages` (``gae``) this config names."""
+        return {
+            "gamma": self.gamma,
+            "lam": self.lam,
+            "critic_lam": self.critic_lambda,
+            "length_adaptive": self.length_adaptive_lambda,
+            "alpha": self.lambda_alpha,
+        }

@@ -45,101 +45,27 @@ Seed 003 §3 gives two value-training designs, both here:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-import rollart as ra
 from rollart.cluster.batch import Batch
+from rollart.cluster.devices import worker_device
+from rollart.cluster.worker import Worker
+from rollart.decorators.register import register
+from rollart.decorators.specs import Dispatch
 from rollart.rollout.types import Trajectory
 from rollart.training import columns as C
 from rollart.training.accumulation import accumulate_step, global_sum, plan_share
 from rollart.training.checkpoint_io import load_checkpoint_file, save_checkpoint_file
+from rollart.training.config import CriticConfig
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
     DP_SPLIT_EVERY_RANK,
     DataParallelRank,
     join_data_parallel,
     model_path,
-    worker_device,
 )
-
-SAO_PRESET: dict[str, Any] = {
-    "epochs": 2,  # K = 2 value updates per actor step
-    "freeze_attention": True,
-    "gamma": 1.0,
-    "length_adaptive_lambda": True,  # lambda_policy = 1 - 1 / (alpha * l)
-    "lambda_alpha": 1.5,
-    "critic_lambda": 1.0,  # lambda_critic = 1: the value targets are the Monte-Carlo returns
-    "warmup_steps": 10,
-}
-"""What ``preset: sao`` sets (seed 003 §4 "Implementation details"); a field given explicitly wins. The
-paper's critic learning rate (5e-6, for a 30B model) is not part of it: set ``lr`` for your model."""
-
-
-class CriticConfig(BaseModel):
-    """How the critic trains and how its values become advantages. ``model`` is a Hugging Face causal-LM
-    folder (default: the built-in tiny model); ``epochs`` is K, the value updates per actor step.
-
-    Lambdas: ``lam`` is the policy's GAE lambda (the advantages), or with ``length_adaptive_lambda``
-    ``1 - 1 / (lambda_alpha * l)`` per trajectory of ``l`` action tokens; ``critic_lambda`` is the lambda of
-    the critic's regression targets (the returns), ``None`` for the policy's. ``preset: sao`` fills in
-    :data:`SAO_PRESET` for every field the config does not give."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    preset: Literal["sao"] | None = None
-    """`sao` fills in the SAO recipe for every field not given."""
-    model: str | None = None
-    """A Hugging Face causal-LM folder for the critic; default: the built-in tiny model."""
-    lr: float = Field(default=1e-3, gt=0)
-    """The critic's AdamW learning rate."""
-    warmup_steps: int = Field(default=0, ge=0)
-    """Linear learning-rate warm-up, in actor steps."""
-    epochs: int = Field(default=2, ge=1)
-    """K: value updates per actor step."""
-    freeze_attention: bool = False
-    """Keep the self-attention weights at their pre-trained values."""
-    value_clip: float | None = 0.2
-    """Clip range of the value loss around the old values; null: no clipping."""
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    """Discount."""
-    lam: float = Field(default=0.95, ge=0, le=1)
-    """The policy's GAE lambda (the advantages)."""
-    length_adaptive_lambda: bool = False
-    """Per trajectory, lambda = 1 - 1/(`lambda_alpha` * l) for l action tokens."""
-    lambda_alpha: float = Field(default=0.05, gt=0)
-    """Alpha of the length-adaptive lambda."""
-    critic_lambda: float | None = Field(default=None, ge=0, le=1)
-    """Lambda of the critic's regression targets (the returns); null: the policy's."""
-    max_tokens_per_microbatch: int = Field(default=16384, gt=0)
-    """Token budget of one critic micro-batch."""
-    grad_clip: float | None = 1.0
-    """Clip the critic's gradient norm to this value; null: no clipping."""
-    seed: int = 0
-    """Seed of the critic's random state."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend of the critic's data-parallel group: `auto`, `gloo` or `nccl`."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _apply_preset(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("preset") is not None:
-            if data["preset"] != "sao":
-                raise ValueError(f"critic.preset={data['preset']!r}: the only preset is 'sao' (or leave it out)")
-            data = {**SAO_PRESET, **data}
-        return data
-
-    def gae_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`rollart.training.data.add_advantages` (``gae``) this config names."""
-        return {
-            "gamma": self.gamma,
-            "lam": self.lam,
-            "critic_lam": self.critic_lambda,
-            "length_adaptive": self.length_adaptive_lambda,
-            "alpha": self.lambda_alpha,
-        }
 
 
 class ValueModel(torch.nn.Module):
@@ -158,7 +84,7 @@ class ValueModel(torch.nn.Module):
         return torch.nn.functional.pad(v[:, :-1], (1, 0))
 
 
-class CriticWorker(DataParallelRank, ra.Worker):
+class CriticWorker(DataParallelRank, Worker):
     """One data-parallel rank of the critic."""
 
     def __init__(self, config: CriticConfig | dict[str, Any] | None = None):
@@ -197,7 +123,7 @@ class CriticWorker(DataParallelRank, ra.Worker):
         return self.model(input_ids, attention_mask)
 
     # ------------------------------------------------------------------ set-up
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def setup_distributed(self, master_addr: str, master_port: int) -> str:
         """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the value model in DDP."""
         self.model, backend = join_data_parallel(
@@ -225,7 +151,7 @@ class CriticWorker(DataParallelRank, ra.Worker):
         return {k: v.to(self.device) for k, v in out.items()}
 
     # ------------------------------------------------------------------ values and training
-    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
+    @register(dispatch=Dispatch.DP_SPLIT)
     def compute_values(self, batch: Batch) -> list[list[float]]:
         """Per-token values of each row under the current weights, each row cut to its length."""
         lengths = [len(s) for s in batch[C.INPUT_IDS]]
@@ -238,7 +164,7 @@ class CriticWorker(DataParallelRank, ra.Worker):
                     out[i] = v[row, : lengths[i]].tolist()
         return out  # type: ignore[return-value]
 
-    @ra.register(dispatch=DP_SPLIT_EVERY_RANK)
+    @register(dispatch=DP_SPLIT_EVERY_RANK)
     def train_step(self, batch: Batch) -> dict[str, float] | None:
         """K (``epochs``) value updates on this rank's share of ``batch`` (``input_ids``, ``loss_mask``,
         ``values``: the values the batch was scored with, ``returns``); returns this rank's metrics.
@@ -332,7 +258,7 @@ class CriticWorker(DataParallelRank, ra.Worker):
         }
 
     # ------------------------------------------------------------------ checkpoints
-    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, step: int) -> str:
         """Value model, optimiser, warm-up schedule and step counters in one file (tensors, dicts, lists and
         numbers only: ``torch.load(weights_only=True)`` reads it). ``step`` is the pipeline step it
@@ -348,7 +274,7 @@ class CriticWorker(DataParallelRank, ra.Worker):
             path,
         )
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict[str, int]:
         """Restore :meth:`save_checkpoint`'s file on every rank; returns its ``step`` and ``steps``."""
         state = load_checkpoint_file(path, map_location=self.device)  # weights_only: no arbitrary unpickling
@@ -359,7 +285,7 @@ class CriticWorker(DataParallelRank, ra.Worker):
         return {"step": int(state["step"]), "steps": self.steps}
 
     # ------------------------------------------------------------------ inspection
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def param_checksum(self, kind: str = "all") -> float:
         """Sum of ``|w|`` (float64) over the parameters of ``kind``: ``all``, ``attention`` (names with
         ``self_attn``), ``mlp`` (names with ``mlp``) or ``head`` (the value head)."""
@@ -372,7 +298,7 @@ class CriticWorker(DataParallelRank, ra.Worker):
         with torch.no_grad():
             return float(sum(p.detach().double().abs().sum() for n, p in self.module.named_parameters() if keep(n)))
 
-    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.RANK_ZERO)
     def state_summary(self) -> dict[str, list[float]]:
         """Every parameter of rank 0 as a flat list, by name (for exact comparisons in tests; small models)."""
         return {n: p.detach().cpu().flatten().tolist() for n, p in self.module.named_parameters()}

@@ -73,7 +73,7 @@ def checkpoint_to_hf_state(path: str | os.PathLike[str], base_model: str | None 
     elif naming == "megatron":
         from transformers import AutoConfig
 
-        from rollart.training.megatron_strategy import megatron_to_hf
+        from rollart.training.megatron_weights import megatron_to_hf
 
         state = megatron_to_hf(
             {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, AutoConfig.from_pretrained(base)

@@ -1,9 +1,7 @@
 """What every training-side worker (actor, critic, reference) sets up the same way: its model folder,
 its device, and its data-parallel group (DDP over gloo on CPU, NCCL on GPU).
 
-Devices (Ray's documented semantics): inside an actor that Ray gave GPUs, ``CUDA_VISIBLE_DEVICES``
-lists exactly those GPUs, so the worker's devices are ``cuda:0 .. cuda:n-1`` whatever their physical
-ids (:func:`worker_device`, :func:`worker_devices`).
+Devices: :func:`rollart.cluster.devices.worker_device` (the same for inference workers).
 
 Rendezvous (multi-host): rank 0 finds its own node IP and a port free there
 (:meth:`DataParallelRank.rendezvous_address`); every rank joins ``tcp://<that IP>:<port>``; the gloo and
@@ -22,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -30,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from rollart.cluster.dispatch import RankCall, concat_results, split_batches
-from rollart.cluster.net import free_port, interface_of, node_ip
 from rollart.decorators.register import register
 from rollart.decorators.specs import Dispatch
+from rollart.resource_manager.net import free_port, interface_of, node_ip
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +42,6 @@ def model_path(path: str | None) -> str:
     from rollart.models import default_tiny_path
 
     return str(default_tiny_path())
-
-
-def worker_devices(device_ids: Sequence[int], cuda: bool | None = None) -> list[torch.device]:
-    """The worker's devices: ``cuda:0 .. cuda:n-1`` for its ``n`` GPUs (Ray made exactly them visible, so
-    their physical ids do not matter here), ``[cpu]`` without CUDA or without devices."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    if not cuda or not device_ids:
-        return [torch.device("cpu")]
-    return [torch.device("cuda", i) for i in range(len(device_ids))]
-
-
-def worker_device(device_ids: Sequence[int], cuda: bool | None = None) -> torch.device:
-    """The worker's main device: ``cuda:0`` when it has GPUs (see :func:`worker_devices`), else the CPU."""
-    return worker_devices(device_ids, cuda)[0]
 
 
 def set_socket_interface(ip: str) -> str:

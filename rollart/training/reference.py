@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import torch
 
-import rollart as ra
-from rollart.training.placement import model_path, worker_device
+from rollart.cluster.batch import Batch
+from rollart.cluster.devices import worker_device
+from rollart.cluster.worker import Worker
+from rollart.decorators.register import register
+from rollart.decorators.specs import Dispatch
+from rollart.training.placement import model_path
 from rollart.training.torch_strategy import batch_logprobs
 
 
-class ReferenceWorker(ra.Worker):
+class ReferenceWorker(Worker):
     """One data-parallel rank of the reference model; ``model`` defaults to the built-in tiny model."""
 
     def __init__(self, model: str | None = None, max_tokens_per_microbatch: int = 16384):
@@ -26,6 +30,6 @@ class ReferenceWorker(ra.Worker):
         self.model.requires_grad_(False)
         self.max_tokens = max_tokens_per_microbatch
 
-    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
-    def compute_logprobs(self, batch: ra.Batch) -> list[list[float]]:
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def compute_logprobs(self, batch: Batch) -> list[list[float]]:
         return batch_logprobs(self.model, batch, self.max_tokens, self.device)

@@ -15,8 +15,12 @@ from typing import Any
 
 import torch
 
-import rollart as ra
 from rollart.algorithms import aggregation_unit, loss_uses_proximal
+from rollart.cluster.batch import Batch
+from rollart.cluster.devices import worker_device
+from rollart.cluster.worker import Worker
+from rollart.decorators.register import register
+from rollart.decorators.specs import Dispatch
 from rollart.training import columns as C
 from rollart.training.accumulation import accumulate_step, global_sum, plan_share
 from rollart.training.checkpoint_io import load_checkpoint_any, save_checkpoint_dir
@@ -27,7 +31,6 @@ from rollart.training.placement import (
     DataParallelRank,
     join_data_parallel,
     model_path,
-    worker_device,
 )
 from rollart.training.shared_prefix import (
     SharedPrefixForward,
@@ -66,7 +69,7 @@ def _entropy_by_position(entropy: torch.Tensor, mask: torch.Tensor, sums: torch.
         counts.index_add_(0, k, torch.ones_like(k, dtype=torch.float64))
 
 
-def batch_logprobs(model: torch.nn.Module, batch: ra.Batch, max_tokens: int, device: torch.device) -> list[list[float]]:
+def batch_logprobs(model: torch.nn.Module, batch: Batch, max_tokens: int, device: torch.device) -> list[list[float]]:
     """``token_logprobs`` of every row of ``batch["input_ids"]``, micro-batched, each row cut to its length."""
     lengths = [len(s) for s in batch[C.INPUT_IDS]]
     out: list[list[float] | None] = [None] * len(lengths)
@@ -81,7 +84,7 @@ def batch_logprobs(model: torch.nn.Module, batch: ra.Batch, max_tokens: int, dev
     return out  # type: ignore[return-value]
 
 
-class TorchTrainWorker(DataParallelRank, ra.Worker):
+class TorchTrainWorker(DataParallelRank, Worker):
     """One data-parallel rank of the actor."""
 
     def __init__(self, config: TrainConfig | dict[str, Any] | None = None):
@@ -135,7 +138,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ set-up
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def setup_distributed(self, master_addr: str, master_port: int) -> str:
         """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the model in DDP."""
         self.model, backend = join_data_parallel(
@@ -152,7 +155,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
 
     # ------------------------------------------------------------------ training
     def _microbatch_tensors(
-        self, batch: ra.Batch, idx: list[int], prefix_lens: list[int] | None = None
+        self, batch: Batch, idx: list[int], prefix_lens: list[int] | None = None
     ) -> dict[str, torch.Tensor]:
         ids = [batch[C.INPUT_IDS][i] for i in idx]
         out = {
@@ -184,8 +187,8 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
             return True
         return cfg.ppo_epochs > 1 and (loss_uses_proximal(cfg.loss) or cfg.tis_cap is not None)
 
-    @ra.register(dispatch=DP_SPLIT_EVERY_RANK)
-    def train_step(self, batch: ra.Batch) -> dict[str, float] | None:
+    @register(dispatch=DP_SPLIT_EVERY_RANK)
+    def train_step(self, batch: Batch) -> dict[str, float] | None:
         """One policy update on this rank's share; returns this rank's metrics (``None`` for an empty
         share, which still takes part in the step's collectives: see ``rollart.training.placement``)."""
         from rollart.algorithms import kl_penalty, policy_loss
@@ -304,8 +307,8 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
                 out[f"entropy_pos{k}"] = float(pos_sum[k] / pos_count[k])
         return out
 
-    @ra.register(dispatch=ra.Dispatch.DP_SPLIT)
-    def compute_logprobs(self, batch: ra.Batch) -> list[list[float]]:
+    @register(dispatch=Dispatch.DP_SPLIT)
+    def compute_logprobs(self, batch: Batch) -> list[list[float]]:
         """Per-token logprobs of each row under the current weights."""
         with self.autocast():
             return batch_logprobs(self.module, batch, self.config.max_tokens_per_microbatch, self.device)
@@ -327,14 +330,14 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
             return "megatron"
         return "peft" if self.config.lora is not None else "hf"
 
-    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.RANK_ZERO)
     def export_hf(self, out: str) -> str:
         """Rank 0 writes the current policy as a Hugging Face folder (see ``rollart.training.export``)."""
         from rollart.training.export import export_hf
 
         return str(export_hf(self.cpu_state_dict(), model_path(self.config.model), out))
 
-    @ra.register(dispatch=ra.Dispatch.RANK_ZERO, by_ref=True)
+    @register(dispatch=Dispatch.RANK_ZERO, by_ref=True)
     def snapshot_weights(self) -> dict[str, torch.Tensor]:
         """Rank 0's weights (CPU, Hugging Face names). Through the Cluster the answer is an ObjectRef
         that the caller owns: the snapshot stays in the object store, inference workers load it from
@@ -343,7 +346,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         process for as long as it lives, measured on Ray 2.60.)"""
         return self.cpu_state_dict()
 
-    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.RANK_ZERO)
     def publish_to(self, channel: WeightChannel, wait: bool = True) -> int:
         """Rank 0 publishes its weights to a weight channel (Mooncake, torch.distributed) as its current
         version. With ``wait=False`` the snapshot is copied to CPU and written in the background while
@@ -366,7 +369,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
             return self.cpu_state_dict()
         return dict(self.module.state_dict())
 
-    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.RANK_ZERO)
     def wait_published(self) -> None:
         """Block until the last background publish is written; re-raise its error if it failed."""
         pending = getattr(self, "_publishing", None)
@@ -374,7 +377,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         if pending is not None:
             pending.result()
 
-    @ra.register(dispatch=ra.Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.RANK_ZERO)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """A checkpoint folder at ``path``: the module's weights in ``model.safetensors``; optimiser,
         scheduler, version and ``extra`` (e.g. consumed sample ids) in ``trainer.pt``; ``meta.json``
@@ -398,7 +401,7 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
             },
         )
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
         """Restore a checkpoint folder, or an earlier release's single ``last.pt`` file; neither is
         unpickled beyond tensors and plain containers."""
@@ -415,14 +418,14 @@ class TorchTrainWorker(DataParallelRank, ra.Worker):
         self.version = int(state["version"])
         return {"version": self.version, "extra": state.get("extra", {})}
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def set_version(self, version: int) -> int:
         """Label the current weights as policy ``version`` (after a restart reloaded a checkpoint, the
         reloaded weights go out under a version newer than any served before)."""
         self.version = int(version)
         return self.version
 
-    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def weight_checksum(self) -> float:
         """Sum of |w| over all parameters: equal across DDP ranks after every step."""
         with torch.no_grad():

@@ -49,7 +49,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rollart.cluster.net import interface_of, node_ip
+from rollart.resource_manager.net import interface_of, node_ip
 from rollart.weights.snapshot import state_checksum, verify
 
 logger = logging.getLogger(__name__)

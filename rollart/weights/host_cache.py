@@ -46,7 +46,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rollart.cluster.net import node_ip
+from rollart.resource_manager.net import node_ip
 from rollart.weights.base import WeightChannel
 from rollart.weights.snapshot import pack_state, unpack_state
 

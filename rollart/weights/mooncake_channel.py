@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from rollart.cluster.net import node_ip
+from rollart.resource_manager.net import node_ip
 from rollart.weights.mooncake_master import MooncakeUnavailable
 from rollart.weights.snapshot import (
     flat_checksum,

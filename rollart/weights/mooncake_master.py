@@ -18,7 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from rollart.cluster.net import free_port
+from rollart.resource_manager.net import free_port
 
 logger = logging.getLogger(__name__)
 

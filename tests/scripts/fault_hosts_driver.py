@@ -12,7 +12,7 @@ import json
 import sys
 
 import rollart as ra
-from rollart.cluster.fault import RestartPolicy
+from rollart.cluster.config import RestartPolicy
 from rollart.engines.base import SamplingParams
 from rollart.rollout.inference_worker import inference_worker_class
 from rollart.rollout.llm_proxy import LLMProxy

@@ -18,7 +18,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rollart.cluster.net import node_ip
+from rollart.resource_manager.net import node_ip
 from rollart.weights import HostSharedChannel
 from rollart.weights.host_cache import host_cache_stats
 from rollart.weights.mooncake_channel import MooncakeChannel

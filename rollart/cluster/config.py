@@ -1,0 +1,69 @@
+"""``fault:`` of a pipeline config (pydantic only): one :class:`RestartPolicy` per role
+(:class:`FaultConfig`); :mod:`rollart.cluster.fault` applies them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TRAINER_ROLES = ("train", "reference", "critic")
+
+
+class RestartPolicy(BaseModel):
+    """How often a role's dead workers are restarted, and what happens when that is spent."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    max_restarts: int = Field(default=2, ge=0)
+    """Restarts per worker (rank) within `window_s`."""
+    window_s: float = Field(default=300.0, gt=0)
+    """Restarts older than this many seconds no longer count."""
+    backoff_s: float = Field(default=1.0, ge=0)
+    """Seconds waited before each restart (doubles with each restart in the window)."""
+    on_exhausted: Literal["remove", "fail"] = "remove"
+    """When the restarts are spent: `remove` drops the worker from its pool, `fail` fails the job with the cause
+    (the only choice for train, reference and critic).
+    """
+
+
+class FaultConfig(BaseModel):
+    """``fault:`` — one restart policy per role (``inference``, ``train``, ``reference`` and ``critic`` are
+    enforced; ``env`` and ``reward`` are parsed only)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    inference: RestartPolicy = Field(default_factory=RestartPolicy)
+    """Restart policy of the inference workers."""
+    train: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_restarts=0, on_exhausted="fail"))
+    """Restart policy of the trainer ranks (a dead rank rebuilds every rank from the latest checkpoint)."""
+    reference: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_restarts=0, on_exhausted="fail"))
+    """Restart policy of the reference ranks."""
+    critic: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_restarts=0, on_exhausted="fail"))
+    """Restart policy of the critic ranks."""
+    env: RestartPolicy = Field(default_factory=RestartPolicy)
+    """Restart policy of env workers (parsed, not enforced: the EnvManager's retries handle env faults)."""
+    reward: RestartPolicy = Field(default_factory=RestartPolicy)
+    """Restart policy of reward workers (parsed, not enforced: the reward client's retries handle reward faults)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gang_roles_fail_by_default(cls, data: Any) -> Any:
+        """``train: {max_restarts: 1}`` keeps ``on_exhausted: fail`` (the only choice for those roles)."""
+        if isinstance(data, dict):
+            data = dict(data)
+            for role in TRAINER_ROLES:
+                given = data.get(role)
+                if isinstance(given, dict) and "on_exhausted" not in given:
+                    data[role] = {**given, "on_exhausted": "fail"}
+        return data
+
+    @model_validator(mode="after")
+    def _gang_roles_cannot_shrink(self) -> FaultConfig:
+        for role in TRAINER_ROLES:
+            if getattr(self, role).on_exhausted == "remove":
+                raise ValueError(
+                    f"fault.{role}.on_exhausted: 'remove' is not possible for {role} (a data-parallel group "
+                    "cannot go on without one of its ranks); use 'fail'"
+                )
+        return self

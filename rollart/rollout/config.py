@@ -1,0 +1,139 @@
+"""The rollout sections of a pipeline config (pydantic only): ``rollout:`` (:class:`RolloutConfig`),
+``env_manager:`` (:class:`EnvManagerConfig`), ``routing:`` (:class:`RoutingConfig`) and ``engine:``
+(:class:`EngineConfig`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rollart.engines.hardware import ModelShape
+from rollart.rollout.chat import check_template_setting
+
+
+class RolloutConfig(BaseModel):
+    """``rollout:``: env groups, the training batch and the asynchronous bound."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    num_env_groups: int = 8
+    """Env groups playing at once (each plays one prompt `group_size` times); the tasks' `groups` add up to it."""
+    group_size: int = 8
+    """Trajectories per group (samples of one prompt)."""
+    group_keep: int | None = None
+    """Trajectories a group needs to complete (the rest are aborted: redundant rollouts); null: `group_size`."""
+    batch_groups: int = 8
+    """Groups per training batch (at most `num_env_groups`; more env groups than this are redundancy)."""
+    alpha: int = 0
+    """The asynchronous bound: a group begun under policy version v is trained on only while the current version
+    is at most v + alpha; 0 is synchronous.
+    """
+    filter_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (no learning signal) and play more (dynamic filtering)."""
+    max_round_failures: int = 3
+    """A seed whose rounds fail this often is given up (and counted)."""
+    requeue_reward_failures: bool = True
+    """A failed reward replays its round; false: the trajectory alone is dropped (set from `reward.on_failure`)."""
+    seed_offset: int = 0
+    """Added to every env reset seed."""
+    max_consecutive_failed_rounds: int = Field(default=50, ge=1)
+    """Failed rounds in a row after which the rollout stops with the last error."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutConfig:
+        keep = self.group_keep if self.group_keep is not None else self.group_size
+        if not 1 <= keep <= self.group_size:
+            raise ValueError(f"rollout.group_keep={keep} must be between 1 and group_size={self.group_size}")
+        if self.batch_groups > self.num_env_groups:
+            raise ValueError(
+                f"rollout.batch_groups={self.batch_groups} exceeds num_env_groups={self.num_env_groups}; "
+                "raise num_env_groups (more groups than the batch needs is redundancy) or lower batch_groups"
+            )
+        if self.alpha < 0:
+            raise ValueError("rollout.alpha must be >= 0 (0 is synchronous training)")
+        return self
+
+    @property
+    def keep(self) -> int:
+        return self.group_keep if self.group_keep is not None else self.group_size
+
+
+class EnvManagerConfig(BaseModel):
+    """Fault handling of one EnvManager."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    reset_retries: int = 3
+    """Retries of a failing env reset (with backoff)."""
+    reset_backoff_s: float = 0.05
+    """Backoff before the first reset retry, in seconds (doubles per retry)."""
+    reset_timeout_s: float = 60.0
+    """Timeout of one env reset, in seconds."""
+    step_retries: int = 1
+    """Retries of a failing env step before the trajectory ends as failed."""
+    step_timeout_s: float = 60.0
+    """Timeout of one env step, in seconds."""
+    max_steps: int | None = None
+    """Turns per episode; null: the env's own `max_steps`."""
+    chat_template: str = "auto"
+    """How prompts are written: `auto` (the tokenizer's chat template when it has one), `none` (the env's raw
+    text), a Jinja file path or an inline Jinja template.
+    """
+    observation_role: Literal["user", "tool"] = "user"
+    """The chat role of every observation after the first: `user` or `tool`."""
+    max_prompt_length: int | None = Field(default=None, ge=1)
+    """Bound on the first prompt, in tokens after rendering; null: no bound."""
+    truncation: Literal["left", "error"] = "left"
+    """A longer first prompt: keep its last `max_prompt_length` tokens (`left`), or fail the trajectory
+    (`error`).
+    """
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        return check_template_setting(value)
+
+
+class RoutingConfig(BaseModel):
+    """``routing:`` in a pipeline config. ``auto: true`` turns automatic affinity on."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    auto: bool = False
+    """Reorder each task tag's hardware preference (`tags:`) by its measured prompt and answer lengths against
+    each hardware type's roofline; off: the static preference.
+    """
+    min_requests: int = Field(default=16, ge=1)
+    """Finished requests of a tag before its preference is reordered."""
+    batch: int = Field(default=32, ge=1)
+    """The running sequences a decode step is assumed to share (for the rooflines)."""
+    params: float = Field(default=ModelShape().params, gt=0)
+    """Parameters of the served model, for the rooflines (default: Qwen3-8B)."""
+    kv_bytes_per_token: float = Field(default=ModelShape().kv_bytes_per_token, gt=0)
+    """KV-cache bytes per token of the served model, for the rooflines (default: Qwen3-8B in BF16)."""
+
+
+class EngineConfig(BaseModel):
+    """``kind`` is one of ``torch`` (default), ``vllm``, ``sglang``, ``simulated`` or ``module:Class``;
+    ``model`` a Hugging Face folder (default: the built-in tiny model); ``options`` go to the engine;
+    ``batch_requests`` sends each worker the requests of one event-loop turn as one call.
+    The simulated engine's ``options.profile: auto`` takes the latency profile of the worker's own
+    hardware (``rollart.engines.hardware``: H800, H20), so each rollout pool runs at its device's speed."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    kind: str = "torch"
+    """The inference engine: `torch`, `vllm`, `sglang`, `simulated`, or your own as `MODULE:CLASS`."""
+    model: str | None = None
+    """A Hugging Face model folder for the engine; default: the pipeline's `model` (else the built-in tiny
+    model).
+    """
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Engine options, passed to the engine (torch: `max_batch_size`, `prefix_sharing`; vllm: `EngineArgs`
+    fields; simulated: `profile`, ...).
+    """
+    batch_requests: bool = True
+    """Send each inference worker the requests of one event-loop turn as one streaming call (batched ADD); false:
+    one Ray call per request.
+    """
