@@ -7,10 +7,14 @@ function with a bug, and ``test_solution.py`` holding the tests it must pass. Th
   ``solution.py`` (the tests are read-only: writing any other file is refused);
 * ``<run/>`` -- run the tests; a step may write and then run (``<write ...>...</write><run/>``).
 
-The tests run in :func:`rollart.reward.sandbox.run_python`: a child process with CPU, memory, file size
-and process limits and a wall-clock timeout, and with bubblewrap (where installed) no network but its
-own loopback and no view of the server's files. A solution that loops forever, allocates without end or
-opens a socket fails its tests; it never takes the env server down.
+The tests run in :func:`rollart.reward.sandbox.run_python`: bubblewrap namespaces (no network but its
+own loopback, no view of the server's files or processes), a uid of its own, CPU, memory, disk and
+process limits and a wall-clock timeout. ``timeout_s`` and ``memory_mb`` may only lower the server's
+sandbox limits. Without an isolation layer the env refuses to start unless the operator opted in
+(``--unsafe-no-sandbox``). A solution that loops forever, allocates without end or opens a socket
+fails its tests; it never takes the env server down. The test report is a line carrying a secret of the
+run and the names of the tests of ``test_solution.py``: a solution that prints a report of its own
+gets no reward for it.
 
 Rewards: a step that runs the tests earns the fraction of tests that pass (1.0 when all do, which ends
 the episode, *terminated*); a step that only writes earns 0; an action with neither tag, or a write to
@@ -20,14 +24,17 @@ after a run is the test report (names of failing tests and their first error lin
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import random
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from rollart.envs.base import StepResult, TextEnv, check_positive, register_env
-from rollart.reward.sandbox import run_python
+from rollart.reward.sandbox import check, limits, run_python
 
 EDITABLE = "solution.py"
 TESTS = "test_solution.py"
@@ -73,10 +80,13 @@ TASKS: tuple[CodeTask, ...] = (
     ),
 )
 
-# Runs in the sandbox: writes the workspace into its working directory, imports the tests, calls every
-# ``test_*`` function and prints one JSON line with the results.
+# Runs in the sandbox: reads the run's secret from stdin (first, before anything of the workspace runs),
+# writes the workspace into its working directory, imports the tests, calls every ``test_*`` function and
+# prints one line ``RESULTS <secret> <json>``. A solution that prints a results line of its own does not
+# know the secret; the env also checks that the results name exactly the tests of ``test_solution.py``.
 _RUNNER = r"""
-import json, sys, traceback
+import json, sys
+nonce = sys.stdin.readline().strip()
 files = json.loads(%(files)r)
 for name, text in files.items():
     with open(name, "w") as f:
@@ -86,7 +96,7 @@ results = {}
 try:
     import test_solution as t
 except BaseException as e:
-    print("RESULTS " + json.dumps({"error": "cannot import the tests: " + repr(e)[:300]}))
+    print("RESULTS " + nonce + " " + json.dumps({"error": "cannot import the tests: " + repr(e)[:300]}))
     raise SystemExit(0)
 for name in sorted(n for n in dir(t) if n.startswith("test_") and callable(getattr(t, n))):
     try:
@@ -94,8 +104,18 @@ for name in sorted(n for n in dir(t) if n.startswith("test_") and callable(getat
         results[name] = None
     except BaseException as e:
         results[name] = (type(e).__name__ + ": " + str(e))[:200]
-print("RESULTS " + json.dumps({"results": results}))
+print("RESULTS " + nonce + " " + json.dumps({"results": results}))
 """
+
+
+def expected_tests(tests: str) -> set[str]:
+    """The ``test_*`` functions ``tests`` defines at module level (what the runner must report on)."""
+    return {
+        node.name
+        for node in ast.parse(tests).body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")
+    }
+
 
 _WRITE = re.compile(r"<write\s+file=\"([^\"]+)\"\s*>\n?(.*?)</write>", re.S)
 _RUN = re.compile(r"<run\s*/>")
@@ -106,6 +126,7 @@ class CodeSandboxEnv(TextEnv):
     """Fix ``solution.py`` so that ``test_solution.py`` passes (see the module docstring)."""
 
     tag: ClassVar[str] = "code_sandbox"
+    needs_sandbox: ClassVar[bool] = True  # env servers check the isolation layer at start-up
     instructions: ClassVar[str] = (
         'Fix the bug in solution.py. Replace its content with <write file="solution.py">...</write> and run the '
         "tests with <run/> (both may be in one action). Reward: the fraction of tests passing."
@@ -120,8 +141,14 @@ class CodeSandboxEnv(TextEnv):
         max_new_tokens: int = 256,
     ) -> None:
         check_positive("code_sandbox", max_steps=max_steps, memory_mb=memory_mb, max_new_tokens=max_new_tokens)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s):
+            raise ValueError(f"code_sandbox: timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
         if timeout_s <= 0:
             raise ValueError(f"code_sandbox: timeout_s must be > 0, got {timeout_s!r}")
+        check()  # no isolation layer (and no --unsafe-no-sandbox): refuse now, before any code runs
+        # the server's sandbox limits bound these (a session's kwargs may only lower them)
+        lim = limits().lowered("code_sandbox.", timeout_s=timeout_s, memory_mb=memory_mb)
+        timeout_s, memory_mb = lim.timeout_s, lim.memory_mb
         self.max_steps = max_steps
         self.max_new_tokens = max_new_tokens
         self.timeout_s = timeout_s
@@ -144,17 +171,27 @@ class CodeSandboxEnv(TextEnv):
     def run_tests(self) -> tuple[int, int, str]:
         """Run the workspace's tests in the sandbox: ``(passed, total, report)``."""
         code = _RUNNER % {"files": json.dumps(self.files)}
-        res = run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_output_bytes=100_000)
-        line = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("RESULTS ")), None)
+        nonce = secrets.token_hex(16)
+        res = run_python(
+            code, nonce + "\n", timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_output_bytes=100_000
+        )
+        mark = f"RESULTS {nonce} "
+        line = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith(mark)), None)
         if res.timed_out or line is None:
             why = "timed out" if res.timed_out else f"exited with {res.returncode} ({res.killed_by or 'no result'})"
             return 0, 1, f"tests {why}\n{res.stderr[-500:]}"
-        data = json.loads(line[len("RESULTS ") :])
-        if "error" in data:
-            return 0, 1, data["error"]
-        results: dict[str, str | None] = data["results"]
+        try:
+            data = json.loads(line[len(mark) :])
+        except ValueError:
+            return 0, 1, "tests: unreadable results"
+        if not isinstance(data, dict) or "error" in data:
+            return 0, 1, str(data.get("error") if isinstance(data, dict) else data)
+        results = data.get("results")
+        expected = expected_tests(self.files[TESTS])
+        if not isinstance(results, dict) or set(results) != expected:
+            return 0, max(1, len(expected)), f"tests: the results do not name the tests of {TESTS}"
         passed = sum(err is None for err in results.values())
-        lines = [f"{name}: {'ok' if err is None else 'FAIL ' + err}" for name, err in results.items()]
+        lines = [f"{name}: {'ok' if err is None else 'FAIL ' + str(err)}" for name, err in results.items()]
         return passed, max(1, len(results)), f"{passed}/{len(results)} tests passed\n" + "\n".join(lines)
 
     def step(self, action: str) -> StepResult:
