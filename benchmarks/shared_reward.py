@@ -134,16 +134,20 @@ def _driver(config_json: str) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def _scrape(urls: list[str], wait_s: float) -> None:
-    """Inside the head host: wait until every service answers, print ``RESULT`` with their metrics."""
+def _scrape(services: list[list[str]], wait_s: float) -> None:
+    """Inside the head host: wait until every service (``[url, token variable]``) answers, print
+    ``RESULT`` with their metrics (``/metrics`` of a service with tokens needs one)."""
+    import os
+
     import httpx
 
     end = time.monotonic() + wait_s
     out = {}
-    for url in urls:
+    for url, token_env in services:
         while True:
             try:
-                out[url] = httpx.get(url + "/metrics", timeout=5).text
+                headers = {"Authorization": f"Bearer {os.environ[token_env]}"}
+                out[url] = httpx.get(url + "/metrics", headers=headers, timeout=5).raise_for_status().text
                 break
             except httpx.TransportError:
                 if time.monotonic() > end:
@@ -190,8 +194,9 @@ def _run_mode(cluster: Any, args: argparse.Namespace, mode: str, workdir: Path) 
                 )
             )
             urls.append(f"http://127.0.0.1:{port}")
-        scrape = [sys.executable, "-m", MODULE, "--scrape", json.dumps(urls)]
-        cluster.run(cluster.head, scrape, timeout=120).check()  # every service is up
+        readers = [[u, f"REWARD_TOKEN_{tenants[0 if n_services == 1 else s].upper()}"] for s, u in enumerate(urls)]
+        scrape = [sys.executable, "-m", MODULE, "--scrape", json.dumps(readers)]
+        cluster.run(cluster.head, scrape, env=env_tokens, timeout=120).check()  # every service is up
         drivers = []
         for j, tenant in enumerate(tenants):
             url = urls[0 if n_services == 1 else j] + "/rewards/verify"
@@ -215,7 +220,7 @@ def _run_mode(cluster: Any, args: argparse.Namespace, mode: str, workdir: Path) 
             if proc.returncode != 0 or not lines:
                 raise RuntimeError(f"a {mode} job failed (rc {proc.returncode}):\n{out[-3000:]}\n{err[-5000:]}")
             results.append(json.loads(lines[-1][len("RESULT ") :]))
-        scraped = cluster.run(cluster.head, scrape, timeout=120).check().result
+        scraped = cluster.run(cluster.head, scrape, env=env_tokens, timeout=120).check().result
         assert isinstance(scraped, dict)
     finally:
         for proc in services:
@@ -294,7 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="internal entry points of the shared-reward bench")
     p.add_argument("--driver", help="a job's pipeline config as JSON")
-    p.add_argument("--scrape", help="JSON list of service URLs")
+    p.add_argument("--scrape", help="JSON list of [service URL, variable holding a token of it]")
     p.add_argument("--wait-s", type=float, default=90.0)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -28,12 +28,12 @@ def app(**kw):
 
 
 def test_token_401_then_200(monkeypatch):
-    monkeypatch.setenv("RW_TOKEN", "t0ken")
+    monkeypatch.setenv("RW_TOKEN", "t0ken-0123456789abc")
     with ThreadServer(app(token_env="RW_TOKEN")) as srv:
         assert httpx.post(srv.url("/rewards/length"), json=TRAJ).status_code == 401
         wrong = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
-        ok = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"Authorization": "Bearer t0ken"})
+        ok = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"Authorization": "Bearer t0ken-0123456789abc"})
         assert ok.status_code == 200 and ok.json()["result"] == [0.3, 1.0]
         assert httpx.get(srv.url("/healthz")).json()["functions"] == ["broken", "exact_match", "gated", "length"]
 
@@ -141,9 +141,10 @@ def test_tenant_labels_are_bounded_and_validated():
 
 
 def test_openapi_declares_the_bearer_scheme_and_401_still_holds(monkeypatch):
-    monkeypatch.setenv("RW_TOKEN", "t0ken")
+    monkeypatch.setenv("RW_TOKEN", "t0ken-0123456789abc")
     with ThreadServer(app(token_env="RW_TOKEN")) as srv:
-        spec = httpx.get(srv.url("/openapi.json")).json()
+        auth = {"Authorization": "Bearer t0ken-0123456789abc"}
+        spec = httpx.get(srv.url("/openapi.json"), headers=auth).json()
         assert spec["components"]["securitySchemes"]["HTTPBearer"] == {
             "type": "http",
             "scheme": "bearer",
@@ -153,11 +154,13 @@ def test_openapi_declares_the_bearer_scheme_and_401_still_holds(monkeypatch):
         # unauthenticated: 401 before the body is looked at (a schema error stays hidden)
         r = httpx.post(srv.url("/rewards/length"), json={"nonsense": 1})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        r = httpx.post(srv.url("/rewards/length"), json={"nonsense": 1}, headers={"Authorization": "Basic t0ken"})
+        r = httpx.post(
+            srv.url("/rewards/length"), json={"nonsense": 1}, headers={"Authorization": "Basic t0ken-0123456789abc"}
+        )
         assert r.status_code == 401
-        ok = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"Authorization": "Bearer t0ken"})
+        ok = httpx.post(srv.url("/rewards/length"), json=TRAJ, headers={"Authorization": "Bearer t0ken-0123456789abc"})
         assert ok.status_code == 200
-        metrics = httpx.get(srv.url("/metrics")).text
+        metrics = httpx.get(srv.url("/metrics"), headers=auth).text
         assert 'rollart_reward_requests_total{function="length",status="401",tenant="unauthenticated"} 2.0' in metrics
     with ThreadServer(app()) as srv:  # no token: no scheme advertised
         assert "securitySchemes" not in httpx.get(srv.url("/openapi.json")).json().get("components", {})
@@ -284,7 +287,7 @@ def test_workers_serve_from_separate_processes_with_the_same_settings():
     port = free_port()
     env = dict(
         os.environ,
-        REWARD_TOKEN="s3cret",
+        REWARD_TOKEN="s3cret-0123456789abcdef",
         PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
     )
     proc = start_reward_server(
@@ -305,7 +308,7 @@ def test_workers_serve_from_separate_processes_with_the_same_settings():
         assert len(workers) == 2
         url = f"http://127.0.0.1:{port}/rewards"
         assert httpx.post(f"{url}/pid", json=TRAJ).status_code == 401  # the token reached the workers
-        auth = {"Authorization": "Bearer s3cret"}
+        auth = {"Authorization": "Bearer s3cret-0123456789abcdef"}
         for _ in range(8):  # a fresh connection each time: any worker may accept it
             r = httpx.post(f"{url}/pid", json=TRAJ, headers=auth)
             assert r.status_code == 200

@@ -73,9 +73,9 @@ def test_the_token_names_the_tenant_and_the_cache_is_per_tenant(tenants_file):
         b = httpx.post(url, json=other, headers=bearer("token-of-tenant-b-4567", **{"Idempotency-Key": "k"}))
         assert b.status_code == 200 and b.json()["result"] == [1.0] and CALLS["count"] == before + 1
         # A's retry with that key is answered from A's cache entry, not recomputed
-        again = httpx.post(url, json=other, headers=bearer("token-of-tenant-a-0123", **{"Idempotency-Key": "k"}))
+        again = httpx.post(url, json=one, headers=bearer("token-of-tenant-a-0123", **{"Idempotency-Key": "k"}))
         assert again.json()["result"] == [0.3] and CALLS["count"] == before + 1
-        text = httpx.get(srv.url("/metrics")).text
+        text = httpx.get(srv.url("/metrics"), headers=bearer("token-of-tenant-a-0123")).text
         assert metric(text, 'rollart_reward_trajectories_total{function="length",tenant="job-a"}') == 1.0
         assert metric(text, 'rollart_reward_trajectories_total{function="length",tenant="job-b"}') == 1.0
         assert metric(text, 'rollart_reward_requests_total{function="length",status="403",tenant="job-a"}') == 1.0
@@ -97,7 +97,7 @@ def test_a_flooding_tenant_gets_429_and_the_others_are_served(tenants_file):
                 )
                 while (
                     'rollart_reward_tenant_in_flight{tenant="job-a"} 1.0'
-                    not in (await http.get(srv.url("/metrics"))).text
+                    not in (await http.get(srv.url("/metrics"), headers=a)).text
                 ):
                     await asyncio.sleep(0.01)
                 over = await http.post(
@@ -122,13 +122,13 @@ def test_a_flooding_tenant_gets_429_and_the_others_are_served(tenants_file):
                 scoring = asyncio.ensure_future(client.score({"response": "abcd"}))
                 text = ""
                 while metric(text, 'rollart_reward_requests_total{function="length",status="429",tenant="job-a"}') < 2:
-                    text = (await http.get(srv.url("/metrics"))).text
+                    text = (await http.get(srv.url("/metrics"), headers=a)).text
                     await asyncio.sleep(0.01)
                 GATE.set()
                 assert (await first).status_code == 200
                 assert await scoring == 0.4
                 await client.aclose()
-                text = (await http.get(srv.url("/metrics"))).text
+                text = (await http.get(srv.url("/metrics"), headers=a)).text
                 assert metric(text, 'rollart_reward_requests_total{function="length",status="429",tenant="job-b"}') == 0
                 assert metric(text, 'rollart_reward_requests_total{function="length",status="200",tenant="job-b"}') == 3
                 assert metric(text, 'rollart_reward_requests_total{function="length",status="200",tenant="job-a"}') == 1
@@ -188,7 +188,7 @@ def test_the_documented_shared_service_commands_run_as_written(tmp_path):
         ok = httpx.post(url, json=body, headers=bearer("a" * 32))
         assert ok.status_code == 200 and len(ok.json()["result"]) == 1
         assert httpx.post(url, json=body, headers=bearer("c" * 32)).status_code == 401
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=bearer("a" * 32)).text
         assert metric(text, 'rollart_reward_requests_total{function="reverse",status="200",tenant="job-a"}') == 1
         assert metric(text, "rollart_reward_slots") == 16
     finally:

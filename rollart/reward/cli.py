@@ -1,5 +1,10 @@
-"""``rollart serve rewards MODULE:FUNC [...] --host 127.0.0.1 --port 8100 [--token-env VAR | --tenants FILE]
-[--tenant-max-concurrency N] [--slots N] [--workers N] [--ray-serve]``."""
+r"""``rollart serve rewards MODULE:FUNC [...] --host 127.0.0.1 --port 8100 [--token-env VAR | --tenants FILE]
+[--tenant-max-concurrency N] [--slots N] [--workers N] [--ray-serve] [--sandbox-timeout-s S ...]
+[--unsafe-no-sandbox]``.
+
+Once the app is built, the token variables (``--token-env``, the tenants file's ``token_env``\ s and
+``$ROLLART_JUDGE_TOKEN``) are removed from the server's environment (:func:`rollart.http_guard.forget_env_secrets`):
+nothing the server starts inherits them."""
 
 from __future__ import annotations
 
@@ -11,18 +16,74 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def add_sandbox_arguments(p: argparse.ArgumentParser) -> None:
+    """The code sandbox's limits and the opt-in to run code without isolation (``serve rewards|env``)."""
+    from rollart.reward.sandbox import SandboxLimits
+
+    d = SandboxLimits()
+    p.add_argument(
+        "--sandbox-timeout-s", type=float, default=d.timeout_s, help="code sandbox: most wall seconds per run"
+    )
+    p.add_argument("--sandbox-memory-mb", type=int, default=d.memory_mb, help="code sandbox: most MB per process")
+    p.add_argument("--sandbox-processes", type=int, default=d.max_processes, help="code sandbox: most processes")
+    p.add_argument("--sandbox-disk-mb", type=int, default=d.disk_mb, help="code sandbox: most MB written in all")
+    p.add_argument(
+        "--unsafe-no-sandbox",
+        action="store_true",
+        help="run untrusted code WITHOUT isolation when bubblewrap is not usable (it can read this "
+        "server's files and reach the network); without it, code is refused",
+    )
+
+
+def sandbox_limits(args: argparse.Namespace) -> Any:
+    """The :class:`~rollart.reward.sandbox.SandboxLimits` of the command line (a ``ValueError`` naming the flag)."""
+    from pydantic import ValidationError
+
+    from rollart.reward.sandbox import SandboxLimits
+
+    try:
+        return SandboxLimits(
+            timeout_s=args.sandbox_timeout_s,
+            memory_mb=args.sandbox_memory_mb,
+            max_processes=args.sandbox_processes,
+            disk_mb=args.sandbox_disk_mb,
+        )
+    except ValidationError as err:
+        flags = {"timeout_s": "timeout-s", "memory_mb": "memory-mb", "max_processes": "processes", "disk_mb": "disk-mb"}
+        raise ValueError(
+            "; ".join(f"--sandbox-{flags.get(str(e['loc'][0]), e['loc'][0])}: {e['msg']}" for e in err.errors())
+        ) from None
+
+
+def secret_variables(settings: Any) -> list[str]:
+    """The environment variables holding the server's secrets."""
+    from rollart.http_guard import tenant_token_envs
+    from rollart.reward.builtin.judge import TOKEN_ENV
+
+    names = [TOKEN_ENV]
+    if settings.token_env:
+        names.append(settings.token_env)
+    if settings.tenants_file:
+        names += tenant_token_envs(settings.tenants_file)
+    return names
+
+
 def app_factory() -> Any:
-    """Uvicorn factory for ``--workers N`` (each worker process rebuilds the app from the environment)."""
+    """Uvicorn factory for ``--workers N`` (each worker process rebuilds the app from the environment,
+    then forgets the secrets in it)."""
     import json
     import os
 
+    from rollart.http_guard import forget_env_secrets
+    from rollart.reward.builtin.judge import capture_credentials
     from rollart.reward.loader import load_functions
     from rollart.reward.server import ServerSettings, build_app
 
-    return build_app(
-        load_functions(json.loads(os.environ["ROLLART_REWARD_FUNCTIONS"])),
-        ServerSettings.model_validate_json(os.environ["ROLLART_REWARD_SETTINGS"]),
-    )
+    settings = ServerSettings.model_validate_json(os.environ["ROLLART_REWARD_SETTINGS"])
+    app = build_app(load_functions(json.loads(os.environ["ROLLART_REWARD_FUNCTIONS"])), settings)
+    capture_credentials()
+    forget_env_secrets(secret_variables(settings))
+    return app
 
 
 def cmd_serve_rewards(args: argparse.Namespace) -> int:
@@ -37,10 +98,20 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         log.error("rollart serve rewards needs the 'serve' extra (%s): pip install 'rollart[serve]'", err)
         return 2
 
+    from rollart.http_guard import forget_env_secrets
+    from rollart.reward.builtin.judge import capture_credentials
     from rollart.reward.loader import load_functions
+    from rollart.reward.sandbox import SandboxUnavailable
     from rollart.reward.server import ServerSettings, build_app
 
+    try:
+        limits = sandbox_limits(args)
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
     settings = ServerSettings(
+        sandbox=limits,
+        unsafe_no_sandbox=args.unsafe_no_sandbox,
         token_env=args.token_env,
         max_body_bytes=args.max_body_bytes,
         timeout_s=args.timeout_s,
@@ -49,6 +120,7 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         tenants_file=str(Path(args.tenants).resolve()) if args.tenants else None,
         tenant_max_concurrency=args.tenant_max_concurrency,
         slots=args.slots,
+        threads_per_function=args.threads_per_function,
     )
     if args.judge_url is not None:
         from rollart.reward.builtin.judge import URL_ENV
@@ -60,8 +132,9 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         os.environ[URL_ENV] = args.judge_url
     functions = load_functions(args.functions)  # fail here, before anything listens
     try:
-        build_app(functions, settings)  # a bad tenants file or unset token variable fails here too
-    except ValueError as err:
+        # a bad tenants file, an unset or short token, code functions without isolation fail here
+        app = build_app(functions, settings)
+    except (ValueError, SandboxUnavailable) as err:
         log.error("%s", err)
         return 2
     if args.ray_serve:
@@ -87,7 +160,9 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
             log_level="warning",
         )
     else:
-        uvicorn.run(build_app(functions, settings), host=args.host, port=args.port, log_level="warning")
+        capture_credentials()
+        forget_env_secrets(secret_variables(settings))
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -131,6 +206,13 @@ def add_rewards_parser(what: Any) -> None:
         default=None,
         help="llm_judge: the OpenAI-compatible judge's base URL (else $ROLLART_JUDGE_URL); requests cannot choose it",
     )
+    p.add_argument(
+        "--threads-per-function",
+        type=int,
+        default=8,
+        help="threads of each synchronous reward function's own pool (slow functions cannot starve the others)",
+    )
+    add_sandbox_arguments(p)
     p.add_argument("--ray-serve", action="store_true", help="deploy on Ray Serve with autoscaling from zero")
     p.add_argument("--max-replicas", type=int, default=4, help="Ray Serve: most replicas")
     p.set_defaults(func=cmd_serve_rewards)

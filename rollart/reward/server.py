@@ -3,17 +3,23 @@
 ``POST /rewards/<name>`` with ``{"trajectories": [...]}`` answers ``{"result": [scores], "details": [...]}``.
 Guards, in the order a request meets them: body size (413), bearer token compared in constant time
 (401), concurrency limit (429 + ``Retry-After``), schema (422, never 500), per-request timeout (504).
-A reward function that raises gives a 500 carrying its message — never a made-up score. A repeated
-``Idempotency-Key`` (per tenant and function) is answered from a bounded cache without recomputing or
-counting twice. ``/metrics`` is Prometheus text (requests, latency, in flight, per tenant);
-``/healthz`` lists the functions. JSON only, never pickle.
+A reward function that raises gives a 500 carrying its message — never a made-up score; one that raises
+``RewardInputError`` (a malformed trajectory, a limit it refuses) answers 422 with its message. A
+repeated ``Idempotency-Key`` (per tenant and function) with the same body is answered from a bounded
+cache without recomputing or counting twice; the same key with another body is 422. JSON only, never
+pickle.
+
+Endpoints: ``/healthz`` (public: the functions, ``in_flight`` requests, ``running`` calls per function
+-- counted until the call really returns, also after its request timed out -- and ``sandboxes`` alive);
+``/metrics`` (Prometheus text) and ``/openapi.json`` need the token when the server has one (any
+tenant's token, with ``--tenants``), and ``/docs`` is served only by a server without one.
 
 The token is checked by FastAPI's ``HTTPBearer`` (so ``/openapi.json`` declares the scheme) before the
 body is validated: an unauthenticated caller learns nothing about the schema. The tenant label
 (``X-Rollart-Tenant``) must match ``[A-Za-z0-9][A-Za-z0-9._:-]{0,63}`` (else 422); the first
 ``max_tenants`` distinct tenants keep their own label in ``/metrics``, later ones are counted as
 ``other`` (and unauthenticated requests as ``unauthenticated``), so a client cannot grow the metrics
-without bound. A reward function that raises ``RewardInputError`` answers 422 with its message.
+without bound.
 
 Tenants (``ServerSettings.tenants_file``, ``rollart serve rewards --tenants FILE``): every job gets a
 token of its own, and the bearer token alone says which tenant calls (a request whose
@@ -24,26 +30,33 @@ tenants are served. The idempotency cache is keyed by tenant: the same key from 
 requests. ``slots`` bounds the trajectories computed at once (the service's capacity, e.g. the GPUs of
 a reward model); ``rollart_reward_compute_seconds`` counts the seconds trajectories spent computing,
 so ``compute_seconds / (slots * wall)`` is the service's utilisation.
+
+Slow work cannot starve cheap work: every synchronous reward function runs in a thread pool of its own
+(``threads_per_function`` threads), so six requests of a slow code function leave ``math_answer``'s
+threads free. A request's deadline kills: the request runs under a :func:`rollart.reward.sandbox.deadline`
+scope of ``timeout_s``, and when it times out (504) or its client goes away, every sandbox it started is
+killed, its trajectories not yet started are dropped, and a function still in ``run_python`` stops.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextvars
+import functools
+import hashlib
 import inspect
+import json
 import logging
-import os
-import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -55,8 +68,32 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollart.http_guard import (
+    TENANT_FORMAT,
+    BearerAuth,
+    BodyLimit,
+    TenantsFile,
+    TenantSpec,
+    load_tenants,
+    read_token,
+)
 from rollart.reward.errors import RewardInputError
+from rollart.reward.sandbox import SandboxLimits, deadline
+from rollart.reward.sandbox import configure as configure_sandbox
+from rollart.reward.sandbox import running as sandboxes_running
 from rollart.reward.schemas import RewardRequest, RewardResponse
+
+__all__ = [
+    "TENANT_FORMAT",
+    "BodyLimit",
+    "RewardFn",
+    "ServerSettings",
+    "TenantLabels",
+    "TenantSpec",
+    "TenantsFile",
+    "build_app",
+    "load_tenants",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,58 +113,10 @@ class ServerSettings(BaseModel):
     tenants_file: str | None = None  # YAML/JSON: tenants: {NAME: {token_env | token, max_concurrency}}
     tenant_max_concurrency: int | None = Field(default=None, gt=0)  # default quota per tenant
     slots: int | None = Field(default=None, gt=0)  # trajectories computed at once (None: unbounded)
-
-
-TENANT_FORMAT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
-
-
-class TenantSpec(BaseModel):
-    """One tenant of a shared reward service: its bearer token (``token_env``: the variable holding it,
-    or ``token`` itself) and its concurrency quota (requests computed at once)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    token_env: str | None = None
-    token: str | None = Field(default=None, min_length=16)
-    max_concurrency: int | None = Field(default=None, gt=0)
-
-
-class TenantsFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tenants: dict[str, TenantSpec] = Field(min_length=1)
-
-
-def load_tenants(path: str) -> dict[str, tuple[bytes, int | None]]:
-    """``{tenant: (token, quota)}`` from a tenants file; a clear error naming the tenant and the fix."""
-    import yaml
-
-    where = f"--tenants {path}"
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except OSError as err:
-        raise ValueError(f"{where}: cannot read the file ({err})") from None
-    try:
-        spec = TenantsFile.model_validate(raw)
-    except ValueError as err:
-        raise ValueError(
-            f"{where}: {err}; expected 'tenants: {{NAME: {{token_env: VAR, max_concurrency: N}}}}'"
-        ) from None
-    out: dict[str, tuple[bytes, int | None]] = {}
-    seen: dict[bytes, str] = {}
-    for name, tenant in spec.tenants.items():
-        if not TenantLabels.valid(name):
-            raise ValueError(f"{where}: tenant {name!r}: use 1-64 characters from [A-Za-z0-9._:-]")
-        if (tenant.token is None) == (tenant.token_env is None):
-            raise ValueError(f"{where}: tenant {name!r}: give exactly one of token_env (preferred) or token")
-        token = tenant.token if tenant.token is not None else os.environ.get(tenant.token_env or "")
-        if not token:
-            raise ValueError(f"{where}: tenant {name!r}: ${tenant.token_env} is not set; export it")
-        if token.encode() in seen:
-            raise ValueError(f"{where}: tenants {seen[token.encode()]!r} and {name!r} share a token; give each its own")
-        seen[token.encode()] = name
-        out[name] = (token.encode(), tenant.max_concurrency)
-    return out
+    threads_per_function: int = Field(default=8, gt=0)  # a sync function's own thread pool
+    # the code sandbox of this process (rollart serve rewards --sandbox-*, --unsafe-no-sandbox); None: as is
+    sandbox: SandboxLimits | None = None
+    unsafe_no_sandbox: bool = False
 
 
 class TenantLabels:
@@ -160,55 +149,6 @@ class TenantLabels:
         return "other"
 
 
-class BodyLimit:
-    """ASGI middleware: refuse bodies over ``limit`` bytes with 413 (declared or streamed)."""
-
-    def __init__(self, app: Any, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._too_large(send)
-            return
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.limit:
-                await self._too_large(send)
-                return
-            chunks.append(body)
-            more = message.get("more_body", False)
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _too_large(self, send: Callable) -> None:
-        body = b'{"detail":"request body too large"}'
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
 def _score_of(value: Any) -> tuple[float, dict[str, Any]]:
     if isinstance(value, dict):
         if "score" not in value:
@@ -219,17 +159,70 @@ def _score_of(value: Any) -> tuple[float, dict[str, Any]]:
     return float(value), {}
 
 
+def _body_digest(body: RewardRequest) -> str:
+    """What an ``Idempotency-Key`` promises to repeat: the request's trajectories, canonically."""
+    text = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class _Pools:
+    """A bounded thread pool per synchronous reward function, and the calls really running in each
+    (counted from the moment a thread starts the call until it returns, whether or not anyone still
+    waits for it)."""
+
+    def __init__(self, names: list[str], threads: int):
+        self.executors = {
+            n: ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"reward-{n}"[:40]) for n in names
+        }
+        self.running = dict.fromkeys(names, 0)
+        self._lock = threading.Lock()
+
+    def run(self, name: str, fn: RewardFn, traj: dict[str, Any]) -> asyncio.Future[Any]:
+        ctx = contextvars.copy_context()  # the request's sandbox deadline reaches the thread
+
+        def call() -> Any:
+            with self._lock:
+                self.running[name] += 1
+            try:
+                return ctx.run(fn, traj)
+            finally:
+                with self._lock:
+                    self.running[name] -= 1
+
+        return asyncio.get_running_loop().run_in_executor(self.executors[name], call)
+
+    def count(self, name: str) -> int:
+        with self._lock:
+            return self.running[name]
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.running)
+
+
+def needs_sandbox(functions: dict[str, RewardFn]) -> list[str]:
+    """The served functions that run code in the sandbox (they carry ``needs_sandbox = True``)."""
+    return sorted(n for n, fn in functions.items() if getattr(fn, "needs_sandbox", False))
+
+
 def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = None) -> FastAPI:
-    """The reward service app (used by ``rollart serve rewards``, tests and Ray Serve)."""
+    """The reward service app (used by ``rollart serve rewards``, tests and Ray Serve). With
+    ``settings.sandbox`` set it configures this process's code sandbox, and a function that runs code
+    makes it fail (``SandboxUnavailable``) when no isolation layer is usable and the operator did not
+    opt in with ``unsafe_no_sandbox``."""
     settings = settings or ServerSettings()
     if not functions:
         raise ValueError("build_app needs at least one reward function")
-    token = os.environ.get(settings.token_env) if settings.token_env else None
-    if settings.token_env and not token:
-        raise ValueError(f"--token-env {settings.token_env}: the variable is not set; export it or drop the flag")
+    token = read_token(settings.token_env, "--token-env") if settings.token_env else None
     tenant_tokens = load_tenants(settings.tenants_file) if settings.tenants_file else {}
-    if tenant_tokens and token is not None:
-        raise ValueError("--token-env and --tenants: give one (a shared token, or a token per tenant)")
+    if settings.sandbox is not None:
+        configure_sandbox(settings.sandbox, unsafe_no_sandbox=settings.unsafe_no_sandbox)
+    code = needs_sandbox(functions)
+    if code:
+        from rollart.reward.sandbox import check, describe
+
+        check()  # refuse to serve code functions without isolation (unless opted in)
+        log.info("%s (for %s)", describe(), ", ".join(code))
     registry = CollectorRegistry()
     requests = Counter(
         "rollart_reward_requests", "reward requests", ["function", "status", "tenant"], registry=registry
@@ -249,11 +242,17 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
     Gauge("rollart_reward_slots", "trajectories computed at once (0: unbounded)", registry=registry).set(
         settings.slots or 0
     )
+    pools = _Pools(sorted(n for n, fn in functions.items() if not inspect.iscoroutinefunction(fn)),
+                   settings.threads_per_function)  # fmt: skip
+    running = Gauge("rollart_reward_running", "reward calls running in threads", ["function"], registry=registry)
+    for name in pools.executors:
+        running.labels(function=name).set_function(functools.partial(pools.count, name))
+    Gauge("rollart_reward_sandboxes", "code sandboxes alive", registry=registry).set_function(sandboxes_running)
     state = {"in_flight": 0}
     per_tenant: dict[str, int] = {}  # requests in flight per tenant label (bounded like the labels)
     slots = asyncio.Semaphore(settings.slots) if settings.slots else None
     tenants = TenantLabels(settings.max_tenants, reserved=set(tenant_tokens))
-    cache: OrderedDict[tuple[str, str, str], dict[str, Any]] = OrderedDict()
+    cache: OrderedDict[tuple[str, str, str], tuple[str, dict[str, Any]]] = OrderedDict()
 
     def quota(tenant: str) -> int | None:
         spec = tenant_tokens.get(tenant)
@@ -261,7 +260,25 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             return spec[1]
         return settings.tenant_max_concurrency
 
-    app = FastAPI(title="rollart reward service", version="1")
+    def count(name: str, status: int, tenant: str) -> None:
+        # label values are bounded: served function names only, tenants through TenantLabels
+        requests.labels(function=name if name in functions else "unknown", status=str(status), tenant=tenant).inc()
+
+    auth = BearerAuth(
+        token,
+        tenant_tokens,
+        description="the token of `--token-env`, or the caller's own token of `--tenants` (when the server has one)",
+        on_reject=lambda request: count(request.path_params.get("name", ""), 401, "unauthenticated"),
+    )
+    # a server with a token shows its schema and metrics to token holders only, and serves no docs page
+    # (its script could not send the token)
+    app = FastAPI(
+        title="rollart reward service",
+        version="1",
+        openapi_url=None if auth.enabled else "/openapi.json",
+        docs_url=None if auth.enabled else "/docs",
+        redoc_url=None if auth.enabled else "/redoc",
+    )
 
     @app.exception_handler(StarletteHTTPException)
     async def malformed_is_422(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -271,15 +288,23 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "functions": sorted(functions), "in_flight": state["in_flight"]}
+        return {
+            "status": "ok",
+            "functions": sorted(functions),
+            "in_flight": state["in_flight"],
+            "running": pools.snapshot(),
+            "sandboxes": sandboxes_running(),
+        }
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(_: str | None = Depends(auth.dependency)) -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
-    def count(name: str, status: int, tenant: str) -> None:
-        # label values are bounded: served function names only, tenants through TenantLabels
-        requests.labels(function=name if name in functions else "unknown", status=str(status), tenant=tenant).inc()
+    if auth.enabled:
+
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(_: str | None = Depends(auth.dependency)) -> JSONResponse:
+            return JSONResponse(get_openapi(title=app.title, version=app.version, routes=app.routes))
 
     async def call(fn: RewardFn, traj: dict[str, Any], name: str, tenant: str) -> Any:
         if slots is not None:
@@ -292,43 +317,15 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         try:
             if inspect.iscoroutinefunction(fn):
                 return await fn(traj)
-            return await asyncio.get_running_loop().run_in_executor(None, fn, traj)
+            return await pools.run(name, fn, traj)
         finally:
             compute.labels(function=name, tenant=tenant).inc(time.perf_counter() - t0)
-
-    bearer = HTTPBearer(
-        auto_error=False,
-        description="the token of `--token-env`, or the caller's own token of `--tenants` (when the server has one)",
-    )
-    authenticated = token is not None or bool(tenant_tokens)
-
-    async def authenticate(
-        request: Request,
-        credentials: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008 (FastAPI's idiom)
-    ) -> str | None:
-        """The tenant the token belongs to (``--tenants``), else None; 401 for a missing or wrong token.
-        A dependency runs before the body is validated: an unauthenticated caller learns nothing about
-        the schema."""
-        given = credentials.credentials.encode() if credentials is not None else b""
-        if token is not None and credentials is not None and hmac.compare_digest(given, token.encode()):
-            return None
-        owner = None
-        for name, (secret, _) in tenant_tokens.items():  # compare with every token: no early exit
-            if hmac.compare_digest(given, secret) and credentials is not None:
-                owner = name
-        if owner is not None:
-            return owner
-        count(request.path_params.get("name", ""), 401, "unauthenticated")
-        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-
-    async def anyone() -> None:  # no token configured: no scheme advertised in /openapi.json
-        return None
 
     @app.post("/rewards/{name}", response_model=RewardResponse)
     async def score(
         name: str,
         body: RewardRequest,
-        owner: str | None = Depends(authenticate if authenticated else anyone),
+        owner: str | None = Depends(auth.dependency),
         x_rollart_tenant: str | None = Header(default=None, description="tenant (job id) for metering"),
         idempotency_key: str | None = Header(default=None),
     ) -> Any:
@@ -352,9 +349,18 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             count(name, 404, tenant)
             raise HTTPException(404, f"no reward function {name!r}; served: {sorted(functions)}")
         key = (x_rollart_tenant or "", name, idempotency_key) if idempotency_key else None
+        digest = _body_digest(body) if key is not None else ""
         if key is not None and key in cache:
+            seen_digest, answer = cache[key]
+            if seen_digest != digest:
+                count(name, 422, tenant)
+                raise HTTPException(
+                    422,
+                    f"Idempotency-Key {str(idempotency_key)[:80]!r} was used with another body; "
+                    "send a new key for a new request",
+                )
             count(name, 200, tenant)
-            return cache[key]
+            return answer
         limit = quota(tenant)
         if limit is not None and per_tenant.get(tenant, 0) >= limit:
             count(name, 429, tenant)
@@ -375,12 +381,13 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         in_flight.inc()
         tenant_in_flight.labels(tenant=tenant).inc()
         t0 = time.perf_counter()
+        scope, work = None, None
         try:
             trajs = [t.model_dump() for t in body.trajectories]
             try:
-                values = await asyncio.wait_for(
-                    asyncio.gather(*(call(fn, t, name, tenant) for t in trajs)), settings.timeout_s
-                )
+                with deadline(settings.timeout_s) as scope:
+                    work = asyncio.gather(*(call(fn, t, name, tenant) for t in trajs))
+                values = await asyncio.wait_for(work, settings.timeout_s)
                 pairs = [_score_of(v) for v in values]
             except RewardInputError as err:  # the caller asked for something the server refuses
                 count(name, 422, tenant)
@@ -394,13 +401,17 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
                 raise HTTPException(500, f"reward function {name!r} raised {type(err).__name__}: {err}") from None
             answer = {"result": [s for s, _ in pairs], "details": [d for _, d in pairs]}
             if key is not None and settings.idempotency_cache > 0:
-                cache[key] = answer
+                cache[key] = (digest, answer)
                 while len(cache) > settings.idempotency_cache:
                     cache.popitem(last=False)
             count(name, 200, tenant)
             scored.labels(function=name, tenant=tenant).inc(len(trajs))
             return answer
         finally:
+            if work is not None and not work.done():  # one trajectory failed: the others stop too
+                work.cancel()
+            if scope is not None:  # timed out, failed or cancelled: its sandboxes die, none starts
+                scope.cancel()
             latency.labels(function=name).observe(time.perf_counter() - t0)
             state["in_flight"] -= 1
             per_tenant[tenant] -= 1
