@@ -132,3 +132,17 @@ class DyingReverseEnv(ReverseTask):
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
         return super().step(action)
+
+
+class SlowOpenEnv(CountingEnv):
+    """Its constructor blocks until ``GATE`` is set: sessions that take a while to open (``BUILT``
+    counts the constructors that started)."""
+
+    tag = "slow_open"
+    GATE = threading.Event()
+    BUILT: Counter[str] = Counter()
+
+    def __init__(self, key: str = "default"):
+        SlowOpenEnv.BUILT[key] += 1
+        SlowOpenEnv.GATE.wait(60)
+        super().__init__(key)

@@ -32,3 +32,22 @@ def test_restore_brings_back_a_server_killed_outside_the_run(ray_local):
     finally:
         pool.stop()
         remove_placement_group(pg)
+
+
+def test_a_pools_servers_listen_on_loopback_and_answer_its_token_only(ray_local):
+    import httpx
+
+    pg = placement_group([{"CPU": 1}])
+    ray.get(pg.ready(), timeout=60)
+    pool = RayServerPool("reverse", {"reverse": "reverse"}, [(pg, 0)], start_timeout_s=120)
+    try:
+        pool.start()
+        (url,) = pool.urls
+        assert url.startswith("http://127.0.0.1:")  # the driver is on this node: not on the node's address
+        assert httpx.post(url + "/describe", json={"env": "reverse"}).status_code == 401
+        other = httpx.post(url + "/describe", json={"env": "reverse"}, headers={"Authorization": "Bearer " + "x" * 43})
+        assert other.status_code == 401
+        assert asyncio.run(pool.describe("reverse")).tag  # the pool's own client holds the token
+    finally:
+        pool.stop()
+        remove_placement_group(pg)

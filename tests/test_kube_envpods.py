@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,6 +272,50 @@ def test_in_cluster_and_kubeconfig_loading(tmp_path: Path, kube: KubeStandIn) ->
         KubePodSpec(image="x", resources={"limit": {"cpu": "1"}})
 
 
+def test_pods_run_restricted_behind_a_network_policy_with_the_token_in_a_secret(
+    kube: KubeStandIn, api: client.CoreV1Api
+) -> None:
+    import base64
+
+    from rollart.envservice.kubernetes import KubernetesServerPool
+
+    pool = KubernetesServerPool("t", spec(SERVER, allow_from=["10.0.0.0/8"]), "job-g", api=api, namespace="default")
+    pool.start()
+    try:
+        (pod,) = pool.manager.pods
+        obj = api.read_namespaced_pod(pod.name, "default")
+        psc, c = obj.spec.security_context, obj.spec.containers[0]
+        assert (psc.run_as_non_root, psc.run_as_user, psc.seccomp_profile.type) == (True, 65534, "RuntimeDefault")
+        csc = c.security_context
+        assert (csc.allow_privilege_escalation, csc.privileged, csc.read_only_root_filesystem) == (False, False, True)
+        assert csc.capabilities.drop == ["ALL"] and obj.spec.automount_service_account_token is False
+        assert [m.mount_path for m in c.volume_mounts] == ["/tmp"]
+        token = next(e for e in c.env if e.name == "ROLLART_ENV_TOKEN")
+        assert token.value is None and token.value_from.secret_key_ref.name == pool.manager.object_name
+        assert pool.token is not None and pool.token not in json.dumps(api.api_client.sanitize_for_serialization(obj))
+        secret = api.read_namespaced_secret(pool.manager.object_name, "default")
+        assert base64.b64decode(secret.data["token"]).decode() == pool.token
+        net = client.NetworkingV1Api(api.api_client)
+        (policy,) = net.list_namespaced_network_policy("default", label_selector="rollart.io/job=job-g").items
+        assert policy.spec.pod_selector.match_labels == {
+            "app.kubernetes.io/name": "rollart-env",
+            "rollart.io/job": "job-g",
+        }
+        assert policy.spec.policy_types == ["Ingress", "Egress"] and not policy.spec.egress  # no egress at all
+        (ingress,) = policy.spec.ingress
+        assert [(p.protocol, p.port) for p in ingress.ports] == [("TCP", 8000)]
+        assert [f.ip_block.cidr for f in ingress._from] == ["10.0.0.0/8"]
+    finally:
+        pool.stop()
+    assert api.list_namespaced_secret("default", label_selector="rollart.io/job=job-g").items == []
+    assert (
+        client.NetworkingV1Api(api.api_client)
+        .list_namespaced_network_policy("default", label_selector="rollart.io/job=job-g")
+        .items
+        == []
+    )
+
+
 ENV_SERVER = "rollart/env-server:dev"
 
 
@@ -295,6 +340,9 @@ async def test_code_sandbox_served_from_a_pod_over_the_session_protocol(
     try:
         (url,) = pool.urls
         assert ipaddress.ip_address(url.split("//")[1].split(":")[0]) in kube.subnet
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the pod's server answers its pool's token only
+            NO_PROXY.open(urllib.request.Request(f"{url}/describe", data=b'{"env": "code_sandbox"}'), timeout=10)
+        assert refused.value.code == 401
         env = RemoteEnv(pool, "code_sandbox", await pool.describe("code_sandbox", {}, EnvOverrides()))
         assert env.tag == "code_sandbox"
         obs, info = await env.reset(seed=1)

@@ -177,9 +177,13 @@ def call_serverless(
     tenant: str | None = None,
     idempotency_key: str | None = None,
     client: httpx.Client | None = None,
+    token: str | None = None,
 ) -> Any:
-    """POST ``payload`` and return the decoded result, retrying as the module docstring says."""
-    headers = _headers(token_env, tenant, idempotency_key or uuid.uuid4().hex)
+    """POST ``payload`` and return the decoded result, retrying as the module docstring says. ``token``
+    (a bearer token held in memory) is sent in place of ``token_env``'s."""
+    headers = _headers(None if token else token_env, tenant, idempotency_key or uuid.uuid4().hex)
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     http = client or httpx.Client(timeout=timeout_s)
     state = _Attempts(url, retry)
     try:

@@ -163,4 +163,6 @@ def describe(pool: ServerPool, env: str, kwargs: dict[str, Any], overrides: EnvO
 
     url = pool.acquire_any()
     body = {"env": env, "kwargs": kwargs, "overrides": overrides.model_dump()}
-    return EnvDescription.model_validate(call_serverless(url + "/describe", body, timeout_s=60.0, retry=pool.retry))
+    return EnvDescription.model_validate(
+        call_serverless(url + "/describe", body, timeout_s=60.0, retry=pool.retry, token=pool.token)
+    )

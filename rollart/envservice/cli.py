@@ -1,13 +1,17 @@
-"""``rollart serve env ENV [...] --host 127.0.0.1 --port 8200``: serve text envs over the env session
-protocol (:mod:`rollart.envservice.protocol`). ``ENV`` is a registry name (``reverse``), a user's
-``MODULE:CLASS`` (a :class:`~rollart.envs.TextEnv` subclass, imported from the working directory or
-``--plugin-path``), or ``alias=MODULE:CLASS``."""
+"""``rollart serve env ENV [...] --host 127.0.0.1 --port 8200 [--token-env VAR | --tenants FILE]
+[--max-body-bytes N] [--sandbox-timeout-s S ...] [--unsafe-no-sandbox]``: serve text envs over the env
+session protocol (:mod:`rollart.envservice.protocol`). ``ENV`` is a registry name (``reverse``), a
+user's ``MODULE:CLASS`` (a :class:`~rollart.envs.TextEnv` subclass, imported from the working directory
+or ``--plugin-path``), or ``alias=MODULE:CLASS``. It listens on 127.0.0.1 unless ``--host`` says
+otherwise; on any other address give it a token. Once the app is built the token variables are removed
+from the server's environment."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -37,23 +41,36 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
         log.error("rollart serve env needs the 'serve' extra (%s): pip install 'rollart[serve]'", err)
         return 2
     from rollart.envservice.server import EnvServerSettings, build_env_app
+    from rollart.http_guard import forget_env_secrets, tenant_token_envs
+    from rollart.reward.cli import sandbox_limits
+    from rollart.reward.sandbox import SandboxUnavailable
 
     for folder in [".", *args.plugin_path]:
         if folder not in sys.path:
             sys.path.insert(0, folder)
     try:
         envs = parse_env_args(args.envs)
-        app = build_env_app(
-            envs,
-            EnvServerSettings(
-                max_sessions=args.max_sessions,
-                session_ttl_s=args.session_ttl_s,
-                call_timeout_s=args.call_timeout_s,
-            ),
+        settings = EnvServerSettings(
+            max_sessions=args.max_sessions,
+            session_ttl_s=args.session_ttl_s,
+            call_timeout_s=args.call_timeout_s,
+            token_env=args.token_env,
+            tenants_file=str(Path(args.tenants).resolve()) if args.tenants else None,
+            max_body_bytes=args.max_body_bytes,
+            sandbox=sandbox_limits(args),
+            unsafe_no_sandbox=args.unsafe_no_sandbox,
         )
-    except ValueError as err:  # an env that does not resolve: fail before anything listens
+        app = build_env_app(envs, settings)
+    except (ValueError, SandboxUnavailable) as err:  # an env that does not resolve, a bad token: fail now
         log.error("%s", err)
         return 2
+    secrets = [args.token_env or ""] + (tenant_token_envs(settings.tenants_file) if settings.tenants_file else [])
+    forget_env_secrets(secrets)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.token_env or args.tenants):
+        log.warning(
+            "env server on %s without a token: anyone who reaches it can open sessions; give --token-env or --tenants",
+            args.host,
+        )
     log.info(
         "serving envs %s on http://%s:%d (protocol: rollart.envservice.protocol)", sorted(envs), args.host, args.port
     )
@@ -71,4 +88,15 @@ def add_env_parser(what: Any) -> None:
     p.add_argument("--session-ttl-s", type=float, default=900.0, help="an idle session is closed after this")
     p.add_argument("--call-timeout-s", type=float, default=60.0, help="a reset/step that names no timeout_s")
     p.add_argument("--plugin-path", action="append", default=[], help="folder to import MODULE:CLASS envs from")
+    p.add_argument("--token-env", default=None, help="environment variable holding the bearer token")
+    p.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="YAML/JSON 'tenants: {NAME: {token_env: VAR}}': a token per client; a session belongs to its tenant",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger requests get 413")
+    from rollart.reward.cli import add_sandbox_arguments
+
+    add_sandbox_arguments(p)
     p.set_defaults(func=cmd_serve_env)

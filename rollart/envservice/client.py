@@ -54,7 +54,8 @@ def _detail(resp: httpx.Response) -> tuple[str, str]:
 class EnvServiceClient:
     """Calls one env server (``endpoint``: ``host:port`` or ``http://host:port``). Transport errors,
     429 and 5xx other than the env's own answers are retried with ``retry`` (exponential backoff and
-    jitter); each HTTP attempt waits ``timeout_s + grace_s`` at most."""
+    jitter); each HTTP attempt waits ``timeout_s + grace_s`` at most. ``token``: the server's bearer token
+    (its ``--token-env``, or this client's tenant's), sent with every call."""
 
     def __init__(
         self,
@@ -64,8 +65,10 @@ class EnvServiceClient:
         timeout_s: float = 60.0,
         grace_s: float = 5.0,
         connect_timeout_s: float = 5.0,
+        token: str | None = None,
     ):
         self.url = endpoint_url(endpoint)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.retry, self.timeout_s, self.grace_s, self.connect_timeout_s = retry, timeout_s, grace_s, connect_timeout_s
         self._http: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -96,7 +99,9 @@ class EnvServiceClient:
         last, status, retry_after = "", None, None
         for attempt in range(self.retry.retries + 1):
             try:
-                resp = await self._client().request(method, self.url + path, json=body, timeout=timeout)
+                resp = await self._client().request(
+                    method, self.url + path, json=body, timeout=timeout, headers=self._headers
+                )
             except httpx.TransportError as err:  # refused, reset, dropped mid-answer, our own timeout
                 last, status, retry_after = f"{type(err).__name__}: {err}", None, None
             else:
@@ -172,10 +177,18 @@ class EnvServiceClient:
 class ServerPool:
     """The env servers of one task. A new session goes to the live server holding the fewest; a server
     whose calls find it unreachable is marked down (:meth:`mark_down`) until a backend brings it back
-    (:meth:`add` with its new URL). Backends subclass it and override :meth:`start` / :meth:`stop`."""
+    (:meth:`add` with its new URL). Backends subclass it and override :meth:`start` / :meth:`stop`.
+    ``token``: the servers' bearer token (backends make one per pool and give it to their servers)."""
 
-    def __init__(self, name: str, urls: list[str] | None = None, *, retry: RetryPolicy = DEFAULT_RETRY):
-        self.name, self.retry = name, retry
+    def __init__(
+        self,
+        name: str,
+        urls: list[str] | None = None,
+        *,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        token: str | None = None,
+    ):
+        self.name, self.retry, self.token = name, retry, token
         self.sessions: dict[str, int] = {}
         self.down: set[str] = set()
         self._clients: dict[str, EnvServiceClient] = {}
@@ -198,7 +211,7 @@ class ServerPool:
 
     def client(self, url: str) -> EnvServiceClient:
         if url not in self._clients:
-            self._clients[url] = EnvServiceClient(url, retry=self.retry)
+            self._clients[url] = EnvServiceClient(url, retry=self.retry, token=self.token)
         return self._clients[url]
 
     def acquire(self) -> str:

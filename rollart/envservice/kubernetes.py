@@ -19,8 +19,20 @@
   :meth:`EnvPodManager.release` gives it back); a pod found gone or unready is replaced
   (:meth:`EnvPodManager.heal`);
 * :meth:`EnvPodManager.close` deletes every pod of the job by label selector and waits until they are
-  gone; it also runs at interpreter exit. A driver killed with SIGKILL leaves its pods behind: delete
-  them with ``kubectl delete pods -l rollart.io/job=<job id>``.
+  gone, then the job's Secret and NetworkPolicy; it also runs at interpreter exit. A driver killed with
+  SIGKILL leaves them behind: delete them with
+  ``kubectl delete pods,secrets,networkpolicies -l rollart.io/job=<job id>``.
+
+Security: every pod runs with a restrictive ``securityContext`` (non-root uid 65534, no privilege
+escalation, every capability dropped, a read-only root file system with an ``emptyDir`` at ``/tmp``,
+the runtime's default seccomp profile) and without a service-account token
+(``automountServiceAccountToken: false``); ``security_context`` / ``container_security_context``
+replace the defaults. A NetworkPolicy (``network_policy: true``, the default) selects the job's pods:
+ingress only to the server's port (from ``allow_from`` CIDRs, default any source), no egress at all
+(``egress_to`` CIDRs open some). The pool's bearer token is a Secret of the job (``rollart.io/job``
+label), handed to the container as ``$ROLLART_ENV_TOKEN`` (``secretKeyRef``); the default command
+serves with ``--token-env ROLLART_ENV_TOKEN``. A cluster whose network plugin does not enforce
+NetworkPolicies (check yours) is protected by the token alone.
 
 Configuration: :func:`load_api` uses a kubeconfig (``kubeconfig`` path, or ``$KUBECONFIG`` /
 ``~/.kube/config``, optional ``context``) or, inside a cluster (``KUBERNETES_SERVICE_HOST`` set, or
@@ -30,6 +42,7 @@ Configuration: :func:`load_api` uses a kubeconfig (``kubeconfig`` path, or ``$KU
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import random
@@ -58,6 +71,20 @@ SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 JOB_LABEL = "rollart.io/job"
 POD_LABEL = "rollart.io/pod"
 APP_LABEL = "app.kubernetes.io/name"
+TOKEN_ENV = "ROLLART_ENV_TOKEN"  # the container's variable holding the pool's bearer token
+RESTRICTED_POD = {
+    "runAsNonRoot": True,
+    "runAsUser": 65534,
+    "runAsGroup": 65534,
+    "fsGroup": 65534,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+RESTRICTED_CONTAINER = {
+    "allowPrivilegeEscalation": False,
+    "privileged": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
 IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 CONFIG_ERRORS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -107,6 +134,17 @@ class KubePodSpec(BaseModel):
     max_start_attempts: int = Field(default=3, ge=1)
     retry_backoff_s: float = Field(default=2.0, ge=0)
     image_pull_policy: str | None = None
+    security_context: dict[str, Any] | None = Field(
+        default=None, description="the pod's securityContext (default: non-root 65534, RuntimeDefault seccomp)"
+    )
+    container_security_context: dict[str, Any] | None = Field(
+        default=None, description="the container's (default: no privilege escalation, no capabilities, read-only root)"
+    )
+    runtime_class_name: str | None = Field(default=None, description="e.g. gvisor: a sandboxing container runtime")
+    tmp_size: str = Field(default="256Mi", description="size limit of the emptyDir mounted at /tmp")
+    network_policy: bool = Field(default=True, description="a NetworkPolicy: ingress to the port only, no egress")
+    allow_from: list[str] = Field(default_factory=list, description="CIDRs that may reach the port (default: any)")
+    egress_to: list[str] = Field(default_factory=list, description="CIDRs the pods may reach (default: none)")
 
     @field_validator("resources")
     @classmethod
@@ -209,11 +247,16 @@ class EnvPodManager:
         api: CoreV1Api | None = None,
         namespace: str | None = None,
         connection: KubeConnection | None = None,
+        token: str | None = None,
     ) -> None:
         if not job_id or len(job_id) > 40 or not _LABEL_VALUE.match(job_id):
             raise ValueError(f"job_id {job_id!r}: use 1-40 of [A-Za-z0-9-_.] (it is a label value and a name part)")
         self.spec = spec
         self.job_id = job_id
+        self.token = token
+        base = re.sub(r"[^a-z0-9-]", "-", job_id.lower()).strip("-")[:30] or "job"
+        self.object_name = f"rollart-env-{base}"  # the job's Secret and NetworkPolicy
+        self._guarded = False
         if api is None:
             api, default_ns = load_api(connection)
             namespace = namespace or default_ns
@@ -248,11 +291,79 @@ class EnvPodManager:
             container["resources"] = s.resources
         if s.image_pull_policy:
             container["imagePullPolicy"] = s.image_pull_policy
-        spec: dict[str, Any] = {"restartPolicy": "Always", "containers": [container]}
+        if self.token is not None:
+            ref = {"secretKeyRef": {"name": self.object_name, "key": "token"}}
+            container["env"].append({"name": TOKEN_ENV, "valueFrom": ref})
+        container["securityContext"] = s.container_security_context or RESTRICTED_CONTAINER
+        container["volumeMounts"] = [{"name": "tmp", "mountPath": "/tmp"}]
+        spec: dict[str, Any] = {
+            "restartPolicy": "Always",
+            "containers": [container],
+            "automountServiceAccountToken": False,
+            "securityContext": s.security_context or RESTRICTED_POD,
+            "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": s.tmp_size}}],
+        }
+        if s.runtime_class_name:
+            spec["runtimeClassName"] = s.runtime_class_name
         if s.node_selector:
             spec["nodeSelector"] = s.node_selector
         labels = {**s.labels, APP_LABEL: "rollart-env", JOB_LABEL: self.job_id, POD_LABEL: name}
         return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": spec}
+
+    def job_labels(self) -> dict[str, str]:
+        return {APP_LABEL: "rollart-env", JOB_LABEL: self.job_id}
+
+    def secret_manifest(self) -> dict[str, Any]:
+        """The job's Secret holding the pool's bearer token."""
+        assert self.token is not None
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": self.object_name, "labels": self.job_labels()},
+            "type": "Opaque",
+            "data": {"token": base64.b64encode(self.token.encode()).decode()},
+        }
+
+    def network_policy_manifest(self) -> dict[str, Any]:
+        """Ingress to the job's pods on the server's port only (from ``allow_from``), egress to
+        ``egress_to`` only (none by default)."""
+        s = self.spec
+        ingress: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": s.port}]}
+        if s.allow_from:
+            ingress["from"] = [{"ipBlock": {"cidr": c}} for c in s.allow_from]
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": self.object_name, "labels": self.job_labels()},
+            "spec": {
+                "podSelector": {"matchLabels": self.job_labels()},
+                "policyTypes": ["Ingress", "Egress"],
+                "ingress": [ingress],
+                "egress": [{"to": [{"ipBlock": {"cidr": c}} for c in s.egress_to]}] if s.egress_to else [],
+            },
+        }
+
+    def _guard(self) -> None:
+        """Create the job's Secret (the token) and NetworkPolicy once, before its first pod."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        with self._lock:
+            if self._guarded:
+                return
+            try:
+                if self.token is not None:
+                    self.api.create_namespaced_secret(self.namespace, self.secret_manifest())
+                if self.spec.network_policy:
+                    net: Any = client.NetworkingV1Api(self.api.api_client)
+                    net.create_namespaced_network_policy(self.namespace, self.network_policy_manifest())
+            except ApiException as err:
+                raise EnvPodError(
+                    f"env pods of job {self.job_id}: cannot create its Secret/NetworkPolicy {self.object_name} "
+                    f"({err.status} {err.reason}); the driver's account needs create on secrets and "
+                    "networkpolicies, or set network_policy: false"
+                ) from None
+            self._guarded = True
 
     def _new_name(self) -> str:
         base = re.sub(r"[^a-z0-9-]", "-", self.job_id.lower()).strip("-")[:30] or "job"
@@ -262,6 +373,7 @@ class EnvPodManager:
     def start(self) -> list[EnvPod]:
         """Bring the pool up to ``pool_size`` ready pods (started concurrently); raise :class:`EnvPodError`
         when a slot fails ``max_start_attempts`` times."""
+        self._guard()
         missing = self.spec.pool_size - len(self.pods)
         results: list[EnvPod | BaseException] = []
         threads = [threading.Thread(target=lambda: results.append(self._start_one_safe())) for _ in range(missing)]
@@ -462,7 +574,33 @@ class EnvPodManager:
 
 
 def _delete_job_pods(api: CoreV1Api, namespace: str, selector: str, timeout_s: float = 30.0) -> None:
-    """Delete the pods matching ``selector`` and watch until none is left (at most ``timeout_s``)."""
+    """Delete the pods matching ``selector`` and watch until none is left (at most ``timeout_s``); then the
+    Secrets and NetworkPolicies of a job's selector."""
+    try:
+        _delete_pods(api, namespace, selector, timeout_s)
+    finally:
+        if selector.startswith(f"{JOB_LABEL}="):
+            _delete_guards(api, namespace, selector)
+
+
+def _delete_guards(api: CoreV1Api, namespace: str, selector: str) -> None:
+    from kubernetes import client
+
+    try:
+        api.delete_collection_namespaced_secret(namespace, label_selector=selector)
+        client.NetworkingV1Api(api.api_client).delete_collection_namespaced_network_policy(
+            namespace, label_selector=selector
+        )
+    except Exception as err:  # at exit: the API may be gone; say what to clean up by hand
+        log.warning(
+            "could not delete the Secret/NetworkPolicy of %s: %s; run `kubectl delete secrets,networkpolicies -l %s`",
+            selector,
+            err,
+            selector,
+        )
+
+
+def _delete_pods(api: CoreV1Api, namespace: str, selector: str, timeout_s: float) -> None:
     from kubernetes import watch
 
     try:
@@ -504,8 +642,10 @@ class KubernetesServerPool(ServerPool):
         connection: KubeConnection | None = None,
         retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:
-        super().__init__(name, retry=retry)
-        self.manager = EnvPodManager(spec, job_id, api=api, namespace=namespace, connection=connection)
+        super().__init__(name, retry=retry, token=secrets.token_urlsafe(32))
+        self.manager = EnvPodManager(
+            spec, job_id, api=api, namespace=namespace, connection=connection, token=self.token
+        )
 
     def _sync(self) -> None:
         want = {p.url for p in self.manager.pods}
@@ -542,7 +682,8 @@ def create_pool(task: Any) -> KubernetesServerPool:
     """The ``kubernetes`` backend of ``envs:`` entries (looked up by :mod:`rollart.envservice.backends`):
     ``task.entry.kubernetes`` is a :class:`KubePodSpec` mapping plus an optional ``connection``
     (:class:`KubeConnection`); ``task.entry.servers`` pods are started (and waited for) before it returns.
-    Without ``command``/``args`` a pod runs ``rollart serve env NAME --host 0.0.0.0 --port PORT``."""
+    Without ``command``/``args`` a pod runs ``rollart serve env NAME --host 0.0.0.0 --port PORT --token-env
+    ROLLART_ENV_TOKEN`` (the pod's own network namespace; the NetworkPolicy and the token guard it)."""
     from pydantic import ValidationError
 
     field_name = f"envs[{task.index}].kubernetes"
@@ -557,7 +698,7 @@ def create_pool(task: Any) -> KubernetesServerPool:
         raise ValueError(f"{field_name}: {problems}") from None
     if spec.command is None and spec.args is None:
         timeout = getattr(task.entry, "call_timeout_s", None)
-        args = [task.name, "--host", "0.0.0.0", "--port", str(spec.port)]
+        args = [task.name, "--host", "0.0.0.0", "--port", str(spec.port), "--token-env", TOKEN_ENV]
         if timeout is not None:
             args += ["--call-timeout-s", str(timeout)]
         spec = spec.model_copy(update={"command": ["rollart", "serve", "env"], "args": args})

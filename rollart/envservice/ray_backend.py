@@ -2,8 +2,10 @@
 
 Each server is one :class:`EnvServerActor` in one one-CPU bundle of the pool's placement group(s):
 the actor runs the env server (:func:`~rollart.envservice.server.build_env_app`, uvicorn in a thread)
-on its node's IP (``ray.util.get_node_ip_address()``, the address other hosts reach it on) and a free
-port, and reports its URL. A task's servers form a :class:`RayServerPool` (sessions spread by least
+on a free port and reports its URL. It listens on 127.0.0.1 when it shares the node of the driver
+(the only client of its sessions), else on its node's IP (``ray.util.get_node_ip_address()``, the
+address the driver's host reaches it on). Every pool makes a random bearer token of its own and gives
+it to its servers (an actor argument, never an environment variable): a server answers only its pool. A task's servers form a :class:`RayServerPool` (sessions spread by least
 sessions). An actor that dies is restarted by Ray in its bundle (``max_restarts``); the pool marks its
 old URL down and takes the new one when the restarted actor answers.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import sys
 from typing import Any
 
@@ -28,9 +31,17 @@ log = logging.getLogger(__name__)
 
 class EnvServerActor:
     """One env server process (a Ray actor): serves ``envs`` ({served name: registry name or
-    MODULE:CLASS}) on this node's IP."""
+    MODULE:CLASS}) to the holders of ``token``, on 127.0.0.1 when this is ``client_ip``'s node, else on
+    this node's IP."""
 
-    def __init__(self, envs: dict[str, str], plugin_paths: list[str], settings: dict[str, Any]):
+    def __init__(
+        self,
+        envs: dict[str, str],
+        plugin_paths: list[str],
+        settings: dict[str, Any],
+        token: str | None = None,
+        client_ip: str | None = None,
+    ):
         for folder in plugin_paths:
             if folder not in sys.path:
                 sys.path.insert(0, folder)
@@ -38,8 +49,9 @@ class EnvServerActor:
 
         self.ip = str(ray.util.get_node_ip_address())
         self.restarts = int(ray.get_runtime_context().was_current_actor_reconstructed)
-        app = build_env_app(envs, EnvServerSettings.model_validate(settings))
-        self.server = ThreadedServer(app, host=self.ip).start()
+        app = build_env_app(envs, EnvServerSettings.model_validate(settings), token=token)
+        host = "127.0.0.1" if client_ip == self.ip else self.ip
+        self.server = ThreadedServer(app, host=host).start()
         logging.getLogger(__name__).info("env server %s serves %s", self.server.url, sorted(envs))
 
     def info(self) -> dict[str, Any]:
@@ -64,7 +76,7 @@ class RayServerPool(ServerPool):
         max_restarts: int = 3,
         start_timeout_s: float = 120.0,
     ):
-        super().__init__(name, retry=retry)
+        super().__init__(name, retry=retry, token=secrets.token_urlsafe(32))
         self.envs, self.bundles = envs, bundles
         self.plugin_paths = list(plugin_paths or [])
         self.settings = dict(settings or {})
@@ -87,7 +99,7 @@ class RayServerPool(ServerPool):
                     placement_group=pg, placement_group_bundle_index=index
                 ),
                 runtime_env={"env_vars": env_vars},
-            ).remote(self.envs, self.plugin_paths, self.settings)
+            ).remote(self.envs, self.plugin_paths, self.settings, self.token, str(ray.util.get_node_ip_address()))
             self.actors.append(actor)
         try:
             infos = ray.get([a.info.remote() for a in self.actors], timeout=self.start_timeout_s)

@@ -5,6 +5,14 @@ Each session owns one env instance. Calls of one session run one after the other
 their ``seq``; sessions run concurrently (a sync env's calls in worker threads, an async env's on the
 event loop). A call is applied by a task of its own, so a client that hangs up does not cancel it: its
 answer is kept for the repeat. Idle sessions are closed after ``session_ttl_s``.
+
+Guards (:mod:`rollart.http_guard`, as the reward service has them): a body over ``max_body_bytes`` is
+413; with ``token_env`` (one shared token) or ``tenants_file`` (a token per tenant) every endpoint but
+``/healthz`` needs ``Authorization: Bearer <token>`` (401 before the body is read). A session belongs to
+the tenant that opened it: another tenant's calls, repeats and closes of it answer 404 as for a session
+that does not exist. ``max_sessions`` counts the sessions being opened too, so concurrent opens cannot
+exceed it. A call's deadline kills: an env call past its ``timeout_s`` (504) has every code sandbox it
+started killed (:func:`rollart.reward.sandbox.deadline`).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -38,6 +46,8 @@ from rollart.envservice.protocol import (
     StepRequest,
     StepResponse,
 )
+from rollart.http_guard import BearerAuth, BodyLimit, check_token, load_tenants, read_token
+from rollart.reward.sandbox import SandboxLimits, deadline
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +63,12 @@ class EnvServerSettings(BaseModel):
     max_call_timeout_s: float = Field(default=600.0, gt=0)
     forgotten: int = Field(default=100_000, ge=0)  # ids of ended sessions remembered (410 instead of 404)
     retry_after_s: int = Field(default=1, ge=0)
+    token_env: str | None = None  # the variable holding the shared bearer token
+    tenants_file: str | None = None  # a token per tenant (the reward service's tenants file format)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # the code sandbox of this process (rollart serve env --sandbox-*, --unsafe-no-sandbox); None: as is
+    sandbox: SandboxLimits | None = None
+    unsafe_no_sandbox: bool = False
 
 
 def _error(status: int, kind: str, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -66,6 +82,7 @@ class _Session:
     kwargs: dict[str, Any]
     env: Any
     seed: int | None
+    owner: str | None = None  # the tenant that opened it (None: the shared token, or no token)
     last_seq: int = 0
     last: asyncio.Future[Answer] | None = None  # the answer of call ``last_seq`` (pending while it runs)
     gone: str | None = None  # why the session ended (then every call is 410)
@@ -91,17 +108,39 @@ async def _call(fn: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
 
 
-def build_env_app(envs: dict[str, str], settings: EnvServerSettings | None = None) -> FastAPI:
+def build_env_app(
+    envs: dict[str, str], settings: EnvServerSettings | None = None, *, token: str | None = None
+) -> FastAPI:
     """The env server app. ``envs`` maps each served name to a registry name or ``MODULE:CLASS``
-    (imported here: a name that does not resolve fails now, before anything listens)."""
+    (imported here: a name that does not resolve fails now, before anything listens). ``token``: a
+    shared bearer token given in memory (the backends' servers), in place of ``settings.token_env``."""
     from rollart.envs import EnvSpec, env_class, make_env
 
     settings = settings or EnvServerSettings()
     if not envs:
         raise ValueError("build_env_app needs at least one env to serve")
     classes = {name: env_class(spec, "env") for name, spec in envs.items()}
+    if token is None and settings.token_env:
+        token = read_token(settings.token_env, "--token-env")
+    elif token is not None:
+        check_token(token, "the env server's token")
+    tenant_tokens = load_tenants(settings.tenants_file) if settings.tenants_file else {}
+    auth = BearerAuth(
+        token, tenant_tokens, description="the token of `--token-env`, or the caller's own of `--tenants`"
+    )
+    if settings.sandbox is not None:
+        from rollart.reward.sandbox import configure
+
+        configure(settings.sandbox, unsafe_no_sandbox=settings.unsafe_no_sandbox)
+    code = sorted(n for n, c in classes.items() if getattr(c, "needs_sandbox", False))
+    if code:
+        from rollart.reward import sandbox
+
+        sandbox.check()  # refuse to serve code envs without isolation (unless the operator opted in)
+        log.info("%s (for %s)", sandbox.describe(), ", ".join(code))
     sessions: dict[str, _Session] = {}
-    ended: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended
+    opening = {"n": 0}  # sessions being built: counted against max_sessions
+    ended: OrderedDict[str, tuple[str, str | None]] = OrderedDict()  # session id -> (why it ended, owner)
     registry = CollectorRegistry()
     calls = Counter("rollart_env_calls", "env protocol calls", ["op", "status"], registry=registry)
     replays = Counter("rollart_env_replays", "calls answered from a stored answer (a retried seq)", registry=registry)
@@ -122,7 +161,7 @@ def build_env_app(envs: dict[str, str], settings: EnvServerSettings | None = Non
         if session.gone is None:
             session.gone = why
         sessions.pop(session.sid, None)
-        ended[session.sid] = why
+        ended[session.sid] = (session.gone or why, session.owner)
         while len(ended) > settings.forgotten:
             ended.popitem(last=False)
 
@@ -153,7 +192,15 @@ def build_env_app(envs: dict[str, str], settings: EnvServerSettings | None = Non
                 end(s, "the server shut down")
             await asyncio.sleep(0)
 
-    app = FastAPI(title="rollart env server", version=str(PROTOCOL_VERSION), lifespan=lifespan)
+    app = FastAPI(
+        title="rollart env server",
+        version=str(PROTOCOL_VERSION),
+        lifespan=lifespan,
+        openapi_url=None if auth.enabled else "/openapi.json",
+        docs_url=None if auth.enabled else "/docs",
+        redoc_url=None if auth.enabled else "/redoc",
+    )
+    caller = Depends(auth.dependency)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -166,14 +213,14 @@ def build_env_app(envs: dict[str, str], settings: EnvServerSettings | None = Non
         return {"status": "ok", "version": PROTOCOL_VERSION, "envs": sorted(envs), "sessions": len(sessions)}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(_: str | None = caller) -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     def unknown_env(name: str) -> JSONResponse:
         return _error(422, "bad_request", f"env {name!r} is not served here; this server serves {sorted(envs)}")
 
     @app.post("/describe")
-    async def describe(body: DescribeRequest) -> Any:
+    async def describe(body: DescribeRequest, _: str | None = caller) -> Any:
         if body.env not in envs:
             return unknown_env(body.env)
         try:
@@ -186,50 +233,62 @@ def build_env_app(envs: dict[str, str], settings: EnvServerSettings | None = Non
             await _call(env.close)
 
     @app.post("/sessions")
-    async def open_session(body: OpenRequest) -> Any:
+    async def open_session(body: OpenRequest, owner: str | None = caller) -> Any:
         t0 = time.perf_counter()
         try:
-            old = sessions.get(body.session_id)
-            if old is not None:
-                if (old.env_name, old.kwargs) != (body.env, body.kwargs):
-                    calls.labels(op="open", status="409").inc()
-                    return _error(409, "seq_conflict", f"session {body.session_id} exists with another env or kwargs")
-                calls.labels(op="open", status="200").inc()
-                return OpenResponse(session_id=old.sid, **_describe(old.env).model_dump()).model_dump()
-            if body.session_id in ended:
-                calls.labels(op="open", status="410").inc()
-                return _error(410, "session_gone", f"session {body.session_id} ended: {ended[body.session_id]}")
-            if body.env not in envs:
-                calls.labels(op="open", status="422").inc()
-                return unknown_env(body.env)
-            if len(sessions) >= settings.max_sessions:
-                calls.labels(op="open", status="429").inc()
-                return _error(
-                    429,
-                    "too_many_sessions",
-                    f"{len(sessions)} sessions open (max_sessions={settings.max_sessions})",
-                    {"Retry-After": str(settings.retry_after_s)},
-                )
+            return await opened(body, owner)
+        finally:
+            latency.labels(op="open").observe(time.perf_counter() - t0)
+
+    async def opened(body: OpenRequest, owner: str | None) -> Any:
+        old = sessions.get(body.session_id)
+        if old is not None:
+            if (old.env_name, old.kwargs, old.owner) != (body.env, body.kwargs, owner):
+                calls.labels(op="open", status="409").inc()
+                return _error(409, "seq_conflict", f"session {body.session_id} exists with another env or kwargs")
+            calls.labels(op="open", status="200").inc()
+            return OpenResponse(session_id=old.sid, **_describe(old.env).model_dump()).model_dump()
+        if body.session_id in ended:
+            why, was = ended[body.session_id]
+            status = 410 if was == owner else 409
+            calls.labels(op="open", status=str(status)).inc()
+            if status == 409:
+                return _error(409, "seq_conflict", f"session id {body.session_id} is taken; pick another")
+            return _error(410, "session_gone", f"session {body.session_id} ended: {why}")
+        if body.env not in envs:
+            calls.labels(op="open", status="422").inc()
+            return unknown_env(body.env)
+        if len(sessions) + opening["n"] >= settings.max_sessions:
+            calls.labels(op="open", status="429").inc()
+            return _error(
+                429,
+                "too_many_sessions",
+                f"{len(sessions)} sessions open, {opening['n']} opening (max_sessions={settings.max_sessions})",
+                {"Retry-After": str(settings.retry_after_s)},
+            )
+        opening["n"] += 1  # held while the env is built: concurrent opens cannot pass max_sessions
+        try:
             try:
                 env = await asyncio.to_thread(build, body.env, body.kwargs, body.overrides)
             except Exception as err:
                 calls.labels(op="open", status="422").inc()
                 return _error(422, "bad_request", f"{type(err).__name__}: {err}")
-            if body.session_id in sessions:  # a repeat of this open finished first
-                await _call(env.close)
-                return await open_session(body)
-            sessions[body.session_id] = _Session(body.session_id, body.env, body.kwargs, env, body.seed)
-            calls.labels(op="open", status="200").inc()
-            return OpenResponse(session_id=body.session_id, **_describe(env).model_dump()).model_dump()
         finally:
-            latency.labels(op="open").observe(time.perf_counter() - t0)
+            opening["n"] -= 1
+        if body.session_id in sessions:  # a repeat of this open finished first
+            await _call(env.close)
+            return await opened(body, owner)
+        sessions[body.session_id] = _Session(body.session_id, body.env, body.kwargs, env, body.seed, owner)
+        calls.labels(op="open", status="200").inc()
+        return OpenResponse(session_id=body.session_id, **_describe(env).model_dump()).model_dump()
 
-    def lookup(sid: str) -> _Session | JSONResponse:
+    def lookup(sid: str, owner: str | None) -> _Session | JSONResponse:
+        """The session ``sid`` of ``owner``; another tenant's session is not found, as one that never was."""
         s = sessions.get(sid)
-        if s is not None:
+        if s is not None and s.owner == owner:
             return s
-        if sid in ended:
-            return _error(410, "session_gone", f"session {sid} ended: {ended[sid]}")
+        if s is None and sid in ended and ended[sid][1] == owner:
+            return _error(410, "session_gone", f"session {sid} ended: {ended[sid][0]}")
         return _error(404, "session_not_found", f"no session {sid} on this server (it may have restarted)")
 
     async def apply(
@@ -239,18 +298,26 @@ def build_env_app(envs: dict[str, str], settings: EnvServerSettings | None = Non
             await asyncio.wait([prev])
         if s.gone is not None:
             return 410, {"error": "session_gone", "detail": f"session {s.sid} ended: {s.gone}"}
+        with deadline(timeout_s) as scope:  # the sandboxes the call starts end by its deadline
+            task = asyncio.ensure_future(fn())
         try:
-            return 200, await asyncio.wait_for(fn(), timeout_s)
+            return 200, await asyncio.wait_for(task, timeout_s)
         except TimeoutError:
+            scope.cancel()  # kill the call's sandboxes now: the env is abandoned, its work must not go on
             end(s, f"{op} seq {seq} took longer than timeout_s={timeout_s:g}s (the env's state is unknown)")
             return 504, {"error": "env_timeout", "detail": f"{op} seq {seq} took longer than {timeout_s:g}s"}
+        except asyncio.CancelledError:
+            scope.cancel()
+            raise
         except Exception as err:
             log.info("session %s %s seq %d: env raised %s: %s", s.sid, op, seq, type(err).__name__, err)
             return 500, {"error": "env_error", "detail": f"{type(err).__name__}: {err}"}
 
-    async def numbered(sid: str, op: str, seq: int, timeout_s: float | None, fn: Callable[[_Session], Any]) -> Any:
+    async def numbered(
+        sid: str, owner: str | None, op: str, seq: int, timeout_s: float | None, fn: Callable[[_Session], Any]
+    ) -> Any:
         t0 = time.perf_counter()
-        found = lookup(sid)
+        found = lookup(sid, owner)
         if isinstance(found, JSONResponse):
             calls.labels(op=op, status=str(found.status_code)).inc()
             return found
@@ -277,15 +344,15 @@ def build_env_app(envs: dict[str, str], settings: EnvServerSettings | None = Non
         return body if status == 200 else JSONResponse(body, status_code=status)
 
     @app.post("/sessions/{sid}/reset")
-    async def reset(sid: str, body: ResetRequest) -> Any:
+    async def reset(sid: str, body: ResetRequest, owner: str | None = caller) -> Any:
         async def run(s: _Session) -> dict[str, Any]:
             obs, info = await _call(s.env.reset, body.seed if body.seed is not None else s.seed)
             return ResetResponse(seq=body.seq, observation=obs, info=info or {}).model_dump()
 
-        return await numbered(sid, "reset", body.seq, body.timeout_s, run)
+        return await numbered(sid, owner, "reset", body.seq, body.timeout_s, run)
 
     @app.post("/sessions/{sid}/step")
-    async def step(sid: str, body: StepRequest) -> Any:
+    async def step(sid: str, body: StepRequest, owner: str | None = caller) -> Any:
         async def run(s: _Session) -> dict[str, Any]:
             obs, reward, terminated, truncated, info = await _call(s.env.step, body.action)
             return StepResponse(
@@ -297,17 +364,18 @@ def build_env_app(envs: dict[str, str], settings: EnvServerSettings | None = Non
                 info=info or {},
             ).model_dump()
 
-        return await numbered(sid, "step", body.seq, body.timeout_s, run)
+        return await numbered(sid, owner, "step", body.seq, body.timeout_s, run)
 
     @app.delete("/sessions/{sid}")
-    async def close(sid: str) -> dict[str, Any]:
+    async def close(sid: str, owner: str | None = caller) -> dict[str, Any]:
         s = sessions.get(sid)
         calls.labels(op="close", status="200").inc()
-        if s is None:
+        if s is None or s.owner != owner:  # only its owner closes a session
             return {"closed": False}
         end(s, "closed by the client")
         return {"closed": True}
 
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app
 
 

@@ -4,8 +4,9 @@ No Kubernetes API server can run on a test machine, so :class:`KubeStandIn` stan
 server *and* the scheduler/kubelet; everything a user's code relies on -- the official ``kubernetes``
 python client, kubeconfig loading, watches, readiness logic, the pods' own servers -- runs for real.
 
-The API (``http://127.0.0.1:PORT``, bearer token auth, JSON) serves, for namespaced ``pods`` and
-``services`` under ``/api/v1/namespaces/{ns}/...``: create (POST), get, list (``labelSelector`` with
+The API (``http://127.0.0.1:PORT``, bearer token auth, JSON) serves, for namespaced ``pods``,
+``services`` and ``secrets`` under ``/api/v1/namespaces/{ns}/...`` and ``networkpolicies`` under
+``/apis/networking.k8s.io/v1/namespaces/{ns}/...``: create (POST), get, list (``labelSelector`` with
 ``k=v``, ``k!=v``, ``k``, ``!k``), watch (``?watch=true``: chunked JSON lines of ``ADDED`` /
 ``MODIFIED`` / ``DELETED`` events, from ``resourceVersion`` or from the current state, ending after
 ``timeoutSeconds``), delete and delete-collection (with ``labelSelector``), and ``pods/{name}/log``.
@@ -34,7 +35,11 @@ Pods (one container each) go through the kubelet's transitions, each a ``MODIFIE
 * delete sets ``deletionTimestamp`` (``MODIFIED``), kills the pod's processes (SIGTERM, then SIGKILL
   after ``grace_s``), removes its namespace, then the object (``DELETED``).
 
-Services are stored and listed with a ``clusterIP`` (no proxying: reach pods by pod IP).
+Services are stored and listed with a ``clusterIP`` (no proxying: reach pods by pod IP). Secrets are
+stored with ``stringData`` folded into base64 ``data``, as the API server does, and a container's
+``env`` ``valueFrom.secretKeyRef`` is read from them when its process starts. NetworkPolicies are
+stored and listed as written (not enforced: pods' namespaces stay reachable from the node), and so is a
+pod's ``securityContext`` (its process runs as the stand-in's user).
 
 The network: a bridge in a namespace of the run's own and a veth pair from it to the caller's (root)
 namespace carrying ``10.A.B.1/24`` (a /24 no route of the caller uses, picked at random), so the test
@@ -52,6 +57,7 @@ Usage::
 
 from __future__ import annotations
 
+import base64
 import copy
 import datetime as dt
 import http.server
@@ -81,7 +87,13 @@ from rollart.testing.hosts import HostsError, _netns_pids, _teardown, list_names
 
 log = logging.getLogger(__name__)
 
-KINDS = {"pods": ("Pod", "PodList"), "services": ("Service", "ServiceList")}
+KINDS = {
+    "pods": ("Pod", "PodList"),
+    "services": ("Service", "ServiceList"),
+    "secrets": ("Secret", "SecretList"),
+    "networkpolicies": ("NetworkPolicy", "NetworkPolicyList"),
+}
+API_VERSION = {"networkpolicies": "networking.k8s.io/v1"}
 
 
 @dataclass
@@ -174,7 +186,7 @@ class KubeStandIn:
         self.bridge_namespace = f"rak{self.run_id}br"
         self.root_link = f"rak{self.run_id}"
         self._namespaces: list[str] = []
-        self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {"pods": {}, "services": {}}
+        self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in KINDS}
         self._pods: dict[tuple[str, str], _Pod] = {}
         self._events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, kind, type, object)
         self._rv = 1  # a list never answers "0" (which a watch reads as "from the current state")
@@ -323,12 +335,20 @@ class KubeStandIn:
             raise _ApiError(422, "Invalid", f'{KINDS[kind][0]} "{name}" is invalid: metadata.name must be a DNS label')
         spec: dict[str, Any] = dict(body.get("spec") or {})
         obj: dict[str, Any] = {
-            "apiVersion": "v1",
+            "apiVersion": API_VERSION.get(kind, "v1"),
             "kind": KINDS[kind][0],
             "metadata": {**meta, "name": name, "namespace": ns, "uid": str(uuid.uuid4()), "creationTimestamp": now()},
             "spec": spec,
             "status": {},
         }
+        if kind == "secrets":
+            data = {k: str(v) for k, v in (body.get("data") or {}).items()}
+            for k, v in (body.get("stringData") or {}).items():
+                data[k] = base64.b64encode(str(v).encode()).decode()
+            obj = {k: v for k, v in obj.items() if k not in ("spec", "status")}
+            obj.update(type=body.get("type", "Opaque"), data=data)
+        elif kind == "networkpolicies":
+            del obj["status"]
         if kind == "pods":
             containers = spec.get("containers") or []
             if len(containers) != 1 or not containers[0].get("name") or not containers[0].get("image"):
@@ -336,7 +356,7 @@ class KubeStandIn:
                                 "with a name and an image")  # fmt: skip
             spec.setdefault("restartPolicy", "Always")
             obj["status"] = {"phase": "Pending", "conditions": [], "qosClass": "BestEffort"}
-        else:
+        elif kind == "services":
             spec.setdefault("type", "ClusterIP")
             spec["clusterIP"] = f"10.96.{random.randint(0, 255)}.{random.randint(1, 254)}"
             obj["status"] = {"loadBalancer": {}}
@@ -370,7 +390,8 @@ class KubeStandIn:
         with self._cond:
             items = [copy.deepcopy(o) for (n, _), o in sorted(self._objects[kind].items()) if n == ns
                      and selects(sel, o["metadata"].get("labels"))]  # fmt: skip
-            return {"apiVersion": "v1", "kind": KINDS[kind][1], "metadata": {"resourceVersion": str(self._rv)},
+            return {"apiVersion": API_VERSION.get(kind, "v1"), "kind": KINDS[kind][1],
+                    "metadata": {"resourceVersion": str(self._rv)},
                     "items": items}  # fmt: skip
 
     def delete(self, kind: str, ns: str, name: str) -> dict[str, Any]:
@@ -378,7 +399,7 @@ class KubeStandIn:
             obj = self._objects[kind].get((ns, name))
             if obj is None:
                 raise _ApiError(404, "NotFound", f'{kind} "{name}" not found')
-            if kind == "services":
+            if kind != "pods":
                 del self._objects[kind][(ns, name)]
                 self._emit(kind, "DELETED", obj)
                 return copy.deepcopy(obj)
@@ -496,7 +517,7 @@ class KubeStandIn:
             argv[0] = sys.executable
         elif argv[0] == "rollart":  # the project's console script, as an image of rollart would have it
             argv[:1] = [sys.executable, "-m", "rollart.cli"]
-        env = {**self.base_env, **{e["name"]: str(e.get("value", "")) for e in c.get("env") or []}}
+        env = {**self.base_env, **{e["name"]: self._env_value(pod.key[0], e) for e in c.get("env") or []}}
         env.update(POD_NAME=pod.key[1], POD_NAMESPACE=pod.key[0], POD_IP=pod.ip)
         probe = c.get("readinessProbe")
         restarts = 0
@@ -549,6 +570,14 @@ class KubeStandIn:
             self._update_pod(pod.key, crashed)
             if pod.deleted.wait(backoff):
                 return
+
+    def _env_value(self, ns: str, entry: dict[str, Any]) -> str:
+        """A container's variable: its ``value``, or its ``valueFrom.secretKeyRef`` read from the Secret."""
+        ref = (entry.get("valueFrom") or {}).get("secretKeyRef")
+        if ref is None:
+            return str(entry.get("value", ""))
+        secret = self.get("secrets", ns, ref["name"])
+        return base64.b64decode(secret["data"][ref["key"]]).decode()
 
     def _probe_until_exit(self, pod: _Pod, probe: dict | None, c: dict[str, Any], running: Any) -> None:
         """Probe readiness while the container runs; return when it exits or the pod is deleted."""
@@ -653,7 +682,10 @@ def _teardown_all(namespaces: list[str], root_link: str, directory: str) -> None
 
 
 def _handler(kube: KubeStandIn) -> type[http.server.BaseHTTPRequestHandler]:
-    path_re = re.compile(r"^/api/v1/namespaces/([^/]+)/(pods|services)(?:/([^/]+))?(/log)?$")
+    path_re = re.compile(
+        r"^/(?:api/v1|apis/networking\.k8s\.io/v1)/namespaces/([^/]+)/(pods|services|secrets|networkpolicies)"
+        r"(?:/([^/]+))?(/log)?$"
+    )
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
