@@ -17,6 +17,8 @@ import asyncio
 import json
 import logging
 import os
+import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -32,6 +34,25 @@ RAY_STATE = {
     "FAILED": "failed",
     "STOPPED": "stopped",
 }
+
+
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def submit_entrypoint(python: str, config_name: str, job_id: str, sets: list[str]) -> str:
+    """The command line Ray Jobs runs for ``rollart submit``. Ray runs it through a shell, so every
+    argument is quoted (:func:`shlex.join`): a value with ``$(...)``, backquotes, ``;`` or quotes reaches
+    ``rollart run`` as it was typed and runs nothing. ``python`` may be several words (``uv run python``)."""
+    try:
+        interpreter = shlex.split(python)
+    except ValueError as err:
+        raise ValueError(f"--python {python!r}: {err}") from None
+    if not interpreter:
+        raise ValueError("--python: give the cluster's Python, e.g. --python python3")
+    argv = [*interpreter, "-m", "rollart.cli", "run", config_name, "--set", f"cluster.job_id={job_id}"]
+    for item in sets:
+        argv += ["--set", item]
+    return shlex.join(argv)
 
 
 def jobs_address(explicit: str | None) -> str:
@@ -102,9 +123,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
         log.error("%s", err)
         return 2
     job_id = args.name or new_job_id()
+    if JOB_NAME.fullmatch(job_id) is None:
+        log.error(
+            "rollart submit --name %r: use 1-64 characters from [A-Za-z0-9_.-], starting with a letter or digit", job_id
+        )
+        return 2
     admission = Admission(quota=quota, priority=args.priority, submitted_at=time.time())
-    sets = "".join(f" --set {json.dumps(s)}" for s in args.set)
-    entrypoint = f"{args.python} -m rollart.cli run {json.dumps(config.name)} --set cluster.job_id={job_id}{sets}"
+    try:
+        entrypoint = submit_entrypoint(args.python, config.name, job_id, args.set)
+    except ValueError as err:
+        log.error("rollart submit %s", err)
+        return 2
     env_vars = {
         **admission.env(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
