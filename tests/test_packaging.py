@@ -77,3 +77,18 @@ def test_shipped_configs_are_found_by_name(tmp_path, monkeypatch):
         assert "quickstart" in str(err)
     else:
         raise AssertionError("a missing config loaded")
+
+
+def test_torch_is_a_version_whose_weights_only_load_cannot_be_bypassed():
+    from packaging.requirements import Requirement
+
+    deps = [Requirement(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    torch = next(r for r in deps if r.name == "torch")
+    # torch.load(weights_only=True) before 2.6 can be made to run code (CVE-2025-32434); checkpoints load with it
+    assert "2.5.1" not in torch.specifier and "2.6.0" in torch.specifier
+    pinned = [
+        ln.split("==")[1]
+        for ln in (ROOT / "constraints" / "cpu.txt").read_text().splitlines()
+        if ln.startswith("torch==")
+    ]
+    assert pinned and all(v in torch.specifier for v in pinned)  # the CPU constraints still install
