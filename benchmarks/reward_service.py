@@ -1,8 +1,15 @@
 """reward-service: the reward service's own cost (requests/s, latency) next to an in-process call.
 
-Requests/s and p50/p99 latency at client concurrency 1, 16, 64 against a real
-``rollart serve rewards`` process on 127.0.0.1 (one trajectory per request, ``exact_match``), next to
-calling the same function in-process.
+``--part throughput`` (the default): requests/s and p50/p99 latency at client concurrency 1, 16, 64
+against a real ``rollart serve rewards`` process on 127.0.0.1 (one trajectory per request,
+``exact_match``), next to calling the same function in-process.
+
+``--part slow-neighbours``: a stream of cheap requests (``math_answer``, one at a time, back to back)
+against a server that also serves ``code_tests``, first alone, then while ``--slow`` (6) code requests
+are computing (each a solution that spins until its ``--slow-s`` sandbox timeout, re-sent as soon as it
+ends): p50/p99/max latency of the cheap requests in both phases. ``--compare-src DIR`` runs the same
+measurement against the rollart source in ``DIR`` (e.g. ``git archive <rev> | tar -x -C DIR``) in the
+same run, one server after the other, so two versions are compared on the same machine and load.
 
 Sharing one service across jobs (seed 004 §7.5) is ``rollart bench shared-reward``: three real jobs.
 """
@@ -25,8 +32,23 @@ from rollart.benchmarks.common import add_common_arguments, write_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=300, help="requests per concurrency level (part 1)")
+    p.add_argument("--part", choices=["throughput", "slow-neighbours"], default="throughput")
+    p.add_argument("--requests", type=int, default=300, help="requests per concurrency level (throughput)")
+    p.add_argument("--slow", type=int, default=6, help="slow code requests in flight (slow-neighbours)")
+    p.add_argument("--slow-s", type=float, default=10.0, help="seconds each slow request computes")
+    p.add_argument("--phase-s", type=float, default=20.0, help="seconds of cheap requests per phase")
+    p.add_argument("--compare-src", default=None, help="another rollart source folder, measured in the same run")
     add_common_arguments(p, "runs/bench/reward-service", time_scale=0.01)
+
+
+_OTHER_SOURCE = (
+    "import runpy, sys\n"
+    "sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in type(f).__name__ and "
+    "'editable' not in getattr(f, '__name__', '')]\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "sys.argv = sys.argv[2:]\n"
+    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+)
 
 
 def _free_port() -> int:
@@ -37,12 +59,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(functions: list[str], extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+def _serve(
+    functions: list[str], extra: list[str] | None = None, src: str | None = None
+) -> tuple[subprocess.Popen, str]:
     port = _free_port()
+    # another version of rollart (``src``): imported from its folder, ahead of an editable install's finder
+    python = [sys.executable, "-m"] if src is None else [sys.executable, "-c", _OTHER_SOURCE, src]
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
+            *python,
             "rollart.cli",
             "serve",
             "rewards",
@@ -109,7 +134,94 @@ def _in_process(n: int) -> dict[str, float]:
     return {"requests_per_s": n / wall, "p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * lat[int(0.99 * n)]}
 
 
+def _quantiles(lat: list[float]) -> dict[str, float]:
+    lat = sorted(lat)
+    if not lat:
+        return {"requests": 0}
+    return {
+        "requests": len(lat),
+        "p50_ms": 1000 * statistics.median(lat),
+        "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        "max_ms": 1000 * lat[-1],
+    }
+
+
+SPIN = "while True:\n    pass\n"
+
+
+async def _cheap_stream(http: httpx.AsyncClient, url: str, seconds: float) -> list[float]:
+    body = {"trajectories": [{"response": "so \\boxed{4}", "ground_truth": "4"}]}
+    lat: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        r = await http.post(url + "/rewards/math_answer", json=body)
+        r.raise_for_status()
+        lat.append(time.perf_counter() - t0)
+    return lat
+
+
+async def _neighbours(url: str, slow: int, slow_s: float, phase_s: float) -> dict[str, Any]:
+    code = {"trajectories": [{"response": SPIN, "ground_truth": {"tests": [{"input": "", "output": "x"}],
+                                                                  "timeout_s": slow_s}}]}  # fmt: skip
+    statuses: dict[str, int] = {}
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=slow + 4)) as http:
+        alone = await _cheap_stream(http, url, phase_s)
+        stop = asyncio.Event()
+
+        async def keep_busy() -> None:
+            while not stop.is_set():
+                r = await http.post(url + "/rewards/code_tests", json=code)
+                statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
+
+        busy = [asyncio.ensure_future(keep_busy()) for _ in range(slow)]
+        while (await http.get(url + "/healthz")).json()["in_flight"] < slow:
+            await asyncio.sleep(0.05)
+        loaded = await _cheap_stream(http, url, phase_s)
+        stop.set()
+        for t in busy:
+            t.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
+    return {"alone": _quantiles(alone), "with_slow": _quantiles(loaded), "slow_statuses": statuses}
+
+
+def _slow_neighbours(args: argparse.Namespace) -> dict[str, Any]:
+    functions = ["rollart.reward.builtin:code_tests", "rollart.reward.builtin:math_answer", "--timeout-s", "600"]
+    versions: list[tuple[str, str | None, list[str]]] = []
+    if args.compare_src:  # an older rollart: no --sandbox-* flags, the request's timeout_s is the limit
+        versions.append(("compare", args.compare_src, []))
+    versions.append(("this", None, ["--sandbox-timeout-s", str(args.slow_s)]))
+    out: dict[str, Any] = {}
+    for name, src, extra in versions:
+        proc, url = _serve(functions + extra, src=src)
+        try:
+            out[name] = asyncio.run(_neighbours(url, args.slow, args.slow_s, args.phase_s))
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    result = {
+        "bench": "reward-service",
+        "part": "slow-neighbours",
+        "slow_requests": args.slow,
+        "slow_s": args.slow_s,
+        "phase_s": args.phase_s,
+        "compare_src": args.compare_src,
+        **out,
+    }
+    bars = {f"{n} {phase}": v[phase].get("p99_ms", 0.0) for n, v in out.items() for phase in ("alone", "with_slow")}
+    return write_report(
+        args.out,
+        "reward-service-slow-neighbours",
+        result,
+        bars,
+        "cheap request p99 (ms)",
+        "cheap requests next to slow code",
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.part == "slow-neighbours":
+        return _slow_neighbours(args)
     proc, url = _serve(["rollart.reward.builtin:exact_match"])
     try:
         service = {c: asyncio.run(_load(url + "/rewards/exact_match", c, args.requests)) for c in (1, 16, 64)}
