@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rollart import jobs_cli
+from rollart.cli import jobs as jobs_cli
 
 HOSTILE = ["a$(touch {m}/dollar)", "a`touch {m}/backquote`", "a; touch {m}/semicolon", "a' \"; touch {m}/quotes #"]
 

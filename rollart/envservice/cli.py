@@ -41,8 +41,8 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
         log.error("rollart serve env needs the 'serve' extra (%s): pip install 'rollart[serve]'", err)
         return 2
     from rollart.envservice.server import EnvServerSettings, build_env_app
-    from rollart.http_guard import forget_env_secrets, tenant_token_envs
     from rollart.reward.cli import sandbox_limits
+    from rollart.reward.http_guard import forget_env_secrets, tenant_token_envs
     from rollart.reward.sandbox import SandboxUnavailable
 
     for folder in [".", *args.plugin_path]:

@@ -6,7 +6,7 @@ their ``seq``; sessions run concurrently (a sync env's calls in worker threads, 
 event loop). A call is applied by a task of its own, so a client that hangs up does not cancel it: its
 answer is kept for the repeat. Idle sessions are closed after ``session_ttl_s``.
 
-Guards (:mod:`rollart.http_guard`, as the reward service has them): a body over ``max_body_bytes`` is
+Guards (:mod:`rollart.reward.http_guard`, as the reward service has them): a body over ``max_body_bytes`` is
 413; with ``token_env`` (one shared token) or ``tenants_file`` (a token per tenant) every endpoint but
 ``/healthz`` needs ``Authorization: Bearer <token>`` (401 before the body is read). A session belongs to
 the tenant that opened it: another tenant's calls, repeats and closes of it answer 404 as for a session
@@ -46,7 +46,7 @@ from rollart.envservice.protocol import (
     StepRequest,
     StepResponse,
 )
-from rollart.http_guard import BearerAuth, BodyLimit, check_token, load_tenants, read_token
+from rollart.reward.http_guard import BearerAuth, BodyLimit, check_token, load_tenants, read_token
 from rollart.reward.sandbox import SandboxLimits, deadline
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ r"""``rollart serve rewards MODULE:FUNC [...] --host 127.0.0.1 --port 8100 [--to
 [--unsafe-no-sandbox]``.
 
 Once the app is built, the token variables (``--token-env``, the tenants file's ``token_env``\ s and
-``$ROLLART_JUDGE_TOKEN``) are removed from the server's environment (:func:`rollart.http_guard.forget_env_secrets`):
+``$ROLLART_JUDGE_TOKEN``) are removed from the server's environment (:func:`rollart.reward.http_guard.forget_env_secrets`):
 nothing the server starts inherits them."""
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def sandbox_limits(args: argparse.Namespace) -> Any:
 
 def secret_variables(settings: Any) -> list[str]:
     """The environment variables holding the server's secrets."""
-    from rollart.http_guard import tenant_token_envs
     from rollart.reward.builtin.judge import TOKEN_ENV
+    from rollart.reward.http_guard import tenant_token_envs
 
     names = [TOKEN_ENV]
     if settings.token_env:
@@ -74,8 +74,8 @@ def app_factory() -> Any:
     import json
     import os
 
-    from rollart.http_guard import forget_env_secrets
     from rollart.reward.builtin.judge import capture_credentials
+    from rollart.reward.http_guard import forget_env_secrets
     from rollart.reward.loader import load_functions
     from rollart.reward.server import ServerSettings, build_app
 
@@ -98,8 +98,8 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         log.error("rollart serve rewards needs the 'serve' extra (%s): pip install 'rollart[serve]'", err)
         return 2
 
-    from rollart.http_guard import forget_env_secrets
     from rollart.reward.builtin.judge import capture_credentials
+    from rollart.reward.http_guard import forget_env_secrets
     from rollart.reward.loader import load_functions
     from rollart.reward.sandbox import SandboxUnavailable
     from rollart.reward.server import ServerSettings, build_app

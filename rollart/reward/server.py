@@ -68,7 +68,8 @@ from prometheus_client import (
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollart.http_guard import (
+from rollart.reward.errors import RewardInputError
+from rollart.reward.http_guard import (
     TENANT_FORMAT,
     BearerAuth,
     BodyLimit,
@@ -77,7 +78,6 @@ from rollart.http_guard import (
     load_tenants,
     read_token,
 )
-from rollart.reward.errors import RewardInputError
 from rollart.reward.sandbox import SandboxLimits, deadline
 from rollart.reward.sandbox import configure as configure_sandbox
 from rollart.reward.sandbox import running as sandboxes_running

@@ -1,4 +1,4 @@
-"""Access control shared by rollart's HTTP services (the reward service and the env server).
+"""Access control of rollart's HTTP services: the reward service's, shared with the env server.
 
 - **Tokens.** One shared bearer token (``--token-env VAR``) or one token per tenant (``--tenants FILE``:
   ``tenants: {NAME: {token_env: VAR, max_concurrency: N}}``). Tokens have at least
