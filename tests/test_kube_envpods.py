@@ -300,7 +300,9 @@ def test_pods_run_restricted_behind_a_network_policy_with_the_token_in_a_secret(
         assert policy.spec.pod_selector.match_labels == {
             "app.kubernetes.io/name": "rollart-env",
             "rollart.io/job": "job-g",
+            "rollart.io/pool": pool.manager.object_name,  # this pool's pods: a job may have one per task
         }
+        assert obj.metadata.labels["rollart.io/pool"] == pool.manager.object_name
         assert policy.spec.policy_types == ["Ingress", "Egress"] and not policy.spec.egress  # no egress at all
         (ingress,) = policy.spec.ingress
         assert [(p.protocol, p.port) for p in ingress.ports] == [("TCP", 8000)]

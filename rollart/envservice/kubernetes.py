@@ -3,8 +3,8 @@
 :class:`EnvPodManager` keeps a warm pool of env-server pods for one job, built from a
 :class:`KubePodSpec` (image, command, args, port, resources, node selector, labels):
 
-* every pod carries the labels ``app.kubernetes.io/name=rollart-env``, ``rollart.io/job=<job id>`` and
-  ``rollart.io/pod=<its name>``, plus the spec's own;
+* every pod carries the labels ``app.kubernetes.io/name=rollart-env``, ``rollart.io/job=<job id>``,
+  ``rollart.io/pool=<its manager's name>`` and ``rollart.io/pod=<its name>``, plus the spec's own;
 * a pod is ready when Kubernetes says so: its ``readinessProbe`` (``httpGet`` of ``readiness_path`` on
   ``port``, ``/healthz`` of the env server) passes and the ``Ready`` condition turns ``True``. The
   manager *watches* the pod until then, at most ``ready_timeout_s``; it is then reached at
@@ -27,10 +27,10 @@ Security: every pod runs with a restrictive ``securityContext`` (non-root uid 65
 escalation, every capability dropped, a read-only root file system with an ``emptyDir`` at ``/tmp``,
 the runtime's default seccomp profile) and without a service-account token
 (``automountServiceAccountToken: false``); ``security_context`` / ``container_security_context``
-replace the defaults. A NetworkPolicy (``network_policy: true``, the default) selects the job's pods:
+replace the defaults. A NetworkPolicy (``network_policy: true``, the default) selects the pool's pods:
 ingress only to the server's port (from ``allow_from`` CIDRs, default any source), no egress at all
-(``egress_to`` CIDRs open some). The pool's bearer token is a Secret of the job (``rollart.io/job``
-label), handed to the container as ``$ROLLART_ENV_TOKEN`` (``secretKeyRef``); the default command
+(``egress_to`` CIDRs open some). The pool's bearer token is a Secret of the pool (labelled with the
+job), handed to the container as ``$ROLLART_ENV_TOKEN`` (``secretKeyRef``); the default command
 serves with ``--token-env ROLLART_ENV_TOKEN``. A cluster whose network plugin does not enforce
 NetworkPolicies (check yours) is protected by the token alone.
 
@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 JOB_LABEL = "rollart.io/job"
 POD_LABEL = "rollart.io/pod"
+POOL_LABEL = "rollart.io/pool"  # the pods of one manager (a job may have several: one per task)
 APP_LABEL = "app.kubernetes.io/name"
 TOKEN_ENV = "ROLLART_ENV_TOKEN"  # the container's variable holding the pool's bearer token
 RESTRICTED_POD = {
@@ -160,8 +161,8 @@ class KubePodSpec(BaseModel):
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
         for k, val in v.items():
-            if k in (JOB_LABEL, POD_LABEL):
-                raise ValueError(f"labels: {k} is set by rollart (the job id / pod name); remove it")
+            if k in (JOB_LABEL, POD_LABEL, POOL_LABEL):
+                raise ValueError(f"labels: {k} is set by rollart (the job id / pod name / pool); remove it")
             if len(val) > 63 or not _LABEL_VALUE.match(val):
                 raise ValueError(f"labels: {k}={val!r} is not a valid label value (<= 63 of [A-Za-z0-9-_.])")
         return v
@@ -255,7 +256,8 @@ class EnvPodManager:
         self.job_id = job_id
         self.token = token
         base = re.sub(r"[^a-z0-9-]", "-", job_id.lower()).strip("-")[:30] or "job"
-        self.object_name = f"rollart-env-{base}"  # the job's Secret and NetworkPolicy
+        # this pool's Secret and NetworkPolicy (and the value of its pods' pool label)
+        self.object_name = f"rollart-env-{base}-{secrets.token_hex(3)}"
         self._guarded = False
         if api is None:
             api, default_ns = load_api(connection)
@@ -307,11 +309,11 @@ class EnvPodManager:
             spec["runtimeClassName"] = s.runtime_class_name
         if s.node_selector:
             spec["nodeSelector"] = s.node_selector
-        labels = {**s.labels, APP_LABEL: "rollart-env", JOB_LABEL: self.job_id, POD_LABEL: name}
+        labels = {**s.labels, **self.pool_labels(), POD_LABEL: name}
         return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": spec}
 
-    def job_labels(self) -> dict[str, str]:
-        return {APP_LABEL: "rollart-env", JOB_LABEL: self.job_id}
+    def pool_labels(self) -> dict[str, str]:
+        return {APP_LABEL: "rollart-env", JOB_LABEL: self.job_id, POOL_LABEL: self.object_name}
 
     def secret_manifest(self) -> dict[str, Any]:
         """The job's Secret holding the pool's bearer token."""
@@ -319,7 +321,7 @@ class EnvPodManager:
         return {
             "apiVersion": "v1",
             "kind": "Secret",
-            "metadata": {"name": self.object_name, "labels": self.job_labels()},
+            "metadata": {"name": self.object_name, "labels": self.pool_labels()},
             "type": "Opaque",
             "data": {"token": base64.b64encode(self.token.encode()).decode()},
         }
@@ -334,9 +336,9 @@ class EnvPodManager:
         return {
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
-            "metadata": {"name": self.object_name, "labels": self.job_labels()},
+            "metadata": {"name": self.object_name, "labels": self.pool_labels()},
             "spec": {
-                "podSelector": {"matchLabels": self.job_labels()},
+                "podSelector": {"matchLabels": self.pool_labels()},
                 "policyTypes": ["Ingress", "Egress"],
                 "ingress": [ingress],
                 "egress": [{"to": [{"ipBlock": {"cidr": c}} for c in s.egress_to]}] if s.egress_to else [],
