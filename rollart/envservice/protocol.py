@@ -29,7 +29,12 @@ Endpoints::
   applies a step twice; a client that got an answer (success or an error) moves on to ``seq + 1``.
 * ``timeout_s`` bounds the env call on the server (capped by the server's ``max_call_timeout_s``). A
   call past it answers ``504 env_timeout``, and the session is then *gone* (its env may still be
-  busy with the call, its state unknown): later calls answer ``410``.
+  busy with the call, its state unknown; the code sandboxes it started are killed): later calls
+  answer ``410``.
+* Access: a server with a token (``--token-env``, or a token per tenant with ``--tenants``) answers
+  every endpoint but ``/healthz`` with ``401`` without it (``Authorization: Bearer <token>``); a
+  session belongs to the tenant that opened it, and is ``404`` to the others. A body over the
+  server's ``max_body_bytes`` is ``413``. Both are :class:`EnvServiceRequestError` on the client.
 
 Errors are ``{"error": KIND, "detail": TEXT}``:
 
