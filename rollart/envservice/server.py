@@ -30,6 +30,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -47,7 +48,7 @@ from rollart.envservice.protocol import (
     StepResponse,
 )
 from rollart.reward.http_guard import BearerAuth, BodyLimit, check_token, load_tenants, read_token
-from rollart.reward.sandbox import SandboxLimits, deadline
+from rollart.reward.sandbox import SandboxCancelled, SandboxLimits, deadline
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,12 @@ def build_env_app(
     async def metrics(_: str | None = caller) -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
+    if auth.enabled:
+
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(_: str | None = caller) -> JSONResponse:
+            return JSONResponse(get_openapi(title=app.title, version=app.version, routes=app.routes))
+
     def unknown_env(name: str) -> JSONResponse:
         return _error(422, "bad_request", f"env {name!r} is not served here; this server serves {sorted(envs)}")
 
@@ -298,11 +305,13 @@ def build_env_app(
             await asyncio.wait([prev])
         if s.gone is not None:
             return 410, {"error": "session_gone", "detail": f"session {s.sid} ended: {s.gone}"}
-        with deadline(timeout_s) as scope:  # the sandboxes the call starts end by its deadline
+        # the sandboxes the call starts end by its deadline (a backstop a second later: the timeout below
+        # cancels them first)
+        with deadline(timeout_s + 1.0) as scope:
             task = asyncio.ensure_future(fn())
         try:
             return 200, await asyncio.wait_for(task, timeout_s)
-        except TimeoutError:
+        except (TimeoutError, SandboxCancelled):
             scope.cancel()  # kill the call's sandboxes now: the env is abandoned, its work must not go on
             end(s, f"{op} seq {seq} took longer than timeout_s={timeout_s:g}s (the env's state is unknown)")
             return 504, {"error": "env_timeout", "detail": f"{op} seq {seq} took longer than {timeout_s:g}s"}

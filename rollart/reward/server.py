@@ -41,6 +41,7 @@ killed, its trajectories not yet started are dropped, and a function still in ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import hashlib
@@ -50,7 +51,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -78,7 +79,7 @@ from rollart.reward.http_guard import (
     load_tenants,
     read_token,
 )
-from rollart.reward.sandbox import SandboxLimits, deadline
+from rollart.reward.sandbox import SandboxCancelled, SandboxLimits, deadline
 from rollart.reward.sandbox import configure as configure_sandbox
 from rollart.reward.sandbox import running as sandboxes_running
 from rollart.reward.schemas import RewardRequest, RewardResponse
@@ -191,6 +192,10 @@ class _Pools:
 
         return asyncio.get_running_loop().run_in_executor(self.executors[name], call)
 
+    def shutdown(self) -> None:
+        for executor in self.executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
+
     def count(self, name: str) -> int:
         with self._lock:
             return self.running[name]
@@ -270,11 +275,20 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         description="the token of `--token-env`, or the caller's own token of `--tenants` (when the server has one)",
         on_reject=lambda request: count(request.path_params.get("name", ""), 401, "unauthenticated"),
     )
+
     # a server with a token shows its schema and metrics to token holders only, and serves no docs page
     # (its script could not send the token)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            pools.shutdown()
+
     app = FastAPI(
         title="rollart reward service",
         version="1",
+        lifespan=lifespan,
         openapi_url=None if auth.enabled else "/openapi.json",
         docs_url=None if auth.enabled else "/docs",
         redoc_url=None if auth.enabled else "/redoc",
@@ -385,14 +399,15 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         try:
             trajs = [t.model_dump() for t in body.trajectories]
             try:
-                with deadline(settings.timeout_s) as scope:
+                # the sandboxes' own deadline is a backstop a second later: the request's timeout cancels them
+                with deadline(settings.timeout_s + 1.0) as scope:
                     work = asyncio.gather(*(call(fn, t, name, tenant) for t in trajs))
                 values = await asyncio.wait_for(work, settings.timeout_s)
                 pairs = [_score_of(v) for v in values]
             except RewardInputError as err:  # the caller asked for something the server refuses
                 count(name, 422, tenant)
                 raise HTTPException(422, f"reward function {name!r} refused the input: {err}") from None
-            except TimeoutError:
+            except (TimeoutError, SandboxCancelled):
                 count(name, 504, tenant)
                 raise HTTPException(504, f"reward function {name!r} took longer than {settings.timeout_s}s") from None
             except Exception as err:
