@@ -153,3 +153,13 @@ def test_a_timed_out_call_kills_the_code_it_started_and_sessions_cannot_raise_li
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def test_serve_env_refuses_code_envs_without_isolation(tmp_path: Path) -> None:
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "ROLLART_SANDBOX"} | {"PATH": str(empty)}
+    cmd = [sys.executable, "-m", "rollart.cli", "serve", "env", "code_sandbox", "--port", str(free_port())]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "bubblewrap" in done.stderr and "--unsafe-no-sandbox" in done.stderr
