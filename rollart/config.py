@@ -444,13 +444,16 @@ class PipelineConfig(BaseModel):
                 "train_pool": self.train_pool,
                 "rollout_pool": self.rollout_pool,
                 "advantage": self.advantage,
-                "critic": self.critic,
+                "critic": self.critic.model_dump() if self.critic is not None else None,
                 "envs": [
                     {"groups": e.groups, "backend": e.backend, "pool": e.pool, "servers": e.servers} for e in self.envs
                 ],
                 "data": [{"groups": t.groups} for t in self.data],
                 "rollout": {"num_env_groups": self.rollout.num_env_groups, "batch_groups": self.rollout.batch_groups},
                 "tasks": {t: {"ratio": c.ratio} for t, c in self.tasks.items()},
+                "model": self.model,
+                "train": {"model": self.train.model},
+                "engine": {"kind": self.engine.kind, "model": self.engine.model},
             }
         )
         if self.tasks:
@@ -541,12 +544,39 @@ def task_problems(cfg: PipelineConfig) -> list[str]:
     return out
 
 
+def model_problems(raw: Mapping[str, Any]) -> list[str]:
+    """``model``, ``train.model``, ``critic.model`` and ``engine.model`` (for the engines that load a
+    Hugging Face model): a folder with a ``config.json`` or a model the offline Hugging Face cache holds."""
+    from rollart.models.locate import model_problem
+    from rollart.rollout.engine_config import ENGINE_KINDS
+
+    def section(name: str) -> Mapping[str, Any]:
+        value = raw.get(name)
+        return value if isinstance(value, Mapping) else {}
+
+    engine = section("engine")
+    loads_hf = engine.get("kind", "torch") in set(ENGINE_KINDS) - {"simulated"}
+    given = [
+        ("model", raw.get("model")),
+        ("train.model", section("train").get("model")),
+        ("critic.model", section("critic").get("model")),
+        ("engine.model", engine.get("model") if loads_hf else None),
+    ]
+    out = []
+    for where, value in given:
+        if isinstance(value, str):
+            problem = model_problem(value)
+            if problem is not None:
+                out.append(f"{where}: {problem}")
+    return out
+
+
 def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
     """The checks that relate several sections (pool names, the critic of ``advantage: gae``, the task
     groups against ``rollout.num_env_groups``), on a config mapping — also one whose fields have errors
     of their own, so that :func:`validate_config` reports these with them, not after they are fixed.
     Values of the wrong type are skipped (their own field reports them)."""
-    out: list[str] = []
+    out = model_problems(raw)
     pools = raw.get("pools")
     if isinstance(pools, dict):
         for field_name in ("train_pool", "rollout_pool"):
