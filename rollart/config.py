@@ -665,10 +665,35 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def yaml_error_line(err: yaml.YAMLError, source: str | Path) -> str:
+    """A YAML error as one line: ``FILE:LINE:COLUMN: what`` (line and column counted from 1)."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(source)
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and start is not None and start is not mark:
+        context = f"{context} (from line {start.line + 1}, column {start.column + 1})"
+    problem = getattr(err, "problem", None)
+    what = ", ".join(str(p) for p in (context, problem) if p) or str(err).splitlines()[0]
+    return f"{where}: YAML syntax error: {what}"
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """The mapping of a YAML config file; a ConfigError naming the file, line and column on a syntax error."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(yaml_error_line(err, path)) from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a config is a mapping of keys (name:, pools:, ...), not a {type(raw).__name__}")
+    return raw
+
+
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """Read and validate a YAML config; ``overrides`` are dotted keys (``{"steps": 3}``)."""
     p = resolve_config_path(path)
-    raw = yaml.safe_load(p.read_text()) or {}
+    raw = read_yaml(p)
     for dotted, value in (overrides or {}).items():
         node = raw
         *parents, leaf = dotted.split(".")
