@@ -116,6 +116,18 @@ def test_a_relay_child_reads_its_parents_copy_though_no_reader_of_the_parent_ask
     assert caches[b]["relay_fallbacks"] == caches[c]["relay_fallbacks"] == 0
 
 
+def test_a_segment_advertised_on_loopback_fails_at_once_naming_the_address_and_the_fix(hosts):
+    """A host whose Mooncake client would advertise its segment on 127.0.0.1 (MC_TCP_BIND_ADDRESS left from
+    a single-host run) in a three-host cluster: the first publish fails with the address and the fix,
+    instead of every transfer from the other hosts failing until weights.timeout_s."""
+    pytest.importorskip("mooncake.store")
+    res = hosts.run_driver([str(REPO / "tests" / "scripts" / "loopback_segment_driver.py")], cwd=REPO)
+    r = res.check().result
+    assert r["nodes"] == 3 and r["master"].startswith(hosts.host("head").ip + ":"), r
+    assert r["error"] is not None and "advertised on 127.0.0.1 (MC_TCP_BIND_ADDRESS=127.0.0.1)" in r["error"], r
+    assert "the Ray cluster has 3 nodes" in r["error"] and "Unset MC_TCP_BIND_ADDRESS" in r["error"]
+
+
 def test_rdma_needs_device_names_and_names_the_field(tmp_path):
     from rollart.config import ConfigError, load_config
 

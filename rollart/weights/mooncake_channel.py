@@ -23,6 +23,7 @@ a one-machine Ray), so peers on other hosts can reach the segment.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from rollart.resource_manager.net import node_ip
-from rollart.weights.mooncake_master import MooncakeUnavailable
+from rollart.weights.mooncake_master import MooncakeUnavailable, library_fix, missing_library
 from rollart.weights.snapshot import (
     flat_checksum,
     pack_into,
@@ -73,6 +74,56 @@ def _remove_keys(store: Any, keys: list[str]) -> bool:
     return all(code in (0, OBJECT_NOT_FOUND) for code in [store.remove(k) for k in keys])
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _is_local_address(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (a socket can bind it)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _ray_node_count() -> int | None:
+    """Alive nodes of the Ray cluster this process belongs to (None without Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
+def loopback_segment_problem(host: str, master: str, ray_nodes: int | None) -> str | None:
+    """A client segment advertised on a loopback address where other hosts take part (the master on
+    another address, or a Ray cluster of several nodes): every transfer from another host to it would fail
+    and be retried until ``weights.timeout_s``. What is wrong and the fix, or None."""
+    if not _is_loopback(host):
+        return None
+    master_host = master.rsplit(":", 1)[0].strip("[]")
+    several_nodes = ray_nodes is not None and ray_nodes > 1
+    if not several_nodes and (_is_loopback(master_host) or _is_local_address(master_host)):
+        return None  # one machine: loopback is right
+    where = f"the Ray cluster has {ray_nodes} nodes" if several_nodes else f"the master is at {master}, on another host"
+    source = (
+        f"MC_TCP_BIND_ADDRESS={os.environ['MC_TCP_BIND_ADDRESS']}"
+        if os.environ.get("MC_TCP_BIND_ADDRESS")
+        else "this process's Ray node IP"
+    )
+    return (
+        f"the Mooncake segment of this process would be advertised on {host} ({source}), which no other host "
+        f"can reach, but {where}: transfers to it would fail until weights.timeout_s. Unset MC_TCP_BIND_ADDRESS "
+        "(rollart then uses the node's Ray IP) or set it to this host's address on the network the other hosts "
+        "reach; on a multi-host cluster start every Ray node with --node-ip-address=<that address>"
+    )
+
+
 class _Client:
     """One ``MooncakeDistributedStore`` per process and master address."""
 
@@ -85,13 +136,23 @@ class _Client:
             if master in cls._by_master:
                 return cls._by_master[master]
             host = os.environ.get("MC_TCP_BIND_ADDRESS") or node_ip()
+            problem = loopback_segment_problem(host, master, _ray_node_count())
+            if problem is not None:
+                raise MooncakeStoreError(problem)
             os.environ["MC_TCP_BIND_ADDRESS"] = host
             os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs every connection at INFO
             try:
                 from mooncake.store import MooncakeDistributedStore
             except ImportError as err:
+                library = missing_library(str(err))
+                if library is not None:
+                    raise MooncakeUnavailable(
+                        f"weights.channel=mooncake: the Mooncake store cannot load the shared library {library}; "
+                        f"{library_fix(library)}"
+                    ) from err
                 raise MooncakeUnavailable(
-                    "weights.channel=mooncake needs pip install 'rollart[mooncake]' and apt-get install libibverbs1"
+                    "weights.channel=mooncake needs pip install 'rollart[mooncake]' and apt-get install libibverbs1 "
+                    f"({err})"
                 ) from err
             host_port = master.rsplit(":", 1)
             try:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +27,31 @@ logger = logging.getLogger(__name__)
 
 class MooncakeUnavailable(RuntimeError):
     """The Mooncake package or one of its system libraries is missing."""
+
+
+# shared libraries the Mooncake binaries link, and the Debian/Ubuntu package that installs each
+DEBIAN_PACKAGES = {
+    "libibverbs.so.1": "libibverbs1",
+    "librdmacm.so.1": "librdmacm1",
+    "libnuma.so.1": "libnuma1",
+    "libcurl.so.4": "libcurl4",
+    "libjsoncpp.so.25": "libjsoncpp25",
+}
+
+
+def missing_library(output: str) -> str | None:
+    """The shared library the dynamic loader could not load, from a program's output
+    (``error while loading shared libraries: libibverbs.so.1: cannot open shared object file``)."""
+    found = re.search(r"error while loading shared libraries: ([^:\s]+)", output)
+    return Path(found.group(1)).name if found else None
+
+
+def library_fix(library: str) -> str:
+    """How to install ``library``: the Debian/Ubuntu package when known."""
+    package = DEBIAN_PACKAGES.get(library)
+    if package is not None:
+        return f"install it (Debian/Ubuntu: apt-get install {package}; the Mooncake store needs it even over TCP)"
+    return f"install the package that provides it (Debian/Ubuntu: apt-file search {library})"
 
 
 def find_master_binary() -> str:
@@ -83,20 +110,23 @@ class MooncakeMaster:
             f"--metrics_port={self.metrics_port}",
             f"--default_kv_lease_ttl={self.lease_ttl_ms}",
         ]
-        out = subprocess.DEVNULL
+        env = dict(os.environ)
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / "mooncake_master.log", "ab")  # noqa: SIM115 (owned by the process)
+            out = open(self.log_dir / "mooncake_master.log", "ab+")  # noqa: SIM115 (owned by the process)
+        else:  # kept (warnings and errors only) so that a failed start can say why
+            out = tempfile.TemporaryFile()  # noqa: SIM115 (owned by the process)
+            env.setdefault("GLOG_minloglevel", "1")
+        start_at = out.seek(0, os.SEEK_END)
         # same process group as the job: a signal that ends the job ends its master too
-        self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout_s
         delay = 0.02
         while not _accepts(self.host, self.port):
             if self._proc.poll() is not None:
-                raise MooncakeUnavailable(
-                    f"mooncake_master exited with code {self._proc.returncode} at start (command: {' '.join(cmd)})"
-                )
+                out.seek(start_at)
+                raise MooncakeUnavailable(self._start_failure(cmd, out.read().decode(errors="replace")))
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"mooncake_master did not listen on {self.address} within {timeout_s} s")
@@ -104,6 +134,16 @@ class MooncakeMaster:
             delay = min(delay * 2, 0.5)
         logger.info("mooncake_master pid %d on %s", self._proc.pid, self.address)
         return self
+
+    def _start_failure(self, cmd: list[str], output: str) -> str:
+        """Why the master exited at start, with the fix when it is a missing shared library (exit 127)."""
+        code = self._proc.returncode if self._proc is not None else None
+        head = f"mooncake_master exited with code {code} at start"
+        library = missing_library(output)
+        if library is not None:
+            return f"{head}: it cannot load the shared library {library}; {library_fix(library)}"
+        last = " | ".join(line for line in output.strip().splitlines()[-3:] if line.strip())
+        return f"{head} (command: {' '.join(cmd)})" + (f": {last}" if last else "")
 
     @property
     def pid(self) -> int | None:
