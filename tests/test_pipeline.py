@@ -72,6 +72,11 @@ def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
     assert [h["step"] for h in more] == [2, 3] and more[0]["version"] == 3
     resumed_groups = {g for h in more for g in h["groups"]}
     assert not resumed_groups & consumed_before_ckpt  # nothing consumed before the checkpoint is trained again
+    # the resumed run's ledger accounts for the rounds the first run had started past its checkpoint
+    # (generated, running or being completed): played again, so retried, not lost
+    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert ledger["lost"] == 0 and ledger["trained_twice"] == 0 and ledger["rewards_invented"] == 0, ledger
+    assert ledger["trained"] == 4 * 2 * 4 and ledger["started"] >= ledger["trained"] + ledger["retried"], ledger
 
 
 def test_a_seeded_synchronous_run_repeats(ray_local, tmp_path):

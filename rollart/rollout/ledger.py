@@ -79,8 +79,9 @@ def trajectory_ledger(counts: Mapping[str, int], *, buffered: int, in_flight: in
     * ``trained``: handed to the trainer;
     * ``retried``: not trained and its seed played again or completed without it — aborted (stale
       round, stop), dropped (its round aborted or failed, or a redundant member past ``group_keep``),
-      evicted from the buffer as stale (a trajectory whose request moved to another worker is *not*
-      here: it resumes and ends normally; the proxy's ``faults.migrated`` counts those);
+      evicted from the buffer as stale, or started before the checkpoint a run resumed from and played
+      again after it (a trajectory whose request moved to another worker is *not* here: it resumes and
+      ends normally; the proxy's ``faults.migrated`` counts those);
     * ``failed``: reported failed with the cause (env error or timeout, generation error, reward
       service failure) — never scored;
     * ``filtered``: dynamic filtering dropped its group (all rewards equal);
@@ -96,7 +97,15 @@ def trajectory_ledger(counts: Mapping[str, int], *, buffered: int, in_flight: in
     c = counts
     started = int(c.get("trajectories_started", 0))
     trained = int(c.get("trajectories_trained", 0))
-    retried = sum(int(c.get(k, 0)) for k in ("trajectories_aborted", "trajectories_dropped", "trajectories_evicted"))
+    retried = sum(
+        int(c.get(k, 0))
+        for k in (
+            "trajectories_aborted",
+            "trajectories_dropped",
+            "trajectories_evicted",
+            "trajectories_replayed_on_resume",
+        )
+    )
     failed = int(c.get("trajectories_failed", 0)) + int(c.get("trajectories_reward_failed", 0))
     filtered = int(c.get("trajectories_filtered", 0))
     return {

@@ -54,6 +54,7 @@ class _Round:
     def __init__(self, group: int, index: int, seed: int, version: int):
         self.group, self.index, self.seed, self.start_version = group, index, seed, version
         self.aborted = False
+        self.kept: list[Trajectory] = []  # members ended ok so far (the round is completing)
 
 
 class RolloutScheduler:
@@ -259,7 +260,7 @@ class RolloutScheduler:
             asyncio.ensure_future(m.run(rnd.seed, gid, f"{gid}:{i}:v{rnd.start_version}")): m
             for i, m in enumerate(members)
         }
-        kept: list[Trajectory] = []
+        kept = rnd.kept
         pending = set(tasks)
         task_counts = self.counts_by_task[self.task_of_group[rnd.group]]
         self.counts["trajectories_started"] += len(tasks)
@@ -336,11 +337,18 @@ class RolloutScheduler:
             retry[grp.gid.env_group].insert(0, grp.gid.round)
         for g, rnd in self.running.items():
             retry[g].insert(0, rnd.index)
+        # A scheduler resumed from this state plays those rounds again, so for it their trajectories that
+        # started here (generated and buffered, running, or ended in a round being completed) are retried:
+        # counted so, its trajectory ledger accounts for every one of them (none reads as lost)
+        counts = Counter(self.counts)
+        counts["trajectories_replayed_on_resume"] += (
+            sum(len(g) for g in self.buffer.groups()) + self.in_flight + sum(len(r.kept) for r in self.running.values())
+        )
         return {
             "num_env_groups": self.config.num_env_groups,
             "next_round": list(self._next_round),
             "retry": {g: sorted(set(rounds)) for g, rounds in retry.items() if rounds},
-            "counts": dict(self.counts),
+            "counts": dict(counts),
             "counts_by_task": {t: dict(c) for t, c in self.counts_by_task.items()},
             "settled": self.settled.state_dict(),
         }
