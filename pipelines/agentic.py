@@ -158,7 +158,7 @@ class AgenticPipeline:
         from rollart.envs import EnvSpec
 
         self.config = config
-        self.out_dir = config.out_dir
+        self.out_dir = config.out_dir.resolve()  # absolute: Ray (a submitted job) may change the working directory
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         model_path = config.model

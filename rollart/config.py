@@ -661,7 +661,15 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
         if "=" not in item:
             raise SystemExit(f"--set {item!r}: use key=value, e.g. --set steps=5")
         key, value = item.split("=", 1)
-        out[key] = yaml.safe_load(value)
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at column {mark.column + 1}" if mark is not None else ""
+            raise SystemExit(
+                f"--set {item!r}: the value is not valid YAML{where} ({getattr(err, 'problem', err)}); "
+                "quote it, e.g. --set 'name=\"a: b\"'"
+            ) from None
     return out
 
 

@@ -244,3 +244,30 @@ def test_three_jobs_two_run_the_third_waits_until_one_ends_quotas_hold_and_stop_
     assert {n: c["tenant"] for n, c in sent.items()} == {n: n for n in names}
     assert all(c["trajectories"] > 0 and c["failed"] == 0 for c in sent.values()), sent
     assert served == {n: float(c["trajectories"]) for n, c in sent.items()}, (served, sent)
+
+
+def test_a_submitted_job_with_a_relative_output_dir_keeps_its_outputs_where_jobs_and_logs_say(shared, tmp_path):
+    """The config's own `output_dir: runs/{name}` (relative): Ray runs the job in a temporary copy of the
+    config's folder, so the driver puts the run under the jobs folder of its host (`--jobs-dir`, else
+    $ROLLART_JOBS_DIR or ~/rollart-jobs) and records it; `rollart jobs` and `rollart logs` show it."""
+    cluster, config = shared
+    jobs_dir = tmp_path / "jobs"
+    res = cluster.run_driver(
+        ["-m", "rollart.cli", "submit", str(config), "--name", "rel-out", "--python", sys.executable]
+        + ["--jobs-dir", str(jobs_dir), "--set", "steps=2", "--set", "checkpoint_every=1"],
+        timeout=240,
+    ).check()
+    assert f"its outputs: {jobs_dir}/rel-out/runs/shared on the driver's host" in res.stderr
+    jobs = _wait(cluster, "rel-out finished", lambda j: j.get("rel-out", {}).get("state") in ("finished", "failed"))
+    run = jobs_dir / "rel-out" / "runs" / "shared"
+    logs = _cli(cluster, "logs", "rel-out")
+    assert jobs["rel-out"]["state"] == "finished", logs.stdout[-4000:]
+    assert jobs["rel-out"]["output_dir"] == str(run) and jobs["rel-out"]["driver_ip"] == "10.201.0.1"
+    assert f"outputs in 10.201.0.1:{run}" in logs.stderr
+    assert f"output folder: {run}" in logs.stdout  # the driver's own log says it too
+    # the run's files outlive the job (Ray removed its working-directory copy)
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (run / "checkpoint" / "step-00000002" / "model.safetensors").is_file() and (run / "ledger.json").is_file()
+    table = cluster.run_driver(["-m", "rollart.cli", "jobs"], env={"COLUMNS": "400"}, timeout=240).check().stdout
+    [row] = [line for line in table.splitlines() if "rel-out" in line]
+    assert f"10.201.0.1:{run}" in row and "finished" in row

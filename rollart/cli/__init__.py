@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import rollart
 from rollart.cli.advise import add_advise_parser
@@ -22,10 +23,38 @@ from rollart.cli.run import add_run_parser
 from rollart.cli.serve import add_serve_parser
 from rollart.cli.status import add_status_parser
 
+DESCRIPTION = (
+    "rollart: reinforcement-learning post-training of LLM agents on heterogeneous, disaggregated clusters. "
+    "Start with `rollart run quickstart`; `rollart COMMAND --help` describes each command."
+)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help with every option's default (``(default: X)``) where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        shown = (
+            text
+            and "default" not in text
+            and default not in (None, False, [], argparse.SUPPRESS)
+            and (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))
+        )
+        return f"{text} (default: %(default)s)" if shown else action.help
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of every rollart command and subcommand (sub-parsers are made of the same class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The ``rollart`` parser; of the benches only the one named in ``argv`` is imported."""
-    parser = argparse.ArgumentParser(prog="rollart", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = Parser(prog="rollart", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"rollart {rollart.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command")
@@ -49,4 +78,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
-__all__ = ["build_parser", "main"]
+__all__ = ["DESCRIPTION", "HelpFormatter", "Parser", "build_parser", "main"]

@@ -194,7 +194,13 @@ def add_advise_parser(sub: Any) -> None:
     p.add_argument(
         "--alpha", type=int, default=None, help="asynchrony bound to plan for (default: the config's, 1 if 0)"
     )
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted for nested keys); repeatable",
+    )
     p.add_argument(
         "--out", default=None, help="profiling run folder (default: a new temporary one); advise.json goes there"
     )

@@ -43,7 +43,12 @@ def add_bench_parser(sub: Any, argv: Sequence[str]) -> None:
     """One sub-parser per bench; only the bench named in ``argv`` is imported."""
     from rollart.benchmarks import BENCHES, bench_module, bench_summary, load_bench
 
-    bench = sub.add_parser("bench", help="benchmarks that reproduce the seed figures")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks (measured speed-ups next to their bounds; JSON and charts under runs/bench)",
+        description="Benchmarks: each prints what it measured next to the bound of the same model, and writes "
+        "JSON (and a chart with the plot extra) under runs/bench/. `rollart bench NAME --help` lists its options.",
+    )
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     wanted = _selected_bench(argv)
     describe = "bench" in argv  # per-bench help only where it can be shown
@@ -56,7 +61,8 @@ def add_bench_parser(sub: Any, argv: Sequence[str]) -> None:
         except ImportError as err:
             log.error("rollart bench %s needs %s, which failed to import: %s", name, bench_module(name), err)
             raise SystemExit(2) from None
-        p = bench_sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None)
+        summary = bench_summary(name)
+        p = bench_sub.add_parser(name, help=summary, description=f"rollart bench {name}: {summary}.")
         mod.add_arguments(p)
         if not any(a.dest == "json" for a in p._actions):
             p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -8,6 +8,12 @@ else ``$RAY_JOBS_ADDRESS``, else port 8265 of the host that ``$RAY_ADDRESS`` nam
 the queue states (pending/queued/running/finished/failed/stopped) from the cluster registry when
 ``$RAY_ADDRESS`` is set (``pending``: the driver has not joined the admission queue yet), and the Ray
 Jobs status otherwise.
+
+Where a submitted job's outputs go: Ray runs the job in a temporary copy of the config's folder, removed
+when the job ends, so a relative ``output_dir`` is placed under ``$ROLLART_JOBS_DIR/<job id>/`` on the
+driver's host instead (default ``~/rollart-jobs/<job id>/``; ``submit --jobs-dir`` sets it for one job);
+an absolute one is kept. The driver records the folder in the cluster registry, and ``rollart jobs`` and
+``rollart logs`` show it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,26 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DASHBOARD_PORT = 8265
+SUBMITTED_JOB_ENV = "ROLLART_SUBMITTED_JOB"  # set by `rollart submit` in the job's environment: its id
+JOBS_DIR_ENV = "ROLLART_JOBS_DIR"  # the folder submitted jobs write into (on the driver's host)
+DEFAULT_JOBS_DIR = "~/rollart-jobs"
+
+
+def jobs_dir() -> Path:
+    """Where submitted jobs keep their outputs on this host: ``$ROLLART_JOBS_DIR``, else ``~/rollart-jobs``."""
+    return Path(os.environ.get(JOBS_DIR_ENV) or DEFAULT_JOBS_DIR).expanduser().resolve()
+
+
+def job_output_dir(out_dir: Path, environ: dict[str, str] | None = None) -> Path | None:
+    """The persistent folder of a submitted job's relative ``out_dir``: ``jobs_dir()/JOB/out_dir``. None for
+    a run that was not submitted, or an absolute ``out_dir`` (kept as given)."""
+    env = os.environ if environ is None else environ
+    job = env.get(SUBMITTED_JOB_ENV)
+    if not job or out_dir.is_absolute():
+        return None
+    return jobs_dir() / job / out_dir
+
+
 RAY_STATE = {
     "PENDING": "pending",
     "RUNNING": "running",
@@ -136,6 +162,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 2
     env_vars = {
         **admission.env(),
+        SUBMITTED_JOB_ENV: job_id,  # a relative output_dir goes under the jobs folder of the driver's host
+        **({JOBS_DIR_ENV: args.jobs_dir} if args.jobs_dir else {}),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         # `rollart stop` ends the run as Ctrl-C does: the step in progress is cancelled, rewards in flight
         # are answered and counted, ledger.json and the registry are written, then the driver exits
@@ -153,6 +181,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
         metadata={"rollart_job": job_id, "priority": str(args.priority), "quota": json.dumps(quota)},
     )
     log.info("submitted %s: %s", submission, entrypoint)
+    where = Path(cfg.out_dir)
+    log.info(
+        "its outputs: %s on the driver's host (rollart jobs and rollart logs show the folder once it starts)",
+        where
+        if where.is_absolute()
+        else f"{args.jobs_dir or '$' + JOBS_DIR_ENV + ' (default ' + DEFAULT_JOBS_DIR + ')'}/{job_id}/{where}",
+    )
     sys.stdout.write(submission + "\n")
     return 0
 
@@ -192,6 +227,8 @@ def list_jobs(address: str | None) -> list[dict[str, Any]]:
                 "submitted_at": (j.start_time or 0) / 1000.0,
                 "admitted_at": row.get("admitted_at"),
                 "ended_at": row.get("ended_at") or ((j.end_time or 0) / 1000.0 or None),
+                "output_dir": row.get("output_dir"),
+                "driver_ip": row.get("driver_ip"),
                 "message": j.message,
             }
         )
@@ -207,23 +244,34 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title="rollart jobs")
-    cols = ["job", "state", "priority", "quota", "asks", "submitted_at", "ended_at"]
+    cols = ["job", "state", "priority", "quota", "asks", "submitted_at", "ended_at", "output"]
     for c in cols:
-        table.add_column(c)
+        table.add_column(c, overflow="fold")
     for r in rows:
         cells = []
         for c in cols:
-            v = r[c]
+            v = output_location(r) if c == "output" else r[c]
             if c.endswith("_at") and v:
-                v = time.strftime("%H:%M:%S", time.localtime(v))
+                v = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(v)))
             cells.append("" if v is None else str(v))
         table.add_row(*cells)
     Console().print(table)
     return 0
 
 
+def output_location(row: dict[str, Any]) -> str:
+    """``HOST:FOLDER`` of a job's outputs, as its driver recorded them; a note while it has not started."""
+    folder = row.get("output_dir")
+    if not folder:
+        return "(not started: under $ROLLART_JOBS_DIR or ~/rollart-jobs on the driver's host)"
+    return f"{row['driver_ip']}:{folder}" if row.get("driver_ip") else str(folder)
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     client = _client(args.address)
+    rows = _with_registry(lambda registry: registry.jobs(args.job)) or []
+    if rows:  # where its files are, on stderr (stdout stays the driver's output)
+        sys.stderr.write(f"rollart job {args.job}: outputs in {output_location(rows[0])}\n")
     if not args.follow:
         sys.stdout.write(client.get_job_logs(args.job))
         return 0
@@ -261,9 +309,26 @@ def add_job_parsers(sub: Any) -> None:
     p.add_argument("--priority", type=int, default=0, help="higher is admitted first (then submit time)")
     p.add_argument("--name", default=None, help="job id (default rollart-<random>); also the Ray job id")
     p.add_argument("--address", default=None, help=address_help)
-    p.add_argument("--module", action="append", default=[], help="a folder of your modules to ship (py_modules)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    p.add_argument("--python", default="python", help="the Python on the cluster that runs rollart (default python)")
+    p.add_argument(
+        "--module",
+        action="append",
+        default=[],
+        help="a folder of your modules to ship with the job (py_modules); repeatable",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted for nested keys); repeatable",
+    )
+    p.add_argument("--python", default="python", help="the Python on the cluster that runs rollart")
+    p.add_argument(
+        "--jobs-dir",
+        default=None,
+        help="folder on the driver's host for the job's outputs (a relative output_dir goes under "
+        "JOBS_DIR/JOB); default: $ROLLART_JOBS_DIR of the cluster, else ~/rollart-jobs",
+    )
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("jobs", help="the shared cluster's rollart jobs and their states")
@@ -272,13 +337,13 @@ def add_job_parsers(sub: Any) -> None:
     p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("logs", help="a submitted job's driver output")
-    p.add_argument("job")
+    p.add_argument("job", help="the job id (the --name of rollart submit)")
     p.add_argument("--follow", action="store_true", help="keep printing until the job ends")
     p.add_argument("--address", default=None, help=address_help)
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("stop", help="stop a submitted job and free its resources")
-    p.add_argument("job")
-    p.add_argument("--timeout", type=float, default=150.0, help="seconds to wait for the job to end (default 150)")
+    p.add_argument("job", help="the job id (the --name of rollart submit)")
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds to wait for the job to end")
     p.add_argument("--address", default=None, help=address_help)
     p.set_defaults(func=cmd_stop)

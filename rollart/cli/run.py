@@ -1,11 +1,14 @@
-"""``rollart run CONFIG [--resume] [--set key=value ...]``."""
+"""``rollart run CONFIG [--resume | --overwrite] [--set key=value ...]``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import shlex
+import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -32,30 +35,102 @@ def build_pipeline(cfg: Any, **kwargs: Any) -> Any:
     return pipeline_cls(cfg, **kwargs)
 
 
+def run_dir_problem(out_dir: Path, *, resume: bool, overwrite: bool, command: str) -> str | None:
+    """A new run never writes into the folder of another: a folder that holds anything needs ``--resume``
+    (continue that run) or ``--overwrite`` (replace it). ``--resume`` needs a folder with a checkpoint."""
+    if resume and overwrite:
+        return "--resume and --overwrite exclude each other: continue the run in the folder, or replace it"
+    used = out_dir.is_dir() and any(out_dir.iterdir())
+    if resume:
+        return None if used else f"--resume: {out_dir} holds no run to continue; run without --resume"
+    if used and not overwrite:
+        return (
+            f"the output folder {out_dir} holds an earlier run; continue it with `{command} --resume`, "
+            f"replace it with `{command} --overwrite`, or give this run its own folder "
+            "(--set output_dir=runs/NEW)"
+        )
+    return None
+
+
+def submitted_output_dir(cfg: Any) -> Any:
+    """A job of ``rollart submit`` runs in Ray's temporary copy of the config's folder, removed when the job
+    ends: its relative ``output_dir`` goes under ``$ROLLART_JOBS_DIR/JOB`` (default ``~/rollart-jobs/JOB``)
+    on the driver's host instead. Anything else: ``cfg`` unchanged."""
+    from rollart.cli.jobs import job_output_dir
+
+    placed = job_output_dir(cfg.out_dir)
+    return cfg if placed is None else cfg.model_copy(update={"output_dir": str(placed)})
+
+
+def _resume_command(args: argparse.Namespace) -> str:
+    parts = ["rollart", "run", args.config, *[x for s in args.set for x in ("--set", s)], "--resume"]
+    return shlex.join(parts)
+
+
+def _interrupted(pipe: Any, args: argparse.Namespace) -> str:
+    """The one line a stopped run prints: the step it stopped in, the last checkpoint, how to continue."""
+    from rollart.training.checkpoint_io import latest_checkpoint
+
+    step = getattr(pipe, "step_in_progress", None)
+    where = f" in step {step}" if step is not None else ""
+    root = getattr(pipe, "checkpoint_root", None)
+    ckpt = latest_checkpoint(root) if root is not None and Path(root).exists() else None
+    if ckpt is None:
+        return (
+            f"rollart run: stopped{where}; no checkpoint was written yet (checkpoint_every), so nothing to "
+            f"resume: start again with `rollart run {shlex.quote(args.config)} --overwrite`"
+        )
+    return f"rollart run: stopped{where}; last checkpoint {ckpt}; continue with: {_resume_command(args)}"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     if args.list:
         sys.stdout.write(list_configs() + "\n")
         return 0
     if args.config is None:
-        log.error("rollart run: give a CONFIG (a YAML path or a shipped name; --list shows them)")
+        args.parser.print_usage(sys.stderr)
+        sys.stderr.write(
+            "rollart run: give a CONFIG: a YAML path or the name of a shipped config (rollart run --list shows "
+            "them), e.g. rollart run quickstart\n"
+        )
         return 2
     from rollart.config import ConfigError, load_config, parse_sets
 
     try:  # every check, plug-ins included, before anything starts
-        cfg = load_config(args.config, parse_sets(args.set))
+        cfg = submitted_output_dir(load_config(args.config, parse_sets(args.set)))
     except ConfigError as err:
         log.error("%s", err)
         return 2
+    out_dir = cfg.out_dir
+    problem = run_dir_problem(
+        out_dir, resume=args.resume, overwrite=args.overwrite, command=shlex.join(["rollart", "run", args.config])
+    )
+    if problem is not None:
+        log.error("%s", problem)
+        return 2
+    if args.overwrite and out_dir.exists():
+        log.info("--overwrite: removing the earlier run in %s", out_dir)
+        shutil.rmtree(out_dir)
     pipe = build_pipeline(cfg, resume=args.resume)
+    rm = getattr(pipe, "rm", None)
+    registry = getattr(getattr(rm, "store", None), "registry", None)
+    if rm is not None and registry is not None:  # `rollart jobs` and `rollart logs` show where the outputs are
+        registry.update_job(rm.job_id, output_dir=str(out_dir.resolve()))
+    log.info("output folder: %s", out_dir.resolve())
     try:
         history = pipe.run()
+    except KeyboardInterrupt:  # Ctrl-C, or `rollart stop` (SIGINT): the step in progress was cancelled
+        if rm is not None:
+            rm.store.end_run(rm.job_id, "stopped", "interrupted (SIGINT)")
+        pipe.shutdown()
+        sys.stderr.write(_interrupted(pipe, args) + "\n")
+        return 130
     except BaseException as err:  # the store's record of this attempt keeps the cause
-        rm = getattr(pipe, "rm", None)
         if rm is not None:
             rm.store.end_run(rm.job_id, "failed", repr(err))
-        raise
-    finally:
         pipe.shutdown()
+        raise
+    pipe.shutdown()
     records = pipe.step_records() if hasattr(pipe, "step_records") else history  # every step, not just the kept
     last = records[-1] if records else {}
     metrics, plot = getattr(pipe, "metrics_path", None), getattr(pipe, "plot_path", None)
@@ -63,21 +138,47 @@ def cmd_run(args: argparse.Namespace) -> int:
         "steps": len(records),
         "final_reward": last.get("reward_mean"),
         "first_reward": records[0].get("reward_mean") if records else None,
+        "output_dir": str(out_dir.resolve()),
         "metrics": str(metrics) if metrics else None,
         "plot": str(plot) if plot else None,
         "hf": str(getattr(pipe, "export_path", None) or "") or None,
     }
-    log.info("done: %s", json.dumps(summary))
-    if args.json:
+    if args.json:  # the summary once, on stdout (the log lines go to stderr)
         sys.stdout.write(json.dumps(summary) + "\n")
+    else:
+        reward = summary["final_reward"]
+        log.info(
+            "done: %d steps, reward %s at the last step; outputs in %s",
+            summary["steps"],
+            "n/a" if reward is None else f"{reward:.3f}",
+            summary["output_dir"],
+        )
     return 0
 
 
 def add_run_parser(sub: Any) -> None:
-    p = sub.add_parser("run", help="run a pipeline from a YAML config")
-    p.add_argument("config", nargs="?", help="pipeline YAML, e.g. pipelines/quickstart.yaml, or a shipped name")
+    p = sub.add_parser(
+        "run",
+        help="train: run a pipeline from a YAML config",
+        description="Run a pipeline config: train, write metrics, checkpoints and the final model to the "
+        "config's output_dir. Ctrl-C stops cleanly and prints how to resume.",
+    )
+    p.add_argument(
+        "config", nargs="?", help="pipeline YAML, e.g. pipelines/quickstart.yaml, or the name of a shipped config"
+    )
     p.add_argument("--list", action="store_true", help="list the shipped configs (usable by name) and exit")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
-    p.set_defaults(func=cmd_run)
+    p.add_argument(
+        "--resume", action="store_true", help="continue the run in the output folder from its last checkpoint"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the earlier run in the output folder (deletes it first)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted for nested keys, e.g. --set train.lr=0.002); repeatable",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON summary on stdout at the end")
+    p.set_defaults(func=cmd_run, parser=p)

@@ -10,7 +10,7 @@ def add_serve_parser(sub: Any) -> None:
     from rollart.envservice.cli import add_env_parser
     from rollart.reward.cli import add_rewards_parser
 
-    serve = sub.add_parser("serve", help="serve rollart services")
+    serve = sub.add_parser("serve", help="serve reward functions or environments over HTTP")
     what = serve.add_subparsers(dest="service", required=True)
     add_rewards_parser(what)
     add_env_parser(what)

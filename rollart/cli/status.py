@@ -60,6 +60,40 @@ def _local_state(store_path: str | None, job: str | None) -> tuple[dict[str, Any
     return state, f"metadata store: {store.path}"
 
 
+def _when(value: Any) -> str:
+    """An epoch time as local date and time; '' for none."""
+    import datetime
+
+    if value in (None, ""):
+        return ""
+    try:
+        return datetime.datetime.fromtimestamp(float(value)).strftime("%Y-%m-%d %H:%M:%S")
+    except (TypeError, ValueError, OverflowError):
+        return str(value)
+
+
+def _job_state(job: dict[str, Any]) -> str:
+    """A job's state as a word: the recorded one, else running / ended from its times and driver."""
+    if job.get("state"):
+        return str(job["state"])
+    if job.get("ended_at"):
+        return "ended"
+    return "running" if job.get("driver_alive") is not False else "driver gone"
+
+
+def _cell(column: str, row: dict[str, Any]) -> str:
+    value = _job_state(row) if column == "state" and "driver_pid" in row else row.get(column)
+    if column.endswith("_at"):
+        return _when(value)
+    if column == "node_id" and value:
+        return str(value)[:16]
+    if column == "driver_alive":
+        return "yes" if value is True else "no" if value is False else "unknown (another host)"
+    if column == "device_ids" and isinstance(value, list):
+        return ",".join(str(d) for d in value) or "-"
+    return "" if value is None else str(value)
+
+
 def _print_tables(state: dict[str, Any], where: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -83,9 +117,9 @@ def _print_tables(state: dict[str, Any], where: str) -> None:
     ):
         table = Table(title=title)
         for c in cols:
-            table.add_column(c)
+            table.add_column(c, overflow="fold")
         for r in rows:
-            table.add_row(*[str(r.get(c))[:16] if c == "node_id" else str(r.get(c)) for c in cols])
+            table.add_row(*[_cell(c, r) for c in cols])
         console.print(table)
 
 
@@ -106,12 +140,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def add_status_parser(sub: Any) -> None:
-    status = sub.add_parser("status", help="pools, workers and endpoints from the metadata store")
+    status = sub.add_parser(
+        "status",
+        help="jobs, pools, workers and endpoints (of the Ray cluster with RAY_ADDRESS, else this machine's)",
+    )
     status.add_argument(
         "--store", default=None, help="metadata store file (default $ROLLART_METADATA_DB or ~/.rollart/metadata.sqlite)"
     )
-    status.add_argument("--job", default=None, help="only this job id")
-    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--job", default=None, help="only this job id (default: every job)")
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.add_argument(
         "--local", action="store_true", help="read the local metadata store even when RAY_ADDRESS names a cluster"
     )

@@ -82,11 +82,18 @@ def add_env_parser(what: Any) -> None:
     """Mount ``env`` under ``rollart serve``."""
     p = what.add_parser("env", help="text environments as an HTTP session service")
     p.add_argument("envs", nargs="+", metavar="ENV", help="registry name, MODULE:CLASS, or ALIAS=MODULE:CLASS")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8200)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface, for other hosts)"
+    )
+    p.add_argument("--port", type=int, default=8200, help="TCP port to listen on")
     p.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most (429 past it)")
-    p.add_argument("--session-ttl-s", type=float, default=900.0, help="an idle session is closed after this")
-    p.add_argument("--call-timeout-s", type=float, default=60.0, help="a reset/step that names no timeout_s")
+    p.add_argument("--session-ttl-s", type=float, default=900.0, help="seconds after which an idle session is closed")
+    p.add_argument(
+        "--call-timeout-s",
+        type=float,
+        default=60.0,
+        help="seconds a reset or step may take when the call names no timeout_s",
+    )
     p.add_argument("--plugin-path", action="append", default=[], help="folder to import MODULE:CLASS envs from")
     p.add_argument("--token-env", default=None, help="environment variable holding the bearer token")
     p.add_argument(

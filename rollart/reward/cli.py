@@ -170,11 +170,13 @@ def add_rewards_parser(what: Any) -> None:
     """Mount ``rewards`` under ``rollart serve``."""
     p = what.add_parser("rewards", help="reward functions as an HTTP service")
     p.add_argument("functions", nargs="+", metavar="MODULE:FUNC", help="reward functions (name=MODULE:FUNC renames)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface, for other hosts)"
+    )
+    p.add_argument("--port", type=int, default=8100, help="TCP port to listen on")
     p.add_argument("--token-env", default=None, help="environment variable holding the bearer token")
     p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 past it)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout (504 past it)")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests computed at once (429 past it)")
     p.add_argument(
