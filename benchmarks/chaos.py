@@ -537,7 +537,7 @@ def step_cost(metrics: list[dict[str, Any]], plan: dict[str, str]) -> dict[str, 
     """Per fault kind: the step time of the fault's step and the next one (mean) and its excess over
     the run's median step time (the fault is injected after its step's record: its cost shows in the
     following steps)."""
-    times = {m["step"]: m["time"]["step_s"] for m in metrics}
+    times = {m["step"] - 1: m["time"]["step_s"] for m in metrics}  # by the 0-based index the plan uses
     median = statistics.median(times.values())
     out = {}
     for step, kind in plan.items():

@@ -580,18 +580,18 @@ class AgenticPipeline:
         self._restore_extra(state["extra"], self.critic_checkpoint_path, self.scheduler)
         self.train_version = int(state["version"])
         version = asyncio.run(self._push_resumed_weights())
-        log.info("resumed from %s at step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
+        log.info("resumed from %s after step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
 
     def _drop_metrics_from(self, step: int) -> None:
-        """A resume trains again from ``step``: drop the records a killed driver logged past its last
-        checkpoint, so ``metrics.jsonl`` has one record per step."""
+        """A resume continues after step ``step`` (its checkpoint's): drop the records a killed driver logged
+        past it, so ``metrics.jsonl`` has one record per step."""
         import json
         import os
 
         if not self.metrics_path.exists():
             return
         lines = self.metrics_path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and json.loads(line).get("step", -1) < step]
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", -1) <= step]
         if len(kept) != len(lines):
             tmp = self.metrics_path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(kept))
@@ -712,7 +712,7 @@ class AgenticPipeline:
 
         t0 = time.monotonic()
         role = self._trainer_clusters()[died.cluster][0]
-        failed_step = self.step_in_progress
+        failed_step = self.step_in_progress + 1  # as metrics.jsonl counts steps: from 1
         where = f"{died.cluster} on {died.hardware}, host {died.node_ip or '?'}"
         backoff = self._budgets.take(role, died.rank, err, where=where)
         log.error("%s rank %d died at step %d (%s): %r; restarting", role, died.rank, failed_step, where, err)
@@ -756,7 +756,7 @@ class AgenticPipeline:
         if old_channel is not None:
             await self._retire_weight_channel(old_channel)
         await self.proxy.resume()  # in case the death came between a suspend and its resume
-        history[:] = [h for h in history if h["step"] < self.start_step]
+        history[:] = [h for h in history if h["step"] <= self.start_step]
         self.recoveries.append(
             {
                 "role": role,
@@ -837,7 +837,7 @@ class AgenticPipeline:
                 history.append(record)
                 if len(history) > 2 * cfg.history_keep:  # bounded memory: trimmed in batches, O(1) per step
                     del history[: len(history) - cfg.history_keep]
-                tracker.log(record, step)
+                tracker.log(record, record["step"])
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=version)
@@ -941,7 +941,7 @@ class AgenticPipeline:
         counts = self.scheduler.counts
         rewards = [float(t.reward) for t in trajs]
         return {
-            "step": step,
+            "step": step + 1,  # steps done, counted from 1: the record of step N matches checkpoint step-N
             "version": version,
             "groups": sorted({t.group_id for t in trajs}),
             "reward_mean": sum(rewards) / len(rewards),

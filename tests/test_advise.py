@@ -99,7 +99,7 @@ def _record(step: int, wait: float, train: float, sync: float, n: int, q: list[f
 
 def test_the_profile_turns_step_times_into_per_sample_device_times():
     q = [0.1, 0.2, 0.3, 0.4, 0.6, 1.2]
-    records = [_record(0, 9.0, 9.0, 9.0, 64, q)] + [_record(s, 0.8, 0.3, 0.02, 64, q) for s in (1, 2, 3)]
+    records = [_record(1, 9.0, 9.0, 9.0, 64, q)] + [_record(s, 0.8, 0.3, 0.02, 64, q) for s in (2, 3, 4)]
     w, m = workload_from_records(records, rollout_devices=2, train_devices=1, epochs=2, alpha=1)
     assert m.steps == 3 and m.samples_per_step == 64  # the first step (warm-up) left out
     assert w.mu_gen == pytest.approx(2 * 0.8 / 64)

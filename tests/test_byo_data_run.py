@@ -65,7 +65,7 @@ output_dir: {tmp_path / "run"}
     finally:
         pipe.shutdown()
     lines = read(pipe.metrics_path)
-    assert [h["step"] for h in lines] == [0, 1, 2] == [h["step"] for h in history]
+    assert [h["step"] for h in lines] == [1, 2, 3] == [h["step"] for h in history]
     assert [("eval" in h) for h in lines] == [False, True, True]  # every 2 steps and after the last
     for h in lines:
         assert set(h["reward_by_tag"]) == {"sums", "flip"} and set(h["data_epoch"]) == {"sums", "flip"}
@@ -88,7 +88,7 @@ output_dir: {tmp_path / "run"}
         more = resumed.run()
     finally:
         resumed.shutdown()
-    assert [h["step"] for h in more] == [2, 3] and "eval" in more[-1]
+    assert [h["step"] for h in more] == [3, 4] and "eval" in more[-1]
 
 
 def walkthrough_section() -> str:
@@ -139,7 +139,7 @@ def test_the_documented_walk_through_runs_as_written(tmp_path):
     assert argv[0] == "python"
     out = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert [line.split()[0] for line in out.stdout.splitlines()] == ["0", "1"]
+    assert [line.split()[0] for line in out.stdout.splitlines()] == ["1", "2"]
     # the run's own export, then `rollart export` from its checkpoint, loaded by transformers
     assert (tmp_path / "runs" / "sums" / "hf" / "model.safetensors").exists()
     export, load = (shlex.split(part) for part in export_cmd.split("&&"))

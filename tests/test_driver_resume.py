@@ -120,14 +120,14 @@ def test_kill_9_of_the_driver_frees_the_cluster_and_resume_continues_from_the_ch
 
     from rollart.training.checkpoint_io import latest_checkpoint
 
-    latest = latest_checkpoint(ckpt)  # step-N: the checkpoint taken after N steps (steps 0..N-1)
+    latest = latest_checkpoint(ckpt)  # step-N: the checkpoint taken after step N (steps count from 1)
     assert latest is not None and latest.is_dir()
     resumed = cluster.run_driver(["-m", "rollart.cli", "run", str(config), "--resume"], timeout=240).check()
     start = int(latest.name.removeprefix("step-"))
     # the resumed attempt trains from the step after the checkpoint (nothing before it again) to the end
-    assert f"at step {start} " in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
+    assert f"after step {start} " in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
     # one record per step: what the killed driver logged past its checkpoint was dropped and redone
-    assert _steps(metrics) == list(range(STEPS)), (done_before, start, _steps(metrics))
+    assert _steps(metrics) == list(range(1, STEPS + 1)), (done_before, start, _steps(metrics))
 
     status = cluster.run_driver(["-m", "rollart.cli", "status", "--local", "--store", str(store), "--json"]).check()
     runs = json.loads(status.stdout)["runs"]
@@ -140,8 +140,8 @@ def test_a_resume_drops_the_metrics_a_killed_driver_logged_past_its_checkpoint(t
     from rollart.pipelines.agentic import AgenticPipeline
 
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": s, "reward_mean": 0.1 * s}) + "\n" for s in range(4)))
+    metrics.write_text("".join(json.dumps({"step": s, "reward_mean": 0.1 * s}) + "\n" for s in range(1, 5)))
     AgenticPipeline._drop_metrics_from(SimpleNamespace(metrics_path=metrics), 2)  # type: ignore[arg-type]
-    assert _steps(metrics) == [0, 1]
+    assert _steps(metrics) == [1, 2]
     AgenticPipeline._drop_metrics_from(SimpleNamespace(metrics_path=tmp_path / "none.jsonl"), 2)  # type: ignore[arg-type]
     assert not (tmp_path / "none.jsonl").exists()

@@ -343,7 +343,7 @@ def test_an_asynchronous_run_survives_a_killed_inference_worker_and_the_ledger_h
     pipe = Killing(cfg, progress=False)
     try:
         history = pipe.run()
-        assert [h["step"] for h in history] == list(range(5)) and killed
+        assert [h["step"] for h in history] == list(range(1, 6)) and killed
         ok = asyncio.run(
             asyncio.to_thread(
                 pipe.proxy.supervisor.wait_for, lambda ev: any(e["event"] == "restarted" for e in ev), 120

@@ -41,7 +41,7 @@ def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
         history = pipe.run()
     finally:
         pipe.shutdown()
-    assert [h["step"] for h in history] == [0, 1, 2] and [h["version"] for h in history] == [1, 2, 3]
+    assert [h["step"] for h in history] == [1, 2, 3] and [h["version"] for h in history] == [1, 2, 3]
     for h in history:
         assert 0.0 <= h["reward_mean"] <= 1.0 and set(h["reward_by_tag"]) == {"reverse-3"}
         assert h["max_staleness"] <= cfg.rollout.alpha and sum(h["staleness"].values()) == 2
@@ -66,10 +66,10 @@ def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
     finally:
         pipe.shutdown()
     # the driver keeps the last history_keep step records; metrics.jsonl has every step, once
-    assert [h["step"] for h in kept] == [3]
-    assert [h["step"] for h in pipe.step_records()] == [0, 1, 2, 3]
+    assert [h["step"] for h in kept] == [4]
+    assert [h["step"] for h in pipe.step_records()] == [1, 2, 3, 4]
     more = pipe.step_records()[2:]
-    assert [h["step"] for h in more] == [2, 3] and more[0]["version"] == 3
+    assert [h["step"] for h in more] == [3, 4] and more[0]["version"] == 3
     resumed_groups = {g for h in more for g in h["groups"]}
     assert not resumed_groups & consumed_before_ckpt  # nothing consumed before the checkpoint is trained again
     # the resumed run's ledger accounts for the rounds the first run had started past its checkpoint
@@ -250,7 +250,7 @@ def test_the_critic_is_checkpointed_with_the_actor_and_restored_on_resume(ray_lo
         more = resumed.run()
     finally:
         resumed.shutdown()
-    assert [h["step"] for h in more] == [2]
+    assert [h["step"] for h in more] == [3]
     # the warm-up went on: a fresh critic would report 2/10 of lr after its first step, this one 4/10
     assert more[0]["train"]["critic_lr"] == pytest.approx(0.003 * 4 / 10)
 

@@ -71,7 +71,7 @@ def test_lora_run_keeps_k_checkpoints_exports_tracks_and_resumes(ray_local, tmp_
         more = pipe.run()
     finally:
         pipe.shutdown()
-    assert [h["step"] for h in more] == [3] and more[0]["version"] == 4
+    assert [h["step"] for h in more] == [4] and more[0]["version"] == 4
     assert sorted(p.name for p in (run / "checkpoint").glob("step-*")) == ["step-00000003", "step-00000004"]
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 4
 

@@ -66,7 +66,7 @@ def test_rlvr_steps_with_smollm2_on_addition(ray_local, tmp_path, smollm2):
         trajs = [t for t in pipe.scheduler.completed_trajectories if t.status == "ok"]
     finally:
         pipe.shutdown()
-    assert [h["step"] for h in history] == [0, 1]
+    assert [h["step"] for h in history] == [1, 2]
     for h in history:
         assert 0.0 <= h["reward_mean"] <= 1.0 and h["tokens"] > 0
 

@@ -78,7 +78,7 @@ def test_a_killed_ddp_trainer_rank_is_rebuilt_from_the_checkpoint_and_nothing_is
         pipe.shutdown()
     (rec,) = pipe.recoveries
     assert rec["role"] == "train" and rec["rank"] == 0 and rec["host"] == "127.0.0.1"
-    assert rec["failed_step"] == 3 and rec["restored_step"] == 2 and rec["checkpoint"].endswith("step-00000002")
+    assert rec["failed_step"] == 4 and rec["restored_step"] == 2 and rec["checkpoint"].endswith("step-00000002")
     assert "ActorDiedError" in rec["cause"] or "RayActorError" in rec["cause"]
     # every rank is a new process in its bundle; both hold the checkpoint's weights
     (after,) = pipe.after_recovery
@@ -90,7 +90,7 @@ def test_a_killed_ddp_trainer_rank_is_rebuilt_from_the_checkpoint_and_nothing_is
     assert rec["version"] > 3 and after["served"] == [rec["version"]]
     assert served_end == [history[-1]["version"]]
     # the step counter: each step once in the history, versions only move forward
-    assert [h["step"] for h in history] == [0, 1, 2, 3]
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
     versions = [h["version"] for h in history]
     assert versions == sorted(set(versions)) and versions[:2] == [1, 2] and versions[2] == rec["version"] + 1
     assert history[-1]["trainer_restarts"] == 1
@@ -118,7 +118,7 @@ def test_without_a_checkpoint_the_initial_weights_come_back_then_a_spent_policy_
     finally:
         pipe.shutdown()
     (rec,) = pipe.recoveries
-    assert rec["checkpoint"] is None and rec["restored_step"] == 0 and rec["failed_step"] == 1
+    assert rec["checkpoint"] is None and rec["restored_step"] == 0 and rec["failed_step"] == 2
     assert pipe.after_recovery[0]["checksums"] == [pytest.approx(initial)]
     assert pipe.after_recovery[0]["served"] == [rec["version"]]
     assert len(pipe.killed) == 2

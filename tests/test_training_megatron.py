@@ -282,4 +282,4 @@ def test_pipeline_trains_with_the_megatron_strategy_and_resumes(ray_local, tmp_p
         more = pipe.run()
     finally:
         pipe.shutdown()
-    assert [h["step"] for h in more] == [2] and more[0]["version"] == 3
+    assert [h["step"] for h in more] == [3] and more[0]["version"] == 3

@@ -71,8 +71,8 @@ def _interrupted(pipe: Any, args: argparse.Namespace) -> str:
     """The one line a stopped run prints: the step it stopped in, the last checkpoint, how to continue."""
     from rollart.training.checkpoint_io import latest_checkpoint
 
-    step = getattr(pipe, "step_in_progress", None)
-    where = f" in step {step}" if step is not None else ""
+    step = getattr(pipe, "step_in_progress", None)  # 0-based; metrics.jsonl and checkpoints count from 1
+    where = f" in step {step + 1}" if isinstance(step, int) else ""
     root = getattr(pipe, "checkpoint_root", None)
     ckpt = latest_checkpoint(root) if root is not None and Path(root).exists() else None
     if ckpt is None:

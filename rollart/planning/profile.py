@@ -68,7 +68,7 @@ def workload_from_records(
     skip: int = 1,
 ) -> tuple[Workload, Measured]:
     """The workload of a synchronous profiling run (see the module docstring)."""
-    used = [r for r in records if r.get("step", 0) >= skip and "time" in r]
+    used = [r for r in records if r.get("step", 0) > skip and "time" in r]  # steps count from 1
     if len(used) < 1:
         raise ProfileError(
             f"the profile has {len(records)} step(s); give --steps above {skip} (the first {skip} skipped)"
