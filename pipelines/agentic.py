@@ -337,7 +337,7 @@ class AgenticPipeline:
         wc = self.config.weights
         name = f"{self.rm.job_id}-actor"
         if wc.channel == "mooncake":
-            from rollart.cluster.net import node_ip
+            from rollart.resource_manager.net import node_ip
             from rollart.weights.host_cache import HostSharedChannel
             from rollart.weights.mooncake_channel import MooncakeChannel
             from rollart.weights.mooncake_master import MooncakeMaster
