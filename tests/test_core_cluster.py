@@ -21,7 +21,15 @@ class Trainer(ra.Worker):
 
     @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
     def whoami(self, suffix: str) -> tuple:
-        return (self.rank, self.world_size, self.hardware, list(self.device_ids), self.pool, suffix)
+        return (
+            self.rank,
+            self.world_size,
+            self.hardware,
+            list(self.slot_ids),
+            self.pool,
+            suffix,
+            list(self.device_ids),
+        )
 
     @ra.register(dispatch=ra.Dispatch.ALL_TO_ALL)
     def add(self, x: int, y: int) -> int:
@@ -100,7 +108,8 @@ def test_dispatch_modes(make_rm):
     rm = make_rm({"train": {"hardware": "H800", "devices": 3}})
     c = ra.Cluster("trainer", Trainer, rm, pool="train", worker_kwargs={"scale": 1.0})
     assert c.world_size == 3
-    assert c.whoami("s") == [(r, 3, "H800", [r], "train", "s") for r in range(3)]
+    # logical devices are slots of the pool, never CUDA devices
+    assert c.whoami("s") == [(r, 3, "H800", [r], "train", "s", []) for r in range(3)]
     assert c.add([1, 2, 3], y=[10, 20, 30]) == [11, 122, 233]
     assert c.leader() == 0
     assert c.custom(0) == 0 + 10 + 20
@@ -173,7 +182,7 @@ def test_dead_worker_error_names_cluster_rank_and_hardware_and_restart(make_rm):
     c.restart_worker(1)
     new = c.pid()
     assert new[0] == old[0] and new[1] != old[1]
-    assert c.whoami("y")[1] == (1, 2, "H20", [1], "train", "y")
+    assert c.whoami("y")[1] == (1, 2, "H20", [1], "train", "y", [])
 
 
 def test_colocation_shares_a_pool_only_when_asked(make_rm):
@@ -183,7 +192,7 @@ def test_colocation_shares_a_pool_only_when_asked(make_rm):
         ra.Cluster("ref", Trainer, rm, pool="train")
     b = ra.Cluster("ref", Trainer, rm, pool="train", colocate_with=a)
     pa, pb = a.placement(), b.placement()
-    assert [(p["node_id"], p["device_ids"]) for p in pa] == [(p["node_id"], p["device_ids"]) for p in pb]
+    assert [(p["node_id"], p["slot_ids"]) for p in pa] == [(p["node_id"], p["slot_ids"]) for p in pb]
     assert b.whoami("c")[1][3] == [1]
 
 

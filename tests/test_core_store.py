@@ -52,10 +52,12 @@ def test_store_is_read_back_after_the_driver_restarts(tmp_path):
     pools = sorted((p["pool"], p["group_index"], p["hardware"], p["devices"]) for p in state["pools"])
     assert pools == [("rollout", 0, "H800", 1), ("rollout", 1, "H20", 2)]
     bindings = sorted(
-        (b["cluster"], b["rank"], b["hardware"], b["node_id"], tuple(b["device_ids"])) for b in state["bindings"]
+        (b["cluster"], b["rank"], b["hardware"], b["node_id"], tuple(b["slot_ids"]), tuple(b["device_ids"]))
+        for b in state["bindings"]
     )
     assert bindings == sorted(
-        ("gen", p["rank"], p["hardware"], p["node_id"], tuple(p["device_ids"])) for p in first["placement"]
+        ("gen", p["rank"], p["hardware"], p["node_id"], tuple(p["slot_ids"]), tuple(p["device_ids"]))
+        for p in first["placement"]
     )
     (endpoint,) = state["endpoints"]
     assert (endpoint["cluster"], endpoint["method"], endpoint["url"], endpoint["retries"]) == (

@@ -58,7 +58,8 @@ def test_devices_per_worker_gives_each_actor_that_many_devices_of_one_bundle(mak
     rm = make_rm({"wide": {"hardware": "H800", "devices": 4}})
     wide = ra.Cluster("wide", Assigned, rm, pool="wide", devices_per_worker=2)
     assert wide.assigned() == [2.0, 2.0]
-    assert [p["device_ids"] for p in wide.placement()] == [[0, 1], [2, 3]]
+    assert [p["slot_ids"] for p in wide.placement()] == [[0, 1], [2, 3]]
+    assert [p["device_ids"] for p in wide.placement()] == [[], []]  # logical devices: no GPU
     ref = ra.Cluster("wide_ref", Assigned, rm, pool="wide", devices_per_worker=2, colocate_with=wide)
     assert ref.assigned() == [0.0, 0.0]  # it shares its owner's bundle
     assert [p["node_id"] for p in ref.placement()] == [p["node_id"] for p in wide.placement()]

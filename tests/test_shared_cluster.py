@@ -179,7 +179,7 @@ def test_three_jobs_two_run_the_third_waits_until_one_ends_quotas_hold_and_stop_
     for job, rows in bound.items():
         devices: dict[str, set] = {}  # colocated workers share their owner's devices
         for b in rows:
-            devices.setdefault(b["hardware"], set()).add((b["node_id"], tuple(b["device_ids"])))
+            devices.setdefault(b["hardware"], set()).add((b["node_id"], tuple(b["slot_ids"])))
             assert b["node_ip"] == {"H800": "10.201.0.1", "H20": "10.201.0.2"}[b["hardware"]], b
         assert {hw: len(d) for hw, d in devices.items()} == {"H800": 1, "H20": 1}, (job, rows)
 

@@ -46,7 +46,7 @@ from rollart.cluster.dispatch import collect, plan_calls
 from rollart.cluster.errors import NoLiveWorkerError, WorkerDiedError
 from rollart.cluster.future import ACTOR_GONE, SKIPPED, ClusterFuture
 from rollart.cluster.methods import ExposedMethod, exposed_methods
-from rollart.cluster.worker import BY_REF_PREFIX, Worker, WorkerContext, host_class
+from rollart.cluster.worker import BY_REF_PREFIX, CUDA_VISIBLE, Worker, WorkerContext, host_class
 from rollart.decorators.specs import Dispatch, HwMappingSpec, ServerlessSpec
 from rollart.resource_manager.capacity import MAX_COLOCATED_ON_GPU
 from rollart.resource_manager.manager import ReservedGroup, ResourceManager
@@ -66,7 +66,8 @@ class _Slot:
     hardware: str
     group: ReservedGroup
     bundle_index: int
-    device_ids: tuple[int, ...]
+    slot_ids: tuple[int, ...]  # its device slots in the pool group (logical positions)
+    device_ids: tuple[int, ...] = ()  # the GPUs its actor got (reported when it started)
     actor: Any = None
     alive: bool = False
     node_id: str = ""
@@ -182,9 +183,9 @@ class Cluster:
                     f"into workers of devices_per_worker={d}; use a divisor of {amount} or change the pool"
                 )
             for k in range(amount // d):
-                devices = tuple(range(k * d, (k + 1) * d))
+                slots = tuple(range(k * d, (k + 1) * d))
                 # one bundle per worker: d > 1 re-reserves the pool as d-device bundles (ResourceManager.regroup)
-                self._slots.append(_Slot(rank, rg.group.hardware, rg, k if d > 1 else k * d, devices))
+                self._slots.append(_Slot(rank, rg.group.hardware, rg, k if d > 1 else k * d, slots))
                 rank += 1
         pool_hw = {s.hardware for s in self._slots}
         for m in self.methods.values():
@@ -231,6 +232,10 @@ class Cluster:
         }
         # a colocated worker shares its owner's bundle: a GPU share on one-GPU bundles, else nothing of it
         opts.update(slot.group.capacity.actor_resources(self.devices_per_worker, self._colocate_with is not None))
+        if not opts.get("num_gpus") and not self._shared_devices(slot):
+            # no GPU of its own: CUDA sees no device in its process, set before anything there can
+            # initialise CUDA (Ray sets CUDA_VISIBLE_DEVICES only for actors it gives GPUs)
+            opts["runtime_env"] = {"env_vars": {CUDA_VISIBLE: ""}}
         return opts
 
     def _shared_devices(self, slot: _Slot) -> tuple[int, ...]:
@@ -248,7 +253,7 @@ class Cluster:
             world_size=self.world_size,
             pool=self.pool,
             hardware=slot.hardware,
-            device_ids=slot.device_ids,
+            slot_ids=slot.slot_ids,
             shared_gpus=self._shared_devices(slot),
         )
         opts = self._actor_options(slot)
@@ -275,6 +280,7 @@ class Cluster:
             list(slot.device_ids),
             slot.actor_name,
             node_ip=slot.node_ip,
+            slot_ids=list(slot.slot_ids),
         )
 
     def _spawn_all(self, timeout_s: float) -> None:
@@ -424,13 +430,15 @@ class Cluster:
         return self._slot(rank).hardware
 
     def placement(self) -> list[dict[str, Any]]:
-        """Rank, hardware, node id, device ids and liveness of every worker."""
+        """Rank, hardware, node id, slot ids (its device slots in the pool), device ids (the GPUs Ray
+        gave its actor; empty on the CPU) and liveness of every worker."""
         return [
             {
                 "rank": s.rank,
                 "hardware": s.hardware,
                 "node_id": s.node_id,
                 "node_ip": s.node_ip,
+                "slot_ids": list(s.slot_ids),
                 "device_ids": list(s.device_ids),
                 "alive": s.alive,
             }

@@ -2,7 +2,9 @@
 
 Inside an actor that Ray gave GPUs, ``CUDA_VISIBLE_DEVICES`` lists exactly those GPUs (Ray's documented
 semantics), so the worker's devices are ``cuda:0 .. cuda:n-1`` whatever their physical ids. Inference
-and training workers both place their models with these."""
+and training workers both place their models with these. A worker's ``device_ids`` hold only the GPUs
+Ray assigned it (:mod:`rollart.cluster.worker`); a worker without them (a CPU pool, logical devices)
+gets the CPU, and its process sees no CUDA device."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import torch
 
 
 def worker_devices(device_ids: Sequence[int], cuda: bool | None = None) -> list[torch.device]:
-    """The worker's devices: ``cuda:0 .. cuda:n-1`` for its ``n`` GPUs (Ray made exactly them visible, so
-    their physical ids do not matter here), ``[cpu]`` without CUDA or without devices."""
+    """The worker's devices: ``cuda:0 .. cuda:n-1`` for its ``n`` GPUs (``Worker.device_ids``: the GPUs Ray
+    assigned it, made visible as exactly those, so their physical ids do not matter here); ``[cpu]``
+    without CUDA or without GPUs."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if not cuda or not device_ids:
         return [torch.device("cpu")]

@@ -1,10 +1,19 @@
-"""``Worker``: the base class of every rollart worker; one Ray actor per rank (seed 004 §5.2)."""
+"""``Worker``: the base class of every rollart worker; one Ray actor per rank (seed 004 §5.2).
+
+Devices: a worker's ``device_ids`` are the GPUs Ray assigned to its actor (``ray.get_gpu_ids()``), or its
+owner's GPUs for a worker colocated on a multi-GPU bundle; nothing else ever becomes a CUDA device. A
+worker without GPUs runs on the CPU with CUDA hidden (``CUDA_VISIBLE_DEVICES=""``: the Cluster sets it in
+the actor's runtime environment, before anything in the process can initialise CUDA, and
+:func:`hide_gpus` sets it again when the worker is bound). ``slot_ids`` are the worker's device slots in
+its pool group: what rollart placed it on (logical devices on a CPU-only machine), never CUDA ordinals.
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,9 +31,26 @@ class WorkerContext:
     world_size: int
     pool: str | None
     hardware: str
-    device_ids: tuple[int, ...] = field(default_factory=tuple)
+    slot_ids: tuple[int, ...] = field(default_factory=tuple)
+    """The worker's device slots in its pool group (logical positions, never CUDA ordinals)."""
     shared_gpus: tuple[int, ...] = ()
     """Physical GPU ids of the owner a colocated worker shares (multi-GPU bundles; it takes no GPU itself)."""
+
+
+CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
+
+log = logging.getLogger(__name__)
+
+
+def hide_gpus() -> bool:
+    """Make CUDA see no device in this process (a worker Ray gave no GPU). Returns whether CUDA is hidden:
+    False when something initialised CUDA here before (too late to hide it; logged)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        log.warning("CUDA was initialised in this CPU worker (pid %d) before rollart could hide it", os.getpid())
+        return False
+    os.environ[CUDA_VISIBLE] = ""
+    return True
 
 
 class _TaggedLogger(logging.LoggerAdapter):
@@ -36,8 +62,9 @@ class Worker:
     """Base class of user workers.
 
     Attributes set before ``__init__`` runs: ``rank``, ``world_size``, ``pool``, ``hardware`` (e.g.
-    ``"H800"``), ``device_ids`` (GPU ids where Ray assigned GPUs, otherwise the worker's logical device
-    slots in its pool) and ``logger`` (tagged with cluster, rank and hardware). Subclasses may define
+    ``"H800"``), ``device_ids`` (the GPUs Ray assigned to this actor; empty on the CPU, and then CUDA is
+    hidden), ``slot_ids`` (its device slots in the pool group, logical on a CPU-only machine; never CUDA
+    ordinals) and ``logger`` (tagged with cluster, rank and hardware). Subclasses may define
     ``__init__`` with their own arguments; the Cluster passes ``worker_args``/``worker_kwargs``.
     """
 
@@ -46,6 +73,7 @@ class Worker:
     pool: str | None
     hardware: str
     device_ids: tuple[int, ...]
+    slot_ids: tuple[int, ...]
     cluster_name: str
     job_id: str
     logger: logging.LoggerAdapter
@@ -57,12 +85,17 @@ class Worker:
         self.world_size = ctx.world_size
         self.pool = ctx.pool
         self.hardware = ctx.hardware
-        gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+        self.slot_ids = tuple(ctx.slot_ids)
+        in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+        gpu_ids = ray.get_gpu_ids() if in_actor else []
         if not gpu_ids and ctx.shared_gpus:  # before anything initialises CUDA in this process
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in ctx.shared_gpus)
+            os.environ[CUDA_VISIBLE] = ",".join(str(g) for g in ctx.shared_gpus)
             gpu_ids = list(ctx.shared_gpus)
-        self.device_ids = tuple(int(g) for g in gpu_ids) if gpu_ids else tuple(ctx.device_ids)
-        tag = f"{ctx.cluster} rank={ctx.rank}/{ctx.world_size} hw={ctx.hardware} dev={list(self.device_ids)}"
+        if not gpu_ids and in_actor:  # an in-process worker (tests, benches) leaves its caller's CUDA alone
+            hide_gpus()
+        self.device_ids = tuple(int(g) for g in gpu_ids)
+        gpus = f"gpu={list(self.device_ids)}" if self.device_ids else "cpu"
+        tag = f"{ctx.cluster} rank={ctx.rank}/{ctx.world_size} hw={ctx.hardware} slot={list(self.slot_ids)} {gpus}"
         self.logger = _TaggedLogger(logging.getLogger(f"rollart.worker.{ctx.cluster}"), {"tag": tag})
 
     def _rollart_info(self) -> dict[str, Any]:
@@ -71,6 +104,7 @@ class Worker:
             "rank": self.rank,
             "hardware": self.hardware,
             "device_ids": list(self.device_ids),
+            "slot_ids": list(self.slot_ids),
             "node_id": ray.get_runtime_context().get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),

@@ -139,6 +139,7 @@ class ClusterRegistry:
         actor_name: str,
         state: str = "alive",
         node_ip: str = "",
+        slot_ids: list[int] | None = None,
     ) -> None:
         row = {
             "job_id": job_id,
@@ -149,6 +150,7 @@ class ClusterRegistry:
             "node_id": node_id,
             "node_ip": node_ip,
             "device_ids": list(device_ids),
+            "slot_ids": list(slot_ids or []),
             "actor_name": actor_name,
             "state": state,
             "updated_at": time.time(),

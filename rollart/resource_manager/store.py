@@ -34,7 +34,7 @@ CREATE TABLE IF NOT EXISTS pools (
 );
 CREATE TABLE IF NOT EXISTS bindings (
   job_id TEXT, cluster TEXT, rank INTEGER, pool TEXT, hardware TEXT, node_id TEXT, device_ids TEXT,
-  actor_name TEXT, state TEXT, updated_at REAL,
+  actor_name TEXT, state TEXT, updated_at REAL, slot_ids TEXT,
   PRIMARY KEY (job_id, cluster, rank)
 );
 CREATE TABLE IF NOT EXISTS runs (
@@ -63,6 +63,9 @@ class MetadataStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._conn() as db:
             db.executescript(_SCHEMA)
+            columns = {r["name"] for r in db.execute("PRAGMA table_info(bindings)")}
+            if "slot_ids" not in columns:  # a file written before bindings had slot ids
+                db.execute("ALTER TABLE bindings ADD COLUMN slot_ids TEXT")
 
     @contextmanager
     def _conn(self) -> Iterator[sqlite3.Connection]:
@@ -160,10 +163,14 @@ class MetadataStore:
         actor_name: str,
         state: str = "alive",
         node_ip: str = "",
+        slot_ids: list[int] | None = None,
     ) -> None:
+        """One worker's placement: ``device_ids`` the GPUs its actor got (empty on the CPU), ``slot_ids``
+        its device slots in the pool group."""
         with self._conn() as db:
             db.execute(
-                "INSERT OR REPLACE INTO bindings VALUES (?,?,?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO bindings (job_id, cluster, rank, pool, hardware, node_id, device_ids, "
+                "actor_name, state, updated_at, slot_ids) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     job_id,
                     cluster,
@@ -175,6 +182,7 @@ class MetadataStore:
                     actor_name,
                     state,
                     time.time(),
+                    json.dumps(list(slot_ids or [])),
                 ),
             )
         self._mirror(
@@ -189,6 +197,7 @@ class MetadataStore:
             actor_name,
             state,
             node_ip=node_ip,
+            slot_ids=list(slot_ids or []),
         )
 
     def set_binding_state(self, job_id: str, cluster: str, rank: int, state: str) -> None:
@@ -216,8 +225,9 @@ class MetadataStore:
                 rows = db.execute(f"SELECT * FROM {table} WHERE job_id=?", (job_id,)).fetchall()
         out = [dict(r) for r in rows]
         for r in out:
-            if "device_ids" in r and isinstance(r["device_ids"], str):
-                r["device_ids"] = json.loads(r["device_ids"])
+            for key in ("device_ids", "slot_ids"):
+                if isinstance(r.get(key), str):
+                    r[key] = json.loads(r[key])
         return out
 
     def jobs(self, job_id: str | None = None) -> list[dict[str, Any]]:
