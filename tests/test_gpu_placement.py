@@ -3,6 +3,8 @@
 Inside an actor Ray sets ``CUDA_VISIBLE_DEVICES`` to the actor's GPUs: the worker's devices are
 ``cuda:0..n-1``; ``devices_per_worker=2`` gives an actor two GPUs; a colocated worker shares its
 owner's GPU (a fractional GPU of the same bundle); the torch inference engine runs on that device.
+A worker of a CPU pool sees no GPU at all; ``hardware: GPU`` takes a GPU of any type; Ray's detection
+finds the machine's GPUs (what ``rollart run`` declares).
 """
 
 import os
@@ -88,6 +90,38 @@ def test_devices_per_worker_two_gives_the_actor_two_gpus(gpu_ray, tmp_path):
         assert len(f["gpu_ids"]) == 2 and f["count"] == 2 and f["device"] == "cuda:0"
     finally:
         rm.shutdown()
+
+
+class CpuProbe(ra.Worker):
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    def facts(self) -> dict:
+        from rollart.cluster.devices import worker_device
+
+        return {
+            "device": str(worker_device(self.device_ids)),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "cuda": torch.cuda.is_available(),
+            "count": torch.cuda.device_count(),
+        }
+
+
+def test_a_cpu_pool_worker_sees_no_gpu_and_gpu_takes_any_type(gpu_ray, tmp_path):
+    pools = {"g": {"hardware": "GPU", "devices": 1}, "c": {"hardware": "CPU", "cpus": 1}}
+    rm = ra.ResourceManager(pools, store=tmp_path / "m.sqlite")
+    try:
+        (g,) = ra.Cluster("any_gpu", GpuProbe, rm, pool="g").facts()
+        assert g["device"] == "cuda:0" and g["count"] == 1 and g["sum"] == 8.0
+        (c,) = ra.Cluster("cpu_worker", CpuProbe, rm, pool="c").facts()
+        assert c == {"device": "cpu", "visible": "", "cuda": False, "count": 0}
+    finally:
+        rm.shutdown()
+
+
+def test_ray_detects_this_machines_gpus():
+    from rollart.resource_manager.launcher import detect_gpus
+
+    found = detect_gpus()
+    assert found.count == torch.cuda.device_count() and found.accelerator_type, found
 
 
 def test_the_torch_engine_runs_on_its_workers_gpu(gpu_ray, tmp_path):

@@ -112,9 +112,11 @@ def test_an_explicit_auth_mode_is_kept_when_joining(monkeypatch, tmp_path):
 
 def test_the_local_start_is_explicit(monkeypatch):
     calls = []
+    monkeypatch.setattr(launcher, "detect_gpus", lambda: launcher.DetectedGpus())  # a machine without GPUs
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     launcher.ensure_ray({"H20": 1, "CPU": 2}, job_id="j")
     (kw,) = calls
-    assert kw["address"] == "local" and kw["resources"] == {"accelerator_type:H20": 1.0}
+    assert kw["address"] == "local" and kw["num_gpus"] == 0
+    assert kw["resources"] == {"accelerator_type:H20": 1.0, "rollart_logical:H20": 1.0}

@@ -1,5 +1,6 @@
 """``rollart status [--store FILE] [--job ID] [--json] [--local]``: jobs, pools, worker bindings and
-endpoints, from the Ray cluster's registry or the local metadata store."""
+endpoints, from the Ray cluster's registry or the local metadata store; the GPUs Ray detects on this
+machine (what a local ``rollart run`` declares), or each node's GPUs and logical devices."""
 
 from __future__ import annotations
 
@@ -28,14 +29,14 @@ def _cluster_state(address: str, job: str | None) -> dict[str, Any]:
     """The Ray cluster's registry (every host's and driver's jobs), read through a short-lived driver."""
     import ray
 
-    from rollart.resource_manager.launcher import _token_auth_for_joining
+    from rollart.resource_manager.launcher import _token_auth_for_joining, node_hardware
     from rollart.resource_manager.registry import ClusterRegistry
 
     _token_auth_for_joining()
     os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     ray.init(address=address, namespace="rollart-status", log_to_driver=False, logging_level=logging.WARNING)
     try:
-        state: dict[str, Any] = {"cluster": address, **ClusterRegistry().snapshot(job)}
+        state: dict[str, Any] = {"cluster": address, "nodes": node_hardware(), **ClusterRegistry().snapshot(job)}
     finally:
         ray.shutdown()
     for j in state["jobs"]:  # a driver on another host: its pid cannot be checked from here
@@ -44,11 +45,14 @@ def _cluster_state(address: str, job: str | None) -> dict[str, Any]:
 
 
 def _local_state(store_path: str | None, job: str | None) -> tuple[dict[str, Any], str]:
+    from rollart.resource_manager.launcher import detect_gpus
     from rollart.resource_manager.store import MetadataStore
 
     store = MetadataStore(store_path)
+    gpus = detect_gpus()  # what a local `rollart run` here declares
     state: dict[str, Any] = {
         "store": str(store.path),
+        "gpus": {"count": gpus.count, "accelerator_type": gpus.accelerator_type, "detected": gpus.describe()},
         "jobs": store.jobs(job),
         "pools": store.pools(job),
         "bindings": store.bindings(job),
@@ -100,13 +104,19 @@ def _print_tables(state: dict[str, Any], where: str) -> None:
 
     console = Console()
     console.print(where)
+    if "gpus" in state:
+        console.print(f"GPUs on this machine (Ray's detection, declared by a local run): {state['gpus']['detected']}")
+    for node in state.get("nodes", []):
+        gpu_types = f" ({', '.join(node['gpu_types'])})" if node["gpu_types"] else ""
+        logical = ", ".join(f"{t} x{n:g}" for t, n in node["logical"].items()) or "none"
+        console.print(f"node {node['node_ip']}: {node['gpus']:g} GPU{gpu_types}; logical devices: {logical}")
     for title, rows, cols in (
         ("jobs", state["jobs"], ["job_id", "state", "driver_pid", "driver_alive", "ray_address", "ended_at"]),
         ("pools", state["pools"], ["job_id", "pool", "group_index", "hardware", "devices", "cpus", "state"]),
         (
             "workers",
             state["bindings"],
-            ["job_id", "cluster", "rank", "pool", "hardware", "node_ip", "node_id", "device_ids", "state"],
+            ["job_id", "cluster", "rank", "pool", "hardware", "node_ip", "node_id", "slot_ids", "device_ids", "state"],
         ),
         ("endpoints", state["endpoints"], ["job_id", "cluster", "method", "url", "timeout_s", "retries"]),
         (

@@ -1,8 +1,11 @@
 """What the Ray cluster offers per hardware type, read before anything is placed.
 
 A hardware type is the Ray resource ``accelerator_type:<TYPE>``. On a node with GPUs it marks the GPU
-model and the devices are the node's ``GPU`` resource ("gpu" mode); on a node without GPUs the local
-launcher declares it with one unit per logical device ("logical" mode). CPUs are the ``CPU`` resource.
+model and the devices are the node's ``GPU`` resource ("gpu" mode), unless the node marks the type as
+logical (``rollart_logical:<TYPE>``, set by the local launcher); logical devices (one unit per device,
+"logical" mode) are the type's own resource, and their workers run on the CPU. ``GPU`` is the hardware
+type of every GPU, whatever its model ("gpu" mode, bundles of Ray's ``GPU`` resource alone). CPUs are
+the ``CPU`` resource.
 
 A bundle holds the devices of one worker (``devices_per_worker``; one by default). Its first worker
 takes them; a colocated worker (reference, critic) shares them: on one-GPU bundles by a fractional GPU
@@ -18,7 +21,7 @@ from typing import Any
 
 import ray
 
-from rollart.resource_manager.launcher import ACCEL_PREFIX, accelerator_resource
+from rollart.resource_manager.launcher import ACCEL_PREFIX, ANY_GPU, LOGICAL_PREFIX, accelerator_resource
 from rollart.resource_manager.specs import CPU
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,8 @@ class HardwareCapacity:
         if self.mode == "cpu":
             return {CPU: float(devices)}
         if self.mode == "gpu":
+            if self.hardware == ANY_GPU:
+                return {"GPU": float(devices)}
             # the accelerator_type marker is 1 per node: ask a sliver to pin the bundle to such a node
             return {"GPU": float(devices), accelerator_resource(self.hardware): 0.001}
         return {accelerator_resource(self.hardware): float(devices)}
@@ -81,12 +86,19 @@ def read_capacity() -> dict[str, HardwareCapacity]:
             cap.total += res[CPU]
             cap.available += free.get(CPU, 0.0)
             cap.node_ids.append(nid)
+        gpus = res.get("GPU", 0.0)
+        if gpus > 0:
+            cap = out.setdefault(ANY_GPU, HardwareCapacity(ANY_GPU, "gpu"))
+            cap.total += gpus
+            cap.available += free.get("GPU", 0.0)
+            cap.node_ids.append(nid)
         for key, amount in res.items():
             if not key.startswith(ACCEL_PREFIX):
                 continue
             hw = key[len(ACCEL_PREFIX) :]
-            gpus = res.get("GPU", 0.0)
-            mode = "gpu" if gpus > 0 else "logical"
+            if hw == ANY_GPU and gpus > 0:
+                continue  # the GPUs themselves, counted above
+            mode = "gpu" if gpus > 0 and f"{LOGICAL_PREFIX}{hw}" not in res else "logical"
             cap = out.setdefault(hw, HardwareCapacity(hw, mode))
             cap.mode = mode if cap.mode == mode else "gpu"
             if mode == "gpu":

@@ -1,9 +1,21 @@
-"""Launcher: join ``RAY_ADDRESS`` or start a fresh local Ray on 127.0.0.1 that declares logical hardware.
+"""Launcher: join ``RAY_ADDRESS`` or start a fresh local Ray on 127.0.0.1 that declares the machine's GPUs
+and, where asked, logical hardware.
 
 With no ``RAY_ADDRESS`` and no initialised Ray, rollart starts a new Ray explicitly
-(``ray.init(address="local")``) bound to 127.0.0.1 and declares every hardware type of the config as
-the logical resource ``accelerator_type:<TYPE>`` (one unit per device), so every placement and routing
-path runs on a CPU-only machine (DESIGN.md, "Dependencies"). ``address="local"`` matters: a plain
+(``ray.init(address="local")``) bound to 127.0.0.1. It declares:
+
+- the GPUs Ray's own accelerator detection finds (:func:`detect_gpus`: the NVML device count, capped by
+  ``CUDA_VISIBLE_DEVICES``, and the model Ray reads from the device name, e.g. ``H100``), as Ray's ``GPU``
+  resource and its ``accelerator_type:<TYPE>`` marker: a pool of that type, or of ``hardware: GPU`` (any
+  GPU type), runs on them;
+- logical hardware, the resource ``accelerator_type:<TYPE>`` with one unit per device and the marker
+  ``rollart_logical:<TYPE>`` (so a GPU node's logical types are never taken for its GPUs): on a
+  machine without GPUs every hardware type the config asks for, so every placement and routing path runs
+  on a CPU-only machine (DESIGN.md, "Dependencies"); on a machine with GPUs only the types named in
+  ``local_resources`` (``cluster.local_resources``), so a pool naming hardware the machine lacks gets the
+  ResourceManager's "not in the Ray cluster" error. Workers of logical devices run on the CPU.
+
+``address="local"`` matters: a plain
 ``ray.init()`` joins whatever cluster the ``ray_current_cluster`` file of Ray's temp dir names, even a
 stopped one, and then refuses ``num_cpus``.
 
@@ -21,6 +33,7 @@ import logging
 import os
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import ray
 
@@ -30,6 +43,68 @@ from rollart.resource_manager.specs import CPU
 log = logging.getLogger(__name__)
 
 ACCEL_PREFIX = "accelerator_type:"
+LOGICAL_PREFIX = "rollart_logical:"
+"""A node resource ``rollart_logical:<TYPE>`` marks ``accelerator_type:<TYPE>`` there as logical devices."""
+ANY_GPU = "GPU"
+"""The hardware name of a pool that takes GPUs of any type (Ray's ``GPU`` resource)."""
+
+
+@dataclass(frozen=True)
+class DetectedGpus:
+    """The GPUs of this machine as Ray's accelerator detection sees them."""
+
+    count: int = 0
+    accelerator_type: str | None = None  # Ray's name of the model, e.g. "H100"; None when unknown
+
+    def types(self) -> tuple[str, ...]:
+        """The hardware names pools use for these GPUs: ``GPU`` (any type) and the detected type."""
+        if not self.count:
+            return ()
+        return (ANY_GPU, self.accelerator_type) if self.accelerator_type else (ANY_GPU,)
+
+    def describe(self) -> str:
+        if not self.count:
+            return "no GPU"
+        return f"{self.count} x {self.accelerator_type or 'GPU of unknown type'}"
+
+
+def detect_gpus() -> DetectedGpus:
+    """This machine's GPUs, detected as ``ray start`` / ``ray.init`` would: Ray's accelerator manager for
+    its ``GPU`` resource (NVML for NVIDIA) gives the count, capped by ``CUDA_VISIBLE_DEVICES``, and the
+    type it derives from the device name (``NVIDIA H100 80GB HBM3`` → ``H100``)."""
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+
+        manager = get_accelerator_manager_for_resource(ANY_GPU)
+        count = int(manager.get_current_node_num_accelerators())
+        visible = manager.get_current_process_visible_accelerator_ids()
+        if visible is not None:
+            count = min(count, len(visible))
+        kind = manager.get_current_node_accelerator_type() if count else None
+    except Exception as err:  # no driver library, or a Ray without this module: no GPU declared
+        log.debug("GPU detection failed: %s", err)
+        return DetectedGpus()
+    return DetectedGpus(count, kind or None)
+
+
+def node_hardware() -> list[dict[str, object]]:
+    """Per alive node of the connected Ray: its IP, GPUs, GPU types and logical device types."""
+    out: list[dict[str, object]] = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        types = sorted(k[len(ACCEL_PREFIX) :] for k in res if k.startswith(ACCEL_PREFIX))
+        logical = [t for t in types if f"{LOGICAL_PREFIX}{t}" in res or not res.get("GPU")]
+        out.append(
+            {
+                "node_ip": node.get("NodeManagerAddress"),
+                "gpus": res.get("GPU", 0.0),
+                "gpu_types": [t for t in types if t not in logical],
+                "logical": {t: res[accelerator_resource(t)] for t in logical},
+            }
+        )
+    return out
 
 
 def accelerator_resource(hardware: str) -> str:
@@ -41,10 +116,17 @@ def new_job_id() -> str:
     return f"rollart-{uuid.uuid4().hex[:10]}"
 
 
-def ensure_ray(local_resources: Mapping[str, float] | None = None, job_id: str | None = None) -> str:
+def ensure_ray(
+    local_resources: Mapping[str, float] | None = None,
+    job_id: str | None = None,
+    *,
+    asked: Mapping[str, float] | None = None,
+) -> str:
     """Make sure Ray is up; return the job id (the Ray namespace).
 
-    ``local_resources`` (``{"H800": 4, "H20": 4, "CPU": 16}``) is what a locally started Ray declares.
+    ``local_resources`` (``{"H800": 4, "H20": 4, "CPU": 16}``) is what a locally started Ray declares
+    besides the GPUs it detects; when it is None, ``asked`` (what the pools ask for) is declared as
+    logical hardware on a machine without GPUs, and only its CPUs on a machine with GPUs.
     """
     if ray.is_initialized():
         return ray.get_runtime_context().namespace or job_id or new_job_id()
@@ -64,15 +146,27 @@ def ensure_ray(local_resources: Mapping[str, float] | None = None, job_id: str |
         return job_id
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     _bind_to_loopback()
-    resources = dict(local_resources or {})
+    resources = dict(local_resources if local_resources is not None else asked or {})
     cpus = resources.pop(CPU, None)
     num_cpus = int(max(cpus or 0, os.cpu_count() or 1, 2))
-    custom = {accelerator_resource(hw): float(n) for hw, n in resources.items() if n > 0}
-    log.info("starting a local Ray on 127.0.0.1 (CPU=%s, %s) as job %s", num_cpus, custom, job_id)
+    gpus = detect_gpus()
+    custom, logical = local_ray_resources(resources, gpus, declare_logical=local_resources is not None)
+    log.info(
+        "starting a local Ray on 127.0.0.1 as job %s: CPU=%d, GPUs detected: %s, logical devices: %s",
+        job_id,
+        num_cpus,
+        gpus.describe(),
+        logical or "none",
+    )
+    absent = sorted(hw for hw, n in resources.items() if n > 0 and hw not in logical and hw not in gpus.types())
+    if absent:
+        log.info(
+            "not declared (this machine has no such GPU; cluster.local_resources declares logical ones): %s", absent
+        )
     ray.init(
         address="local",
         num_cpus=num_cpus,
-        num_gpus=0,
+        num_gpus=gpus.count,
         resources=custom,
         namespace=job_id,
         include_dashboard=False,
@@ -83,6 +177,28 @@ def ensure_ray(local_resources: Mapping[str, float] | None = None, job_id: str |
         },
     )
     return job_id
+
+
+def local_ray_resources(
+    wanted: Mapping[str, float], gpus: DetectedGpus, declare_logical: bool
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The custom resources of a local Ray (and the logical devices among them, by type) for the hardware
+    ``wanted`` on a machine with ``gpus``: the detected type's marker; every other type as logical
+    devices when there is no GPU or ``declare_logical`` (the user named it in ``local_resources``).
+    ``GPU`` and the detected type are the GPUs themselves, never logical on a machine that has them."""
+    custom: dict[str, float] = {}
+    if gpus.count and gpus.accelerator_type:
+        custom[accelerator_resource(gpus.accelerator_type)] = 1.0  # Ray's marker: one per node
+    logical: dict[str, float] = {}
+    for hw, n in wanted.items():
+        if n <= 0 or hw in gpus.types():
+            continue
+        if gpus.count and not declare_logical:
+            continue  # a GPU machine declares its own hardware; the ResourceManager reports the rest
+        logical[hw] = float(n)
+        custom[accelerator_resource(hw)] = float(n)
+        custom[f"{LOGICAL_PREFIX}{hw}"] = 1.0
+    return custom, logical
 
 
 def _bind_to_loopback() -> None:

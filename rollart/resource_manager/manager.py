@@ -23,7 +23,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 
 from rollart.resource_manager.admission import Admission, wait_for_admission
 from rollart.resource_manager.capacity import HardwareCapacity, read_capacity
-from rollart.resource_manager.launcher import ensure_ray
+from rollart.resource_manager.launcher import ANY_GPU, ensure_ray
 from rollart.resource_manager.specs import CPU, HardwareGroup, PoolSpec, ResourceSpecError, parse_pools
 from rollart.resource_manager.store import MetadataStore
 
@@ -56,7 +56,9 @@ class ResourceManager:
 
     ``ResourceManager({"train": {"hardware": "H800", "devices": 2}, ...})`` validates and reserves at
     once. ``local_resources`` (``{"H800": 4, "H20": 4, "CPU": 16}``) is what a locally started Ray
-    declares; by default exactly what the pools ask for. ``store`` is the SQLite metadata file
+    declares besides the GPUs it detects; by default what the pools ask for, as logical devices on a
+    machine without GPUs (:mod:`rollart.resource_manager.launcher`). ``hardware: GPU`` takes GPUs of any
+    type. ``store`` is the SQLite metadata file
     (default ``$ROLLART_METADATA_DB`` or ``~/.rollart/metadata.sqlite``). ``admission`` (default: from the
     environment ``rollart submit`` gives a job, else none) makes the job wait in the cluster's queue and
     keep to its quota before anything is reserved (:mod:`rollart.resource_manager.admission`).
@@ -73,9 +75,7 @@ class ResourceManager:
         admission: Admission | None = None,
     ):
         self.specs: dict[str, PoolSpec] = parse_pools(pools)
-        if local_resources is None:
-            local_resources = self._resources_asked()
-        self.job_id = ensure_ray(local_resources, job_id)
+        self.job_id = ensure_ray(local_resources, job_id, asked=self._resources_asked())
         self.store = store if isinstance(store, MetadataStore) else MetadataStore(store)
         if self.store.registry is None:  # every host and driver of the Ray cluster sees this job
             from rollart.resource_manager.registry import ClusterRegistry
@@ -119,7 +119,8 @@ class ResourceManager:
                     )
         if self.admission is not None:  # admitted against the cluster's totals; placement waits for the rest
             return
-        for hw, need in self._resources_asked().items():
+        asked = self._resources_asked()
+        for hw, need in asked.items():
             cap = self.capacity[hw]
             if need > cap.available + 1e-9:
                 users = [s.name for s in self.specs.values() for g in s.groups if g.hardware == hw]
@@ -128,6 +129,16 @@ class ResourceManager:
                     f"pools {users} ask for {need:g} {hw} {field_name} but the cluster has {cap.available:g} "
                     f"free of {cap.total:g}; lower pools.<name>.{field_name} or add {hw} hardware"
                 )
+        # several names for the same GPUs (GPU and H100 on one machine): the sum must fit the GPUs
+        on_gpus = {hw: n for hw, n in asked.items() if self.capacity[hw].mode == "gpu"}
+        every_gpu = self.capacity.get(ANY_GPU)
+        if len(on_gpus) > 1 and every_gpu is not None and sum(on_gpus.values()) > every_gpu.available + 1e-9:
+            users = [s.name for s in self.specs.values() for g in s.groups if g.hardware in on_gpus]
+            split = ", ".join(f"{h}: {n:g}" for h, n in on_gpus.items())
+            raise ResourceSpecError(
+                f"pools {users} ask for {sum(on_gpus.values()):g} GPUs ({split}) but the cluster has "
+                f"{every_gpu.available:g} free of {every_gpu.total:g}; lower pools.<name>.devices or add GPUs"
+            )
 
     # ------------------------------------------------------------------ reservation
     def _reserve(self, ready_timeout_s: float) -> None:
