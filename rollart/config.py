@@ -310,8 +310,9 @@ class PipelineConfig(BaseModel):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     """Automatic hardware affinity: reorder `tags:` by each task's measured shape."""
     model: str | None = None
-    """The policy to train: a local Hugging Face folder (with a `config.json`) or a model name the offline
-    Hugging Face cache holds; null: the built-in tiny model.
+    """The policy to train: a local Hugging Face folder (with a `config.json`), a model name the offline
+    Hugging Face cache holds, or `{shape: qwen2.5-0.5b}` (a published architecture with random weights,
+    `rollart.models.shapes`; validated into its folder); null: the built-in tiny model.
     """
     tiny_model: dict[str, Any] = Field(default_factory=dict)
     """Size of the built-in tiny model (`hidden_size`, `num_layers`, `num_heads`, `num_kv_heads`,
@@ -388,6 +389,30 @@ class PipelineConfig(BaseModel):
             data = {**data, "train": {"plugins": plugins if isinstance(plugins, list) else [], **data.get("train", {})}}
             data["train"].setdefault("plugin_paths", folders)
         return data
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_shape(cls, value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value
+        from rollart.models.shapes import SHAPES, ShapeConfig, shape_folder, unknown_shape
+
+        known = ", ".join(sorted(SHAPES))
+        if "shape" not in value:
+            raise ValueError(f"model.shape: required (model: {{shape: NAME}}); the known shapes are {known}")
+        if value["shape"] not in SHAPES:
+            raise ValueError(f"model.shape: {unknown_shape(str(value['shape']))}")
+        extra = sorted(set(value) - set(ShapeConfig.model_fields))
+        if extra:
+            raise ValueError(
+                f"model.{extra[0]}: unknown key; model: {{...}} takes {', '.join(ShapeConfig.model_fields)}"
+            )
+        try:
+            spec = ShapeConfig.model_validate(dict(value))
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise ValueError(f"model.{'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
+        return str(shape_folder(spec))
 
     @field_validator("pipeline")
     @classmethod

@@ -55,6 +55,10 @@ class SGLangEngine(InferenceEngine):
 
     @staticmethod
     async def _build(sgl: Any, model: str, dtype: str, seed: int, server_args: dict[str, Any]) -> Any:
+        from rollart.models.shapes import is_shape_folder
+
+        if is_shape_folder(model):  # random weights (rollart.models.shapes): SGLang's own dummy ones
+            server_args = {"load_format": "dummy", **server_args}
         return sgl.Engine(model_path=model, dtype=dtype, random_seed=seed, skip_tokenizer_init=True, **server_args)
 
     def _sampling(self, request: EngineRequest) -> dict[str, Any]:

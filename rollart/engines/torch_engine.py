@@ -79,12 +79,12 @@ class TorchEngine(InferenceEngine):
         max_batch_size: int = 256,
         prefix_sharing: bool = True,
     ):
-        from transformers import AutoModelForCausalLM
+        from rollart.models.shapes import load_causal_lm
 
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        self.model = load_causal_lm(model_path, dtype=dtype).to(self.device).eval()
         self.max_batch_size = max_batch_size
         self.prefix_sharing = prefix_sharing
         self.weight_version = 0

@@ -106,8 +106,14 @@ class VLLMEngine(InferenceEngine):
             # not use offset"); a step budget that holds every running request's whole context never
             # splits one
             engine_kwargs["max_num_batched_tokens"] = max_num_seqs * max_model_len
+        from rollart.models.shapes import is_shape_folder, weight_shapes
+
         self.model_path = model
-        self._shapes = checkpoint_shapes(model)
+        if is_shape_folder(model):  # random weights (rollart.models.shapes): vLLM's own dummy ones
+            engine_kwargs.setdefault("load_format", "dummy")
+            self._shapes = weight_shapes(model)
+        else:
+            self._shapes = checkpoint_shapes(model)
         args = EngineArgs(
             model=model,
             dtype=dtype,

@@ -90,11 +90,13 @@ class CriticWorker(DataParallelRank, Worker):
     def __init__(self, config: CriticConfig | dict[str, Any] | None = None):
         from transformers import AutoModel
 
+        from rollart.models.shapes import load_pretrained
+
         self.config = CriticConfig.model_validate(config or {})
         torch.manual_seed(self.config.seed)
         path = model_path(self.config.model)
         self.device = worker_device(self.device_ids)
-        backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+        backbone = load_pretrained(AutoModel, path, dtype=torch.float32)
         self.module = ValueModel(backbone, int(backbone.config.hidden_size)).to(self.device)
         self.module.train()
         self.frozen_tensors = 0

@@ -23,13 +23,15 @@ log = logging.getLogger(__name__)
 def export_hf(state: dict[str, torch.Tensor], base_model: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     """Write ``state`` (full weights, Hugging Face names) with ``base_model``'s config, tokenizer and
     generation config into ``out`` (replaced atomically: a half-written export is never left there)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from rollart.models.shapes import load_causal_lm
 
     target = Path(out)
     tmp = target.with_name(target.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
+    model = load_causal_lm(base_model, dtype=torch.float32)
     # strict: every weight of the architecture, nothing else (a tied output layer may be left out)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if _is_tied(model, k)}

@@ -60,9 +60,9 @@ def lora_state_to_hf(
     state: dict[str, torch.Tensor], base_model: str, settings: dict[str, Any] | LoraSettings
 ) -> dict[str, torch.Tensor]:
     """Merged full weights from a LoRA checkpoint's state dict (peft names)."""
-    from transformers import AutoModelForCausalLM
+    from rollart.models.shapes import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    model = load_causal_lm(base_model, dtype=torch.float32)
     peft_model = apply_lora(model, LoraSettings.model_validate(settings))
     peft_model.load_state_dict(state)
     return merged_state_dict(peft_model)

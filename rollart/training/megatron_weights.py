@@ -162,7 +162,11 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, 
 
 def load_hf_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The tensors of a Hugging Face folder (``*.safetensors`` shards, else ``pytorch_model*.bin``), on CPU,
-    without instantiating the HF model."""
+    without instantiating the HF model; a shape folder's seeded random weights (``rollart.models.shapes``)."""
+    from rollart.models.shapes import hf_state_dict, is_shape_folder
+
+    if is_shape_folder(path):
+        return hf_state_dict(path)
     folder = Path(path)
     shards = sorted(folder.glob("*.safetensors"))
     state: dict[str, torch.Tensor] = {}

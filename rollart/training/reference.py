@@ -23,10 +23,10 @@ class ReferenceWorker(Worker):
     """One data-parallel rank of the reference model; ``model`` defaults to the built-in tiny model."""
 
     def __init__(self, model: str | None = None, max_tokens_per_microbatch: int = 16384):
-        from transformers import AutoModelForCausalLM
+        from rollart.models.shapes import load_causal_lm
 
         self.device = worker_device(self.device_ids)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path(model), dtype=torch.float32).to(self.device).eval()
+        self.model = load_causal_lm(model_path(model), dtype=torch.float32).to(self.device).eval()
         self.model.requires_grad_(False)
         self.max_tokens = max_tokens_per_microbatch
 

@@ -88,7 +88,7 @@ class TorchTrainWorker(DataParallelRank, Worker):
     """One data-parallel rank of the actor."""
 
     def __init__(self, config: TrainConfig | dict[str, Any] | None = None):
-        from transformers import AutoModelForCausalLM
+        from rollart.models.shapes import load_causal_lm
 
         self.config = TrainConfig.model_validate(config or {})
         torch.manual_seed(self.config.seed)
@@ -99,7 +99,7 @@ class TorchTrainWorker(DataParallelRank, Worker):
                 "set train.dtype: fp32"
             )
         # fp32 master weights (and optimiser state) whatever train.dtype: bf16 is autocast in the passes
-        model = AutoModelForCausalLM.from_pretrained(model_path(self.config.model), dtype=torch.float32)
+        model = load_causal_lm(model_path(self.config.model), dtype=torch.float32)
         if self.config.gradient_checkpointing:
             kwargs = {"use_reentrant": False}
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
