@@ -145,3 +145,18 @@ def test_detection_reads_rays_accelerator_manager(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert launcher.detect_gpus() == DetectedGpus(0, None)
     assert Nvidia._gpu_name_to_accelerator_type("NVIDIA H100 80GB HBM3") == "H100"  # Ray's naming
+
+
+def test_rollart_status_says_what_a_local_run_would_declare(monkeypatch, tmp_path, capsys):
+    from rollart.cli import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(launcher, "detect_gpus", lambda: DetectedGpus(8, "H100"))
+    assert main(["status", "--json", "--store", str(tmp_path / "m.sqlite")]) == 0
+    assert json.loads(capsys.readouterr().out)["gpus"] == {
+        "count": 8,
+        "accelerator_type": "H100",
+        "detected": "8 x H100",
+    }
+    assert main(["status", "--store", str(tmp_path / "m.sqlite")]) == 0
+    assert "GPUs on this machine (Ray's detection, declared by a local run): 8 x H100" in capsys.readouterr().out
