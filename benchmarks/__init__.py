@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "reward-service": "reward_service",
     "shared-reward": "shared_reward",
     "engine": "engine_throughput",
+    "train-step": "train_step",
     "env-async": "env_async",
     "redundant-env": "redundant_env",
     "env-service": "env_service",

@@ -14,10 +14,15 @@ pools of Fig. 4 (2 H800 vs 6 H20) and Fig. 11a (72 H800 vs 208 H20 vs 64 H800 + 
 The default model is the seed's Qwen3-8B in BF16 (8.2 B parameters; 36 layers, 8 KV heads of 128:
 144 KiB of KV cache per token). Ideal utilisation on both devices: the ratios between devices, which
 are what the affinity comparison rests on, do not depend on a common efficiency factor.
+
+:data:`GPUS` holds the datasheet peaks of the GPUs rollart's benchmarks meet (dense BF16 tensor
+TFLOPs, HBM bandwidth and size); :func:`gpu_for_device` finds the entry of a CUDA device by the name
+the driver reports (``torch.cuda.get_device_name``), telling the SXM, PCIe and NVL variants apart.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -27,13 +32,44 @@ class Hardware:
     tflops: float  # dense BF16, 1e12 FLOP/s
     hbm_tb_s: float  # HBM bandwidth, 1e12 B/s
     hbm_gb: float
-    cost: float  # relative cost per device hour (H20 = 1)
+    cost: float | None = None  # relative cost per device hour (H20 = 1); the simulated profiles have one
 
 
 HARDWARE: dict[str, Hardware] = {
     "H800": Hardware("H800", tflops=989.5, hbm_tb_s=3.35, hbm_gb=80.0, cost=2.85),
     "H20": Hardware("H20", tflops=148.0, hbm_tb_s=4.0, hbm_gb=96.0, cost=1.0),
 }
+
+
+GPUS: dict[str, Hardware] = {
+    **HARDWARE,
+    # NVIDIA datasheets: dense BF16 tensor-core TFLOPs (half the "with sparsity" figure), HBM TB/s, GB
+    "H100": Hardware("H100", tflops=989.4, hbm_tb_s=3.35, hbm_gb=80.0),  # SXM5
+    "H100-PCIe": Hardware("H100-PCIe", tflops=756.0, hbm_tb_s=2.0, hbm_gb=80.0),
+    "H100-NVL": Hardware("H100-NVL", tflops=835.0, hbm_tb_s=3.9, hbm_gb=94.0),
+    "H200": Hardware("H200", tflops=989.4, hbm_tb_s=4.8, hbm_gb=141.0),  # SXM
+    "A100": Hardware("A100", tflops=312.0, hbm_tb_s=2.039, hbm_gb=80.0),  # SXM4 80GB
+    "A100-40GB": Hardware("A100-40GB", tflops=312.0, hbm_tb_s=1.555, hbm_gb=40.0),
+    "L40S": Hardware("L40S", tflops=362.0, hbm_tb_s=0.864, hbm_gb=48.0),
+}
+
+
+def gpu_for_device(device_name: str) -> Hardware | None:
+    """The :data:`GPUS` entry of a CUDA device name (``NVIDIA H100 80GB HBM3`` → H100, ``NVIDIA H100
+    PCIe`` → H100-PCIe, ``NVIDIA A100-SXM4-40GB`` → A100-40GB); None for a device not in the table."""
+    name = device_name.upper()
+
+    def has(model: str) -> bool:
+        return re.search(rf"(?<![A-Z0-9]){model}(?![0-9])", name) is not None
+
+    if has("H100"):
+        return GPUS["H100-PCIe" if "PCIE" in name else "H100-NVL" if "NVL" in name else "H100"]
+    if has("A100"):
+        return GPUS["A100-40GB" if "40GB" in name else "A100"]
+    for model in ("H200", "H800", "H20", "L40S"):
+        if has(model):
+            return GPUS[model]
+    return None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,47 @@
+"""``rollart bench engine`` and ``rollart bench train-step``: the JSON fields and their arithmetic, on the CPU
+with a one-layer cut of the 0.5B shape (its full width: the 151 936-row vocabulary)."""
+
+import argparse
+
+import pytest
+
+from rollart.benchmarks import engine_throughput, train_step
+
+
+def _args(module, argv):
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    return p.parse_args(argv)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLART_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.timeout(300)
+def test_engine_bench_reports_decode_tokens_per_s_and_its_roofline_fraction(tmp_path):
+    argv = ["--shape", "qwen2.5-0.5b", "--layers", "1", "--batch", "2", "--prompt-len", "8", "--new-tokens", "4"]
+    r = engine_throughput.run(_args(engine_throughput, [*argv, "--repeats", "1", "--out", str(tmp_path)]))
+    assert (r["model"], r["device"], r["dtype"], r["params"]) == ("qwen2.5-0.5b (1 layers)", "cpu", "fp32", 151_047_936)
+    # a decode step reads the weights once and every row's context of K and V: 1 layer, 2 KV heads of 64
+    assert r["kv_bytes_per_token"] == 1 * 2 * 2 * 64 * 4
+    kv = sum(2 * (8 + k) * r["kv_bytes_per_token"] for k in (1, 2, 3)) / 3
+    assert r["bytes_per_decode_step"] == pytest.approx(151_047_936 * 4 + kv)
+    assert r["decode_tokens_per_s"] == pytest.approx(2 / (r["decode_step_ms"] / 1e3))
+    assert r["achieved_B_per_s"] == pytest.approx(r["bytes_per_decode_step"] * 1e3 / r["decode_step_ms"])
+    assert r["roofline_fraction"] == pytest.approx(r["achieved_B_per_s"] / r["bandwidth_B_per_s"])
+    assert 0 < r["roofline_fraction"] < 1.5 and r["bandwidth_source"].startswith("measured copy kernel")
+    assert "hf_generate_tokens_per_s" not in r  # not asked for a shape
+
+
+@pytest.mark.timeout(300)
+def test_train_step_bench_reports_tokens_per_s_and_mfu(tmp_path):
+    argv = ["--shape", "qwen2.5-0.5b", "--layers", "1", "--seq-len", "16", "--steps", "1", "--warmup", "0"]
+    r = train_step.run(_args(train_step, [*argv, "--out", str(tmp_path)]))
+    assert (r["device"], r["dtype"], r["batch"], r["tokens_per_step"]) == ("cpu", "fp32", 1, 16)
+    # 6·N per token (the tied matrix once: it multiplies as the output layer) + attention 12·L·d·T
+    assert r["flops_per_step"] == 16 * (6 * 151_047_936 + 12 * 1 * 896 * 16)
+    assert r["tokens_per_s"] == pytest.approx(16 / r["step_s"])
+    assert r["mfu"] == pytest.approx(r["flops_per_step"] / r["step_s"] / r["peak_flops"])
+    assert 0 < r["mfu"] < 1 and r["peak_flops_source"].startswith("measured fp32 matmul")
