@@ -9,7 +9,9 @@ FLOPs of a step: ``tokens · (6 · N + 12 · layers · hidden · seq-len)``: the
 backward (N: the parameters that multiply, the output layer included, the input embedding lookup not)
 and the attention scores and mixing, counted in full (non-causal), as the PaLM paper's MFU does. MFU is
 that over the step time and the device's peak: a GPU's dense BF16 datasheet figure
-(``rollart.benchmarks.device_peaks``), or on the CPU a measured float32 matmul with the bench's threads.
+(``rollart.benchmarks.device_peaks``), or on the CPU a measured float32 matmul with the bench's threads
+(timed in CPU seconds; the CPU run also reports ``mfu_cpu_time``, its step in this process's CPU seconds,
+steadier than the wall clock on a shared machine).
 
 ``--shape qwen2.5-0.5b`` runs the real architecture with random weights (``rollart.models.shapes``);
 without ``--shape``/``--model``, the built-in tiny model.
@@ -138,13 +140,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "step_s": step_s,
         "step_s_all": times,
-        "step_cpu_s": statistics.median(cpu_times),  # this process's CPU time: steadier on a shared CPU machine
         "tokens_per_s": tokens / step_s,
         "flops_per_step": flops,
         "achieved_flops": flops / step_s,
         "peak_flops": peaks.peak_flops,
         "peak_flops_source": peaks.peak_flops_source,
         "mfu": flops / step_s / peaks.peak_flops,
+        **(
+            {  # this process's CPU seconds: on a shared machine steadier than the wall clock
+                "step_cpu_s": statistics.median(cpu_times),
+                "tokens_per_cpu_s": tokens / statistics.median(cpu_times),
+                "mfu_cpu_time": flops / statistics.median(cpu_times) / peaks.peak_flops,
+            }
+            if not on_gpu
+            else {}
+        ),
         "peak_memory_gb": (
             torch.cuda.max_memory_allocated(device) / 1e9
             if on_gpu

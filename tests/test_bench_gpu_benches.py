@@ -32,6 +32,8 @@ def test_engine_bench_reports_decode_tokens_per_s_and_its_roofline_fraction(tmp_
     assert r["achieved_B_per_s"] == pytest.approx(r["bytes_per_decode_step"] * 1e3 / r["decode_step_ms"])
     assert r["roofline_fraction"] == pytest.approx(r["achieved_B_per_s"] / r["bandwidth_B_per_s"])
     assert 0 < r["roofline_fraction"] < 1.5 and r["bandwidth_source"].startswith("measured copy kernel")
+    ideal = r["bytes_per_decode_step"] / r["bandwidth_B_per_s"]  # on the CPU also by this process's CPU time
+    assert r["roofline_fraction_cpu_time"] == pytest.approx(ideal * 1e3 / r["decode_step_cpu_ms"])
     assert "hf_generate_tokens_per_s" not in r  # not asked for a shape
 
 
@@ -45,3 +47,5 @@ def test_train_step_bench_reports_tokens_per_s_and_mfu(tmp_path):
     assert r["tokens_per_s"] == pytest.approx(16 / r["step_s"])
     assert r["mfu"] == pytest.approx(r["flops_per_step"] / r["step_s"] / r["peak_flops"])
     assert 0 < r["mfu"] < 1 and r["peak_flops_source"].startswith("measured fp32 matmul")
+    assert r["mfu_cpu_time"] == pytest.approx(r["flops_per_step"] / r["step_cpu_s"] / r["peak_flops"])
+    assert r["tokens_per_cpu_s"] == pytest.approx(16 / r["step_cpu_s"])
