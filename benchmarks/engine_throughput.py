@@ -33,9 +33,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=None, help="default 16; 4 for a shape on the CPU")
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=None, help="default 64; 16 for a shape on the CPU")
     p.add_argument("--model", default=None, help="a Hugging Face folder (default: the built-in tiny model)")
     p.add_argument("--shape", default=None, help="a model shape with random weights, e.g. qwen2.5-0.5b")
     p.add_argument("--layers", type=int, default=None, help="with --shape: fewer layers (a quick smoke run)")
@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.shape is not None and args.model is not None:
         raise SystemExit("rollart bench engine: give --shape or --model, not both")
     device = pick_device(args.device)
+    small = device.type == "cpu" and (args.shape is not None or args.model is not None)  # about a minute at 0.5B
+    args.batch = args.batch or (4 if small else 16)
+    args.new_tokens = args.new_tokens or (16 if small else 64)
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     dtype = DTYPES[dtype_name]
     path, label = model_folder(args.model, args.shape, args.layers)
