@@ -321,9 +321,9 @@ def cpu_pool_check() -> dict[str, Any]:
         def __init__(self) -> None:
             import torch
 
+            from rollart.cluster.devices import worker_device
             from rollart.models import default_tiny_path
             from rollart.models.shapes import load_causal_lm
-            from rollart.training.placement import worker_device
 
             self.device = worker_device(self.device_ids)
             self.model = load_causal_lm(default_tiny_path()).to(self.device)

@@ -113,11 +113,14 @@ def unknown_shape(name: str) -> str:
 class ShapeConfig(BaseModel):
     """``model: {shape: NAME}`` in a pipeline config (``layers`` and ``seed`` optional)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     shape: str
-    layers: int | None = Field(default=None, ge=1, description="fewer layers than the shape (a quick smoke test)")
+    """A name of :data:`SHAPES`, e.g. `qwen2.5-0.5b`."""
+    layers: int | None = Field(default=None, ge=1)
+    """Fewer layers than the shape, at its full width (a quick smoke test); null: the shape's own."""
     seed: int = 0
+    """The seed of the random weights."""
 
     @field_validator("shape")
     @classmethod
