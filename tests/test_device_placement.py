@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import ray
 
+import rollart as ra
 from rollart.resource_manager import capacity, launcher
 from rollart.resource_manager.launcher import DetectedGpus, local_ray_resources
 
@@ -160,3 +161,23 @@ def test_rollart_status_says_what_a_local_run_would_declare(monkeypatch, tmp_pat
     }
     assert main(["status", "--store", str(tmp_path / "m.sqlite")]) == 0
     assert "GPUs on this machine (Ray's detection, declared by a local run): 8 x H100" in capsys.readouterr().out
+
+
+class StartEnv(ra.Worker):
+    @ra.register(dispatch=ra.Dispatch.ONE_TO_ALL)
+    def visible_at_start(self) -> str | None:
+        with open("/proc/self/environ", "rb") as f:
+            started = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        value = started.get(b"CUDA_VISIBLE_DEVICES")
+        return None if value is None else value.decode()
+
+
+@pytest.mark.timeout(300)
+def test_a_cpu_worker_starts_with_cuda_hidden_from_its_actors_environment(make_rm):
+    """Hidden from the start of its process (before any import can initialise CUDA), on any Ray: the
+    Cluster sets it in the actor's runtime environment. (Not in the job's: Ray then maps every worker's
+    GPU ids through that empty list and a GPU actor would see none.)"""
+    rm = make_rm({"start_env": {"hardware": "CPU", "cpus": 1}})
+    c = ra.Cluster("start_env", StartEnv, rm, pool="start_env")
+    assert c._actor_options(c._slots[0])["runtime_env"] == {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+    assert c.visible_at_start() == [""]
