@@ -4,16 +4,16 @@ Steps, in order (each in its own process, with its own timeout, inside one overa
 the budget no longer fits is reported ``skipped``):
 
 - ``env``: Python, torch, CUDA, the GPU's name, Ray, rollart, and what Ray's detection finds;
-- ``gpu_tests``: the ``gpu``-marked tests (``tests/test_gpu_placement.py``);
+- ``gpu_tests``: the ``gpu``-marked tests (:data:`GPU_TEST_FILES`);
 - ``cpu_pool``: a worker of a CPU pool next to a worker of a GPU pool: its CUDA is hidden, it never
   selects CUDA, and it holds no GPU memory (``nvidia-smi``: the GPU's used memory before and after it
   starts and runs a model, and the compute processes by pid). Without a GPU: the CPU-pool half;
 - ``bench_engine``, ``bench_train_step``: ``rollart bench engine`` / ``train-step`` at the 0.5B shape;
 - ``quickstart_train_gpu``: the quickstart, train on the GPU, rollout on a CPU pool (separate pools);
-- ``quickstart_bf16_lora``: the same with ``train.dtype: bf16``, gradient checkpointing and LoRA;
-- ``quickstart_megatron``: the same with ``train.strategy: megatron``;
 - ``quickstart_colocated``: ``pipelines/quickstart_colocated.yaml`` (train and rollout on the one GPU),
   ``skipped: not built`` while that file does not exist;
+- ``quickstart_bf16_lora``: train on the GPU with ``train.dtype: bf16``, gradient checkpointing and LoRA;
+- ``quickstart_megatron``: train on the GPU with ``train.strategy: megatron``;
 - ``quickstart_rollout_gpu``: rollout on the GPU, train on a CPU pool.
 
 Without a GPU (or with ``--no-gpu``) the GPU steps are ``skipped`` and the rest run on the CPU;
@@ -180,6 +180,7 @@ STEPS = [
         150,
         parse=_run_summary,
     ),
+    Step("quickstart_colocated", _colocated, 150, parse=_run_summary),
     Step(
         "quickstart_bf16_lora",
         _quickstart(
@@ -189,7 +190,6 @@ STEPS = [
         parse=_run_summary,
     ),
     Step("quickstart_megatron", _megatron, 150, parse=_run_summary),
-    Step("quickstart_colocated", _colocated, 150, parse=_run_summary),
     Step(
         "quickstart_rollout_gpu",
         _quickstart(f"pools.rollout={GPU_POOL}", f"pools.train={CPU_POOL}"),
