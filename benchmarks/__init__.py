@@ -10,46 +10,53 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-# bench name -> its module in this package
-BENCHES: dict[str, str] = {
-    "reward-service": "reward_service",
-    "shared-reward": "shared_reward",
-    "engine": "engine_throughput",
-    "train-step": "train_step",
-    "env-async": "env_async",
-    "redundant-env": "redundant_env",
-    "env-service": "env_service",
-    "queue-scheduling": "queue_scheduling",
-    "affinity": "affinity",
-    "prompt-replication": "prompt_replication",
-    "async-train": "async_train",
-    "weight-sync": "weight_sync",
-    "quickstart": "quickstart",
-    "throughput": "throughput",
-    "chaos": "chaos",
-    "soak": "soak",
-}
+
+@dataclass(frozen=True)
+class BenchEntry:
+    """A bench of ``rollart bench``: its module in this package and a complete one-line summary for
+    ``rollart bench --help`` (the modules' docstrings run over several lines)."""
+
+    module: str
+    summary: str
 
 
-# one complete line per bench for `rollart bench --help` (the modules' docstrings run over several lines)
-SUMMARIES: dict[str, str] = {
-    "reward-service": "the reward service's requests/s and latency next to an in-process call",
-    "shared-reward": "three jobs sharing one reward service against a dedicated service each",
-    "engine": "the built-in torch engine's tokens/s against Hugging Face generate",
-    "env-async": "trajectory-level against batch-level environment interaction",
-    "redundant-env": "more env groups and bigger groups than the batch needs, under failing envs",
-    "env-service": "env calls over the session protocol under injected failures, with redundant groups",
-    "queue-scheduling": "queue scheduling with dynamic filtering against batch rollout",
-    "affinity": "a prefill-heavy and a decode-heavy task on H800 / H20 pools of the same cost",
-    "prompt-replication": "a prompt's samples as independent requests against one n-sample request",
-    "async-train": "asynchronous (alpha 1, 2) against synchronous step time on the real pipeline",
-    "weight-sync": "Mooncake background publish/fetch against a blocking weight transfer",
-    "quickstart": "the quickstart config once per seed: steps to a reward of 0.9",
-    "throughput": "samples/s of generation and training on reverse-3, optionally beside TRL",
-    "chaos": "a run on three namespace hosts under a seeded schedule of faults (needs root)",
-    "soak": "the chaos run for many minutes with random faults, sampling memory (needs root)",
+BENCHES: dict[str, BenchEntry] = {
+    "reward-service": BenchEntry(
+        "reward_service", "the reward service's requests/s and latency next to an in-process call"
+    ),
+    "shared-reward": BenchEntry(
+        "shared_reward", "three jobs sharing one reward service against a dedicated service each"
+    ),
+    "engine": BenchEntry(
+        "engine_throughput",
+        "decode tokens/s of the torch engine against Hugging Face generate; at a real shape, its roofline fraction",
+    ),
+    "train-step": BenchEntry(
+        "train_step", "the training step's tokens/s and MFU of the torch strategy, at the tiny model or a real shape"
+    ),
+    "env-async": BenchEntry("env_async", "trajectory-level against batch-level environment interaction"),
+    "redundant-env": BenchEntry(
+        "redundant_env", "more env groups and bigger groups than the batch needs, under failing envs"
+    ),
+    "env-service": BenchEntry(
+        "env_service", "env calls over the session protocol under injected failures, with redundant groups"
+    ),
+    "queue-scheduling": BenchEntry("queue_scheduling", "queue scheduling with dynamic filtering against batch rollout"),
+    "affinity": BenchEntry("affinity", "a prefill-heavy and a decode-heavy task on H800 / H20 pools of the same cost"),
+    "prompt-replication": BenchEntry(
+        "prompt_replication", "a prompt's samples as independent requests against one n-sample request"
+    ),
+    "async-train": BenchEntry(
+        "async_train", "asynchronous (alpha 1, 2) against synchronous step time on the real pipeline"
+    ),
+    "weight-sync": BenchEntry("weight_sync", "Mooncake background publish/fetch against a blocking weight transfer"),
+    "quickstart": BenchEntry("quickstart", "the quickstart config once per seed: steps to a reward of 0.9"),
+    "throughput": BenchEntry("throughput", "samples/s of generation and training on reverse-3, optionally beside TRL"),
+    "chaos": BenchEntry("chaos", "a run on three namespace hosts under a seeded schedule of faults (needs root)"),
+    "soak": BenchEntry("soak", "the chaos run for many minutes with random faults, sampling memory (needs root)"),
 }
 
 
@@ -65,7 +72,7 @@ class Bench(Protocol):
 
 def bench_module(name: str) -> str:
     """The full module name of bench ``name``; ``KeyError`` for an unknown one."""
-    return f"{__name__}.{BENCHES[name]}"
+    return f"{__name__}.{BENCHES[name].module}"
 
 
 def load_bench(name: str) -> Bench:
@@ -75,4 +82,4 @@ def load_bench(name: str) -> Bench:
 
 def bench_summary(name: str) -> str:
     """The one-line summary of bench ``name`` (``rollart bench --help``); ``KeyError`` for an unknown one."""
-    return SUMMARIES[name]
+    return BENCHES[name].summary
