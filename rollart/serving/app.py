@@ -1,0 +1,456 @@
+"""The OpenAI-compatible endpoint (FastAPI): ``/v1/models``, ``/v1/chat/completions``,
+``/v1/completions``, each also under a session's base URL ``/sessions/{id}/v1``.
+
+Sessions: an episode's calls go to its own base URL, ``http://HOST:PORT/sessions/{id}/v1`` — the
+``base_url`` of an ``openai`` client, so a harness needs no change beyond it. Calls there are recorded
+token-exactly (:mod:`rollart.serving.sessions`); calls to ``/v1`` are served and not recorded.
+``POST /sessions`` opens one (the pipeline's ``agent`` env kind opens its own), ``GET /sessions/{id}``
+shows it (``?trajectory=true``: the token-exact trajectory), ``POST /sessions/{id}/reward`` with
+``{"reward": R}`` ends the episode with its reward, ``DELETE /sessions/{id}`` closes it.
+
+Guards, in the order a request meets them: body size (413), bearer token compared in constant time
+(401; the per-job token, the ``api_key`` of an ``openai`` client), session (404), JSON that does not
+parse (400), schema (422), what the endpoint cannot honour (400, naming the field), model name (404),
+calls in flight (429 + ``Retry-After``), no inference worker (503 + ``Retry-After``). Every error is
+an OpenAI error object ``{"error": {"message", "type", "param", "code"}}``.
+
+``stream: true`` answers server-sent events (``chat.completion.chunk`` / ``text_completion`` chunks,
+then ``data: [DONE]``) once the generation ends: the engine answers a request when it finishes, so the
+chunks come together (a harness that streams works unchanged; it does not see tokens earlier).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rollart.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, completion_id, now
+from rollart.serving.service import Choice, PolicyService, Result
+from rollart.serving.sessions import Session, SessionStore
+
+log = logging.getLogger(__name__)
+
+
+class OpenSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tag: str | None = Field(default=None, min_length=1, max_length=128)
+
+
+class RewardBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float = Field(allow_inf_nan=False)
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return str(tokenizer.decode([token_id]))
+
+
+def _logprobs(tokenizer: Any, choice: Choice) -> list[dict[str, Any]]:
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    out = []
+    for t, lp in zip(choice.token_ids, choice.logprobs):
+        if t in special:
+            continue
+        text = _token_text(tokenizer, t)
+        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return out
+
+
+def build_app(
+    service: PolicyService,
+    sessions: SessionStore,
+    *,
+    token: str | None = None,
+    max_body_bytes: int = 8 << 20,
+    ready: Callable[[], bool] = lambda: True,
+    public_url: Callable[[], str] | None = None,
+) -> FastAPI:
+    """The endpoint over ``service``; ``token``: the bearer token every call must carry (None: open)."""
+    from rollart.reward.server import BodyLimit
+
+    app = FastAPI(title="rollart policy endpoint (OpenAI-compatible)", version="1")
+    tok = service.tokenizer
+
+    def error(err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = exc.errors()
+        if any(p.get("type") == "json_invalid" for p in problems):
+            return error(APIError(400, "the body is not valid JSON"))
+        first = problems[0] if problems else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        return error(APIError(422, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error(APIError(exc.status_code, str(exc.detail)))
+
+    def authorize(request: Request) -> None:
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+            raise APIError(
+                401,
+                "missing or wrong bearer token (the job's token: the api_key of an openai client)",
+                code="invalid_api_key",
+            )
+
+    def session_of(session_id: str) -> Session:
+        session = sessions.get(session_id)
+        if session is None:
+            raise APIError(404, f"no session {session_id[:64]!r} on this endpoint", code="session_not_found")
+        if session.ended is not None:
+            raise APIError(404, f"session {session_id[:64]!r} has ended ({session.ended})", code="session_closed")
+        return session
+
+    def check_ready() -> None:
+        if not ready():
+            raise APIError(503, "the policy is not being served yet; retry shortly", retry_after_s=2)
+
+    async def body_of(request: Request, model: type[BaseModel]) -> Any:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise APIError(400, "the body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as err:
+            first = err.errors()[0]
+            param = ".".join(str(x) for x in first["loc"]) or None
+            raise APIError(422, f"{param or 'body'}: {first['msg']}", param=param) from None
+
+    # ------------------------------------------------------------------ /v1
+    def models() -> dict[str, Any]:
+        version = service.version_fn()
+        return {
+            "object": "list",
+            "data": [{"id": service.model, "object": "model", "created": 0, "owned_by": "rollart", "version": version}],
+        }
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {
+            "status": "ok" if ready() else "starting",
+            "model": service.model,
+            "version": service.version_fn(),
+            "sessions": len(sessions),
+            "in_flight": service.in_flight,
+        }
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        authorize(request)
+        return models()
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def session_models(session_id: str, request: Request) -> dict[str, Any]:
+        authorize(request)
+        session_of(session_id)
+        return models()
+
+    async def chat(request: Request, session: Session | None) -> Any:
+        body: ChatCompletionRequest = await body_of(request, ChatCompletionRequest)
+        check_ready()
+        result = await service.chat(body, session)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(_chat_chunks(tok, service.model, result, body.logprobs, include_usage))
+        return _chat_response(tok, service.model, result, body.logprobs)
+
+    async def completion(request: Request, session: Session | None) -> Any:
+        body: CompletionRequest = await body_of(request, CompletionRequest)
+        check_ready()
+        result = await service.complete(body, session)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(_completion_chunks(tok, service.model, result, body.logprobs is not None, include_usage))
+        return _completion_response(tok, service.model, result, body.logprobs is not None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_plain(request: Request) -> Any:
+        authorize(request)
+        return await chat(request, None)
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def chat_session(session_id: str, request: Request) -> Any:
+        authorize(request)
+        return await chat(request, session_of(session_id))
+
+    @app.post("/v1/completions")
+    async def completion_plain(request: Request) -> Any:
+        authorize(request)
+        return await completion(request, None)
+
+    @app.post("/sessions/{session_id}/v1/completions")
+    async def completion_session(session_id: str, request: Request) -> Any:
+        authorize(request)
+        return await completion(request, session_of(session_id))
+
+    # ------------------------------------------------------------------ sessions
+    @app.post("/sessions")
+    async def open_session(request: Request) -> dict[str, Any]:
+        authorize(request)
+        raw = await request.body()
+        body = await body_of(request, OpenSession) if raw.strip() else OpenSession()
+        try:
+            session = sessions.open(body.tag or service.default_tag)
+        except OverflowError as err:
+            raise APIError(429, str(err), retry_after_s=5) from None
+        base = public_url() if public_url is not None else str(request.base_url).rstrip("/")
+        return {"id": session.id, "base_url": f"{base}/sessions/{session.id}/v1", "tag": session.tag}
+
+    @app.get("/sessions/{session_id}")
+    async def show_session(session_id: str, request: Request, trajectory: bool = False) -> dict[str, Any]:
+        authorize(request)
+        session = sessions.get(session_id)
+        if session is None:
+            raise APIError(404, f"no session {session_id[:64]!r} on this endpoint", code="session_not_found")
+        out: dict[str, Any] = {
+            "id": session.id,
+            "tag": session.tag,
+            "calls": len(session.calls),
+            "chains": session.chains(),
+            "reward": session.reward,
+            "ended": session.ended,
+        }
+        if trajectory and session.calls:
+            out["trajectory"] = session.trajectory(session.id).model_dump(mode="json")
+        return out
+
+    @app.post("/sessions/{session_id}/reward")
+    async def reward(session_id: str, request: Request) -> dict[str, Any]:
+        authorize(request)
+        session = session_of(session_id)
+        body: RewardBody = await body_of(request, RewardBody)
+        if session.reward is not None:
+            raise APIError(400, f"session {session_id[:64]!r} already has its reward", param="reward")
+        session.set_reward(body.reward, body.info)
+        return {"id": session.id, "reward": session.reward}
+
+    @app.delete("/sessions/{session_id}")
+    async def close_session(session_id: str, request: Request) -> dict[str, Any]:
+        authorize(request)
+        session = sessions.close(session_id)
+        if session is None:
+            raise APIError(404, f"no session {session_id[:64]!r} on this endpoint", code="session_not_found")
+        if session.in_flight:
+            await service.backend.abort(sorted(session.in_flight))
+        return {"id": session.id, "closed": True}
+
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    return app
+
+
+# ---------------------------------------------------------------------- response bodies
+def _usage(result: Result) -> dict[str, int]:
+    completion = sum(len(c.token_ids) for c in result.choices)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
+    }
+
+
+def _message(choice: Choice) -> dict[str, Any]:
+    msg: dict[str, Any] = {
+        "role": "assistant",
+        "content": choice.text if (choice.text or not choice.tool_calls) else None,
+    }
+    if choice.tool_calls:
+        msg["tool_calls"] = [
+            {"id": cid, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for cid, c in choice.tool_calls
+        ]
+    return msg
+
+
+def _chat_response(tok: Any, model: str, result: Result, logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": completion_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "system_fingerprint": f"rollart-v{result.version}",
+        "choices": [
+            {
+                "index": c.index,
+                "message": _message(c),
+                "logprobs": {"content": _logprobs(tok, c)} if logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in result.choices
+        ],
+        "usage": _usage(result),
+    }
+
+
+def _completion_response(tok: Any, model: str, result: Result, logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": completion_id("cmpl"),
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "system_fingerprint": f"rollart-v{result.version}",
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": _completion_logprobs(tok, c) if logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in result.choices
+        ],
+        "usage": _usage(result),
+    }
+
+
+def _completion_logprobs(tok: Any, choice: Choice) -> dict[str, Any]:
+    entries = _logprobs(tok, choice)
+    offsets, pos = [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        async for event in events:
+            yield f"data: {json.dumps(event)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _pieces(tok: Any, choice: Choice, logprobs: bool) -> list[tuple[str, list[dict[str, Any]] | None]]:
+    """The content split into one piece per token (text, its logprob entry); the pieces join to the
+    content exactly (a piece whose token ends mid-character waits for the next one)."""
+    entries = _logprobs(tok, choice) if logprobs else None
+    pieces: list[tuple[str, list[dict[str, Any]] | None]] = []
+    sent = 0
+    special = set(getattr(tok, "all_special_ids", []) or [])
+    ids = [t for t in choice.token_ids if t not in special]
+    for k in range(1, len(ids) + 1):
+        upto = str(tok.decode(ids[:k], skip_special_tokens=True))[: len(choice.text)]
+        if len(upto) > sent and not upto.endswith("\ufffd"):
+            pieces.append((upto[sent:], [entries[k - 1]] if entries is not None and k - 1 < len(entries) else None))
+            sent = len(upto)
+    if sent < len(choice.text):
+        pieces.append((choice.text[sent:], None))
+    return pieces
+
+
+async def _chat_chunks(
+    tok: Any, model: str, result: Result, logprobs: bool, include_usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    cid, created = completion_id("chatcmpl"), now()
+    head = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": f"rollart-v{result.version}",
+    }
+    for c in result.choices:
+        yield {
+            **head,
+            "choices": [
+                {
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        }
+        for text, lp in _pieces(tok, c, logprobs) if (c.text or not c.tool_calls) else []:
+            yield {
+                **head,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "delta": {"content": text},
+                        "logprobs": {"content": lp} if lp is not None else None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+        if c.tool_calls:
+            calls = [
+                {"index": i, "id": cid_, "type": "function", "function": {"name": p.name, "arguments": p.arguments}}
+                for i, (cid_, p) in enumerate(c.tool_calls)
+            ]
+            yield {
+                **head,
+                "choices": [
+                    {"index": c.index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
+                ],
+            }
+        yield {**head, "choices": [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": _usage(result)}
+
+
+async def _completion_chunks(
+    tok: Any, model: str, result: Result, logprobs: bool, include_usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    cid, created = completion_id("cmpl"), now()
+    head = {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": f"rollart-v{result.version}",
+    }
+    for c in result.choices:
+        for text, lp in _pieces(tok, c, logprobs):
+            yield {
+                **head,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "text": text,
+                        "finish_reason": None,
+                        "logprobs": {
+                            "tokens": [e["token"] for e in lp],
+                            "token_logprobs": [e["logprob"] for e in lp],
+                            "top_logprobs": None,
+                            "text_offset": [0],
+                        }
+                        if lp
+                        else None,
+                    }
+                ],
+            }
+        yield {**head, "choices": [{"index": c.index, "text": "", "logprobs": None, "finish_reason": c.finish_reason}]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": _usage(result)}

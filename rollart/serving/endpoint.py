@@ -1,0 +1,179 @@
+"""The endpoint as a server: the service over an LLMProxy, served by uvicorn on the caller's event loop.
+
+:class:`PolicyEndpoint` runs in the pipeline's event loop (the LLMProxy is a coroutine API of that
+loop): ``await endpoint.start()`` binds the socket (so the URL is known at once) and serves in a task;
+``await endpoint.stop()`` ends it. ``rollart serve policy`` runs the same app under ``uvicorn.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from rollart.engines.base import SamplingParams
+from rollart.serving.config import ServingConfig
+from rollart.serving.service import Backend, PolicyService
+from rollart.serving.sessions import Session, SessionStore
+
+log = logging.getLogger(__name__)
+
+
+def model_context(model_path: str) -> int | None:
+    """The model's context length (``max_position_embeddings``), or None when its config has none."""
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
+    value = getattr(cfg, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def build_service(
+    backend: Backend,
+    tokenizer: Any,
+    config: ServingConfig,
+    *,
+    model: str,
+    sampling: SamplingParams | None = None,
+    max_context: int | None = None,
+    version_fn: Callable[[], int] = lambda: 0,
+    default_tag: str = "agent",
+) -> PolicyService:
+    from rollart.rollout.chat import ChatTemplateError, resolve_template
+    from rollart.serving.render import ChatRenderer
+    from rollart.serving.tools import tool_parser
+
+    template = resolve_template(tokenizer, config.chat_template)
+    try:
+        renderer = ChatRenderer(tokenizer, template) if template is not None else None
+    except ChatTemplateError as err:
+        raise ValueError(f"serving.chat_template: {err}") from None
+    if renderer is None:
+        log.warning("the tokenizer has no chat template: /v1/chat/completions answers 400 (use /v1/completions)")
+    return PolicyService(
+        backend,
+        tokenizer,
+        model=model,
+        renderer=renderer,
+        tool_parser=tool_parser(config.tool_parser),
+        sampling=sampling,
+        max_context=max_context,
+        max_n=config.max_n,
+        max_concurrency=config.max_concurrency,
+        default_tag=default_tag,
+        version_fn=version_fn,
+    )
+
+
+def job_token(config: ServingConfig) -> str:
+    """The bearer token of this job: ``$token_env`` when set, else a fresh random one."""
+    if config.token_env:
+        value = os.environ.get(config.token_env)
+        if not value:
+            raise ValueError(f"serving.token_env: ${config.token_env} is not set; export it or drop token_env")
+        return value
+    return secrets.token_urlsafe(32)
+
+
+class PolicyEndpoint:
+    """The endpoint of one job, served on the running event loop."""
+
+    def __init__(self, service: PolicyService, config: ServingConfig, *, token: str | None = None):
+        self.service = service
+        self.config = config
+        self.token = token if token is not None else job_token(config)
+        self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
+        self._server: Any = None
+        self._task: asyncio.Task | None = None
+        self._sock: socket.socket | None = None
+        self.port = config.port
+
+    @property
+    def url(self) -> str:
+        """The base of every path, for harnesses that run in the driver."""
+        return f"http://{_url_host(self.config.host)}:{self.port}"
+
+    @property
+    def public_url(self) -> str:
+        """The base for harnesses elsewhere (another process, host or pod)."""
+        host = self.config.advertise_host
+        if host is None:
+            host = self.config.host
+            if host in ("0.0.0.0", "::"):
+                from rollart.cluster.net import node_ip
+
+                host = node_ip()
+        return f"http://{_url_host(host)}:{self.port}"
+
+    def session_url(self, session: Session, *, public: bool = False) -> str:
+        """The session's base URL: the ``base_url`` of its ``openai`` client."""
+        return f"{self.public_url if public else self.url}/sessions/{session.id}/v1"
+
+    def open_session(self, tag: str, **kwargs: Any) -> Session:
+        return self.sessions.open(tag, max_calls=self.config.max_calls, **kwargs)
+
+    async def close_session(self, session: Session, why: str) -> None:
+        """End ``session`` (its calls in flight are aborted) and forget it."""
+        self.sessions.close(session.id, why)
+        if session.in_flight:
+            await self.service.backend.abort(sorted(session.in_flight))
+
+    def app(self) -> Any:
+        from rollart.serving.app import build_app
+
+        return build_app(
+            self.service,
+            self.sessions,
+            token=self.token,
+            max_body_bytes=self.config.max_body_bytes,
+            public_url=lambda: self.public_url,
+        )
+
+    async def start(self) -> str:
+        """Bind and serve in the background of this event loop; returns :attr:`url`."""
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.config.host, self.config.port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        cfg = uvicorn.Config(self.app(), log_level="warning", lifespan="off", timeout_keep_alive=30, access_log=False)
+        self._server = uvicorn.Server(cfg)
+        self._server.install_signal_handlers = lambda: None  # the driver keeps its own handlers
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        log.info("policy endpoint %r on %s (sessions under /sessions/{id}/v1)", self.service.model, self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        for session in list(self.sessions._sessions.values()):
+            await self.close_session(session, "the endpoint stopped")
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout=10)
+            except (TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            self._task = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,340 @@
+"""What the endpoint does, without HTTP: requests in OpenAI's form to token-exact generations.
+
+:class:`PolicyService` turns a chat or completion request into prompt token ids (continuing the
+session's tokens where the history allows, :mod:`rollart.serving.render`), sends one
+:class:`~rollart.rollout.types.GenerateRequest` per choice to the backend (the LLMProxy, routed by the
+session's tag), cuts each reply at its stop sequence, parses tool calls, records the call in the
+session and returns the choices. Errors are :class:`~rollart.serving.protocol.APIError` with the
+status the endpoint answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollart.cluster.errors import ClusterError
+from rollart.engines.base import SamplingParams
+from rollart.rollout.chat import ChatTemplateError
+from rollart.rollout.types import GenerateOutput, GenerateRequest
+from rollart.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from rollart.serving.render import ChatRenderer
+from rollart.serving.sessions import CallRecord, ChoiceRecord, Session, SessionClosed, TokenTrace
+from rollart.serving.tools import ParsedCall, ToolParser, call_id
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """Where generations run: the LLMProxy (:class:`ProxyBackend`) or anything with its ``generate``."""
+
+    async def generate(self, request: GenerateRequest, tag: str) -> GenerateOutput: ...
+    async def abort(self, request_ids: list[str]) -> None: ...
+
+
+class ProxyBackend:
+    """The LLMProxy as the endpoint's backend."""
+
+    def __init__(self, proxy: Any):
+        self.proxy = proxy
+
+    async def generate(self, request: GenerateRequest, tag: str) -> GenerateOutput:
+        out: GenerateOutput = await self.proxy.generate(request, tag)
+        return out
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self.proxy.abort(request_ids)
+
+
+@dataclass
+class Choice:
+    """One choice as the endpoint answers it."""
+
+    index: int
+    token_ids: list[int]  # the ids returned (and recorded), stop-sequence tokens included
+    logprobs: list[float]
+    text: str  # the content (without a stop sequence or special tokens)
+    finish_reason: str
+    tool_calls: list[tuple[str, ParsedCall]] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    choices: list[Choice]
+    prompt_tokens: int
+    version: int
+
+
+class PolicyService:
+    """Serves one policy. ``version_fn`` gives the weight version served; ``max_context`` the model's
+    context (prompt + reply tokens); ``sampling`` the defaults of fields a request leaves unset."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Any,
+        *,
+        model: str,
+        renderer: ChatRenderer | None,
+        tool_parser: ToolParser,
+        sampling: SamplingParams | None = None,
+        max_context: int | None = None,
+        max_n: int = 16,
+        max_concurrency: int = 1024,
+        default_tag: str = "agent",
+        version_fn: Callable[[], int] = lambda: 0,
+    ):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model = model
+        self.renderer = renderer
+        self.tool_parser = tool_parser
+        self.sampling = sampling or SamplingParams(max_new_tokens=256)
+        self.max_context = max_context
+        self.max_n = max_n
+        self.max_concurrency = max_concurrency
+        self.default_tag = default_tag
+        self.version_fn = version_fn
+        self.in_flight = 0
+        eos = getattr(tokenizer, "eos_token_id", None)
+        stops = renderer.stop_ids if renderer is not None else ([eos] if eos is not None else [])
+        self.stop_ids = list(stops)
+        self.counts: dict[str, int] = {"calls": 0, "continued": 0, "fresh": 0, "failed": 0}
+
+    # ------------------------------------------------------------------ requests
+    async def chat(self, body: ChatCompletionRequest, session: Session | None) -> Result:
+        self._check(body, body.max_completion_tokens or body.max_tokens)
+        if self.renderer is None:
+            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+        tools = (
+            [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" else None
+        )
+        if tools and not self.renderer.renders_tools:
+            raise APIError(
+                400,
+                "tools: the model's chat template does not render tools, so the model would never see them; "
+                "serve it with a template that does (chat_template)",
+                param="tools",
+            )
+        messages = [m.template_dict() for m in body.messages]
+        keys = tuple(m.key() for m in body.messages)
+        tools_key = _tools_key(tools)
+        trace, parent = TokenTrace(), None
+        try:
+            found = session.find_parent("chat", (tools_key, keys)) if session is not None else None
+            if found is not None:
+                call, choice, covered = found
+                trace = call.prompt.copy()
+                trace.add_action(choice.token_ids, choice.logprobs, choice.versions)
+                trace.add_context(self.renderer.continuation_ids(choice.token_ids, messages[covered:], tools))
+                parent = (call.index, call.choices.index(choice))
+            else:
+                trace.add_context(self.renderer.prompt(messages, tools))
+        except ChatTemplateError as err:
+            raise APIError(400, str(err), param="messages") from None
+        parse = self.tool_parser if tools else None
+        return await self._run(body, session, "chat", (tools_key, keys), trace, parent, parse)
+
+    async def complete(self, body: CompletionRequest, session: Session | None) -> Result:
+        self._check(body, body.max_tokens)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            if len(prompt) != 1:
+                raise APIError(400, "give one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "give one prompt per request", param="prompt")
+            prompt = prompt[0]
+        trace, parent = TokenTrace(), None
+        if isinstance(prompt, list):  # token ids: taken as they are
+            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            vocab = len(self.tokenizer)
+            if not ids or any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+            trace.add_context(ids)
+            key: Any = None
+        else:
+            text = str(prompt)
+            key = text
+            found = session.find_parent("completion", text) if session is not None else None
+            if found is not None:
+                call, choice, covered = found
+                trace = call.prompt.copy()
+                trace.add_action(choice.token_ids, choice.logprobs, choice.versions)
+                trace.add_context(self._encode(text[covered:]))
+                parent = (call.index, call.choices.index(choice))
+            else:
+                trace.add_context(self._encode(text))
+            if not trace.token_ids:
+                raise APIError(400, "prompt is empty", param="prompt")
+        return await self._run(body, session, "completion", key, trace, parent, None)
+
+    # ------------------------------------------------------------------ internals
+    def _check(self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> None:
+        if body.model != self.model:
+            raise APIError(
+                404,
+                f"model {body.model!r} is not served here; this endpoint serves {self.model!r}",
+                param="model",
+                code="model_not_found",
+            )
+        err = body.unsupported()
+        if err is not None:
+            raise err
+        if body.n > self.max_n:
+            raise APIError(400, f"n={body.n} exceeds this endpoint's limit of {self.max_n}", param="n")
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _sampling(self, body: Any, prompt_len: int) -> SamplingParams:
+        requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        budget = requested or self.sampling.max_new_tokens
+        if self.max_context is not None:
+            room = self.max_context - prompt_len
+            if room < 1:
+                raise APIError(
+                    400,
+                    f"the prompt has {prompt_len} tokens; this model's context is {self.max_context} tokens",
+                    param="messages" if hasattr(body, "messages") else "prompt",
+                    code="context_length_exceeded",
+                )
+            if requested is not None and requested > room:
+                raise APIError(
+                    400,
+                    f"max_tokens={requested} + the prompt's {prompt_len} tokens exceed this model's context of "
+                    f"{self.max_context} tokens; ask for at most {room}",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            budget = min(budget, room)
+        stops = list(self.stop_ids)
+        for s in body.stop or []:  # a stop sequence that is one token stops the engine on it
+            ids = self._encode(s)
+            if len(ids) == 1 and ids[0] not in stops:
+                stops.append(ids[0])
+        update: dict[str, Any] = {"max_new_tokens": budget, "stop_token_ids": stops, "logprobs": True}
+        if body.temperature is not None:
+            update["temperature"] = body.temperature
+        if body.top_p is not None:
+            update["top_p"] = body.top_p
+        if body.seed is not None:
+            update["seed"] = body.seed
+        return self.sampling.model_copy(update=update)
+
+    async def _run(
+        self,
+        body: Any,
+        session: Session | None,
+        kind: str,
+        key: Any,
+        trace: TokenTrace,
+        parent: tuple[int, int] | None,
+        parse: ToolParser | None,
+    ) -> Result:
+        prompt = list(trace.token_ids)
+        sampling = self._sampling(body, len(prompt))
+        if self.in_flight >= self.max_concurrency:
+            raise APIError(429, f"{self.in_flight} calls in flight (max_concurrency); retry later", retry_after_s=1)
+        try:
+            index = session.new_call_index() if session is not None else 0
+        except SessionClosed as err:
+            raise APIError(404, str(err), code="session_closed") from None
+        base = f"{session.id}:{index}" if session is not None else f"anon-{uuid.uuid4().hex}"
+        tag = session.tag if session is not None else self.default_tag
+        requests = []
+        for i in range(body.n):
+            s = sampling
+            if s.seed is not None:
+                s = s.model_copy(update={"seed": s.seed + i})
+            elif session is not None and session.meta.get("seed") is not None:  # a seeded run repeats
+                s = s.model_copy(update={"seed": zlib.crc32(f"{session.meta['seed']}:{index}:{i}".encode())})
+            requests.append(GenerateRequest(request_id=f"{base}:{i}", prompt_token_ids=prompt, sampling=s))
+        ids = [r.request_id for r in requests]
+        self.in_flight += 1
+        if session is not None:
+            session.in_flight.update(ids)
+        t0 = time.monotonic()
+        version = self.version_fn()
+        try:
+            outs = await asyncio.gather(*(self.backend.generate(r, tag) for r in requests))
+        except ClusterError as err:
+            self.counts["failed"] += 1
+            raise APIError(503, f"no inference worker can serve the policy now: {err}", retry_after_s=5) from None
+        except Exception as err:
+            self.counts["failed"] += 1
+            root = err.cause if isinstance(getattr(err, "cause", None), BaseException) else err
+            log.warning("generation of %s failed: %s: %s", base, type(root).__name__, root)
+            raise APIError(500, f"generation failed: {type(root).__name__}: {root}") from None
+        finally:
+            self.in_flight -= 1
+            if session is not None:
+                session.in_flight.difference_update(ids)
+        if any(o.finish_reason == "abort" for o in outs):
+            why = session.ended if session is not None and session.ended else "aborted"
+            raise APIError(404, f"the call was aborted: its session ended ({why})", code="session_closed")
+        choices = [self._choice(i, out, body.stop or [], parse) for i, out in enumerate(outs)]
+        self.counts["calls"] += 1
+        self.counts["continued" if parent is not None else "fresh"] += 1
+        if session is not None:
+            record = CallRecord(index, kind, key, trace, parent)  # type: ignore[arg-type]
+            for c, out in zip(choices, outs):
+                n = len(c.token_ids)
+                record.choices.append(
+                    ChoiceRecord(
+                        token_ids=c.token_ids,
+                        logprobs=c.logprobs,
+                        versions=list(out.token_versions[:n]),
+                        finish_reason=c.finish_reason,
+                        key=self._reply_key(kind, c),
+                        hardware=out.hardware,
+                    )
+                )
+            record.started, record.seconds = t0, time.monotonic() - t0
+            session.record(record)
+        served = [v for o in outs for v in o.token_versions]
+        return Result(choices, len(prompt), max(served, default=version))
+
+    def _choice(self, index: int, out: GenerateOutput, stops: list[str], parse: ToolParser | None) -> Choice:
+        ids, lps = list(out.output_token_ids), list(out.output_logprobs)
+        reason = out.finish_reason or "stop"
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        hit = [text.find(s) for s in stops if s in text]
+        if hit:  # the reply ends at the first stop sequence: its tokens up to the one that completes it
+            cut = min(hit)
+            stop = next(s for s in stops if text.find(s) == cut)
+            for k in range(1, len(ids) + 1):
+                if len(self.tokenizer.decode(ids[:k], skip_special_tokens=True)) >= cut + len(stop):
+                    ids, lps = ids[:k], lps[:k]
+                    break
+            text, reason = text[:cut], "stop"
+        calls: list[tuple[str, ParsedCall]] = []
+        if parse is not None:
+            content, parsed = parse(text)
+            if parsed:
+                calls = [(call_id(), c) for c in parsed]
+                text, reason = content or "", "tool_calls"
+        return Choice(index, ids, lps, text, reason, calls)
+
+    @staticmethod
+    def _reply_key(kind: str, choice: Choice) -> Any:
+        """What the harness sends back for this reply: the assistant message (chat) or its text."""
+        if kind == "completion":
+            return choice.text
+        from rollart.serving.protocol import _canonical_json
+
+        calls = tuple((c.name, _canonical_json(c.arguments)) for _, c in choice.tool_calls)
+        return ("assistant", choice.text, calls)
+
+
+def _tools_key(tools: list[dict[str, Any]] | None) -> str:
+    import json
+
+    return json.dumps(tools or [], sort_keys=True)
