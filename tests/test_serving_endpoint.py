@@ -14,7 +14,7 @@ import json
 import httpx
 import openai
 import pytest
-from serving_fixtures import ScriptedEngine, ServedPolicy, build_merging_tokenizer, script_logprob
+from serving_fixtures import ServedPolicy, build_merging_tokenizer, script_logprob
 
 import rollart as ra
 from rollart.rollout.inference_worker import inference_worker_class

@@ -267,6 +267,8 @@ class PolicyService:
             outs = await asyncio.gather(*(self.backend.generate(r, tag) for r in requests))
         except ClusterError as err:
             self.counts["failed"] += 1
+            if session is not None:  # the episode cannot go on: its env manager raises this
+                session.meta["cluster_error"] = err
             raise APIError(503, f"no inference worker can serve the policy now: {err}", retry_after_s=5) from None
         except Exception as err:
             self.counts["failed"] += 1

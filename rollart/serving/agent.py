@@ -1,0 +1,233 @@
+"""The ``agent`` env kind: an agent harness written against the ``openai`` SDK, trained through a session.
+
+``envs: [{agent: MODULE:FUNCTION, tasks: MODULE:FUNCTION | FILE.jsonl, ...}]``. Per episode an
+:class:`AgentEnvManager` opens a session on the job's endpoint, makes the episode's task (``tasks``
+with the round's seed: a function ``make_task(seed, **kwargs) -> dict`` or a row of a JSONL file),
+and calls the agent with an ``openai`` client whose ``base_url`` is the session's URL and whose
+``api_key`` is the job's bearer token::
+
+    async def agent(client: openai.AsyncOpenAI, task: dict) -> float | None: ...
+
+(a plain ``def`` gets a blocking ``openai.OpenAI`` and runs in a thread). The harness may hand
+``client.base_url`` and ``client.api_key`` to another process, host or pod; every call it makes there
+is recorded the same way. The episode's reward is, in this order: what the function returns, a
+``POST /sessions/{id}/reward``, the config's reward (``reward_fn``). With none of them the
+episode is ``failed`` (and its round replayed): it is never scored 0. The trajectory is built from the
+session's recorded tokens (:meth:`~rollart.serving.sessions.Session.trajectory`).
+
+It runs under the scheduler like any EnvManager: groups, redundancy, the α bound and aborts
+(:meth:`AgentEnvManager.abort` ends the session: its calls in flight are aborted and the agent is
+cancelled), partial rollouts across weight updates (the LLMProxy continues a preempted call; every
+token keeps the version that produced it), and faults: a harness that raises or times out fails the
+episode; an inference worker that dies mid-call is the LLMProxy's (the call is sent again from its
+stored state); no worker left raises ``ClusterError`` out of :meth:`run`, as for other envs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollart.cluster.errors import ClusterError
+from rollart.rollout.types import Trajectory
+from rollart.serving.endpoint import PolicyEndpoint
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[Trajectory], Awaitable[float] | float]
+
+
+class AgentSpec(BaseModel):
+    """One agent task of the mix (an ``envs`` entry with ``agent:``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent: str  # MODULE:FUNCTION, the harness
+    tasks: str | None = None  # MODULE:FUNCTION (seed, **kwargs) -> dict, or a .jsonl file; None: {"seed": seed}
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to the tasks function
+    timeout_s: float = Field(default=600.0, gt=0)  # one episode, all calls included
+    client_max_retries: int = Field(default=2, ge=0)  # the openai client's own retries (429, 5xx)
+    client_timeout_s: float = Field(default=300.0, gt=0)  # one call
+
+
+def load_agent(spec: str, search_path: list[str] | tuple[str, ...] = ()) -> Callable[..., Any]:
+    from rollart.plugins import import_object
+
+    fn = import_object(spec, "agent", search_path)
+    if not callable(fn):
+        raise ValueError(f"agent: {spec!r} is not a function")
+    params = [p for p in inspect.signature(fn).parameters.values() if p.default is inspect.Parameter.empty]
+    if len(params) != 2:
+        raise ValueError(
+            f"agent: {spec!r} must take (client, task), it takes {[p.name for p in params]}; "
+            "write async def agent(client: openai.AsyncOpenAI, task: dict) -> float | None"
+        )
+    return fn  # type: ignore[no-any-return]
+
+
+def load_tasks(
+    spec: str | None, kwargs: dict[str, Any], search_path: list[str] | tuple[str, ...] = ()
+) -> Callable[[int], dict[str, Any]]:
+    """``seed -> task``: a function's, a JSONL file's row ``seed % rows``, or ``{"seed": seed}``."""
+    if spec is None:
+        return lambda seed: {"seed": seed}
+    if spec.endswith(".jsonl"):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ValueError(f"tasks: {spec!r} is not a file")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not rows or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"tasks: {spec!r} must hold one JSON object per line")
+        return lambda seed: dict(rows[seed % len(rows)])
+    from rollart.plugins import import_object
+
+    fn = import_object(spec, "tasks", search_path)
+    if not callable(fn):
+        raise ValueError(f"tasks: {spec!r} is not a function")
+    return lambda seed: dict(fn(seed, **kwargs))
+
+
+class AgentEnvManager:
+    """Runs one agent harness per episode through a session of ``endpoint`` (scheduler interface:
+    ``tag``, :meth:`run`, :meth:`abort`)."""
+
+    def __init__(
+        self,
+        spec: AgentSpec,
+        endpoint: PolicyEndpoint,
+        *,
+        tag: str = "agent",
+        agent: Callable[..., Any] | None = None,
+        tasks: Callable[[int], dict[str, Any]] | None = None,
+        reward_fn: RewardFn | None = None,
+        version_fn: Callable[[], int] = lambda: 0,
+        seed: int | None = None,
+    ):
+        self.spec = spec
+        self.endpoint = endpoint
+        self.tag = tag
+        self.agent = agent or load_agent(spec.agent)
+        self.tasks = tasks or load_tasks(spec.tasks, spec.kwargs)
+        self.reward_fn = reward_fn
+        self.version_fn = version_fn
+        self.seed = seed
+        self.session: Any = None
+        self._agent_task: asyncio.Future | None = None
+        self._aborting = False
+
+    def _client(self, session: Any) -> Any:
+        import openai
+
+        kwargs = {
+            "base_url": self.endpoint.session_url(session),
+            "api_key": self.endpoint.token,
+            "max_retries": self.spec.client_max_retries,
+            "timeout": self.spec.client_timeout_s,
+        }
+        if inspect.iscoroutinefunction(self.agent):
+            return openai.AsyncOpenAI(**kwargs)
+        return openai.OpenAI(**kwargs)
+
+    async def run(self, seed: int | None = None, group_id: str = "", traj_id: str | None = None) -> Trajectory:
+        """One episode. Harness and reward faults come back as the trajectory's status; only a rollout
+        that cannot go on (no inference worker) raises."""
+        traj_id = traj_id or uuid.uuid4().hex
+        start_version = self.version_fn()
+        self._aborting = False
+        t0 = time.monotonic()
+        failed = Trajectory(traj_id=traj_id, group_id=group_id, tag=self.tag, start_version=start_version)
+        try:
+            task = self.tasks(seed if seed is not None else 0)
+        except Exception as err:
+            failed.status, failed.error = "failed", f"tasks: {type(err).__name__}: {err}"
+            return failed
+        session = self.endpoint.open_session(
+            self.tag, meta={"seed": None if self.seed is None else f"{self.seed}:{traj_id}"}
+        )
+        self.session = session
+        client = self._client(session)
+        returned: Any = None
+        error: str | None = None
+        try:
+            if inspect.iscoroutinefunction(self.agent):
+                self._agent_task = asyncio.ensure_future(self.agent(client, task))
+            else:
+                self._agent_task = asyncio.ensure_future(asyncio.to_thread(self.agent, client, task))
+            returned = await asyncio.wait_for(asyncio.shield(self._agent_task), self.spec.timeout_s)
+        except asyncio.CancelledError:
+            if not self._aborting:
+                raise
+        except TimeoutError:
+            error = f"the agent ran longer than timeout_s={self.spec.timeout_s}"
+        except Exception as err:
+            error = f"agent: {type(err).__name__}: {err}"
+        finally:
+            if self._agent_task is not None and not self._agent_task.done():
+                self._agent_task.cancel()
+            self._agent_task = None
+            await self.endpoint.close_session(session, "aborted" if self._aborting else "episode over")
+            self.session = None
+            closing = client.close()
+            if inspect.isawaitable(closing):
+                await closing
+        fatal = session.meta.get("cluster_error")
+        if isinstance(fatal, ClusterError):
+            raise fatal
+        traj = session.trajectory(traj_id, group_id, start_version) if session.calls else failed
+        traj.info.update({"task": task, "duration_s": time.monotonic() - t0})
+        if self._aborting:
+            traj.status, traj.reward = "aborted", None
+            return traj
+        if error is not None:
+            traj.status, traj.error, traj.reward = "failed", error, None
+            log.warning("%s %s: %s", self.tag, traj_id, error)
+            return traj
+        if not session.calls:
+            traj.status, traj.error = "failed", "the agent made no call to its session"
+            return traj
+        reward = await self._reward(returned, session, traj)
+        if isinstance(reward, str):
+            traj.status, traj.error, traj.reward = (
+                ("reward_failed" if reward.startswith("reward") else "failed"),
+                reward,
+                None,
+            )
+            return traj
+        traj.reward = reward
+        traj.env_return = reward
+        return traj
+
+    async def _reward(self, returned: Any, session: Any, traj: Trajectory) -> float | str:
+        """The episode's reward, or the reason there is none (the episode then fails: never a 0)."""
+        if returned is not None:
+            if isinstance(returned, bool) or not isinstance(returned, (int, float)) or not math.isfinite(returned):
+                return f"the agent returned {returned!r}: return a finite number, or None to score it otherwise"
+            return float(returned)
+        if session.reward is not None:
+            return float(session.reward)
+        if self.reward_fn is not None:
+            try:
+                value = self.reward_fn(traj)
+                return float(await value) if inspect.isawaitable(value) else float(value)
+            except Exception as err:
+                return f"reward: {type(err).__name__}: {err}"
+        return "no reward: the agent returned None, posted none to /sessions/{id}/reward and the config has no reward"
+
+    async def abort(self) -> None:
+        """End the episode in flight as ``aborted``: its calls are aborted and the agent cancelled."""
+        self._aborting = True
+        session = self.session
+        if session is not None:
+            await self.endpoint.close_session(session, "aborted")
+        if self._agent_task is not None and not self._agent_task.done():
+            self._agent_task.cancel()
