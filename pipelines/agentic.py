@@ -282,7 +282,13 @@ class AgenticPipeline:
         # remote envs (backend ray / kubernetes): warm env servers per task, started now
         self.env_pools = EnvPools(config.envs, self.rm, plugin_paths=config.train.plugin_paths)
         groups: list[list[EnvManager]] = []
+        self.endpoint = self._policy_endpoint() if any(e.agent for e in config.envs) else None
         for index, entry in enumerate(config.envs):
+            if entry.agent is not None:  # an agent harness, through the policy endpoint (rollart.serving)
+                groups += [
+                    [self._agent_manager(entry) for _ in range(config.rollout.group_size)] for _ in range(entry.groups)
+                ]
+                continue
             spec = EnvSpec(
                 name=entry.name,
                 tag=entry.tag,
@@ -503,6 +509,41 @@ class AgenticPipeline:
             on_failure=rc.on_failure,
         )
 
+    def _policy_endpoint(self) -> Any:
+        """The OpenAI-compatible endpoint over the LLMProxy that agent envs play through (``serving:``)."""
+        from rollart.serving.endpoint import PolicyEndpoint, build_service, model_context
+        from rollart.serving.service import ProxyBackend
+
+        cfg = self.config
+        service = build_service(
+            ProxyBackend(self.proxy),
+            self.codec.tokenizer,
+            cfg.serving,
+            model=cfg.serving.model_name or cfg.name,
+            sampling=cfg.sampling,
+            max_context=model_context(self.model_path),
+            version_fn=lambda: self.scheduler.version,
+        )
+        return PolicyEndpoint(service, cfg.serving)
+
+    def _agent_manager(self, entry: Any) -> Any:
+        """An env manager of one agent harness (``envs[i].agent``), with its task's reward."""
+        from rollart.serving.agent import AgentEnvManager, AgentSpec, load_agent, load_tasks
+
+        tag = entry.tag or "agent"
+        spec = AgentSpec(agent=entry.agent, tasks=entry.tasks, kwargs=entry.kwargs, timeout_s=entry.timeout_s)
+        paths = self.config.train.plugin_paths
+        return AgentEnvManager(
+            spec,
+            self.endpoint,
+            tag=tag,
+            agent=load_agent(spec.agent, paths),
+            tasks=load_tasks(spec.tasks, spec.kwargs, paths),
+            reward_fn=self._task_reward_fn(tag),
+            version_fn=lambda: self.scheduler.version,
+            seed=self.config.sampling.seed,
+        )
+
     def _task_env(self, index: int, spec: Any) -> Any:
         """The env (local, or remote on the task's env servers) of ``spec`` with its task's
         ``sampling.max_new_tokens`` (``tasks.TAG``) as its budget."""
@@ -631,14 +672,20 @@ class AgenticPipeline:
         """The steps; a trainer, reference or critic rank that dies is handled by its ``fault:`` policy
         (:meth:`_recover_training`), then the steps go on from the restored checkpoint."""
         history: list[dict[str, Any]] = []
-        while True:
-            try:
-                return await self._run_steps(history)
-            except Exception as err:
-                died = self._trainer_death(err)
-                if died is None:
-                    raise
-                await self._recover_training(died, err, history)
+        if self.endpoint is not None:  # the agent envs' policy endpoint, on this event loop
+            await self.endpoint.start()
+        try:
+            while True:
+                try:
+                    return await self._run_steps(history)
+                except Exception as err:
+                    died = self._trainer_death(err)
+                    if died is None:
+                        raise
+                    await self._recover_training(died, err, history)
+        finally:
+            if self.endpoint is not None:
+                await self.endpoint.stop()
 
     async def _next_batch(self) -> list:
         """The next training batch. While it fills, the trainer side is probed every

@@ -28,6 +28,7 @@ from rollart.engines.base import SamplingParams
 from rollart.plugins import checked as _plain
 from rollart.resource_manager.specs import parse_pools
 from rollart.rollout.config import EngineConfig, EnvManagerConfig, RolloutConfig, RoutingConfig
+from rollart.serving.config import ServingConfig
 from rollart.training.config import CriticConfig, RunningMeanConfig, TrainConfig
 
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]  # rollart.tracking's backends
@@ -71,14 +72,26 @@ class ClusterConfig(BaseModel):
 class EnvEntry(BaseModel):
     """One task of the mix: an env from the ``envs`` registry or a user's ``MODULE:CLASS`` (a
     ``TextEnv`` subclass), how many env groups play it; ``kwargs`` are checked against its
-    constructor here, before anything starts."""
+    constructor here, before anything starts. Or an agent harness (``agent: MODULE:FUNCTION``, see
+    :mod:`rollart.serving.agent`) played through the policy endpoint, its tasks from ``tasks``
+    (``MODULE:FUNCTION`` of ``(seed, **kwargs)``, or a ``.jsonl`` file)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    name: str
+    name: str | None = None
     """The env: a registry name (`reverse`, `addition`, `countdown`, `frozen_lake`, `sokoban`, `code_sandbox`) or
-    your `TextEnv` subclass as `MODULE:CLASS`.
+    your `TextEnv` subclass as `MODULE:CLASS`; null for an `agent` entry.
     """
+    agent: str | None = None
+    """An agent harness instead of an env: `MODULE:FUNCTION`, `async def agent(client: openai.AsyncOpenAI, task:
+    dict) -> float | None`, played through the policy endpoint (`serving:`; see the agents page).
+    """
+    tasks: str | None = None
+    """`agent` entries: the episode's task from its seed, `MODULE:FUNCTION` called as `(seed, **kwargs)`, or a
+    `.jsonl` file (row `seed % rows`); null: `{"seed": seed}`.
+    """
+    timeout_s: float = Field(default=600.0, gt=0)
+    """`agent` entries: seconds one episode may take, every call included (then it fails and is played again)."""
     tag: str | None = None
     """The task's routing tag and metrics key; default: the env's own tag."""
     groups: int = Field(default=1, ge=1)
@@ -106,6 +119,17 @@ class EnvEntry(BaseModel):
 
     @model_validator(mode="after")
     def _backend(self) -> EnvEntry:
+        if (self.name is None) == (self.agent is None):
+            raise ValueError("give name (an env) or agent (MODULE:FUNCTION of an agent harness), one of them")
+        if self.agent is not None:
+            from rollart.serving.agent import load_agent, load_tasks
+
+            if self.backend != "local":
+                raise ValueError("backend: an agent runs in the driver and reaches the policy by URL; drop backend")
+            _plain(load_agent, self.agent)
+            _plain(load_tasks, self.tasks, self.kwargs)
+        elif self.tasks is not None:
+            raise ValueError("tasks: only an agent entry has tasks; drop it or set agent")
         if self.kubernetes is not None and self.backend != "kubernetes":
             raise ValueError(f"kubernetes: a pod spec is set but backend is {self.backend!r}; set backend: kubernetes")
         if self.backend == "kubernetes":
@@ -118,16 +142,17 @@ class EnvEntry(BaseModel):
 
     @field_validator("name")
     @classmethod
-    def _env_exists(cls, name: str) -> str:
+    def _env_exists(cls, name: str | None) -> str | None:
         from rollart.envs import env_class
 
-        _plain(env_class, name, "name")
+        if name is not None:
+            _plain(env_class, name, "name")
         return name
 
     @field_validator("kwargs")
     @classmethod
     def _kwargs_fit(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        if "name" not in info.data:  # the env itself failed; reported there
+        if info.data.get("name") is None:  # the env itself failed (reported there), or an agent's tasks kwargs
             return kwargs
         from rollart.envs import env_class, env_kwargs_problems
 
@@ -340,6 +365,8 @@ class PipelineConfig(BaseModel):
     """Per task tag: its share of every batch, its reward service and its generation settings."""
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     """How new weights reach the inference workers."""
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    """The OpenAI-compatible policy endpoint that `agent` envs play through (and `rollart serve policy` serves)."""
     fault: FaultConfig = Field(default_factory=FaultConfig)
     """Restart policy per role."""
     advantage: str = "grpo"
@@ -517,6 +544,8 @@ def task_tags(cfg: PipelineConfig) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for i, entry in enumerate(cfg.envs):
         tag = entry.tag
+        if tag is None and entry.agent is not None:
+            tag = "agent"
         if tag is None:
             spec = EnvSpec(name=entry.name, max_steps=entry.max_steps, kwargs=entry.kwargs)
             try:

@@ -1,5 +1,5 @@
-"""``rollart serve rewards ...`` and ``rollart serve env ...``: the services' commands, mounted under
-``serve``. Each service's module defines its own arguments and runs it."""
+"""``rollart serve rewards ...``, ``rollart serve env ...`` and ``rollart serve policy ...``: the services'
+commands, mounted under ``serve``. Each service's module defines its own arguments and runs it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from typing import Any
 def add_serve_parser(sub: Any) -> None:
     from rollart.envservice.cli import add_env_parser
     from rollart.reward.cli import add_rewards_parser
+    from rollart.cli.policy import add_policy_parser
 
     serve = sub.add_parser("serve", help="serve reward functions or environments over HTTP")
     what = serve.add_subparsers(dest="service", required=True)
     add_rewards_parser(what)
     add_env_parser(what)
+    add_policy_parser(what)

@@ -8,31 +8,40 @@ from rollart.rollout.chat import check_template_setting
 
 
 class ServingConfig(BaseModel):
-    """The OpenAI-compatible endpoint in front of the LLMProxy.
+    """The OpenAI-compatible endpoint in front of the LLMProxy (`agent` envs play through it)."""
 
-    ``host``/``port``: where it listens (port 0: a free port, chosen at start). Harnesses in the driver
-    reach it on ``host``; harnesses elsewhere (another process, host or pod) on ``advertise_host``
-    (default: ``host``, or this node's IP when ``host`` is ``0.0.0.0``). Every call carries the job's
-    bearer token: the value of ``token_env`` when set, else a random token made per job.
-    """
-
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     host: str = "127.0.0.1"
+    """The address it listens on: `127.0.0.1` for agents in the driver; `0.0.0.0` or this node's IP for agents
+    on other hosts or in pods.
+    """
     port: int = Field(default=0, ge=0, le=65535)
+    """Its port; 0: a free port, chosen when it starts."""
     advertise_host: str | None = None
+    """The address agents elsewhere use; null: `host` (this node's IP when `host` is `0.0.0.0`)."""
     token_env: str | None = None
-    model_name: str | None = None  # the model id clients send (default: the pipeline's name)
-    chat_template: str = (
-        "auto"  # auto: the tokenizer's own; else a file or inline Jinja (tools need one that renders them)
-    )
-    tool_parser: str = "hermes"  # hermes, none or MODULE:FUNCTION (rollart.serving.tools)
-    max_concurrency: int = Field(default=1024, ge=1)  # calls in flight; more get 429 + Retry-After
+    """Environment variable holding the bearer token every call carries; null: a random token per job."""
+    model_name: str | None = None
+    """The model id clients send as `model`; null: the pipeline's `name`."""
+    chat_template: str = "auto"
+    """`auto` (the tokenizer's own), a Jinja file or inline Jinja; `tools` need a template that renders them."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from generated text: `hermes` (`<tool_call>{json}</tool_call>`), `none`, or
+    `MODULE:FUNCTION`.
+    """
+    max_concurrency: int = Field(default=1024, ge=1)
+    """Calls in flight at once; more are answered 429 with `Retry-After`."""
     max_sessions: int = Field(default=4096, ge=1)
+    """Sessions open at once."""
     session_ttl_s: float = Field(default=3600.0, gt=0)
-    max_calls: int = Field(default=256, ge=1)  # calls per session
+    """An idle session expires after this many seconds."""
+    max_calls: int = Field(default=256, ge=1)
+    """Calls one session may make."""
     max_n: int = Field(default=16, ge=1)
+    """The largest `n` a request may ask for."""
     max_body_bytes: int = Field(default=8 << 20, gt=0)
+    """Larger request bodies are answered 413."""
 
     @field_validator("chat_template")
     @classmethod

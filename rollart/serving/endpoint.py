@@ -107,7 +107,7 @@ class PolicyEndpoint:
         if host is None:
             host = self.config.host
             if host in ("0.0.0.0", "::"):
-                from rollart.cluster.net import node_ip
+                from rollart.resource_manager.net import node_ip
 
                 host = node_ip()
         return f"http://{_url_host(host)}:{self.port}"

@@ -1,0 +1,107 @@
+"""The starting policy: rollart's tiny character-level model (built offline) with a ChatML template that
+renders tools, after a short supervised warm-up on transcripts of the agent's format.
+
+The transcripts show the format — a ``<tool_call>`` to ``calc`` with the two numbers of the question,
+then the tool's result as the answer — but their operator is a coin flip: the warm-up teaches the
+tool-call format and copying, not which operation the words ask for. Starting from it the agent earns
+about half its reward by chance; reinforcement learning through the endpoint has to learn the rest
+(``gets ... more`` is a sum, ``gives away`` a difference).
+
+The transcripts are the exact token ids the endpoint gives the model (:class:`rollart.serving.render.ChatRenderer`
+renders the prompt and continues it after each reply), so the warm-up and the served conversation agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+from agent import CALC, SYSTEM, calc
+from tasks import make_task
+
+log = logging.getLogger("calculator_agent")
+
+MODEL = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 384}
+CALL = '<tool_call>{{"name": "calc", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+
+
+def transcript(renderer, tok, task: dict, rng: random.Random) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one episode with a coin-flip operator; labels -100 off the model's replies."""
+    a, b = task["expression"].replace("-", "+").split("+")
+    expression = f"{a}{rng.choice('+-')}{b}"
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
+    prompt = renderer.prompt(messages, [CALC])
+    reply1 = tok.encode(CALL.format(expression=expression), add_special_tokens=False) + [end]
+    tool = [{"role": "tool", "tool_call_id": "c", "content": calc(expression)}]
+    between = renderer.continuation_ids(reply1, tool, [CALC])
+    reply2 = tok.encode(calc(expression), add_special_tokens=False) + [end]
+    ids = prompt + reply1 + between + reply2
+    labels = [-100] * len(prompt) + reply1 + [-100] * len(between) + reply2
+    return ids, labels
+
+
+def warm_up(folder: Path, steps: int, batch: int, lr: float, seed: int) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollart.serving.render import ChatRenderer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    renderer = ChatRenderer(tok, tok.chat_template)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = random.Random(seed)
+    losses = []
+    for step in range(steps):
+        rows = [transcript(renderer, tok, make_task(10**9 + rng.randrange(10**9)), rng) for _ in range(batch)]
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.full((batch, width), tok.pad_token_id)
+        labels = torch.full((batch, width), -100)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, (x, y) in enumerate(rows):
+            ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if step % 50 == 0:
+            log.info("warm-up step %d: loss %.3f", step, losses[-1])
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return losses
+
+
+def build_policy(root: str | os.PathLike[str], steps: int = 400, batch: int = 32, lr: float = 3e-3, seed: int = 0) -> Path:
+    """The warmed-up model folder under ``root`` (built once per setting, then reused)."""
+    from rollart.models.tiny import build_tiny
+    from rollart.serving.render import CHATML_TOOLS_TEMPLATE
+
+    key = hashlib.sha256(json.dumps([MODEL, steps, batch, lr, seed, CHATML_TOOLS_TEMPLATE]).encode()).hexdigest()[:10]
+    target = Path(root) / f"calculator-policy-{key}"
+    if (target / "warmup.json").exists():
+        return target
+    tmp = Path(root) / f"calculator-policy-{key}.building"
+    shutil.rmtree(tmp, ignore_errors=True)
+    rng = random.Random(seed)
+    corpus = []
+    for i in range(2000):
+        task = make_task(i)
+        corpus.append(task["question"] + " " + CALL.format(expression=task["expression"]) + f" {task['answer']}\n")
+    build_tiny(tmp, corpus=corpus, vocab_size=280, chat=True, seed=seed, max_position_embeddings=512, **MODEL)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp))
+    tok.chat_template = CHATML_TOOLS_TEMPLATE  # ChatML that renders tools and tool calls
+    tok.save_pretrained(str(tmp))
+    losses = warm_up(tmp, steps, batch, lr, rng.randrange(2**31))
+    (tmp / "warmup.json").write_text(json.dumps({"steps": steps, "batch": batch, "lr": lr, "loss": losses}))
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
