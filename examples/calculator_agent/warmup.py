@@ -78,7 +78,9 @@ def warm_up(folder: Path, steps: int, batch: int, lr: float, seed: int) -> list[
     return losses
 
 
-def build_policy(root: str | os.PathLike[str], steps: int = 400, batch: int = 32, lr: float = 3e-3, seed: int = 0) -> Path:
+def build_policy(
+    root: str | os.PathLike[str], steps: int = 400, batch: int = 32, lr: float = 3e-3, seed: int = 0
+) -> Path:
     """The warmed-up model folder under ``root`` (built once per setting, then reused)."""
     from rollart.models.tiny import build_tiny
     from rollart.serving.render import CHATML_TOOLS_TEMPLATE

@@ -128,8 +128,8 @@ class AgentEnvManager:
     def _client(self, session: Any) -> Any:
         import openai
 
-        kwargs = {
-            "base_url": self.endpoint.session_url(session),
+        kwargs = {  # other hosts reach the endpoint's public URL when it listens beyond the loopback
+            "base_url": self.endpoint.session_url(session, public=self.endpoint.listens_publicly),
             "api_key": self.endpoint.token,
             "max_retries": self.spec.client_max_retries,
             "timeout": self.spec.client_timeout_s,

@@ -116,12 +116,14 @@ def build_app(
                 code="invalid_api_key",
             )
 
-    def session_of(session_id: str) -> Session:
+    def session_of(session_id: str, request: Request | None = None) -> Session:
         session = sessions.get(session_id)
         if session is None:
             raise APIError(404, f"no session {session_id[:64]!r} on this endpoint", code="session_not_found")
         if session.ended is not None:
             raise APIError(404, f"session {session_id[:64]!r} has ended ({session.ended})", code="session_closed")
+        if request is not None and request.client is not None:
+            session.clients.add(request.client.host)
         return session
 
     def check_ready() -> None:
@@ -198,7 +200,7 @@ def build_app(
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat_session(session_id: str, request: Request) -> Any:
         authorize(request)
-        return await chat(request, session_of(session_id))
+        return await chat(request, session_of(session_id, request))
 
     @app.post("/v1/completions")
     async def completion_plain(request: Request) -> Any:
@@ -208,7 +210,7 @@ def build_app(
     @app.post("/sessions/{session_id}/v1/completions")
     async def completion_session(session_id: str, request: Request) -> Any:
         authorize(request)
-        return await completion(request, session_of(session_id))
+        return await completion(request, session_of(session_id, request))
 
     # ------------------------------------------------------------------ sessions
     @app.post("/sessions")

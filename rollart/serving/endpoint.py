@@ -112,6 +112,11 @@ class PolicyEndpoint:
                 host = node_ip()
         return f"http://{_url_host(host)}:{self.port}"
 
+    @property
+    def listens_publicly(self) -> bool:
+        """Whether it listens on an address other hosts can reach (not only the loopback)."""
+        return self.config.host not in ("127.0.0.1", "localhost", "::1")
+
     def session_url(self, session: Session, *, public: bool = False) -> str:
         """The session's base URL: the ``base_url`` of its ``openai`` client."""
         return f"{self.public_url if public else self.url}/sessions/{session.id}/v1"

@@ -97,6 +97,7 @@ class Session:
         self.reward_info: dict[str, Any] = {}
         self.ended: str | None = None  # why the session no longer takes calls
         self.in_flight: set[str] = set()  # request ids being generated
+        self.clients: set[str] = set()  # the addresses its calls came from
         self.last_used = time.monotonic()
         self._next_call = 0
         self.rewarded = asyncio.Event()
@@ -201,6 +202,7 @@ class Session:
                 "chains": self.chains(),
                 "calls_off_chain": len(self.calls) - len(on_chain),
                 "finish_reason": choice.finish_reason,
+                "clients": sorted(self.clients),
                 **({"reward_info": self.reward_info} if self.reward_info else {}),
             },
         )
