@@ -515,6 +515,8 @@ class AgenticPipeline:
         from rollart.serving.service import ProxyBackend
 
         cfg = self.config
+        for name in ("httpx", "httpx2"):  # the openai client logs every call at INFO: one line per agent turn
+            logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
         service = build_service(
             ProxyBackend(self.proxy),
             self.codec.tokenizer,

@@ -128,7 +128,15 @@ class ServedPolicy:
     own (a thread), so tests call it with blocking clients (``openai.OpenAI``, ``httpx``) as a harness
     would. ``run(coro)`` runs a coroutine on that loop (sessions are opened there)."""
 
-    def __init__(self, cluster: Any, model_path: str, *, serving: dict[str, Any] | None = None, restart: Any = None):
+    def __init__(
+        self,
+        cluster: Any,
+        model_path: str,
+        *,
+        serving: dict[str, Any] | None = None,
+        restart: Any = None,
+        batch_requests: bool = False,
+    ):
         import asyncio
         import threading
 
@@ -138,7 +146,7 @@ class ServedPolicy:
         self.cluster = cluster
         self.model_path = model_path
         self.config = ServingConfig(**(serving or {}))
-        self.proxy = LLMProxy(cluster, restart=restart)
+        self.proxy = LLMProxy(cluster, restart=restart, batch_requests=batch_requests)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

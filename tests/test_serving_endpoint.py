@@ -366,3 +366,34 @@ def test_httpx_requests_and_guards(served):
     events = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "sse"
     assert all(e["object"] == "chat.completion.chunk" for e in events)
+
+
+def test_a_sessions_calls_stay_on_the_worker_that_served_it(make_rm, tmp_path):
+    """Two inference workers, load-balanced: plain calls spread over both; a session's calls all go to
+    the worker of its first call (whose prefix cache may hold the earlier turns)."""
+    folder = build_merging_tokenizer(tmp_path / "tok")
+    rm = make_rm({"sticky": {"hardware": "H20", "devices": 2}})
+    cluster = ra.Cluster(
+        "infer",
+        inference_worker_class({"*": ["H20"]}),
+        rm,
+        pool="sticky",
+        worker_kwargs={"engine": {"kind": "serving_fixtures:ScriptedEngine", "model": str(folder)}},
+    )
+    served = ServedPolicy(cluster, str(folder), batch_requests=True)
+    try:
+        plain = served.client()
+        for _ in range(4):
+            plain.chat.completions.create(model="policy", messages=[{"role": "user", "content": "SAY:x"}])
+        assert {m["rank"] for m in served.run(served.proxy.worker_metrics()) if m["requests"] > 0} == {0, 1}
+        session = served.open_session()
+        client = served.client(session)
+        messages = [{"role": "user", "content": "SAY:one"}]
+        for word in ("two", "three", "four"):
+            r = client.chat.completions.create(model="policy", messages=messages)
+            messages += [r.choices[0].message, {"role": "user", "content": f"SAY:{word}"}]
+        ranks = [c.choices[0].rank for c in session.calls]
+        assert len(ranks) == 3 and len(set(ranks)) == 1
+    finally:
+        served.close()
+        cluster.shutdown()

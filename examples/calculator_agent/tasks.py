@@ -10,9 +10,10 @@ NAMES = ["Ann", "Bob", "Cid", "Dee", "Eva", "Fox", "Gus", "Ida"]
 THINGS = ["apples", "books", "coins", "pens"]
 
 
-def make_task(seed: int, low: int = 20, high: int = 99) -> dict:
+def make_task(seed: int, low: int = 5, high: int = 9) -> dict:
     rng = random.Random(seed)
-    a, b = rng.randint(low, high), rng.randint(1, 19)
+    a = rng.randint(low, high)
+    b = rng.randint(1, a - 1)
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
     if rng.random() < 0.5:
         question = f"{name} has {a} {thing} and gets {b} more. How many now?"

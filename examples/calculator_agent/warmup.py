@@ -46,6 +46,26 @@ def transcript(renderer, tok, task: dict, rng: random.Random) -> tuple[list[int]
     return ids, labels
 
 
+def copied(model, tok, renderer, n: int = 16) -> float:
+    """Of ``n`` greedy first replies, the fraction whose tool call has the question's two numbers."""
+    import re
+
+    import torch
+
+    model.eval()
+    hits = 0
+    for i in range(n):
+        task = make_task(7_000_000 + i)
+        ids = renderer.prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}], [CALC])
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=70, do_sample=False, pad_token_id=tok.pad_token_id)
+        text = tok.decode(out[0, len(ids):])
+        m = re.search(r'"expression": "(\d+)[+-](\d+)"', text)
+        want = task["expression"].replace("-", "+").split("+")
+        hits += m is not None and [m.group(1), m.group(2)] == want
+    return hits / n
+
+
 def warm_up(folder: Path, steps: int, batch: int, lr: float, seed: int) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,8 +92,9 @@ def warm_up(folder: Path, steps: int, batch: int, lr: float, seed: int) -> list[
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-        if step % 50 == 0:
-            log.info("warm-up step %d: loss %.3f", step, losses[-1])
+        if step % 100 == 0 or step == steps - 1:
+            log.info("warm-up step %d: loss %.3f, numbers copied %.2f", step, losses[-1], copied(model, tok, renderer))
+            model.train()
     model.save_pretrained(str(folder), safe_serialization=True)
     return losses
 

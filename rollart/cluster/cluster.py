@@ -34,7 +34,7 @@ import inspect
 import logging
 import threading
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -617,11 +617,17 @@ class Cluster:
 
         return call
 
-    def _route(self, spec: HwMappingSpec, tag: str) -> _Slot:
+    def _route(self, spec: HwMappingSpec, tag: str, prefer: int | None = None) -> _Slot:
         prefs = spec.preference(tag)  # an unknown tag is refused here, with or without an override
         if self.route_override is not None:
             prefs = self.route_override(tag) or prefs
         with self._lock:
+            if prefer is not None and 0 <= prefer < len(self._slots):  # affinity: the rank that served before
+                slot = self._slots[prefer]
+                if slot.alive and slot.hardware in prefs:
+                    slot.inflight += 1
+                    slot.served += 1
+                    return slot
             for hw in prefs:
                 live = [s for s in self._slots if s.hardware == hw and s.alive]
                 if live:
@@ -633,18 +639,22 @@ class Cluster:
             f"cluster {self.name}: no live worker of {list(prefs)} for tag {tag!r}; restart workers with restart_worker(rank)"
         )
 
-    def route_many(self, method: str, tag: str, n: int) -> list[tuple[int, Any]]:
+    def route_many(
+        self, method: str, tag: str, n: int, prefer: Sequence[int | None] | None = None
+    ) -> list[tuple[int, Any]]:
         """Route ``n`` calls of the ``@hw_mapping`` method ``method`` for ``tag``, each as a call of its
         own would be (least-loaded live worker of the tag's preference, counted in flight): a
         ``(rank, actor)`` per call, for a caller that sends them to each worker together (one Ray call
-        per worker). Each is given back with :meth:`release` once answered."""
+        per worker). Each is given back with :meth:`release` once answered. ``prefer[i]``: a rank call
+        ``i`` goes to while it is alive and of the tag's hardware (affinity, e.g. a session's earlier
+        calls, whose KV cache that worker may still hold)."""
         m = self.methods.get(method)
         if m is None or m.hw_mapping is None:
             raise TypeError(f"cluster {self.name!r}: {method!r} is not a routed (@hw_mapping) method")
         self._check_fatal()
         out = []
-        for _ in range(n):
-            slot = self._route(m.hw_mapping, tag)
+        for i in range(n):
+            slot = self._route(m.hw_mapping, tag, prefer[i] if prefer is not None else None)
             out.append((slot.rank, slot.actor))
         return out
 

@@ -45,16 +45,20 @@ class RequestBatcher:
         self.method = method  # the routed method whose @hw_mapping routes each request
         self.batch_method = batch_method
         self._queued: dict[str, list[tuple[GenerateRequest, asyncio.Future[GenerateOutput]]]] = defaultdict(list)
+        self._prefer: dict[str, int] = {}  # request id -> the rank it should go to (affinity)
         self._flush_scheduled = False
         self._tasks: set[asyncio.Task] = set()
         self.calls = 0  # Ray calls sent
         self.requests = 0  # requests they carried
 
-    def submit(self, request: GenerateRequest, tag: str) -> asyncio.Future[GenerateOutput]:
-        """Queue ``request``; it is sent when the event loop next runs its callbacks."""
+    def submit(self, request: GenerateRequest, tag: str, prefer: int | None = None) -> asyncio.Future[GenerateOutput]:
+        """Queue ``request``; it is sent when the event loop next runs its callbacks (to rank ``prefer``
+        while that rank is alive and of the tag's hardware)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[GenerateOutput] = loop.create_future()
         self._queued[tag].append((request, fut))
+        if prefer is not None:
+            self._prefer[request.request_id] = prefer
         if not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_soon(self._flush)
@@ -64,8 +68,11 @@ class RequestBatcher:
         self._flush_scheduled = False
         queued, self._queued = self._queued, defaultdict(list)
         for tag, items in queued.items():
+            prefer = [self._prefer.pop(req.request_id, None) for req, _ in items]
             try:
-                routes = self.cluster.route_many(self.method, tag, len(items))
+                routes = self.cluster.route_many(
+                    self.method, tag, len(items), prefer if any(p is not None for p in prefer) else None
+                )
             except Exception as err:  # no live worker for the tag, or the job failed: every caller learns it
                 for _, fut in items:
                     if not fut.done():

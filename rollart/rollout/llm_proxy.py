@@ -21,7 +21,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from typing import Any
 
 import ray
@@ -72,6 +72,8 @@ class LLMProxy:
         if affinity is not None:
             cluster.route_override = affinity.preference
         self._aborted: set[str] = set()
+        self._affinity: OrderedDict[str, int] = OrderedDict()  # affinity key -> the rank that served it last
+        self.max_affinity_keys = 65536
         self._inflight: set[str] = set()
         self.version = 0
         self._by_hw: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -120,8 +122,12 @@ class LLMProxy:
                 return False
         return rid in self._aborted
 
-    async def generate(self, request: GenerateRequest, tag: str) -> GenerateOutput:
-        """Generate until the request stops or runs out of tokens, continuing across preemptions."""
+    async def generate(self, request: GenerateRequest, tag: str, *, affinity: str | None = None) -> GenerateOutput:
+        """Generate until the request stops or runs out of tokens, continuing across preemptions.
+
+        ``affinity``: a key (e.g. a session) whose requests go to the worker that served its last one
+        while that worker is alive and of the tag's hardware, so an engine with a prefix cache still
+        holds the earlier turns (with batched ADD; one Ray call per request routes by load alone)."""
         rid = request.request_id
         budget = request.sampling.max_new_tokens
         out: GenerateOutput | None = None
@@ -135,7 +141,8 @@ class LLMProxy:
                     return base.model_copy(update={"finish_reason": "abort", "preempted": False})
                 try:
                     if self.batcher is not None:
-                        part: GenerateOutput = await self.batcher.submit(req, tag)
+                        prefer = self._affinity.get(affinity) if affinity is not None else None
+                        part: GenerateOutput = await self.batcher.submit(req, tag, prefer)
                     else:
                         part = await self.cluster.generate(req, tag_name=tag)
                 except (NoLiveWorkerError, WorkerDiedError) as err:
@@ -149,6 +156,11 @@ class LLMProxy:
                     )
                     continue  # ``req`` is the stored state: prompt + the tokens returned so far
                 out = part if out is None else out.extend(part)
+                if affinity is not None and part.rank >= 0:
+                    self._affinity[affinity] = part.rank
+                    self._affinity.move_to_end(affinity)
+                    while len(self._affinity) > self.max_affinity_keys:
+                        self._affinity.popitem(last=False)
                 if not part.preempted or rid in self._aborted:
                     break
                 remaining = budget - len(out.output_token_ids)

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class Backend(Protocol):
     """Where generations run: the LLMProxy (:class:`ProxyBackend`) or anything with its ``generate``."""
 
-    async def generate(self, request: GenerateRequest, tag: str) -> GenerateOutput: ...
+    async def generate(self, request: GenerateRequest, tag: str, *, affinity: str | None = None) -> GenerateOutput: ...
     async def abort(self, request_ids: list[str]) -> None: ...
 
 
@@ -44,8 +44,9 @@ class ProxyBackend:
     def __init__(self, proxy: Any):
         self.proxy = proxy
 
-    async def generate(self, request: GenerateRequest, tag: str) -> GenerateOutput:
-        out: GenerateOutput = await self.proxy.generate(request, tag)
+    async def generate(self, request: GenerateRequest, tag: str, *, affinity: str | None = None) -> GenerateOutput:
+        """A session's calls go to the worker of its last call (``affinity``): its prefix cache may hold them."""
+        out: GenerateOutput = await self.proxy.generate(request, tag, affinity=affinity)
         return out
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -264,7 +265,8 @@ class PolicyService:
         t0 = time.monotonic()
         version = self.version_fn()
         try:
-            outs = await asyncio.gather(*(self.backend.generate(r, tag) for r in requests))
+            affinity = session.id if session is not None else None
+            outs = await asyncio.gather(*(self.backend.generate(r, tag, affinity=affinity) for r in requests))
         except ClusterError as err:
             self.counts["failed"] += 1
             if session is not None:  # the episode cannot go on: its env manager raises this
@@ -297,6 +299,7 @@ class PolicyService:
                         finish_reason=c.finish_reason,
                         key=self._reply_key(kind, c),
                         hardware=out.hardware,
+                        rank=out.rank,
                     )
                 )
             record.started, record.seconds = t0, time.monotonic() - t0

@@ -66,6 +66,7 @@ class ChoiceRecord:
     finish_reason: str
     key: Any
     hardware: str = ""
+    rank: int = -1  # the inference worker that produced it
 
 
 @dataclass
