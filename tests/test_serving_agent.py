@@ -173,3 +173,41 @@ def test_a_redundant_agent_is_aborted_in_its_call(served):
     assert sched.counts["trajectories_aborted"] == 1
     assert sum(m["aborted"] for m in served.run(served.proxy.worker_metrics())) == before + 1
     assert len(served.endpoint.sessions) == 0 and sched.ledger()["lost"] == 0
+
+
+def test_agent_entries_are_checked_before_anything_starts(tmp_path):
+    from rollart.config import ConfigError, validate_config
+
+    (tmp_path / "my_agent.py").write_text(
+        "async def solve(client, task):\n    return 1.0\n\n"
+        "def three(client, task, extra):\n    return 1.0\n\n"
+        "def make(seed, level=1):\n    return {'seed': seed, 'level': level}\n"
+    )
+    base = {
+        "pools": {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}},
+        "rollout": {"num_env_groups": 1, "group_size": 2, "batch_groups": 1},
+    }
+
+    def problems(entry: dict) -> str:
+        with pytest.raises(ConfigError) as err:
+            validate_config({**base, "envs": [entry]}, source=tmp_path / "c.yaml")
+        return str(err.value)
+
+    cfg = validate_config(
+        {**base, "envs": [{"agent": "my_agent:solve", "tasks": "my_agent:make", "kwargs": {"level": 3}}]},
+        source=tmp_path / "c.yaml",
+    )
+    assert cfg.envs[0].agent == "my_agent:solve" and cfg.serving.host == "127.0.0.1"
+    assert "give name (an env) or agent" in problems({"name": "reverse", "agent": "my_agent:solve"})
+    assert "give name (an env) or agent" in problems({"groups": 2})
+    assert "no attribute 'solv'" in problems({"agent": "my_agent:solv"})
+    assert "must take (client, task)" in problems({"agent": "my_agent:three"})
+    assert "is not a file" in problems({"agent": "my_agent:solve", "tasks": "missing.jsonl"})
+    assert "drop backend" in problems({"agent": "my_agent:solve", "backend": "ray"})
+    assert "only an agent entry has tasks" in problems({"name": "reverse", "tasks": "my_agent:make"})
+    with pytest.raises(ConfigError, match="serving.tool_parser"):
+        validate_config({**base, "serving": {"tool_parser": "nope"}})
+    rows = tmp_path / "tasks.jsonl"
+    rows.write_text('{"q": 1}\n{"q": 2}\n')
+    assert load_tasks(str(rows), {})(3) == {"q": 2}
+    assert load_tasks("my_agent:make", {"level": 3})(5) == {"seed": 5, "level": 3}

@@ -17,13 +17,20 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def main(argv: list[str] | None = None) -> list[float]:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None, help="training steps (default: config.yaml's)")
     p.add_argument("--out", default="runs", help="where the model and the run go")
-    p.add_argument("--warmup-steps", type=int, default=300)
+    p.add_argument("--warmup-steps", type=int, default=400, help="supervised warm-up steps of the starting policy")
+    p.add_argument(
+        "--cache",
+        default=os.environ.get("ROLLART_CACHE", str(Path.home() / ".cache" / "rollart")),
+        help="where the starting policy is built once and reused",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("httpx", "httpx2"):  # the openai client logs every call
+        logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(HERE))
     from warmup import build_policy
@@ -31,7 +38,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     from rollart.config import load_config
     from rollart.pipelines.agentic import AgenticPipeline
 
-    model = build_policy(Path(args.out).resolve(), steps=args.warmup_steps)
+    model = build_policy(Path(args.cache), steps=args.warmup_steps)
     overrides = {"model": str(model), "output_dir": str(Path(args.out).resolve() / "{name}")}
     if args.steps is not None:
         overrides["steps"] = args.steps
@@ -41,10 +48,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         history = pipeline.run()
     finally:
         pipeline.shutdown()
-    rewards = [h["reward_mean"] for h in history]
     for h in history:
         print(f"step {h['step']:3d}  reward {h['reward_mean']:.3f}")
-    return rewards
+    return history
 
 
 if __name__ == "__main__":

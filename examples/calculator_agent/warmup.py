@@ -56,10 +56,12 @@ def copied(model, tok, renderer, n: int = 16) -> float:
     hits = 0
     for i in range(n):
         task = make_task(7_000_000 + i)
-        ids = renderer.prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}], [CALC])
+        ids = renderer.prompt(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}], [CALC]
+        )
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=70, do_sample=False, pad_token_id=tok.pad_token_id)
-        text = tok.decode(out[0, len(ids):])
+        text = tok.decode(out[0, len(ids) :])
         m = re.search(r'"expression": "(\d+)[+-](\d+)"', text)
         want = task["expression"].replace("-", "+").split("+")
         hits += m is not None and [m.group(1), m.group(2)] == want

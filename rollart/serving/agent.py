@@ -61,7 +61,14 @@ class AgentSpec(BaseModel):
 
 
 def load_agent(spec: str, search_path: list[str] | tuple[str, ...] = ()) -> Callable[..., Any]:
+    """The harness ``MODULE:FUNCTION``, checked: a function of ``(client, task)``, and the ``openai``
+    package it is given a client of is installed."""
+    import importlib.util
+
     from rollart.plugins import import_object
+
+    if importlib.util.find_spec("openai") is None:
+        raise ValueError("agent: an agent harness is given an openai client: pip install 'rollart[agent]' (or openai)")
 
     fn = import_object(spec, "agent", search_path)
     if not callable(fn):
