@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rollart.serving.service import ProxyBackend
 
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    for name in ("httpx", "httpx2"):  # the openai client logs every call at INFO: not part of what is measured
+        logging.getLogger(name).setLevel(logging.WARNING)
     tok = build_tokenizer(default_corpus(400), Path(tempfile.mkdtemp(prefix="rollart-bench-tok-")), 320, chat=True)
     rm, cluster = start_inference(
         {"rollout": {"hardware": "H20", "devices": 1}},

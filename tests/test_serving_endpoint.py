@@ -53,7 +53,12 @@ def served(ray_local, tmp_path_factory):
 def test_models_lists_the_policy_and_its_version(served):
     models = served.client().models.list()
     assert [m.id for m in models.data] == ["policy"]
-    assert models.data[0].model_extra["version"] == served.proxy.version
+    assert models.data[0].model_extra["version"] == served.proxy.version == 0
+    served.run(served.proxy.model_update({}, 2))  # the workers now serve weight version 2
+    assert served.client().models.list().data[0].model_extra["version"] == 2
+    session = served.open_session()
+    r = served.client(session).chat.completions.create(model="policy", messages=[{"role": "user", "content": "SAY:v"}])
+    assert r.system_fingerprint == "rollart-v2" and set(session.calls[0].choices[0].versions) == {2}
     r = httpx.get(f"{served.endpoint.url}/v1/models", headers=served.headers)
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "policy"
 
