@@ -78,10 +78,10 @@ def _settings(args: argparse.Namespace, cfg: Any) -> Any:
 async def _serve(args: argparse.Namespace, model: str, cfg: Any, settings: Any) -> int:
     from rollart.cluster.cluster import Cluster
     from rollart.engines.base import SamplingParams
+    from rollart.resource_manager.manager import ResourceManager
     from rollart.rollout.inference_worker import inference_worker_class
     from rollart.rollout.llm_proxy import LLMProxy
     from rollart.serving.endpoint import PolicyEndpoint, build_service, model_context
-    from rollart.resource_manager.manager import ResourceManager
     from rollart.serving.service import ProxyBackend
 
     engine = cfg.engine.model_copy(update={"model": cfg.engine.model or model}) if cfg is not None else None

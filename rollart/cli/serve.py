@@ -7,9 +7,9 @@ from typing import Any
 
 
 def add_serve_parser(sub: Any) -> None:
+    from rollart.cli.policy import add_policy_parser
     from rollart.envservice.cli import add_env_parser
     from rollart.reward.cli import add_rewards_parser
-    from rollart.cli.policy import add_policy_parser
 
     serve = sub.add_parser("serve", help="serve reward functions or environments over HTTP")
     what = serve.add_subparsers(dest="service", required=True)
