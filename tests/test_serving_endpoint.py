@@ -402,3 +402,37 @@ def test_a_sessions_calls_stay_on_the_worker_that_served_it(make_rm, tmp_path):
     finally:
         served.close()
         cluster.shutdown()
+
+
+def test_tools_n_and_logprobs_over_plain_httpx(served):
+    """The same requests the openai client makes, as raw JSON: what a curl user or another SDK sees."""
+    session = served.open_session()
+    url = f"{served.endpoint.session_url(session)}/chat/completions"
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": f"SAY:{CALL}"}],
+        "tools": TOOLS,
+        "n": 2,
+        "logprobs": True,
+    }
+    r = httpx.post(url, json=body, headers=served.headers).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    for c in r["choices"]:
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+        (call,) = c["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call["function"] == {"name": "calc", "arguments": '{"expression": "12+7"}'}
+        entries = c["logprobs"]["content"]
+        assert "".join(e["token"] for e in entries) == CALL
+        assert all(set(e) == {"token", "logprob", "bytes", "top_logprobs"} for e in entries)
+    assert r["usage"]["completion_tokens"] == sum(len(c.token_ids) for c in session.calls[0].choices)
+    echoed = {"role": "assistant", "content": None, "tool_calls": r["choices"][1]["message"]["tool_calls"]}
+    follow = {
+        "model": "policy",
+        "tools": TOOLS,
+        "messages": [*body["messages"], echoed, {"role": "tool", "tool_call_id": "x", "content": "SAY:19"}],
+    }
+    r2 = httpx.post(url, json=follow, headers=served.headers).json()
+    assert r2["choices"][0]["message"]["content"] == "19"
+    # it continued the first call (the two choices are the same reply here: either one's tokens)
+    assert session.calls[1].parent[0] == 0
