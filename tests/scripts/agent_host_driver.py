@@ -31,7 +31,7 @@ async def play(workdir: Path) -> dict:
     from transformers import AutoTokenizer
 
     import rollart as ra
-    from rollart.cluster.net import node_ip
+    from rollart.resource_manager.net import node_ip
     from rollart.engines.base import SamplingParams
     from rollart.resource_manager.launcher import ensure_ray
     from rollart.rollout.inference_worker import inference_worker_class
