@@ -89,7 +89,7 @@ class PolicyEndpoint:
         self.service = service
         self.config = config
         self.token = token if token is not None else job_token(config)
-        self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.sessions = SessionStore(config.max_sessions, config.session_ttl_s, config.max_calls)
         self._server: Any = None
         self._task: asyncio.Task | None = None
         self._sock: socket.socket | None = None
@@ -122,7 +122,7 @@ class PolicyEndpoint:
         return f"{self.public_url if public else self.url}/sessions/{session.id}/v1"
 
     def open_session(self, tag: str, **kwargs: Any) -> Session:
-        return self.sessions.open(tag, max_calls=self.config.max_calls, **kwargs)
+        return self.sessions.open(tag, **kwargs)
 
     async def close_session(self, session: Session, why: str) -> None:
         """End ``session`` (its calls in flight are aborted) and forget it."""

@@ -212,9 +212,10 @@ class Session:
 class SessionStore:
     """The open sessions of one endpoint, bounded (``max_sessions``); idle ones expire after ``ttl_s``."""
 
-    def __init__(self, max_sessions: int = 4096, ttl_s: float = 3600.0):
+    def __init__(self, max_sessions: int = 4096, ttl_s: float = 3600.0, max_calls: int = 256):
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
+        self.max_calls = max_calls  # of each session opened here
         self._sessions: dict[str, Session] = {}
 
     def __len__(self) -> int:
@@ -224,13 +225,15 @@ class SessionStore:
         self.expire()
         if len(self._sessions) >= self.max_sessions:
             raise OverflowError(f"{len(self._sessions)} sessions are open (max_sessions); close some or retry later")
+        kwargs.setdefault("max_calls", self.max_calls)
         session = Session(tag, **kwargs)
         self._sessions[session.id] = session
         return session
 
     def get(self, session_id: str) -> Session | None:
         session = self._sessions.get(session_id)
-        if session is not None and session.ended is None and time.monotonic() - session.last_used > self.ttl_s:
+        idle = session is not None and not session.in_flight and time.monotonic() - session.last_used > self.ttl_s
+        if session is not None and session.ended is None and idle:
             session.end("expired")
         return session
 
