@@ -132,7 +132,7 @@ def _canonical_json(text: str) -> str:
 
     try:
         return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         return text
 
 

@@ -111,7 +111,7 @@ def _checked_call(call: dict[str, Any]) -> dict[str, Any]:
     args: Any = call["function"].get("arguments") or "{}"
     try:
         args = json.loads(args)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         pass
     return {**call, "function": {**call["function"], "arguments": args}}
 

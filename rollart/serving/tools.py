@@ -36,7 +36,7 @@ def hermes(text: str) -> tuple[str | None, list[ParsedCall]]:
     for m in _HERMES.finditer(text):
         try:
             obj = json.loads(m.group(1))
-        except ValueError:
+        except (ValueError, RecursionError):  # what the model wrote is not JSON (or nested past any use)
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             continue
@@ -44,7 +44,7 @@ def hermes(text: str) -> tuple[str | None, list[ParsedCall]]:
         if isinstance(args, str):
             try:
                 json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             arguments = args
         else:
