@@ -86,3 +86,41 @@ def test_hermes_reads_calls_and_keeps_the_rest():
     assert json.loads(calls[0].arguments) == {"x": 1} and calls[1].arguments == "{}"
     with pytest.raises(ValueError, match="tool_parser"):
         tool_parser("nonsense")
+
+
+async def test_a_runs_seed_seeds_each_session_apart(tmp_path):
+    """``sampling.seed`` is the run's: each session's calls get seeds of their own from it (members of a
+    group playing the same task must not sample the same tokens); a request's own ``seed`` wins."""
+    from rollart.engines.base import SamplingParams
+    from rollart.models.tiny import build_tokenizer, default_corpus
+    from rollart.rollout.types import GenerateOutput
+    from rollart.serving.config import ServingConfig
+    from rollart.serving.endpoint import build_service
+    from rollart.serving.protocol import ChatCompletionRequest
+
+    seen: list[int | None] = []
+
+    class Recording:
+        async def generate(self, request, tag, *, affinity=None):
+            seen.append(request.sampling.seed)
+            return GenerateOutput(
+                request_id=request.request_id,
+                output_token_ids=[40, 3],
+                output_logprobs=[-1.0, -1.0],
+                token_versions=[0, 0],
+                finish_reason="stop",
+            )
+
+        async def abort(self, ids):
+            return None
+
+    tok = build_tokenizer(default_corpus(50), tmp_path, 320, chat=True)
+    service = build_service(Recording(), tok, ServingConfig(), model="m", sampling=SamplingParams(seed=0))
+    store = SessionStore()
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    for member in ("a", "b"):
+        await service.chat(body, store.open("t", meta={"seed": f"0:{member}"}))
+    await service.chat(body, None)
+    await service.chat(body.model_copy(update={"seed": 7, "n": 2}), None)
+    assert seen[0] != seen[1] and None not in seen[:2]
+    assert seen[2] is None and seen[3:] == [7, 8]

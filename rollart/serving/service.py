@@ -221,7 +221,8 @@ class PolicyService:
             ids = self._encode(s)
             if len(ids) == 1 and ids[0] not in stops:
                 stops.append(ids[0])
-        update: dict[str, Any] = {"max_new_tokens": budget, "stop_token_ids": stops, "logprobs": True}
+        # the request's seed, else none: a run's seed (sampling.seed) seeds each session's calls instead
+        update: dict[str, Any] = {"max_new_tokens": budget, "stop_token_ids": stops, "logprobs": True, "seed": None}
         if body.temperature is not None:
             update["temperature"] = body.temperature
         if body.top_p is not None:

@@ -31,9 +31,9 @@ async def play(workdir: Path) -> dict:
     from transformers import AutoTokenizer
 
     import rollart as ra
-    from rollart.resource_manager.net import node_ip
     from rollart.engines.base import SamplingParams
     from rollart.resource_manager.launcher import ensure_ray
+    from rollart.resource_manager.net import node_ip
     from rollart.rollout.inference_worker import inference_worker_class
     from rollart.rollout.llm_proxy import LLMProxy
     from rollart.serving.agent import AgentEnvManager, AgentSpec
