@@ -1,7 +1,8 @@
 """A tool-using agent written only against the ``openai`` SDK: it offers a calculator tool, runs the
 calls the model makes, sends the results back and reads the model's final answer. Nothing in it knows
 about rollart: pointed at any OpenAI-compatible server, it runs the same way. Its reward is 1 for the
-right number, else 0."""
+right number, else 0. The calculator evaluates ``X+Y`` or ``X-Y`` where each side is a whole number or
+one of the question's named quantities (``a``, ``b``)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,24 @@ CALC = {
     "type": "function",
     "function": {
         "name": "calc",
-        "description": "Evaluate an expression of two whole numbers and + or -.",
+        "description": "Evaluate X+Y or X-Y; X and Y are whole numbers or the question's quantities a and b.",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
     },
 }
 MAX_TURNS = 3
 
 
-def calc(expression: str) -> str:
-    """The tool: ``A+B`` or ``A-B`` of whole numbers (never ``eval``)."""
-    m = re.fullmatch(r"\s*(\d{1,6})\s*([+-])\s*(\d{1,6})\s*", expression)
-    if m is None:
-        return "error: write A+B or A-B"
-    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
-    return str(a + b if op == "+" else a - b)
+def calc(expression: str, values: dict[str, int]) -> str:
+    """The tool: ``X+Y`` or ``X-Y``, each side a whole number or a named quantity (never ``eval``)."""
+    m = re.fullmatch(r"\s*(\w{1,6})\s*([+-])\s*(\w{1,6})\s*", expression)
+
+    def value(token: str) -> int | None:
+        return int(token) if token.isdigit() else values.get(token)
+
+    x, y = (value(m.group(1)), value(m.group(3))) if m else (None, None)
+    if m is None or x is None or y is None:
+        return "error: write X+Y or X-Y with numbers or " + ", ".join(sorted(values))
+    return str(x + y if m.group(2) == "+" else x - y)
 
 
 async def solve(client: openai.AsyncOpenAI, task: dict) -> float:
@@ -46,6 +51,9 @@ async def solve(client: openai.AsyncOpenAI, task: dict) -> float:
                 expression = str(json.loads(call.function.arguments).get("expression", ""))
             except (ValueError, AttributeError):
                 expression = ""
-            result = calc(expression) if call.function.name == "calc" else f"error: no tool {call.function.name}"
+            if call.function.name == "calc":
+                result = calc(expression, task["values"])
+            else:
+                result = f"error: no tool {call.function.name}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return 0.0

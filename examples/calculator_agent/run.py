@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None, help="training steps (default: config.yaml's)")
     p.add_argument("--out", default="runs", help="where the model and the run go")
-    p.add_argument("--warmup-steps", type=int, default=400, help="supervised warm-up steps of the starting policy")
+    p.add_argument("--warmup-steps", type=int, default=300, help="supervised warm-up steps of the starting policy")
     p.add_argument(
         "--cache",
         default=os.environ.get("ROLLART_CACHE", str(Path.home() / ".cache" / "rollart")),
@@ -39,7 +39,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from rollart.pipelines.agentic import AgenticPipeline
 
     model = build_policy(Path(args.cache), steps=args.warmup_steps)
-    overrides = {"model": str(model), "output_dir": str(Path(args.out).resolve() / "{name}")}
+    out = Path(args.out).resolve()
+    overrides = {
+        "model": str(model),
+        "output_dir": str(out / "{name}"),
+        "cluster.metadata_store": str(out / "metadata.sqlite"),  # the run's own record of its pools
+    }
     if args.steps is not None:
         overrides["steps"] = args.steps
     cfg = load_config(HERE / "config.yaml", overrides)

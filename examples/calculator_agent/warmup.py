@@ -32,39 +32,37 @@ CALL = '<tool_call>{{"name": "calc", "arguments": {{"expression": "{expression}"
 
 def transcript(renderer, tok, task: dict, rng: random.Random) -> tuple[list[int], list[int]]:
     """(ids, labels) of one episode with a coin-flip operator; labels -100 off the model's replies."""
-    a, b = task["expression"].replace("-", "+").split("+")
-    expression = f"{a}{rng.choice('+-')}{b}"
+    expression = f"a{rng.choice('+-')}b"
     end = tok.convert_tokens_to_ids("<|im_end|>")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
     prompt = renderer.prompt(messages, [CALC])
     reply1 = tok.encode(CALL.format(expression=expression), add_special_tokens=False) + [end]
-    tool = [{"role": "tool", "tool_call_id": "c", "content": calc(expression)}]
+    result = calc(expression, task["values"])
+    tool = [{"role": "tool", "tool_call_id": "c", "content": result}]
     between = renderer.continuation_ids(reply1, tool, [CALC])
-    reply2 = tok.encode(calc(expression), add_special_tokens=False) + [end]
+    reply2 = tok.encode(result, add_special_tokens=False) + [end]
     ids = prompt + reply1 + between + reply2
     labels = [-100] * len(prompt) + reply1 + [-100] * len(between) + reply2
     return ids, labels
 
 
 def copied(model, tok, renderer, n: int = 16) -> float:
-    """Of ``n`` greedy first replies, the fraction whose tool call has the question's two numbers."""
-    import re
-
+    """Of ``n`` greedy second replies (after a tool result), the fraction that repeat the result."""
     import torch
 
     model.eval()
     hits = 0
+    end = tok.convert_tokens_to_ids("<|im_end|>")
     for i in range(n):
         task = make_task(7_000_000 + i)
-        ids = renderer.prompt(
-            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}], [CALC]
-        )
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
+        reply1 = tok.encode(CALL.format(expression=task["expression"]), add_special_tokens=False) + [end]
+        result = calc(task["expression"], task["values"])
+        tool = [{"role": "tool", "tool_call_id": "c", "content": result}]
+        ids = renderer.prompt(messages, [CALC]) + reply1 + renderer.continuation_ids(reply1, tool, [CALC])
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=70, do_sample=False, pad_token_id=tok.pad_token_id)
-        text = tok.decode(out[0, len(ids) :])
-        m = re.search(r'"expression": "(\d+)[+-](\d+)"', text)
-        want = task["expression"].replace("-", "+").split("+")
-        hits += m is not None and [m.group(1), m.group(2)] == want
+            out = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+        hits += tok.decode(out[0, len(ids) :], skip_special_tokens=True).strip() == result
     return hits / n
 
 
@@ -95,7 +93,9 @@ def warm_up(folder: Path, steps: int, batch: int, lr: float, seed: int) -> list[
         opt.step()
         losses.append(float(loss.detach()))
         if step % 100 == 0 or step == steps - 1:
-            log.info("warm-up step %d: loss %.3f, numbers copied %.2f", step, losses[-1], copied(model, tok, renderer))
+            log.info(
+                "warm-up step %d: loss %.3f, tool results repeated %.2f", step, losses[-1], copied(model, tok, renderer)
+            )
             model.train()
     model.save_pretrained(str(folder), safe_serialization=True)
     return losses
@@ -118,7 +118,9 @@ def build_policy(
     corpus = []
     for i in range(2000):
         task = make_task(i)
-        corpus.append(task["question"] + " " + CALL.format(expression=task["expression"]) + f" {task['answer']}\n")
+        corpus.append(
+            task["question"] + " " + CALL.format(expression=task["expression"]) + f" {task['answer']} error: write\n"
+        )
     build_tiny(tmp, corpus=corpus, vocab_size=280, chat=True, seed=seed, max_position_embeddings=512, **MODEL)
     from transformers import AutoTokenizer
 
