@@ -1,6 +1,9 @@
 """Shared test set-up: one torch thread per process (2-core machines slow down 30x otherwise)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -8,6 +11,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# the metadata store of this test process, never the user's ~/.rollart/metadata.sqlite (a store written by
+# another rollart version, or another run's jobs and pools, must not leak into a test); drivers and CLI
+# subprocesses that the tests start inherit it
+if "ROLLART_METADATA_DB" not in os.environ:
+    _store_dir = tempfile.mkdtemp(prefix="rollart-tests-")
+    atexit.register(shutil.rmtree, _store_dir, ignore_errors=True)
+    os.environ["ROLLART_METADATA_DB"] = os.path.join(_store_dir, "metadata.sqlite")
 # The code sandbox refuses to run code without bubblewrap (scripts/test.sh installs it). Where it is missing
 # (a machine without root) the tests' own code runs unisolated, and the tests of the isolation skip.
 if not any(os.access(os.path.join(d, "bwrap"), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep) if d):
