@@ -6,7 +6,8 @@ same sampled step latencies ``N(mean, std)`` (simulated seconds, clipped at 0), 
 - batch-level: every turn generates for all envs (one batched call per inference worker), then steps
   all envs and waits for the slowest;
 - trajectory-level: one EnvManager per env through the RolloutScheduler; each trajectory moves on as
-  soon as its own step returns.
+  soon as its own step returns. Its LLMProxy sends requests as a pipeline does (``engine.batch_requests``,
+  on by default: the requests of one event-loop turn go to each worker as one call).
 
 Ideal bound for the sampled latencies (generation time taken as 0):
 ``sum_t max_i lat[i, t] / max_i sum_t lat[i, t]``.
@@ -29,6 +30,7 @@ from rollart.benchmarks.common import (
     start_inference,
     write_report,
 )
+from rollart.rollout.config import EngineConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=512, help="trajectories per batch (one env each)")
     p.add_argument("--turns", type=int, default=30, help="env steps per trajectory")
     p.add_argument("--workers", type=int, default=2, help="inference workers")
+    p.add_argument(
+        "--batch-requests",
+        action=argparse.BooleanOptionalAction,
+        default=EngineConfig.model_fields["batch_requests"].default,
+        help="trajectory-level: the LLMProxy's batched ADD, as a pipeline sends requests (engine.batch_requests; "
+        "default: the pipeline's default); --no-batch-requests: one Ray call per request",
+    )
     add_common_arguments(p, "runs/bench/env-async", time_scale=0.05)
 
 
@@ -88,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     from rollart.rollout.llm_proxy import LLMProxy
 
-    proxy = LLMProxy(cluster)
+    proxy = LLMProxy(cluster, batch_requests=args.batch_requests)
     codec = TinyCodec()
 
     async def both() -> tuple[float, float]:
@@ -107,6 +116,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "std": args.std,
         "batch": args.batch,
         "turns": args.turns,
+        "batch_requests": args.batch_requests,
+        "time_scale": args.time_scale,
         "batch_level_sim_s": clock.to_sim(batch_s),
         "trajectory_level_sim_s": clock.to_sim(traj_s),
         "speedup": speedup,

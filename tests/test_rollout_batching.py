@@ -42,7 +42,7 @@ async def test_one_turn_of_requests_is_one_call_per_worker_and_each_finishes_on_
         assert all(len(o.output_token_ids) == (4 if i % 2 == 0 else 64) for i, o in enumerate(outs))
         assert all(o.finish_reason == "length" for o in outs)
         # 16 requests, 2 Ray calls: the least-loaded routing split them over both workers
-        assert (proxy.batcher.calls, proxy.batcher.requests) == (2, 16)
+        assert (proxy.batcher.calls, proxy.batcher.streams, proxy.batcher.requests) == (2, 2, 16)
         assert {o.rank for o in outs} == {0, 1}
         # the short ones were answered before the long ones of the same call finished
         assert set(finished[:8]) == {f"r{i}" for i in range(0, 16, 2)}
@@ -89,6 +89,41 @@ async def test_requests_of_a_killed_worker_move_to_a_live_one_from_their_stored_
         moved = [o for o in outs if o.rank == 1]
         assert len(moved) == 6  # rank 0's three finished on rank 1
         assert proxy.fault_metrics()["migrated"] == 3 and cluster.fault_counts["deaths"] == 1
+    finally:
+        proxy.close()
+        cluster.shutdown()
+
+
+async def test_a_lone_request_goes_as_a_plain_call_and_still_moves_when_its_worker_is_killed(make_rm):
+    """Turns that drifted apart send one request per event-loop turn: each goes as a plain generate call
+    (a streaming call would cost more), with the same fault handling as a batched one."""
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 2}})
+    cluster = simulated_cluster(rm, "rollout", decode_base_s=0.01)
+    proxy = LLMProxy(cluster, restart=RestartPolicy(max_restarts=0), batch_requests=True)
+    try:
+        tasks = []
+        for i in range(2):
+            tasks.append(asyncio.ensure_future(proxy.generate(request(f"lone{i}", n=300), "x")))
+            await asyncio.sleep(0)  # its task ran: the request is queued in the batcher
+            await asyncio.sleep(0)  # the batcher's flush ran: it was sent alone
+        async with asyncio.timeout(60):  # one on each worker (least-loaded routing)
+            while [m["running"] for m in await cluster.metrics()] != [1, 1]:
+                await asyncio.sleep(0.01)
+        assert (proxy.batcher.calls, proxy.batcher.streams, proxy.batcher.requests) == (2, 0, 2)
+        pid = ray.get(cluster.workers[0]._rollart_info.remote(), timeout=60)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        outs = await asyncio.gather(*tasks)
+        assert all(len(o.output_token_ids) == 300 and o.finish_reason == "length" for o in outs)
+        assert {o.rank for o in outs} == {1}
+        assert proxy.fault_metrics()["migrated"] == 1 and cluster.fault_counts["deaths"] == 1
+        assert cluster.load()[1]["inflight"] == 0
+        # a lone request the worker refuses (its id is running there) fails only its own caller
+        first = asyncio.ensure_future(proxy.generate(request("dup", n=300), "x"))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        with pytest.raises(RequestFailedError, match="'dup' is already running"):
+            await proxy.generate(request("dup"), "x")
+        assert len((await first).output_token_ids) == 300 and proxy.batcher.streams == 0
     finally:
         proxy.close()
         cluster.shutdown()

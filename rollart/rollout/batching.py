@@ -7,7 +7,11 @@ of them. :class:`RequestBatcher` collects the requests submitted before the even
 callbacks, routes each one as a call of its own would be (:meth:`Cluster.route_many`: tag preference,
 least-loaded live worker), and sends each worker its share as one ``generate_many`` call, a Ray
 streaming generator that yields the requests finished by each engine step together. Every request
-still finishes on its own: its caller's future resolves with the batch it finished in.
+still finishes on its own: its caller's future resolves with the batch it finished in. A share of a
+single request goes as a plain ``generate`` call: a streaming call costs more than a plain one (its
+end is a message of its own), so batching pays only from two requests on. Multi-turn agents whose
+turns have drifted apart (env steps of different lengths) mostly send one request per turn of the
+loop; the burst of a rollout's first turn, or of a step's prompts, goes as one call per worker.
 
 Faults keep the per-request contract of the routed call: when a worker dies, it is marked dead
 (routing skips it, its supervisor is told) and each of its unanswered requests raises
@@ -21,6 +25,8 @@ import asyncio
 import logging
 from collections import defaultdict, deque
 from typing import Any
+
+from ray.exceptions import RayTaskError
 
 from rollart.cluster import Cluster
 from rollart.cluster.future import ACTOR_GONE
@@ -49,6 +55,7 @@ class RequestBatcher:
         self._flush_scheduled = False
         self._tasks: set[asyncio.Task] = set()
         self.calls = 0  # Ray calls sent
+        self.streams = 0  # of them, streaming generate_many calls (a share of two requests or more)
         self.requests = 0  # requests they carried
 
     def submit(self, request: GenerateRequest, tag: str, prefer: int | None = None) -> asyncio.Future[GenerateOutput]:
@@ -81,10 +88,40 @@ class RequestBatcher:
             by_rank: dict[int, tuple[Any, list[tuple[GenerateRequest, asyncio.Future[GenerateOutput]]]]] = {}
             for (rank, actor), item in zip(routes, items):
                 by_rank.setdefault(rank, (actor, []))[1].append(item)
+            loop = asyncio.get_running_loop()
             for rank, (actor, share) in by_rank.items():
-                task = asyncio.get_running_loop().create_task(self._stream(rank, actor, tag, share))
+                send = (
+                    self._single(rank, actor, tag, *share[0])
+                    if len(share) == 1
+                    else self._stream(rank, actor, tag, share)
+                )
+                task = loop.create_task(send)
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _single(
+        self, rank: int, actor: Any, tag: str, req: GenerateRequest, fut: asyncio.Future[GenerateOutput]
+    ) -> None:
+        """One request as a plain ``generate`` call; answered and failed as it would be in a batch."""
+        self.calls += 1
+        self.requests += 1
+        failure: BaseException | None = None
+        try:
+            out = await getattr(actor, self.method).remote(req, tag)
+        except ACTOR_GONE as err:
+            failure = self.cluster.worker_died(rank, err)
+        except RayTaskError as err:  # the engine refused it, or its id was running already
+            failure = RequestFailedError(f"request {req.request_id}: {err.cause!r}")
+        except Exception as err:  # the call itself broke
+            failure = err
+        finally:
+            self.cluster.release(rank)
+        if fut.done():
+            return
+        if failure is not None:
+            fut.set_exception(failure)
+        else:
+            fut.set_result(out)
 
     async def _stream(
         self, rank: int, actor: Any, tag: str, items: list[tuple[GenerateRequest, asyncio.Future[GenerateOutput]]]
@@ -93,6 +130,7 @@ class RequestBatcher:
         for req, fut in items:
             futures[req.request_id].append(fut)
         self.calls += 1
+        self.streams += 1
         self.requests += len(items)
         try:
             stream = (

@@ -81,10 +81,12 @@ class HFCodec:
 
 
 async def _call_env(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
-    """Run an env method: awaited if it is a coroutine function, else in a worker thread; bounded."""
-    if inspect.iscoroutinefunction(fn):
-        return await asyncio.wait_for(fn(*args), timeout=timeout_s)
-    return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout=timeout_s)
+    """Run an env method: awaited if it is a coroutine function, else in a worker thread; bounded
+    (``asyncio.timeout`` runs it in the calling task: no second task per env call, as ``wait_for`` makes)."""
+    async with asyncio.timeout(timeout_s):
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        return await asyncio.to_thread(fn, *args)
 
 
 class EnvManager:

@@ -235,6 +235,7 @@ class RolloutScheduler:
                 task_counts["groups_filtered"] += 1
                 self.counts["trajectories_filtered"] += len(kept)
                 self.settled.settle(g, r)
+                await self._notify()  # the round left without a group: a slot is free
             else:
                 self.accepted += 1
                 self.accepted_by_task[self.task_of_group[g]] += 1
@@ -242,8 +243,9 @@ class RolloutScheduler:
                     counts["groups_accepted"] += 1
                     counts["trajectories_kept"] += len(kept)
                 self._failed_in_row = 0
+                # no _notify(): the round moved from running to accepted, so no slot was freed (waking
+                # every waiting group loop to find that out costs O(groups) per round)
                 await self.buffer.put(Group(kept, GroupId(g, r)))
-            await self._notify()
 
     def _ended(self, _task: asyncio.Future) -> None:
         self.in_flight -= 1
