@@ -60,6 +60,7 @@ BENCHES: dict[str, BenchEntry] = {
     "agent-endpoint": BenchEntry(
         "agent_endpoint", "the OpenAI-compatible endpoint's calls/s and added latency against a direct LLMProxy call"
     ),
+    "history": BenchEntry("history", "the ratios the benches report, recorded per commit, with drops flagged"),
 }
 
 
