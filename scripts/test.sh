@@ -42,6 +42,9 @@ fi
 # the documentation site, warnings as errors (broken links and anchors included); its config reference
 # is generated from the config models at build time (scripts/mkdocs_hooks.py)
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir site
+# benchmark history: the fast benches at small sizes against the ratios recorded per commit in
+# asv_bench/results; a drop of more than the tolerance (20%) fails (docs/benchmarks.md, "Benchmark history")
+.venv/bin/rollart bench history --check
 # two test processes (pytest-xdist), whole files per process so a module's cluster fixture is built once:
 # most of a test's time is spent waiting on Ray, servers and subprocesses, so two share two cores well.
 # ROLLART_TEST_WORKERS=0 runs in one process; --durations lists the slowest tests at the end.
