@@ -101,13 +101,6 @@ TRACKED: tuple[Tracked, ...] = (
         timeout_s=300,
     ),
     Tracked("ci", "queue-scheduling", ("--repeats", "1"), (SPEEDUP, OF_MODEL), timeout_s=300),
-    Tracked(
-        "ci",
-        "redundant-env",
-        ("--baseline", "16x8", "--redundant", "18x12", "--batch-groups", "16", "--repeats", "1"),
-        (SPEEDUP, OF_MODEL),
-        timeout_s=300,
-    ),
     # ---- full: the published settings
     Tracked("full", "env-async", ("--mean", "10", "--std", "10", "--batch", "512"), (SPEEDUP, OF_IDEAL)),
     Tracked("full", "redundant-env", (), (SPEEDUP, OF_MODEL)),
@@ -273,7 +266,7 @@ def _git_order(root: Path, commits: Sequence[str]) -> list[str]:
 
 def _subject(root: Path, commit: str) -> str:
     out = subprocess.run(["git", "log", "-1", "--format=%s", commit], cwd=root, capture_output=True, text=True)
-    return (out.stdout.strip() or "(not in this clone)")[:48]
+    return (out.stdout.strip() or "(not in this clone)")[:100]
 
 
 def value_spec(cls: str, value: str) -> Value | None:
@@ -299,7 +292,8 @@ def reference(history: Sequence[Record], key: tuple[str, str]) -> float | None:
 def show(root: Path, results_dir: Path, tolerance: float, suite: str | None) -> dict[str, Any]:
     records = {r.commit: r for r in read_results(results_dir)}
     ordered = [records[c] for c in _git_order(root, list(records))]
-    keys = sorted({k for r in ordered for k in r.values if suite in (None, "all") or k[0].startswith(f"{suite}_")})
+    known = {(t.name, v.name) for t in tracked(suite) for v in t.values}  # runs no longer tracked: left out
+    keys = sorted({k for r in ordered for k in r.values if k in known})
     rows, flagged = [], []
     for i, rec in enumerate(ordered):
         row: dict[str, Any] = {"commit": rec.commit[:10], "subject": _subject(root, rec.commit)}
@@ -385,6 +379,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--only", default="", help="comma-separated bench names to record (e.g. env-async,throughput)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE, help="a drop beyond this fraction is a regression")
+    p.add_argument("--last", type=int, default=8, help="commits shown (--show)")
     p.add_argument("--results", default=None, help=f"the recorded history (default: {ASV_DIR}/results)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -404,19 +399,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return result
     table = show(root, results, args.tolerance, None if args.suite == "all" else args.suite)
     if not args.json:
-        _print_table(table, args.tolerance)
+        _print_table(table, args.tolerance, args.last)
     return {"bench": "history", "tolerance": args.tolerance, "drops": "\n".join(table["drops"]) or "none"}
 
 
-def _print_table(table: Mapping[str, Any], tolerance: float) -> None:
+def _print_table(table: Mapping[str, Any], tolerance: float, last: int) -> None:
+    """One row per tracked value, one column per commit (the last ``last``, oldest first)."""
     from rich.console import Console
     from rich.table import Table
 
-    out = Table(title=f"recorded ratios per commit ({MACHINE}; DROP: > {tolerance:.0%} below the last 3)")
-    out.add_column("commit")
-    out.add_column("subject")
+    rows = table["rows"][-last:]
+    out = Table(title=f"recorded ratios per commit ({MACHINE}; DROP: > {tolerance:.0%} worse than the last 3)")
+    out.add_column("tracked value")
+    for row in rows:
+        out.add_column(row["commit"][:8], justify="right")
     for col in table["columns"]:
-        out.add_column(col.replace("_", " ").replace(".", "\n"), justify="right")
-    for row in table["rows"]:
-        out.add_row(row["commit"], row["subject"], *(row.get(c, "") for c in table["columns"]))
-    Console().print(out)
+        out.add_row(col, *(row.get(col, "") for row in rows))
+    console = Console()
+    console.print(out)
+    for row in rows:
+        console.print(f"  {row['commit'][:8]}  {row['subject']}")

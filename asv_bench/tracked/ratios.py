@@ -46,22 +46,6 @@ class ci_queue_scheduling(_Run):
         return values["fraction_of_model"]
 
 
-class ci_redundant_env(_Run):
-    run = by_name("ci_redundant_env")
-    timeout = run.timeout_s
-
-    def setup_cache(self) -> dict[str, float]:
-        return measure(self.run)
-
-    setup_cache.timeout = run.timeout_s  # type: ignore[attr-defined]
-
-    def track_speedup(self, values: dict[str, float]) -> float:
-        return values["speedup"]
-
-    def track_fraction_of_model(self, values: dict[str, float]) -> float:
-        return values["fraction_of_model"]
-
-
 class full_env_async(_Run):
     run = by_name("full_env_async")
     timeout = run.timeout_s
