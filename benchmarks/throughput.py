@@ -103,7 +103,9 @@ def mode_config(args: argparse.Namespace, setting: Setting, alpha: int, out_dir:
 
 
 def throughput(history: list[dict[str, Any]], skip: int) -> dict[str, float]:
-    """Samples/s and tokens/s of generation (per second of rollout wait), training and end to end."""
+    """Samples/s and tokens/s of generation (per second of rollout wait), training and end to end, and
+    where a step's time went: rollout wait, train, weight sync, and the rest, the driver's own work
+    between them (building the batch and its advantages, the step record)."""
     rows = history[skip:] if len(history) > skip else history
     samples = sum(float(h["train"]["rows"]) for h in rows)
     gen_tokens = sum(float(h["tokens"]) for h in rows)
@@ -111,6 +113,7 @@ def throughput(history: list[dict[str, Any]], skip: int) -> dict[str, float]:
     wait = sum(float(h["time"]["rollout_wait_s"]) for h in rows)
     train = sum(float(h["time"]["train_s"]) for h in rows)
     step = sum(float(h["time"]["step_s"]) for h in rows)
+    sync = sum(float(h["time"].get("weight_sync_s", 0.0)) for h in rows)
 
     def per(x: float, t: float) -> float:
         return x / t if t > 0 else float("nan")
@@ -124,6 +127,8 @@ def throughput(history: list[dict[str, Any]], skip: int) -> dict[str, float]:
         "samples_per_s": per(samples, step),
         "rollout_wait_s_per_step": per(wait, len(rows)),
         "train_s_per_step": per(train, len(rows)),
+        "weight_sync_s_per_step": per(sync, len(rows)),
+        "driver_s_per_step": per(step - wait - train - sync, len(rows)),
         "step_s": per(step, len(rows)),
     }
 

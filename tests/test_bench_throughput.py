@@ -13,11 +13,11 @@ from rollart.cli import main
 pytestmark = pytest.mark.timeout(600)
 
 
-def step(rows, tokens, wait, train, total):
+def step(rows, tokens, wait, train, total, sync=0.125):
     return {
         "train": {"rows": rows, "tokens": tokens},
         "tokens": tokens,
-        "time": {"rollout_wait_s": wait, "train_s": train, "step_s": total},
+        "time": {"rollout_wait_s": wait, "train_s": train, "weight_sync_s": sync, "step_s": total},
     }
 
 
@@ -28,6 +28,9 @@ def test_throughput_leaves_out_the_first_steps_and_divides_by_the_right_times():
     assert t["generation_samples_per_s"] == 512 and t["generation_tokens_per_s"] == 1280
     assert t["train_samples_per_s"] == 1024 and t["train_tokens_per_s"] == 2560
     assert t["samples_per_s"] == 256 and t["step_s"] == 1.0
+    # the step's time by part: the driver's share is what rollout wait, train and weight sync leave
+    assert (t["rollout_wait_s_per_step"], t["train_s_per_step"], t["weight_sync_s_per_step"]) == (0.5, 0.25, 0.125)
+    assert t["driver_s_per_step"] == 0.125
 
 
 def test_quick_bench_reports_every_figure(ray_local, tmp_path, capsys):
