@@ -239,8 +239,9 @@ def make_pipeline(
             procs.update({f"train{r}": pid for r, pid in self.train.pids().items()})
             if reward.proc is not None:
                 procs["reward_service"] = reward.proc.pid
-            if self.mooncake_master is not None and self.mooncake_master.pid is not None:
-                procs["mooncake_master"] = self.mooncake_master.pid
+            master = getattr(self.weights, "master", None)  # the Mooncake master rollart started, if any
+            if master is not None and master.pid is not None:
+                procs["mooncake_master"] = master.pid
             try:
                 caches = self.host_caches()
             except ray.exceptions.RayError:  # a cache on a host being killed: sampled next time
@@ -285,11 +286,11 @@ def make_pipeline(
 
         def host_caches(self) -> list[dict[str, Any]]:
             """``host_cache_stats`` of the Mooncake channel's host caches; none on another channel."""
-            if self.config.weights.channel != "mooncake" or self.channel is None:
+            if self.config.weights.channel != "mooncake":
                 return []
             from rollart.weights.host_cache import host_cache_stats
 
-            return host_cache_stats(self.channel.name)
+            return host_cache_stats(self.weights.channel.name)
 
         def _worker(self, hardware: str) -> int:
             """The pid of the live inference worker on ``hardware`` (another may be down: a killed host's
@@ -442,7 +443,7 @@ def driver_main(argv: list[str]) -> int:
             from rollart.weights.host_cache import host_cache_stats
 
             # the channels a trainer restart replaced: their host caches (memory, relay copies) are gone
-            record["retired_channels"] = {n: host_cache_stats(n) for n in pipe.retired_channels}
+            record["retired_channels"] = {n: host_cache_stats(n) for n in getattr(pipe.weights, "retired", [])}
         if snapshots:
             rows, text = allocation_growth(snapshots[0], tracemalloc.take_snapshot())
             record["allocation_growth"] = rows

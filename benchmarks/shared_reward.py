@@ -123,11 +123,11 @@ def _driver(config_json: str) -> None:
         history = asyncio.run(pipe._run())  # run() without its metrics.png: the bench times the jobs only
     finally:
         pipe.shutdown()
-    assert pipe.reward_client is not None
+    assert pipe.rewards.client is not None
     result = {
         "rollout_s": [h["time"]["rollout_wait_s"] for h in history],
         "step_s": [h["time"]["step_s"] for h in history],
-        "counts": pipe.reward_client.counts(),
+        "counts": pipe.rewards.client.counts(),
         "start": t0,
         "end": time.time(),
     }

@@ -344,7 +344,7 @@ async def test_with_a_reward_service_a_dataset_trajectory_is_sent_with_its_answe
     from types import SimpleNamespace
 
     from rollart.envs.dataset import DatasetEnv
-    from rollart.pipelines.agentic import AgenticPipeline
+    from rollart.pipeline.rewards import RewardServices
 
     class Codec:
         eos_token_id = None
@@ -376,7 +376,8 @@ async def test_with_a_reward_service_a_dataset_trajectory_is_sent_with_its_answe
         turns=[(len(ids), len(ids) + 1)],
         info={"reset": info, "steps": [env.step("5")[4]]},
     )
-    reward = await AgenticPipeline._service_reward(SimpleNamespace(reward_client=Client()), codec)(traj)
+    config = SimpleNamespace(reward=None, tasks={})
+    reward = await RewardServices(config, "job", codec)._service_reward(Client())(traj)
     row = ROWS[info["index"]]
     assert reward == 0.75
     assert sent == [{"prompt": row["prompt"], "response": "5", "ground_truth": row["answer"], "tag": "a"}]

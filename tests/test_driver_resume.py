@@ -135,13 +135,12 @@ def test_kill_9_of_the_driver_frees_the_cluster_and_resume_continues_from_the_ch
 
 
 def test_a_resume_drops_the_metrics_a_killed_driver_logged_past_its_checkpoint(tmp_path):
-    from types import SimpleNamespace
-
-    from rollart.pipelines.agentic import AgenticPipeline
+    from rollart.pipeline.records import MetricsFile
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "reward_mean": 0.1 * s}) + "\n" for s in range(1, 5)))
-    AgenticPipeline._drop_metrics_from(SimpleNamespace(metrics_path=metrics), 2)  # type: ignore[arg-type]
+    MetricsFile(tmp_path).drop_from(2)
     assert _steps(metrics) == [1, 2]
-    AgenticPipeline._drop_metrics_from(SimpleNamespace(metrics_path=tmp_path / "none.jsonl"), 2)  # type: ignore[arg-type]
-    assert not (tmp_path / "none.jsonl").exists()
+    (tmp_path / "empty").mkdir()
+    MetricsFile(tmp_path / "empty").drop_from(2)
+    assert not (tmp_path / "empty" / "metrics.jsonl").exists()

@@ -26,14 +26,15 @@ def test_pyproject_keeps_service_and_plot_libraries_out_of_the_core():
 def test_the_core_runs_without_the_optional_libraries(tmp_path):
     """In a fresh interpreter where importing any of them fails."""
     code = f"""
-import logging, sys, types
+import logging, sys
 for name in {OPTIONAL!r}:
     sys.modules[name] = None  # import raises ImportError
 logging.basicConfig(level=logging.INFO)
 import rollart.pipelines.agentic as agentic, rollart.reward.client, rollart.cluster.serverless
 from rollart.cli import main
-fake = types.SimpleNamespace(metrics_path={str(tmp_path / "metrics.jsonl")!r}, out_dir={str(tmp_path)!r})
-assert agentic.AgenticPipeline.plot(fake, [{{"step": 0}}]) is None
+from pathlib import Path
+from rollart.pipeline.records import MetricsFile
+assert agentic.AgenticPipeline and MetricsFile(Path({str(tmp_path)!r})).plot([{{"step": 0}}], "t") is None
 assert main(["serve", "rewards", "rollart.envs.rewards:reverse"]) == 2
 from rollart.data import DataError, load_rows
 try:

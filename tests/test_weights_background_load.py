@@ -16,7 +16,7 @@ def test_snapshots_load_in_the_background_and_the_run_ends_on_the_last_version(r
     try:
         history = pipe.run()
         served = [m["weight_version"] for m in pipe.infer.metrics().result()]
-        loader = pipe.loader
+        loader = pipe.weights.loader
     finally:
         pipe.shutdown()
     assert [h["version"] for h in history] == [1, 2, 3, 4, 5, 6]
@@ -25,7 +25,7 @@ def test_snapshots_load_in_the_background_and_the_run_ends_on_the_last_version(r
     # every load went through the background loader, in increasing order, the last one included
     assert loader is not None and loader.loads >= 1
     assert loader.loaded == sorted(loader.loaded) and loader.loaded[-1] == 6
-    assert not pipe._snapshots  # no snapshot kept once loaded
+    assert not pipe.weights.snapshots  # no snapshot kept once loaded
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert ledger["lost"] == 0 and ledger["trained_twice"] == 0 and ledger["trained"] == 6 * 2 * 4
 
@@ -37,6 +37,6 @@ def test_without_background_load_every_step_waits_for_its_load(ray_local, tmp_pa
         history = pipe.run()
     finally:
         pipe.shutdown()
-    assert pipe.loader is None
+    assert pipe.weights.loader is None
     # the load is inside the step's weight sync: the driver's wait includes the workers' load
     assert all(h["time"]["weight_sync_s"] >= h["time"]["weight_load_s"] > 0 for h in history)

@@ -461,16 +461,16 @@ def test_pipeline_runs_on_the_mooncake_channel(ray_local, tmp_path):
     cfg = small_config(tmp_path, steps=3, checkpoint_every=0, weights={"channel": "mooncake", "segment_mb": 32})
     pipe = AgenticPipeline(cfg, progress=False)
     try:
-        assert pipe.mooncake_master is not None and pipe.mooncake_master.alive()
+        assert pipe.weights.master is not None and pipe.weights.master.alive()
         history = pipe.run()
         versions = [w["weight_version"] for w in pipe.infer.metrics().result()]
     finally:
         pipe.shutdown()
-    assert pipe.mooncake_master.pid is None  # the master rollart started is stopped with the job
+    assert pipe.weights.master.pid is None  # the master rollart started is stopped with the job
     assert [h["version"] for h in history] == [1, 2, 3] and versions == [3]  # the run ends on the newest
     assert all(h["max_staleness"] <= cfg.rollout.alpha for h in read(tmp_path / "run" / "metrics.jsonl"))
     # the driver never waited for a version: each was loaded or skipped for a newer one, in order
-    loader = pipe.loader
+    loader = pipe.weights.loader
     assert loader is not None and loader.offered == [1, 2, 3] and loader.loaded[-1] == 3
     assert loader.loaded == sorted(loader.loaded) and sorted(loader.loaded + loader.skipped) == [1, 2, 3]
     # with versions in flight, no token is older than its trajectory's start version (the alpha bound's base)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -398,6 +399,34 @@ class RolloutScheduler:
                 self.counts["rounds_trained_twice"] += 1
                 log.error("round %s handed to the trainer a second time", grp.gid)
         return groups
+
+    def resume_at(self, version: int) -> None:
+        """Before :meth:`start`: serve from policy ``version`` (a resumed or restored run), with admission
+        counting the groups consumed so far as if ``version`` steps ran."""
+        self.version = version
+        self.accepted = version * self.config.batch_groups
+
+    def carry_counts(self, old: RolloutScheduler) -> None:
+        """This scheduler replaces ``old`` after a trainer restore rewound the run to this one's state:
+        the run's counters go on from ``old``'s, and what the rewind undid is counted (trajectories
+        trained again later: ``trajectories_rolled_back``; ``old``'s buffered ones: dropped), not erased."""
+        restored_trained = self.counts.get("trajectories_trained", 0)
+        counts = old.counts.copy()
+        counts["trajectories_rolled_back"] += old.counts.get("trajectories_trained", 0) - restored_trained
+        counts["trajectories_dropped"] += sum(len(g) for g in old.buffer.groups())
+        counts["trainer_restarts"] += 1
+        self.counts = counts
+
+    def audit_trained(self, trajs: list[Trajectory]) -> None:
+        """Count what must never happen to the trajectories of one training batch: an id twice in it
+        (across steps the round ledger catches a round trained twice) or a reward that is not real
+        (status not ok, an error, no reward or not a finite number)."""
+        ids = [t.traj_id for t in trajs]
+        invented = sum(
+            t.status != "ok" or bool(t.error) or t.reward is None or not math.isfinite(float(t.reward)) for t in trajs
+        )
+        self.counts["trajectories_trained_twice_in_step"] += len(ids) - len(set(ids))
+        self.counts["rewards_invented"] += invented
 
     def ledger(self) -> dict[str, int]:
         """Every trajectory started, by where it went (:func:`~rollart.rollout.ledger.trajectory_ledger`)."""

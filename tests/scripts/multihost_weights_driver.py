@@ -105,11 +105,11 @@ def main() -> int:
         if args.channel == "mooncake":
             from rollart.weights.host_cache import host_cache_stats
 
-            assert pipe.mooncake_master is not None
-            result["mooncake_master"] = pipe.mooncake_master.address
-            assert pipe.loader is not None
-            result["loaded"], result["skipped"] = pipe.loader.loaded, pipe.loader.skipped
-            result["host_caches"] = host_cache_stats(pipe.channel.name)  # type: ignore[union-attr]
+            assert pipe.weights.master is not None
+            result["mooncake_master"] = pipe.weights.master.address
+            assert pipe.weights.loader is not None
+            result["loaded"], result["skipped"] = pipe.weights.loader.loaded, pipe.weights.loader.skipped
+            result["host_caches"] = host_cache_stats(pipe.weights.channel.name)  # type: ignore[union-attr]
     finally:
         pipe.shutdown()
     print("RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,8 @@
+"""The parts a pipeline driver composes around its step loop: weight synchronisation
+(:mod:`~rollart.pipeline.weight_sync`, one object per ``weights.channel``), trainer supervision and
+recovery (:mod:`~rollart.pipeline.recovery`), checkpoints of the pipeline's own state
+(:mod:`~rollart.pipeline.checkpoints`), reward services (:mod:`~rollart.pipeline.rewards`) and the step
+records (:mod:`~rollart.pipeline.records`: ``metrics.jsonl``, ``ledger.json``, ``metrics.png``).
+
+The ready pipelines (:mod:`rollart.pipelines`, e.g. :class:`~rollart.pipelines.agentic.AgenticPipeline`)
+are built from these."""

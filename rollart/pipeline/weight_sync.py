@@ -1,0 +1,296 @@
+"""How the trainer's weights reach the inference workers: one :class:`WeightSync` per
+``weights.channel`` (:func:`weight_sync`), behind one interface.
+
+- ``ray`` (:class:`RaySync`): the trainer's snapshot goes through the Ray object store; the driver waits
+  until every worker serves it (a global pause with ``weights.pause_rollout``), or with
+  ``weights.background_load`` the next batch trains while the workers load the newest snapshot.
+- ``dist`` (:class:`DistSync`): a torch.distributed broadcast; the driver waits for every worker.
+- ``mooncake`` (:class:`MooncakeSync`): the trainer publishes to a Mooncake store in the background and
+  the driver never waits: a loader serves the newest published version on every worker, one at a time
+  (a version published while another loads is skipped if a newer one follows), each host fetching a
+  version once through its host cache. The channel is renamed after a trainer restart.
+- ``none`` (:class:`NoSync`): benchmarks only; no weights move, the version advances.
+
+Every method that touches the rollout takes the pipeline's current :class:`AsyncController` (a
+trainer restore replaces it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rollart.rollout.async_controller import AsyncController, NewestVersionLoader
+from rollart.weights.base import WeightChannel
+
+log = logging.getLogger(__name__)
+
+
+class WeightSync:
+    """The weight path of one channel. ``train`` and ``infer`` are the trainer and inference Clusters."""
+
+    kind = ""
+    channel: WeightChannel | None = None  # the handle trainer and workers share (None: no channel object)
+
+    def __init__(self, config: Any, train: Any, infer: Any):
+        self.config = config  # the pipeline config (weights:, rollout.alpha)
+        self.train, self.infer = train, infer
+        self.loader: NewestVersionLoader | None = None  # serves the newest published version in the background
+
+    async def start(self, rollout: AsyncController) -> None:
+        """Before the first step of a run."""
+
+    async def push(self, rollout: AsyncController, version: int) -> int:
+        """The trainer's current weights, before the rollout starts (a resumed or restored run): every
+        worker serves them when this returns. Returns the version they are served as."""
+        raise NotImplementedError
+
+    async def sync(self, rollout: AsyncController, version: int) -> int:
+        """Publish the trainer's weights of the step just trained and make them the serving policy (or
+        start to: see the channel). Returns the version."""
+        raise NotImplementedError
+
+    async def wait(self) -> None:
+        """Until every worker serves the newest version (a background load); re-raise its failure."""
+        if self.loader is not None:
+            await self.loader.wait()
+
+    async def stop_loading(self) -> None:
+        """No load of a published version goes on (a failed step, a dead trainer's versions)."""
+        if self.loader is not None:
+            await self.loader.cancel()
+
+    async def reset(self) -> None:
+        """After a trainer restore: what was published by the dead trainer is not loaded any more."""
+        await self.stop_loading()
+        self.loader = None
+
+    async def trainer_restarted(self) -> WeightChannel | None:
+        """A trainer restart before its weights are pushed again; returns a channel to :meth:`retire`
+        once they are served (None: nothing to retire)."""
+        return None
+
+    async def retire(self, old: WeightChannel) -> None:
+        """Stop every reader of ``old`` (see :meth:`trainer_restarted`)."""
+
+    def close(self) -> None:
+        """Release what this object started (at the pipeline's shutdown)."""
+
+
+class NoSync(WeightSync):
+    """``weights.channel: none`` (benchmarks only): the workers keep their initial weights."""
+
+    kind = "none"
+
+    def __init__(self, config: Any, train: Any, infer: Any):
+        super().__init__(config, train, infer)
+        log.warning("weights.channel=none: the inference workers keep their initial weights (benchmarks only)")
+
+    async def push(self, rollout: AsyncController, version: int) -> int:
+        return version
+
+    async def sync(self, rollout: AsyncController, version: int) -> int:
+        await rollout.scheduler.set_version(version)
+        return version
+
+
+class RaySync(WeightSync):
+    """``weights.channel: ray``: the trainer's snapshot (an ObjectRef in the Ray object store) is loaded
+    by every worker; with background loading only the newest snapshot not loaded yet is kept."""
+
+    kind = "ray"
+
+    def __init__(self, config: Any, train: Any, infer: Any):
+        super().__init__(config, train, infer)
+        mode = config.weights.background_load
+        self.background = config.rollout.alpha >= 1 if mode == "auto" else bool(mode)
+        self.snapshots: dict[int, Any] = {}  # background: the newest snapshot not loaded yet
+        self._rollout: AsyncController | None = None
+
+    async def push(self, rollout: AsyncController, version: int) -> int:
+        ref = await self.train.snapshot_weights(blocking=False)
+        await rollout.proxy.model_update(ref, version)
+        return version
+
+    async def sync(self, rollout: AsyncController, version: int) -> int:
+        ref = await self.train.snapshot_weights(blocking=False)
+        if not self.background:
+            await rollout.sync_weights(ref, version, pause=self.config.weights.pause_rollout)
+            return version
+        # the next batch trains while the workers load this snapshot; only the newest waiting one is kept
+        self.snapshots = {version: ref}
+        self._rollout = rollout
+        if self.loader is None:
+            self.loader = NewestVersionLoader(self._load, served=rollout.scheduler.version)
+        self.loader.offer(version)  # raises a failed load of an earlier version
+        return version
+
+    async def _load(self, version: int) -> None:
+        """Load the kept snapshot of ``version`` into every worker (the background loader's job)."""
+        assert self._rollout is not None
+        ref = self.snapshots.pop(version)
+        await self._rollout.sync_weights(ref, version, pause=self.config.weights.pause_rollout)
+
+    async def reset(self) -> None:
+        await super().reset()
+        self.snapshots = {}
+
+
+class ChannelSync(WeightSync):
+    """A channel the trainer publishes to and every worker fetches from itself."""
+
+    channel: WeightChannel
+
+    async def push(self, rollout: AsyncController, version: int) -> int:
+        # written before the workers load it: a failed write is this call's error, not their timeout
+        version = await self.train.publish_to(self.channel, True, blocking=False)
+        await rollout.proxy.model_update_from(self.channel, version)
+        return version
+
+
+class DistSync(ChannelSync):
+    """``weights.channel: dist``: a torch.distributed broadcast from the trainer to every worker."""
+
+    kind = "dist"
+
+    def __init__(self, config: Any, train: Any, infer: Any, name: str):
+        from rollart.weights.dist_channel import TorchBroadcastChannel
+
+        super().__init__(config, train, infer)
+        wc = config.weights
+        self.channel = TorchBroadcastChannel(
+            name, num_receivers=len(infer.workers), bucket_bytes=wc.bucket_mb << 20, timeout_s=wc.timeout_s
+        )
+
+    async def sync(self, rollout: AsyncController, version: int) -> int:
+        version = await self.train.publish_to(self.channel, not self.config.weights.async_publish, blocking=False)
+        await rollout.sync_weights(None, version, channel=self.channel)
+        return version
+
+
+class MooncakeSync(ChannelSync):
+    """``weights.channel: mooncake``: versions published to a Mooncake store and loaded in the
+    background, the newest first.
+
+    The channel's keys live under a name of this trainer incarnation (a new one after a trainer restart,
+    and after a driver restart): the keys a dead trainer published stay registered in its dead segment
+    until the master notices, and a successor that read or overwrote them (``latest``, the index, a
+    version number it publishes again) would wait on that segment."""
+
+    kind = "mooncake"
+
+    def __init__(self, config: Any, train: Any, infer: Any, name: str, out_dir: Path):
+        super().__init__(config, train, infer)
+        self.base_name, self.out_dir = name, out_dir
+        self.master: Any = None  # the Mooncake master rollart started (none given in weights.mooncake_master)
+        self.retired: list[str] = []  # the names of the channels trainer restarts replaced
+        self.channel = self._new_channel()
+
+    def _new_channel(self) -> WeightChannel:
+        from rollart.resource_manager.net import node_ip
+        from rollart.weights.host_cache import HostSharedChannel
+        from rollart.weights.mooncake_channel import MooncakeChannel
+        from rollart.weights.mooncake_master import MooncakeMaster
+
+        wc = self.config.weights
+        name = f"{self.base_name}-{uuid.uuid4().hex[:8]}"
+        master = wc.mooncake_master
+        # none given: rollart starts one (once per job) on the head host, the driver's, reachable by every host
+        if master is None and self.master is None:
+            self.master = MooncakeMaster(host=node_ip(), log_dir=self.out_dir).start()
+        if master is None:
+            master = self.master.address
+        channel = MooncakeChannel(
+            name,
+            master,
+            keep=wc.keep,
+            chunk_mb=wc.chunk_mb,
+            segment_mb=wc.segment_mb,
+            timeout_s=wc.timeout_s,
+            protocol=wc.protocol,
+            rdma_devices=wc.rdma_devices,
+        )
+        if not wc.host_shared:
+            return channel
+        return HostSharedChannel(channel, keep=wc.keep, relay=self._relay_order() if wc.relay else None)
+
+    def _relay_order(self) -> list[str]:
+        """The inference hosts' IPs in relay-tree order: the trainer's host first when it also runs
+        inference workers (its copy is local), then the others in worker order."""
+        import ray
+
+        infos = ray.get([w._rollart_info.remote() for w in self.infer.workers + self.train.workers[:1]])
+        trainer_ip = infos[-1]["node_ip"]
+        hosts = list(dict.fromkeys(i["node_ip"] for i in infos[:-1]))
+        return sorted(hosts, key=lambda ip: ip != trainer_ip)
+
+    async def start(self, rollout: AsyncController) -> None:
+        """Every host joins the store now."""
+        await self._start_host_caches()
+        await self.infer.warm_channel(self.channel)
+
+    async def _start_host_caches(self) -> None:
+        """The driver makes each inference host's weight cache, so a cache (and the relay copy its
+        children read) outlives the death of the worker on its host."""
+        from rollart.weights.host_cache import HostSharedChannel
+
+        if isinstance(self.channel, HostSharedChannel):
+            infos = await asyncio.gather(
+                *[w._rollart_info.remote() for w in self.infer.workers], return_exceptions=True
+            )
+            # a worker down now (restarting, its host lost) is skipped: its host's first reader makes that cache
+            nodes = [i["node_id"] for i in infos if isinstance(i, dict)]
+            await asyncio.to_thread(self.channel.start_caches, nodes)
+
+    async def sync(self, rollout: AsyncController, version: int) -> int:
+        """The driver does not wait: the loader serves the newest version."""
+        if self.loader is None:
+            channel = self.channel
+            self.loader = NewestVersionLoader(
+                lambda v: rollout.sync_weights(None, v, channel=channel), served=rollout.scheduler.version
+            )
+        version = await self.train.publish_to(self.channel, not self.config.weights.async_publish, blocking=False)
+        self.loader.offer(version)  # raises a failed load of an earlier version
+        return version
+
+    async def trainer_restarted(self) -> WeightChannel | None:
+        """A channel under a new name and its host caches; the old one is returned, to be retired once
+        the recovery version is served from the new one."""
+        old, self.channel = self.channel, self._new_channel()
+        assert old is not None
+        self.retired.append(old.name)
+        log.info("weights: trainer restarted; channel %s replaces %s", self.channel.name, old.name)
+        await self._start_host_caches()
+        return old
+
+    async def retire(self, old: WeightChannel) -> None:
+        """Every reader stops reading the old channel (a load of the dead trainer's last version, which
+        may never come, fails now instead of after ``weights.timeout_s``), then its host caches are
+        retired (their memory and relay copies go). After the new version is served: a worker whose
+        restart was loading the old version then loads the new one."""
+        from rollart.weights.host_cache import HostSharedChannel
+
+        if isinstance(old, HostSharedChannel):
+            await self.infer.retire_channel(old.name)  # first: no reader makes a new cache of the old one
+            await asyncio.to_thread(old.close_caches)
+
+    def close(self) -> None:
+        if self.master is not None:
+            self.master.stop()
+
+
+def weight_sync(config: Any, train: Any, infer: Any, *, job_id: str, out_dir: Path) -> WeightSync:
+    """The :class:`WeightSync` of ``config.weights.channel`` for the trainer Cluster ``train`` and the
+    inference Cluster ``infer`` of job ``job_id`` (channel names start with it)."""
+    channel = config.weights.channel
+    name = f"{job_id}-actor"
+    if channel == "mooncake":
+        return MooncakeSync(config, train, infer, name, out_dir)
+    if channel == "dist":
+        return DistSync(config, train, infer, name)
+    if channel == "none":
+        return NoSync(config, train, infer)
+    return RaySync(config, train, infer)
