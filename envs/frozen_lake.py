@@ -21,8 +21,8 @@ import random
 from collections import deque
 from typing import Any, ClassVar
 
-from rollart.envs.actions import parse_direction
-from rollart.envs.base import EnvError, StepResult, TextEnv, check_positive, register_env
+from rollart.envs.actions import DirectionGame
+from rollart.envs.base import StepResult, check_positive, register_env
 
 MOVES = {"L": (0, -1), "D": (1, 0), "R": (0, 1), "U": (-1, 0)}
 WORDS = {"L": "Left", "D": "Down", "R": "Right", "U": "Up"}
@@ -70,7 +70,9 @@ def generate_map(size: int, hole_prob: float, rng: random.Random) -> list[list[s
 
 
 @register_env("frozen_lake")
-class FrozenLake(TextEnv):
+class FrozenLake(DirectionGame):
+    name: ClassVar[str] = "frozen_lake"
+    prompt: ClassVar[str] = "move:"
     tag: ClassVar[str] = "FrozenLake"
     instructions: ClassVar[str] = (
         "FrozenLake: you are P on a grid. Reach G; a hole H ends the game; F is safe ice. "
@@ -119,20 +121,9 @@ class FrozenLake(TextEnv):
         return (self.format_prompt(obs) if self.with_instructions else obs), {"solution": solvable(self.grid)}
 
     def step(self, action: str) -> StepResult:
-        if self.done:
-            raise EnvError("frozen_lake: step() after the episode ended; call reset() first")
-        self.steps += 1
-        truncated = self.steps >= self.max_steps
-        a = parse_direction(action)
+        a, truncated = self.take_turn(action)
         if a is None:
-            self.done = truncated
-            return (
-                self.render() + "invalid action; move:",
-                -self.format_penalty,
-                False,
-                truncated,
-                {"valid": False, "steps": self.steps},
-            )
+            return self.unreadable(truncated)
         intended = a
         if self.slippery:
             a = self.rng.choice([a, _SIDES[a][0], _SIDES[a][1]])

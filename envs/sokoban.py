@@ -23,8 +23,8 @@ import random
 from collections import deque
 from typing import Any, ClassVar
 
-from rollart.envs.actions import parse_direction
-from rollart.envs.base import EnvError, StepResult, TextEnv, check_positive, register_env
+from rollart.envs.actions import DirectionGame
+from rollart.envs.base import StepResult, check_positive, register_env
 
 Cell = tuple[int, int]
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
@@ -88,7 +88,9 @@ def _connected(cells: set[Cell]) -> bool:
 
 
 @register_env("sokoban")
-class Sokoban(TextEnv):
+class Sokoban(DirectionGame):
+    name: ClassVar[str] = "sokoban"
+    prompt: ClassVar[str] = "push:"
     tag: ClassVar[str] = "Sokoban"
     instructions: ClassVar[str] = (
         "Sokoban: you are P. Push every box X onto a target O (a box on a target is √); # is a wall, _ is "
@@ -228,20 +230,9 @@ class Sokoban(TextEnv):
         }
 
     def step(self, action: str) -> StepResult:
-        if self.done:
-            raise EnvError("sokoban: step() after the episode ended; call reset() first")
-        self.steps += 1
-        truncated = self.steps >= self.max_steps
-        a = parse_direction(action)
+        a, truncated = self.take_turn(action)
         if a is None:
-            self.done = truncated
-            return (
-                self.render() + "invalid action; push:",
-                -self.format_penalty,
-                False,
-                truncated,
-                {"valid": False, "steps": self.steps},
-            )
+            return self.unreadable(truncated)
         before = len(self.boxes & self.targets)
         moved = push(self.walls, self.boxes, self.player, a)
         if moved is not None:

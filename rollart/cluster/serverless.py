@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import logging
 import os
 import random
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import httpx
@@ -167,6 +169,42 @@ class _Attempts:
         return ServerlessRetriesExhausted(self.url, self.error, self.status, self.sent)
 
 
+def _retry_loop(
+    url: str, retry: RetryPolicy
+) -> Generator[float | None, httpx.Response | httpx.TransportError | None, Any]:
+    """The retry loop of both call forms, without I/O. It yields ``None`` for an attempt (send back the
+    answer, or the transport error: connection refused or reset, a timeout) and a number of seconds to
+    wait before the next one (send back ``None``); it returns the decoded result, and raises a client
+    error at once and :class:`ServerlessRetriesExhausted` when no attempt is left."""
+    state = _Attempts(url, retry)
+    while True:
+        outcome = yield None
+        if isinstance(outcome, httpx.TransportError):
+            state.transport_error(outcome)
+        elif outcome is not None:
+            done, value = state.answer(outcome)
+            if done:
+                return value
+        delay = state.wait()
+        if delay is None:
+            raise state.exhausted()
+        yield delay
+
+
+def _outcome(post: Callable[[], httpx.Response]) -> httpx.Response | httpx.TransportError:
+    try:
+        return post()
+    except httpx.TransportError as err:
+        return err
+
+
+async def _aoutcome(post: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response | httpx.TransportError:
+    try:
+        return await post()
+    except httpx.TransportError as err:
+        return err
+
+
 def call_serverless(
     url: str,
     payload: dict[str, Any],
@@ -185,23 +223,21 @@ def call_serverless(
     if token:
         headers["Authorization"] = f"Bearer {token}"
     http = client or httpx.Client(timeout=timeout_s)
-    state = _Attempts(url, retry)
+    loop = _retry_loop(url, retry)
+    post = functools.partial(http.post, url, json=payload, headers=headers, timeout=timeout_s)
     try:
-        while True:
-            try:
-                done, value = state.answer(http.post(url, json=payload, headers=headers, timeout=timeout_s))
-                if done:
-                    return value
-            except httpx.TransportError as err:
-                state.transport_error(err)
-            delay = state.wait()
-            if delay is None:
-                break
-            time.sleep(delay)
+        step = next(loop)
+        while True:  # the loop yields None for an attempt, else the seconds to wait
+            if step is None:
+                step = loop.send(_outcome(post))
+            else:
+                time.sleep(step)
+                step = loop.send(None)
+    except StopIteration as done:
+        return done.value
     finally:
         if client is None:
             http.close()
-    raise state.exhausted()
 
 
 async def acall_serverless(
@@ -218,21 +254,18 @@ async def acall_serverless(
     """The asyncio form of :func:`call_serverless`."""
     headers = _headers(token_env, tenant, idempotency_key or uuid.uuid4().hex)
     http = client or httpx.AsyncClient(timeout=timeout_s)
-    state = _Attempts(url, retry)
+    loop = _retry_loop(url, retry)
+    post = functools.partial(http.post, url, json=payload, headers=headers, timeout=timeout_s)
     try:
-        while True:
-            try:
-                resp = await http.post(url, json=payload, headers=headers, timeout=timeout_s)
-                done, value = state.answer(resp)
-                if done:
-                    return value
-            except httpx.TransportError as err:
-                state.transport_error(err)
-            delay = state.wait()
-            if delay is None:
-                break
-            await asyncio.sleep(delay)
+        step = next(loop)
+        while True:  # the loop yields None for an attempt, else the seconds to wait
+            if step is None:
+                step = loop.send(await _aoutcome(post))
+            else:
+                await asyncio.sleep(step)
+                step = loop.send(None)
+    except StopIteration as done:
+        return done.value
     finally:
         if client is None:
             await http.aclose()
-    raise state.exhausted()

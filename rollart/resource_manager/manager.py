@@ -77,17 +77,18 @@ class ResourceManager:
         self.specs: dict[str, PoolSpec] = parse_pools(pools)
         self.job_id = ensure_ray(local_resources, job_id, asked=self._resources_asked())
         self.store = store if isinstance(store, MetadataStore) else MetadataStore(store)
-        if self.store.registry is None:  # every host and driver of the Ray cluster sees this job
-            from rollart.resource_manager.registry import ClusterRegistry
+        from rollart.resource_manager.registry import ClusterRegistry
 
+        if self.store.registry is None:  # every host and driver of the Ray cluster sees this job
             self.store.registry = ClusterRegistry()
+        registry = self.store.registry
         self.admission = admission if admission is not None else Admission.from_env()
         if self.admission is not None:
             users: dict[str, list[str]] = {}
             for s in self.specs.values():
                 for g in s.groups:
                     users.setdefault(g.hardware, []).append(s.name)
-            wait_for_admission(self.store.registry, self.job_id, self._resources_asked(), users, self.admission)
+            wait_for_admission(registry, self.job_id, self._resources_asked(), users, self.admission)
         self.groups: dict[str, list[ReservedGroup]] = {}
         self.bindings: dict[str, PoolBinding] = {}
         try:
@@ -95,8 +96,8 @@ class ResourceManager:
             self._validate()
             self._reserve(ready_timeout_s)
         except BaseException:
-            if self.admission is not None:  # give the admitted share back to the queue at once
-                self.store.registry.end_job(self.job_id, state="failed")
+            if self.admission is not None and isinstance(registry, ClusterRegistry):  # give the share back at once
+                registry.end_job(self.job_id, state="failed")
             raise
 
     # ------------------------------------------------------------------ validation

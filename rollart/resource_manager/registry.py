@@ -23,6 +23,8 @@ import os
 import time
 from typing import Any
 
+from rollart.resource_manager.records import JobRecords
+
 log = logging.getLogger(__name__)
 
 NAMESPACE = "rollart"
@@ -43,7 +45,7 @@ def _ray_job_id() -> str | None:
     return ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
 
 
-class ClusterRegistry:
+class ClusterRegistry(JobRecords):
     """Typed access to the registry of the Ray cluster this process is connected to."""
 
     def __init__(self, namespace: str = NAMESPACE):

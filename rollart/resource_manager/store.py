@@ -16,10 +16,12 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from rollart.resource_manager.records import JobRecords
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +56,10 @@ def default_store_path() -> Path:
     return Path(env) if env else Path.home() / ".rollart" / "metadata.sqlite"
 
 
-class MetadataStore:
+class MetadataStore(JobRecords):
     """Thin, typed access to the SQLite file. Every method opens its own short transaction."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, registry: Any = None):
+    def __init__(self, path: str | os.PathLike[str] | None = None, registry: JobRecords | None = None):
         self.path = Path(path) if path is not None else default_store_path()
         self.registry = registry  # a ClusterRegistry mirror, or None
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,14 +80,15 @@ class MetadataStore:
         finally:
             db.close()
 
-    def _mirror(self, method: str, *args: Any, **kwargs: Any) -> None:
-        """Repeat a write in the cluster registry; a failure there is logged (the local row is kept)."""
+    def _mirror(self, what: str, write: Callable[[JobRecords], None]) -> None:
+        """Repeat a write (``what``) in the cluster registry; a failure there is logged (the local row is
+        kept)."""
         if self.registry is None:
             return
         try:
-            getattr(self.registry, method)(*args, **kwargs)
+            write(self.registry)
         except Exception as err:
-            log.warning("cluster registry: %s failed (%s); other hosts will not see this change", method, err)
+            log.warning("cluster registry: %s failed (%s); other hosts will not see this change", what, err)
 
     # writes ---------------------------------------------------------------------------------------
     def record_job(self, job_id: str, ray_address: str | None) -> None:
@@ -96,7 +99,7 @@ class MetadataStore:
                 "driver_pid=excluded.driver_pid, started_at=excluded.started_at, ended_at=NULL",
                 (job_id, ray_address, os.getpid(), time.time()),
             )
-        self._mirror("record_job", job_id, ray_address)
+        self._mirror("record_job", lambda r: r.record_job(job_id, ray_address))
         self.start_run(job_id)
 
     def start_run(self, job_id: str) -> int:
@@ -131,7 +134,7 @@ class MetadataStore:
             db.execute("UPDATE jobs SET ended_at=? WHERE job_id=?", (time.time(), job_id))
             db.execute("UPDATE pools SET state='released', updated_at=? WHERE job_id=?", (time.time(), job_id))
             db.execute("UPDATE bindings SET state='stopped', updated_at=? WHERE job_id=?", (time.time(), job_id))
-        self._mirror("end_job", job_id)
+        self._mirror("end_job", lambda r: r.end_job(job_id))
 
     def record_pool(
         self,
@@ -149,7 +152,10 @@ class MetadataStore:
                 "INSERT OR REPLACE INTO pools VALUES (?,?,?,?,?,?,?,?,?)",
                 (job_id, pool, group_index, hardware, devices, cpus, placement_group, state, time.time()),
             )
-        self._mirror("record_pool", job_id, pool, group_index, hardware, devices, cpus, placement_group, state)
+        self._mirror(
+            "record_pool",
+            lambda r: r.record_pool(job_id, pool, group_index, hardware, devices, cpus, placement_group, state),
+        )
 
     def record_binding(
         self,
@@ -187,17 +193,19 @@ class MetadataStore:
             )
         self._mirror(
             "record_binding",
-            job_id,
-            cluster,
-            rank,
-            pool,
-            hardware,
-            node_id,
-            device_ids,
-            actor_name,
-            state,
-            node_ip=node_ip,
-            slot_ids=list(slot_ids or []),
+            lambda r: r.record_binding(
+                job_id,
+                cluster,
+                rank,
+                pool,
+                hardware,
+                node_id,
+                device_ids,
+                actor_name,
+                state,
+                node_ip=node_ip,
+                slot_ids=list(slot_ids or []),
+            ),
         )
 
     def set_binding_state(self, job_id: str, cluster: str, rank: int, state: str) -> None:
@@ -206,7 +214,7 @@ class MetadataStore:
                 "UPDATE bindings SET state=?, updated_at=? WHERE job_id=? AND cluster=? AND rank=?",
                 (state, time.time(), job_id, cluster, rank),
             )
-        self._mirror("set_binding_state", job_id, cluster, rank, state)
+        self._mirror("set_binding_state", lambda r: r.set_binding_state(job_id, cluster, rank, state))
 
     def record_endpoint(self, job_id: str, cluster: str, method: str, url: str, timeout_s: float, retries: int) -> None:
         with self._conn() as db:
@@ -214,7 +222,7 @@ class MetadataStore:
                 "INSERT OR REPLACE INTO endpoints VALUES (?,?,?,?,?,?,?)",
                 (job_id, cluster, method, url, timeout_s, retries, time.time()),
             )
-        self._mirror("record_endpoint", job_id, cluster, method, url, timeout_s, retries)
+        self._mirror("record_endpoint", lambda r: r.record_endpoint(job_id, cluster, method, url, timeout_s, retries))
 
     # reads ----------------------------------------------------------------------------------------
     def _select(self, table: str, job_id: str | None) -> list[dict[str, Any]]:

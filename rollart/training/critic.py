@@ -63,7 +63,7 @@ from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
     DP_SPLIT_EVERY_RANK,
     DataParallelRank,
-    join_data_parallel,
+    DataParallelTraining,
     model_path,
 )
 
@@ -109,36 +109,14 @@ class CriticWorker(DataParallelRank, Worker):
                     self.frozen_params += p.numel()
             if not self.frozen_tensors:
                 raise ValueError(f"freeze_attention: no parameter of {path} has 'self_attn' in its name")
-        self.model: torch.nn.Module = self.module
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.module.parameters() if p.requires_grad], lr=self.config.lr, weight_decay=0.0
+        self.training = DataParallelTraining(
+            self.module, device=self.device, lr=self.config.lr, warmup_steps=self.config.warmup_steps
         )
-        warm = self.config.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
-        )
-        self.distributed = False
         self.steps = 0
 
     def value(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` value of each position under the current weights (with grad)."""
         return self.model(input_ids, attention_mask)
-
-    # ------------------------------------------------------------------ set-up
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def setup_distributed(self, master_addr: str, master_port: int) -> str:
-        """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the value model in DDP."""
-        self.model, backend = join_data_parallel(
-            self.module,
-            rank=self.rank,
-            world_size=self.world_size,
-            backend=self.config.backend,
-            device=self.device,
-            master_addr=master_addr,
-            master_port=master_port,
-        )
-        self.distributed = backend != "single"
-        return backend
 
     def _tensors(self, batch: Batch, idx: list[int], with_targets: bool) -> dict[str, torch.Tensor]:
         ids = [batch[C.INPUT_IDS][i] for i in idx]
@@ -166,6 +144,36 @@ class CriticWorker(DataParallelRank, Worker):
                     out[i] = v[row, : lengths[i]].tolist()
         return out  # type: ignore[return-value]
 
+    def _value_backward(self, mb: dict[str, torch.Tensor], total: float, scale_world: int, acc: list[float]) -> None:
+        """The value loss of one micro-batch, backward (weighted by its share of the ``total`` action
+        tokens of the step); its sums (loss, clipped, n, R, R^2, R-V, (R-V)^2 over the action tokens) are
+        added to ``acc``."""
+        from rollart.algorithms import value_loss
+
+        cfg = self.config
+        values = self.value(mb[C.INPUT_IDS], mb[C.ATTENTION_MASK])
+        mask, old, ret = mb[C.LOSS_MASK], mb[C.VALUES], mb[C.RETURNS]
+        n = float(mask.sum())
+        loss = value_loss(values, old, ret, mask, clip=cfg.value_clip)
+        (loss * (n / max(total, 1.0)) * scale_world).backward()
+        with torch.no_grad():
+            v = values.detach()
+            clipped = 0.0
+            if cfg.value_clip is not None:
+                vc = old + (v - old).clamp(-cfg.value_clip, cfg.value_clip)
+                clipped = float((((vc - ret) ** 2 > (v - ret) ** 2).float() * mask).sum())
+            err = ret - v
+            sums = [
+                float(loss) * n,
+                clipped,
+                n,
+                float((ret * mask).sum()),
+                float((ret**2 * mask).sum()),
+                float((err * mask).sum()),
+                float((err**2 * mask).sum()),
+            ]
+            acc[:] = [a + b for a, b in zip(acc, sums)]
+
     @register(dispatch=DP_SPLIT_EVERY_RANK)
     def train_step(self, batch: Batch) -> dict[str, float] | None:
         """K (``epochs``) value updates on this rank's share of ``batch`` (``input_ids``, ``loss_mask``,
@@ -173,8 +181,6 @@ class CriticWorker(DataParallelRank, Worker):
         ``value_loss``, ``value_clipfrac`` and ``explained_variance`` are measured before each update and
         averaged over the K passes; ``value_loss_first`` / ``value_loss_last`` are the first and last.
         An empty share returns ``None`` but still takes part in every collective of the step."""
-        from rollart.algorithms import value_loss
-
         cfg = self.config
         if len(batch):
             C.require(batch, C.INPUT_IDS, C.LOSS_MASK, C.VALUES, C.RETURNS, who="CriticWorker.train_step")
@@ -194,28 +200,7 @@ class CriticWorker(DataParallelRank, Worker):
         acc = [0.0] * 7
 
         def backward(mb: dict[str, torch.Tensor]) -> None:
-            values = self.value(mb[C.INPUT_IDS], mb[C.ATTENTION_MASK])
-            mask, old, ret = mb[C.LOSS_MASK], mb[C.VALUES], mb[C.RETURNS]
-            n = float(mask.sum())
-            loss = value_loss(values, old, ret, mask, clip=cfg.value_clip)
-            (loss * (n / max(total, 1.0)) * scale_world).backward()
-            with torch.no_grad():
-                v = values.detach()
-                clipped = 0.0
-                if cfg.value_clip is not None:
-                    vc = old + (v - old).clamp(-cfg.value_clip, cfg.value_clip)
-                    clipped = float((((vc - ret) ** 2 > (v - ret) ** 2).float() * mask).sum())
-                err = ret - v
-                sums = [
-                    float(loss) * n,
-                    clipped,
-                    n,
-                    float((ret * mask).sum()),
-                    float((ret**2 * mask).sum()),
-                    float((err * mask).sum()),
-                    float((err**2 * mask).sum()),
-                ]
-                acc[:] = [a + b for a, b in zip(acc, sums)]
+            self._value_backward(mb, total, scale_world, acc)
 
         for _ in range(cfg.epochs):
             acc[:] = [0.0] * 7

@@ -74,7 +74,7 @@ from rollart.decorators.register import register
 from rollart.decorators.specs import Dispatch
 from rollart.training.config import TrainConfig
 from rollart.training.megatron_weights import _cfg, _ignored, _shape, hf_to_megatron, load_hf_state_dict, megatron_to_hf
-from rollart.training.placement import init_process_group, model_path, wrap_ddp
+from rollart.training.placement import DataParallelTraining, init_process_group, model_path, wrap_ddp
 from rollart.training.torch_strategy import TorchTrainWorker
 
 __all__ = [
@@ -307,7 +307,7 @@ class MegatronTrainWorker(TorchTrainWorker):
         self._module: GPTCausalLM | None = None
         self.prefix_sharing = False  # the shared-prefix passes need a Hugging Face KV cache (torch strategy)
         self.version = 0
-        self.distributed = False
+        self.training: DataParallelTraining | None = None  # made with the model (see _build)
         self.backend = cfg.backend if cfg.backend != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
         if self.world_size == 1:
             init_megatron_parallel(backend=self.backend)
@@ -334,6 +334,10 @@ class MegatronTrainWorker(TorchTrainWorker):
         return self._module
 
     @property
+    def distributed(self) -> bool:
+        return self.training is not None and self.training.distributed
+
+    @property
     def forward_module(self) -> torch.nn.Module:
         """What the local (non-DDP) passes call: the model itself (no shared-prefix forward here)."""
         return self.module
@@ -356,12 +360,13 @@ class MegatronTrainWorker(TorchTrainWorker):
         self._module.train()
         self._model = self._module
         cfg = self.config
-        self.optimizer = torch.optim.AdamW(
-            self._module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas
-        )
-        warm = cfg.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
+        self.training = DataParallelTraining(
+            self._module,
+            device=self.device,
+            lr=cfg.lr,
+            warmup_steps=cfg.warmup_steps,
+            weight_decay=cfg.weight_decay,
+            betas=cfg.betas,
         )
 
     # ------------------------------------------------------------------ set-up
@@ -381,7 +386,8 @@ class MegatronTrainWorker(TorchTrainWorker):
         )
         self._build()
         self._model = wrap_ddp(self._module)
-        self.distributed = True
+        assert self.training is not None
+        self.training.wrapped(self._model)
         return self.backend
 
     # ------------------------------------------------------------------ weights in Hugging Face names

@@ -80,14 +80,101 @@ def init_process_group(backend: str, *, rank: int, world_size: int, master_addr:
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size)
 
 
+def linear_warmup(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate rises linearly over the first ``steps`` optimizer steps (none for 0), then stays."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0)
+
+
+class DataParallelTraining:
+    """What one data-parallel rank trains with (the actor's strategies and the critic compose it):
+    ``forward_module``, the module its local passes call; ``model``, what its training passes call (that
+    module, or its DDP wrapper once :meth:`join` put the rank in a group of more than one); AdamW over
+    the trainable parameters with a linear learning-rate warm-up; ``distributed``."""
+
+    def __init__(
+        self,
+        forward_module: torch.nn.Module,
+        *,
+        device: torch.device,
+        lr: float,
+        warmup_steps: int,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+    ):
+        self.forward_module = forward_module
+        self.model: torch.nn.Module = forward_module
+        self.device = device
+        self.optimizer = torch.optim.AdamW(
+            [p for p in forward_module.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas
+        )
+        self.scheduler = linear_warmup(self.optimizer, warmup_steps)
+        self.distributed = False
+
+    def join(self, *, rank: int, world_size: int, backend: str, master_addr: str, master_port: int) -> str:
+        """Join the data-parallel group (gloo on CPU, NCCL on GPU; ``backend="auto"`` picks) and train
+        through DDP; returns the backend (``"single"`` for one rank)."""
+        self.model, backend = join_data_parallel(
+            self.forward_module,
+            rank=rank,
+            world_size=world_size,
+            backend=backend,
+            device=self.device,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+        self.distributed = backend != "single"
+        return backend
+
+    def wrapped(self, model: torch.nn.Module) -> None:
+        """Train through ``model``, a DDP wrapper made elsewhere (megatron joins its own groups)."""
+        self.model = model
+        self.distributed = True
+
+
 class DataParallelRank:
-    """Mixin of the data-parallel workers (actor, critic, megatron): rank 0 names the rendezvous."""
+    """Mixin of the data-parallel workers (actor, critic, megatron): rank 0 names the rendezvous, every
+    rank joins with ``setup_distributed``, and the worker's ``model``, ``optimizer``, ``scheduler`` and
+    ``distributed`` are those of its :class:`DataParallelTraining` (``self.training``, made in its
+    ``__init__``; ``self.config.backend`` names the backend)."""
+
+    training: DataParallelTraining
+    config: Any
+    rank: int
+    world_size: int
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0's node IP and a port free there: where every rank's ``setup_distributed`` meets."""
         ip = node_ip()
         return ip, free_port(ip)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def setup_distributed(self, master_addr: str, master_port: int) -> str:
+        """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the model in DDP."""
+        return self.training.join(
+            rank=self.rank,
+            world_size=self.world_size,
+            backend=self.config.backend,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """What the training passes call (DDP once joined)."""
+        return self.training.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.training.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        return self.training.scheduler
+
+    @property
+    def distributed(self) -> bool:
+        return self.training.distributed
 
 
 def start_data_parallel(cluster: Any) -> list[str]:

@@ -29,7 +29,7 @@ from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
     DP_SPLIT_EVERY_RANK,
     DataParallelRank,
-    join_data_parallel,
+    DataParallelTraining,
     model_path,
 )
 from rollart.training.shared_prefix import (
@@ -117,41 +117,21 @@ class TorchTrainWorker(DataParallelRank, Worker):
         self.prefix_sharing = self.config.prefix_sharing and not self.config.gradient_checkpointing
         # what the training passes call (and what DDP wraps): the model, or the shared-prefix forward around it
         self.forward_module: torch.nn.Module = SharedPrefixForward(self.module) if self.prefix_sharing else self.module
-        self.model = self.forward_module
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
+        self.training = DataParallelTraining(
+            self.forward_module,
+            device=self.device,
             lr=self.config.lr,
+            warmup_steps=self.config.warmup_steps,
             weight_decay=self.config.weight_decay,
             betas=self.config.betas,
         )
-        warm = self.config.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
-        )
         self.version = 0
-        self.distributed = False
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """bf16 autocast around the forward passes when ``train.dtype: bf16`` (weights stay fp32)."""
         if self.config.dtype == "bf16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
-
-    # ------------------------------------------------------------------ set-up
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def setup_distributed(self, master_addr: str, master_port: int) -> str:
-        """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the model in DDP."""
-        self.model, backend = join_data_parallel(
-            self.forward_module,
-            rank=self.rank,
-            world_size=self.world_size,
-            backend=self.config.backend,
-            device=self.device,
-            master_addr=master_addr,
-            master_port=master_port,
-        )
-        self.distributed = backend != "single"
-        return backend
 
     # ------------------------------------------------------------------ training
     def _microbatch_tensors(
@@ -187,12 +167,73 @@ class TorchTrainWorker(DataParallelRank, Worker):
             return True
         return cfg.ppo_epochs > 1 and (loss_uses_proximal(cfg.loss) or cfg.tis_cap is not None)
 
+    def _share(self, batch: Batch, lengths: list[int]) -> Any:
+        """This rank's micro-batches of ``batch`` (the shared-prefix layout when prefix sharing is on)."""
+        cfg = self.config
+        plans, prefix_lens = None, None
+        if self.prefix_sharing and lengths:
+            prefix_lens = [prefix_length(m, n) for m, n in zip(batch[C.LOSS_MASK], lengths)]
+            plans = plan_shared_microbatches(batch[C.INPUT_IDS], prefix_lens, cfg.max_tokens_per_microbatch)
+        return plan_share(
+            lengths,
+            cfg.max_tokens_per_microbatch,
+            lambda idx: self._microbatch_tensors(batch, idx, prefix_lens),
+            self.distributed,
+            plans,
+        )
+
+    def _recompute_proximal(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
+        """pi_old of every micro-batch: the policy before this update (local forwards, no grad)."""
+        with torch.no_grad(), self.autocast():
+            for mb in microbatches:
+                mb[C.PROXIMAL_LOGPROBS] = self._logprobs(self.forward_module, mb)
+
+    def _proximal(self, mb: dict[str, torch.Tensor], logp: torch.Tensor, recomputed: bool) -> torch.Tensor | None:
+        """pi_old of a micro-batch: recomputed before the update, or with one PPO epoch the current
+        log-probs detached (no update happened yet in this step), else None (the loss never reads it)."""
+        if recomputed:
+            return mb[C.PROXIMAL_LOGPROBS]
+        if self.config.ppo_epochs == 1:
+            return logp.detach()
+        return None
+
+    def _loss(
+        self, mb: dict[str, torch.Tensor], logp: torch.Tensor, entropy: torch.Tensor, proximal: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The loss of one micro-batch: ``train.loss`` (with its parameters, ``tis_cap`` and ``loss_agg``),
+        minus the entropy bonus, plus the KL penalty to the reference; and its metrics."""
+        from rollart.algorithms import kl_penalty, policy_loss
+
+        cfg = self.config
+        mask = mb[C.LOSS_MASK]
+        kwargs: dict[str, Any] = dict(cfg.loss_params)
+        if cfg.tis_cap is not None:
+            kwargs["tis_cap"] = cfg.tis_cap
+        loss, m = policy_loss(
+            cfg.loss,
+            logp,
+            mb[C.ADVANTAGES],
+            mask,
+            proximal_logprobs=proximal,
+            behaviour_logprobs=mb[C.BEHAVIOUR_LOGPROBS],
+            agg=cfg.loss_agg,
+            **kwargs,
+        )
+        mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        m["entropy"] = float(mean_entropy.detach())
+        if cfg.entropy_coef > 0:  # an entropy bonus keeps exploring positions not yet solved
+            loss = loss - cfg.entropy_coef * mean_entropy
+        if cfg.kl_coef > 0 and C.REF_LOGPROBS in mb:
+            kl = kl_penalty(logp, mb[C.REF_LOGPROBS], kind=cfg.kl_kind)
+            mean_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
+            m["kl_ref"] = float(mean_kl.detach())
+            loss = loss + cfg.kl_coef * mean_kl
+        return loss, m
+
     @register(dispatch=DP_SPLIT_EVERY_RANK)
     def train_step(self, batch: Batch) -> dict[str, float] | None:
         """One policy update on this rank's share; returns this rank's metrics (``None`` for an empty
         share, which still takes part in the step's collectives: see ``rollart.training.placement``)."""
-        from rollart.algorithms import kl_penalty, policy_loss
-
         cfg = self.config
         if len(batch):
             C.require(batch, C.INPUT_IDS, C.LOSS_MASK, C.BEHAVIOUR_LOGPROBS, C.ADVANTAGES, who="train_step")
@@ -201,23 +242,11 @@ class TorchTrainWorker(DataParallelRank, Worker):
         tokens = float(sum(sum(m) for m in batch[C.LOSS_MASK])) if lengths else 0.0
         local = float(len(lengths)) if seq_level else tokens
         total = global_sum([local], self.distributed)[0]
-        plans, prefix_lens = None, None
-        if self.prefix_sharing and lengths:
-            prefix_lens = [prefix_length(m, n) for m, n in zip(batch[C.LOSS_MASK], lengths)]
-            plans = plan_shared_microbatches(batch[C.INPUT_IDS], prefix_lens, cfg.max_tokens_per_microbatch)
-        share = plan_share(
-            lengths,
-            cfg.max_tokens_per_microbatch,
-            lambda idx: self._microbatch_tensors(batch, idx, prefix_lens),
-            self.distributed,
-            plans,
-        )
+        share = self._share(batch, lengths)
         scale_world = self.world_size if self.distributed else 1
         recomputed = self.needs_proximal_pass()
         if recomputed:
-            with torch.no_grad(), self.autocast():  # the policy before this update: pi_old (local forwards)
-                for mb in share.microbatches:
-                    mb[C.PROXIMAL_LOGPROBS] = self._logprobs(self.forward_module, mb)
+            self._recompute_proximal(share.microbatches)
         metrics: dict[str, float] = {}
         n_metric = 0
         # |pi_old - mu| over the action tokens: how far the engine that sampled is from the trainer (~0)
@@ -232,40 +261,14 @@ class TorchTrainWorker(DataParallelRank, Worker):
             with self.autocast():
                 logp, entropy = self._logprobs(self.model, mb, with_entropy=True)
             mask, behaviour = mb[C.LOSS_MASK], mb[C.BEHAVIOUR_LOGPROBS]
-            if recomputed:
-                proximal: torch.Tensor | None = mb[C.PROXIMAL_LOGPROBS]
-            elif cfg.ppo_epochs == 1:
-                proximal = logp.detach()  # no update happened yet in this step: this is pi_old
-            else:
-                proximal = None  # the loss never reads pi_old (see needs_proximal_pass)
+            proximal = self._proximal(mb, logp, recomputed)
             if epoch == 0:
                 old = logp.detach() if proximal is None else proximal
                 drift[0] += float(((old - behaviour).abs() * mask).sum())
                 drift[1] += float(mask.sum())
-            kwargs: dict[str, Any] = dict(cfg.loss_params)
-            if cfg.tis_cap is not None:
-                kwargs["tis_cap"] = cfg.tis_cap
-            loss, m = policy_loss(
-                cfg.loss,
-                logp,
-                mb[C.ADVANTAGES],
-                mask,
-                proximal_logprobs=proximal,
-                behaviour_logprobs=behaviour,
-                agg=cfg.loss_agg,
-                **kwargs,
-            )
-            mean_entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
-            m["entropy"] = float(mean_entropy.detach())
+            loss, m = self._loss(mb, logp, entropy, proximal)
             if epoch == 0:
                 _entropy_by_position(entropy.detach(), mask, pos_sum, pos_count)
-            if cfg.entropy_coef > 0:  # an entropy bonus keeps exploring positions not yet solved
-                loss = loss - cfg.entropy_coef * mean_entropy
-            if cfg.kl_coef > 0 and C.REF_LOGPROBS in mb:
-                kl = kl_penalty(logp, mb[C.REF_LOGPROBS], kind=cfg.kl_kind)
-                mean_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
-                m["kl_ref"] = float(mean_kl.detach())
-                loss = loss + cfg.kl_coef * mean_kl
             weight = (mb[C.INPUT_IDS].shape[0] if seq_level else float(mask.sum())) / max(total, 1.0)
             (loss * weight * scale_world).backward()
             for k, v in m.items():
@@ -302,9 +305,9 @@ class TorchTrainWorker(DataParallelRank, Worker):
                 "proximal_recomputed": float(recomputed),
             }
         )
-        for k in range(ENTROPY_POSITIONS):
-            if pos_count[k] > 0:
-                out[f"entropy_pos{k}"] = float(pos_sum[k] / pos_count[k])
+        out.update(
+            {f"entropy_pos{k}": float(pos_sum[k] / pos_count[k]) for k in range(ENTROPY_POSITIONS) if pos_count[k] > 0}
+        )
         return out
 
     @register(dispatch=Dispatch.DP_SPLIT)
