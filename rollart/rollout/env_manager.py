@@ -208,19 +208,9 @@ class EnvManager:
             return traj
         traj.info["reset"] = info
         traj.info["prompt_text"] = obs  # the env's own text, before any chat template
-        prompt = self.chat.prompt_ids(obs, self._system_prompt(obs)) if self.chat else self.codec.encode(obs)
-        limit = self.config.max_prompt_length
-        if limit is not None and len(prompt) > limit:
-            if self.config.truncation == "error":
-                traj.status = "failed"
-                traj.error = (
-                    f"prompt_too_long: the first prompt has {len(prompt)} tokens > env_manager.max_prompt_length="
-                    f"{limit} (truncation: error); raise max_prompt_length or set truncation: left"
-                )
-                log.error("%s: %s", self.tag, traj.error)
-                return traj
-            traj.info["prompt_truncated"] = len(prompt) - limit
-            prompt = prompt[-limit:]
+        prompt = self._first_prompt(traj, obs)
+        if prompt is None:
+            return traj
         self._append_ids(traj, prompt)
         traj.prompt_length = len(traj.token_ids)
         max_steps = self.config.max_steps or getattr(self.env, "max_steps", 1)
@@ -274,6 +264,30 @@ class EnvManager:
                 traj.status, traj.error = "failed", f"step {turn}: {err}"
                 return traj
             self._append_ids(traj, ids)
+        await self._score(traj)
+        return traj
+
+    def _first_prompt(self, traj: Trajectory, obs: str) -> list[int] | None:
+        """The token ids of the first prompt (chat template applied), cut to ``max_prompt_length`` from the
+        left; None, with ``traj`` failed, when it is longer and ``truncation: error``."""
+        prompt = self.chat.prompt_ids(obs, self._system_prompt(obs)) if self.chat else self.codec.encode(obs)
+        limit = self.config.max_prompt_length
+        if limit is not None and len(prompt) > limit:
+            if self.config.truncation == "error":
+                traj.status = "failed"
+                traj.error = (
+                    f"prompt_too_long: the first prompt has {len(prompt)} tokens > env_manager.max_prompt_length="
+                    f"{limit} (truncation: error); raise max_prompt_length or set truncation: left"
+                )
+                log.error("%s: %s", self.tag, traj.error)
+                return None
+            traj.info["prompt_truncated"] = len(prompt) - limit
+            prompt = prompt[-limit:]
+        return prompt
+
+    async def _score(self, traj: Trajectory) -> None:
+        """The trajectory's reward: the env's return, or the reward function's score of it (a failure makes
+        it ``reward_failed``, never a reward of 0)."""
         traj.reward = traj.env_return
         if self.reward_fn is not None:
             try:
@@ -281,7 +295,6 @@ class EnvManager:
                 traj.reward = float(await value) if inspect.isawaitable(value) else float(value)
             except Exception as err:
                 traj.reward, traj.status, traj.error = None, "reward_failed", f"{type(err).__name__}: {err}"
-        return traj
 
     def _turn_sampling(self, env_seed: int | None, traj_id: str, turn: int) -> SamplingParams:
         """With ``sampling.seed`` set, each request samples from its own seed, derived from that seed,

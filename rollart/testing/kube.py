@@ -108,6 +108,18 @@ def now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _set_condition(st: dict[str, Any], type_: str, value: bool) -> None:
+    """Set a pod condition in the status ``st`` (its transition time changes only when its value does)."""
+    conds = [x for x in st.get("conditions", []) if x["type"] != type_]
+    old = next((x for x in st.get("conditions", []) if x["type"] == type_), None)
+    if old is not None and old["status"] == str(value):
+        conds.append(old)
+    else:
+        conds.append({"type": type_, "status": str(value), "lastTransitionTime": now()})
+    order = ["PodScheduled", "Initialized", "ContainersReady", "Ready"]
+    st["conditions"] = sorted(conds, key=lambda x: order.index(x["type"]))
+
+
 def parse_selector(selector: str) -> list[tuple[str, str, str | None]]:
     """``a=b,c!=d,e,!f`` -> ``[(op, key, value)]`` with op in ``= != exists !exists``."""
     out: list[tuple[str, str, str | None]] = []
@@ -474,16 +486,7 @@ class KubeStandIn:
             return {"name": c["name"], "image": image, "imageID": "", "ready": ready, "started": False,
                     "restartCount": 0, "state": state or {}, **extra}  # fmt: skip
 
-        def cond(st: dict[str, Any], type_: str, value: bool) -> None:
-            conds = [x for x in st.get("conditions", []) if x["type"] != type_]
-            old = next((x for x in st.get("conditions", []) if x["type"] == type_), None)
-            if old is not None and old["status"] == str(value):
-                conds.append(old)
-            else:
-                conds.append({"type": type_, "status": str(value), "lastTransitionTime": now()})
-            order = ["PodScheduled", "Initialized", "ContainersReady", "Ready"]
-            st["conditions"] = sorted(conds, key=lambda x: order.index(x["type"]))
-
+        cond = _set_condition
         self._pod_network(pod)
 
         def scheduled(st: dict[str, Any]) -> None:
@@ -500,25 +503,9 @@ class KubeStandIn:
 
         self._update_pod(pod.key, creating)
         if image in self.unpullable or image not in self.images:
-            msg = f'Back-off pulling image "{image}"'
-            why = "pull access denied" if image in self.unpullable else "manifest unknown"
-            for reason, text in (("ErrImagePull", f'failed to pull image "{image}": {why}'), ("ImagePullBackOff", msg)):
-                self._update_pod(pod.key, lambda st, r=reason, t=text: st["containerStatuses"][0].update(
-                    state={"waiting": {"reason": r, "message": t}}))  # fmt: skip
-                if pod.deleted.wait(self.crash_backoff_s):
-                    return
-            pod.deleted.wait()
+            self._fail_pull(pod, image)
             return
-        img = self.images[image]
-        argv = list(c.get("command") or img.entrypoint) + list(c.get("args") if "args" in c else img.args)
-        if not argv:
-            raise RuntimeError(f"pod {pod.key}: image {image} has no entrypoint and the container no command")
-        if argv[0] in ("python", "python3"):
-            argv[0] = sys.executable
-        elif argv[0] == "rollart":  # the project's console script, as an image of rollart would have it
-            argv[:1] = [sys.executable, "-m", "rollart.cli"]
-        env = {**self.base_env, **{e["name"]: self._env_value(pod.key[0], e) for e in c.get("env") or []}}
-        env.update(POD_NAME=pod.key[1], POD_NAMESPACE=pod.key[0], POD_IP=pod.ip)
+        argv, env = self._command(pod, c, image)
         probe = c.get("readinessProbe")
         restarts = 0
         while not pod.deleted.is_set():
@@ -578,6 +565,32 @@ class KubeStandIn:
             return str(entry.get("value", ""))
         secret = self.get("secrets", ns, ref["name"])
         return base64.b64decode(secret["data"][ref["key"]]).decode()
+
+    def _fail_pull(self, pod: _Pod, image: str) -> None:
+        """An image that cannot be pulled: ``ErrImagePull`` then ``ImagePullBackOff``, until the pod is deleted."""
+        msg = f'Back-off pulling image "{image}"'
+        why = "pull access denied" if image in self.unpullable else "manifest unknown"
+        for reason, text in (("ErrImagePull", f'failed to pull image "{image}": {why}'), ("ImagePullBackOff", msg)):
+            self._update_pod(pod.key, lambda st, r=reason, t=text: st["containerStatuses"][0].update(
+                state={"waiting": {"reason": r, "message": t}}))  # fmt: skip
+            if pod.deleted.wait(self.crash_backoff_s):
+                return
+        pod.deleted.wait()
+
+    def _command(self, pod: _Pod, c: dict[str, Any], image: str) -> tuple[Sequence[str], dict[str, str]]:
+        """The container's argv (the image's entrypoint and args unless the container sets them; ``python``
+        and ``rollart`` are this interpreter) and its environment."""
+        img = self.images[image]
+        argv = [*(c.get("command") or img.entrypoint), *c.get("args", img.args)]
+        if not argv:
+            raise RuntimeError(f"pod {pod.key}: image {image} has no entrypoint and the container no command")
+        if argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
+        elif argv[0] == "rollart":  # the project's console script, as an image of rollart would have it
+            argv[:1] = [sys.executable, "-m", "rollart.cli"]
+        env = {**self.base_env, **{e["name"]: self._env_value(pod.key[0], e) for e in c.get("env") or []}}
+        env.update(POD_NAME=pod.key[1], POD_NAMESPACE=pod.key[0], POD_IP=pod.ip)
+        return argv, env
 
     def _probe_until_exit(self, pod: _Pod, probe: dict | None, c: dict[str, Any], running: Any) -> None:
         """Probe readiness while the container runs; return when it exits or the pod is deleted."""

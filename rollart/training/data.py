@@ -111,6 +111,49 @@ def _broadcast(batch: Batch, seq_adv: Sequence[float]) -> list[list[float]]:
     return [[float(a)] * len(ids) for a, ids in zip(seq_adv, batch[C.INPUT_IDS])]
 
 
+def _grpo_token_advantages(batch: Batch, norm_std: bool) -> list[list[float]]:
+    """``grpo_token``: dense credit (``token_rewards``) normalised per action position within each group
+    whose env gives it; sequence GRPO broadcast over the rows of the other groups."""
+    seq_adv = grpo_advantages(batch[C.REWARDS], batch[C.GROUP_INDEX], norm_std=norm_std).tolist()
+    credit = batch[C.TOKEN_REWARDS] if C.TOKEN_REWARDS in batch else [None] * len(batch)
+    per_token: list[list[float]] = [[]] * len(batch)
+    for rows in _rows_of_groups(batch):
+        if all(credit[r] is not None for r in rows):
+            group = [
+                Trajectory(
+                    traj_id=batch[C.TRAJ_ID][r],
+                    group_id="",
+                    tag=batch[C.TAG][r],
+                    token_ids=batch[C.INPUT_IDS][r],
+                    loss_mask=batch[C.LOSS_MASK][r],
+                    token_rewards=credit[r],
+                )
+                for r in rows
+            ]
+            for r, adv in zip(rows, token_group_advantages([group])):
+                per_token[r] = adv
+        else:
+            for r in rows:
+                per_token[r] = [seq_adv[r]] * len(batch[C.INPUT_IDS][r])
+    return per_token
+
+
+def _plugin_advantages(batch: Batch, method: str, params: Mapping[str, Any] | None) -> list[float]:
+    """One advantage per row from a registered advantage or ``MODULE:FUNC``:
+    ``fn(rewards, group_ids, **params)``."""
+    from rollart.algorithms.advantages import resolve_advantage
+
+    try:
+        fn = resolve_advantage(method, "advantage")
+    except ValueError as err:
+        raise ValueError(f"advantage={method!r}: use one of {', '.join(ADVANTAGE_METHODS)}; {err}") from None
+    seq = fn(batch[C.REWARDS].to(torch.float64), batch[C.GROUP_INDEX], **dict(params or {}))
+    seq = seq.tolist() if isinstance(seq, torch.Tensor) else list(seq)
+    if len(seq) != len(batch):
+        raise ValueError(f"advantage {method!r} returned {len(seq)} values for {len(batch)} rows; return one per row")
+    return seq
+
+
 def add_advantages(
     batch: Batch,
     method: str,
@@ -165,42 +208,9 @@ def add_advantages(
             )
         per_token = _broadcast(batch, baseline.advantages(list(batch[C.PROMPT_KEY]), rewards.tolist()))
     elif method == "grpo_token":
-        # dense credit where the env gives it (char_rewards); sequence GRPO for the other groups
-        seq_adv = grpo_advantages(rewards, batch[C.GROUP_INDEX], norm_std=norm_std).tolist()
-        credit = batch[C.TOKEN_REWARDS] if C.TOKEN_REWARDS in batch else [None] * len(batch)
-        per_token = [[]] * len(batch)
-        for rows in _rows_of_groups(batch):
-            if all(credit[r] is not None for r in rows):
-                group = [
-                    Trajectory(
-                        traj_id=batch[C.TRAJ_ID][r],
-                        group_id="",
-                        tag=batch[C.TAG][r],
-                        token_ids=batch[C.INPUT_IDS][r],
-                        loss_mask=batch[C.LOSS_MASK][r],
-                        token_rewards=credit[r],
-                    )
-                    for r in rows
-                ]
-                for r, adv in zip(rows, token_group_advantages([group])):
-                    per_token[r] = adv
-            else:
-                for r in rows:
-                    per_token[r] = [seq_adv[r]] * len(batch[C.INPUT_IDS][r])
+        per_token = _grpo_token_advantages(batch, norm_std)
     else:
-        from rollart.algorithms.advantages import resolve_advantage
-
-        try:
-            fn = resolve_advantage(method, "advantage")
-        except ValueError as err:
-            raise ValueError(f"advantage={method!r}: use one of {', '.join(ADVANTAGE_METHODS)}; {err}") from None
-        seq = fn(rewards.to(torch.float64), batch[C.GROUP_INDEX], **dict(params or {}))
-        seq = seq.tolist() if isinstance(seq, torch.Tensor) else list(seq)
-        if len(seq) != len(batch):
-            raise ValueError(
-                f"advantage {method!r} returned {len(seq)} values for {len(batch)} rows; return one per row"
-            )
-        per_token = _broadcast(batch, seq)
+        per_token = _broadcast(batch, _plugin_advantages(batch, method, params))
     batch[C.ADVANTAGES] = per_token
     return batch
 
