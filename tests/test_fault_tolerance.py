@@ -11,6 +11,11 @@ import pytest
 import ray
 from rollout_fixtures import CharCodec, CountEnv, simulated_cluster
 
+# imported (and assertion-rewritten) at collection, before any Ray thread runs: Python 3.11's ast state is not
+# thread-safe, and a Ray thread formatting a traceback (which parses source) while a test imports a test
+# module can corrupt it
+from test_pipeline import small_config
+
 import rollart as ra
 from rollart.cluster.config import FaultConfig, RestartPolicy
 from rollart.cluster.errors import NoLiveWorkerError, WorkerDiedError
@@ -319,7 +324,6 @@ def test_an_asynchronous_run_survives_a_killed_inference_worker_and_the_ledger_h
     The run completes its steps; the worker comes back with the served version; every trajectory
     started is accounted for once: trained, or dropped with its round (aborted, redundant, evicted as
     stale, still in the buffer at the end) and played again, or reported failed."""
-    from test_pipeline import small_config
 
     from rollart.pipelines.agentic import AgenticPipeline
 
