@@ -1,4 +1,4 @@
-"""affinity: hardware-affinity mapping of a prefill-heavy and a decode-heavy task (seed 004 §3.1, Fig. 4, Fig. 11a).
+"""affinity: hardware-affinity mapping of a prefill-heavy and a decode-heavy task (RollArt paper §3.1, Fig. 4, Fig. 11a).
 
 Two single-turn tasks through the real rollout path (EnvManagers, the RolloutScheduler with a quota
 per task, the LLMProxy routing by tag through ``@hw_mapping``, inference workers on the simulated
@@ -46,8 +46,8 @@ from rollart.rollout.config import RoutingConfig
 
 log = logging.getLogger("rollart.bench")
 MODES = ("affinity", "reverse", "h800-only", "h20-only", "auto")
-SEED_FIGURE = (
-    "seed 004 Fig. 4: 2 H800 vs 6 H20, rollout time H800/H20 down to 0.53 on FrozenLake, H20/H800 0.49-0.79 "
+PAPER_FIGURE = (
+    "RollArt paper Fig. 4: 2 H800 vs 6 H20, rollout time H800/H20 down to 0.53 on FrozenLake, H20/H800 0.49-0.79 "
     "on GEM-math; Fig. 11a: affinity (64 H800 + 24 H20) 1.12-1.37x faster than 72 H800, 1.30-1.68x than 208 H20"
 )
 
@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "time_scale": args.time_scale,
         "modes": results,
-        "seed_figure": SEED_FIGURE,
+        "paper_figure": PAPER_FIGURE,
     }
     if "affinity" in results:
         base = results["affinity"]

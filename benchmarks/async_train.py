@@ -1,8 +1,8 @@
 """async-train: asynchronous (alpha = 1, 2) vs synchronous (alpha = 0) end-to-end step time, with the
 real pipeline (tiny model trained by the torch strategy) and a long-tailed generation injected through
-the simulated engine (lognormal response lengths, time-scaled decode steps) — seed 000 §3.1.
+the simulated engine (lognormal response lengths, time-scaled decode steps) — ROLL Flash §3.1.
 
-Bounds (seed 000 Prop. 1–2, with every sample decoding concurrently, K = N): with ``mu`` the mean and
+Bounds (ROLL Flash Prop. 1–2, with every sample decoding concurrently, K = N): with ``mu`` the mean and
 ``L`` the longest generation time of a sample, and ``T`` the measured train + weight-sync time per step,
 
     sync  : T_sync  <= mu + L + T
@@ -53,7 +53,7 @@ def _config(args: argparse.Namespace, alpha: int, out: str) -> Any:
         {
             "name": f"async-train-a{alpha}",
             "pools": {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}},
-            # Q = (alpha + 1) N samples in flight (seed 000 Prop. 1): alpha + 1 env groups per trained group, so
+            # Q = (alpha + 1) N samples in flight (ROLL Flash Prop. 1): alpha + 1 env groups per trained group, so
             # rounds for the next alpha batches are already generating when a batch is taken
             "envs": [
                 {
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mu_gen_s": mu,
         "longest_gen_s": longest,
         "train_sync_s": t_train,
-        "seed_figure": "2.05x end to end (seed 004 §7.2); bounds of seed 000 Prop. 1-2",
+        "paper_figure": "2.05x end to end (RollArt paper §7.2); bounds of ROLL Flash Prop. 1-2",
     }
     return write_report(
         args.out,

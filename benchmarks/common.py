@@ -128,7 +128,7 @@ def add_common_arguments(p: argparse.ArgumentParser, out: str, time_scale: float
 
 
 class StochasticLatencyEnv:
-    """A multi-turn env under the latency and failure model of seed 000 §5.2.2: each step takes
+    """A multi-turn env under the latency and failure model of ROLL Flash §5.2.2: each step takes
     ``N(mean, std)`` simulated seconds (clipped at 0); each episode is fail-slow with probability
     ``p_slow`` (every step ``slow_factor`` times longer) and fail-stop with probability ``p_stop`` (one
     step never returns; the EnvManager's step timeout ends it). Draws come from ``rng`` per episode."""

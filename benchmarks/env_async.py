@@ -1,4 +1,4 @@
-"""env-async: trajectory-level vs batch-level environment interaction (seed 000 §5.2.1, Fig. 9).
+"""env-async: trajectory-level vs batch-level environment interaction (ROLL Flash §5.2.1, Fig. 9).
 
 Both modes run the real LLMProxy and inference workers (simulated engine) over the same envs with the
 same sampled step latencies ``N(mean, std)`` (simulated seconds, clipped at 0), time-scaled.
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup": speedup,
         "ideal_speedup": ideal,
         "fraction_of_ideal": speedup / ideal,
-        "seed_figure": "2.46x at (10, 10), batch 512 (seed 000 Fig. 9)",
+        "paper_figure": "2.46x at (10, 10), batch 512 (ROLL Flash Fig. 9)",
     }
     return write_report(
         args.out,

@@ -1,5 +1,5 @@
 """env-service: env calls over the session protocol under injected failures, with redundant env groups
-off and on (seed 004 §2.2 Fig. 3, §8).
+off and on (RollArt paper §2.2 Fig. 3, §8).
 
 Env servers (``rollart.envservice``, uvicorn in threads on 127.0.0.1) serve :class:`FaultyServiceEnv`:
 every reset and step waits ``N(mean, std)`` seconds; a reset fails with ``p_reset_fail`` (an env
@@ -13,7 +13,7 @@ Reported per configuration (baseline ``batch_groups x group_keep`` envs, redunda
 ``num_env_groups x group_size``): the time to collect one batch, the success rate and p50/p99 latency
 of resets and steps as the EnvManager saw them (a retried call counts once per attempt; a dropped
 answer that the client recovered counts as one success), trajectories failed, answers dropped and
-replayed. The batch time is dominated by resets that time out (seed 004 Fig. 3: env.reset takes 78%
+replayed. The batch time is dominated by resets that time out (RollArt paper Fig. 3: env.reset takes 78%
 of the rollout time in failing iterations); redundant groups hide them.
 """
 
@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             k: getattr(args, k)
             for k in ("mean", "std", "p_reset_fail", "p_slow", "slow_factor", "p_step_fail", "p_drop", "call_timeout")
         },
-        "seed_figure": "seed 004 Fig. 3: failing iterations 513 s vs 366 s, env.reset 78% of rollout time",
+        "paper_figure": "RollArt paper Fig. 3: failing iterations 513 s vs 366 s, env.reset 78% of rollout time",
     }
     return write_report(
         args.out,

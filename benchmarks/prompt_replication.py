@@ -1,14 +1,14 @@
 """prompt-replication: n samples of a prompt as n independent requests vs one n-sample request
-(seed 000 §5.1.2, Fig. 8).
+(ROLL Flash §5.1.2, Fig. 8).
 
-The default is the seed's setting as far as it states it: Qwen3-8B (seed 000 §3, Appendix A) on 16
+The default is ROLL Flash's setting as far as it states it: Qwen3-8B (ROLL Flash §3, Appendix A) on 16
 inference devices (``actor_infer: device_mapping: list(range(0,16))``), responses capped at 30 720
 tokens (``response_length``), an average length of about 2k tokens (Qwen3-8B-Base) with the longest
 responses more than 20× the median (§1), 64 prompts × 16 samples per step, the mean step time over
 several steps. The engine is the simulated one with the H800 roofline of ``rollart.engines.hardware``
 (bandwidth-bound decode reads the weights and every running sequence's KV cache) and vLLM-style paged-KV
 batching: a device holds what fits next to its weights at 90% memory use, and preempts and recomputes
-the newest sequence when it runs out (the seed does not name its GPU; H800 is the one of seed 004).
+the newest sequence when it runs out (ROLL Flash does not name its GPU; H800 is the RollArt paper's).
 
 A response length is ``median · difficulty(prompt) · noise(sample)``, two lognormals: prompts differ in
 difficulty (``--difficulty-sigma``) and the samples of one prompt around it (``--length-sigma``). The
@@ -151,7 +151,7 @@ def _sweep(args: argparse.Namespace) -> dict[str, Any]:
             "without_replication_sim_s": pin,
             "with_replication_sim_s": rep,
             "model_speedup": pin / rep,
-            "seed_figure": SEED_FIG8.get(key),
+            "paper_figure": SEED_FIG8.get(key),
         }
         log.info("prompt-replication model %s: %.0f s vs %.0f s, %.2fx", key, pin, rep, pin / rep)
     result = {
@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mean_length": mean["mean_length"],
         "max_over_median_length": max(s["max_over_median_length"] for s in steps),
         "steps": steps,
-        "seed_figure": "1.84x at 64x16 (seed 000 §5.1.2: 149 s -> 81 s mean step time)",
+        "paper_figure": "1.84x at 64x16 (ROLL Flash §5.1.2: 149 s -> 81 s mean step time)",
     }
     return write_report(
         args.out,

@@ -1,4 +1,4 @@
-"""queue-scheduling: queue scheduling + dynamic filtering vs batch rollout (seed 000 §5.1.1, Fig. 7).
+"""queue-scheduling: queue scheduling + dynamic filtering vs batch rollout (ROLL Flash §5.1.1, Fig. 7).
 
 RLVR with ``prompts × samples`` per step (default 8 × 8) and dynamic filtering of groups whose rewards
 are all equal. Response lengths are long-tailed (lognormal), rewards Bernoulli with a per-prompt
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model_batch_sim_s": mb,
         "model_queue_sim_s": mq,
         "model_speedup": mb / mq,
-        "seed_figure": "3.4x at 8x8 with 16 extra prompts (seed 000 Fig. 7: 125 s -> 37 s)",
+        "paper_figure": "3.4x at 8x8 with 16 extra prompts (ROLL Flash Fig. 7: 125 s -> 37 s)",
     }
     return write_report(
         args.out,

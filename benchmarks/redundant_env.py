@@ -1,4 +1,4 @@
-"""redundant-env: more env groups and bigger groups than the batch needs (seed 000 §5.2.2, Fig. 10).
+"""redundant-env: more env groups and bigger groups than the batch needs (ROLL Flash §5.2.2, Fig. 10).
 
 The batch is ``batch_groups × group_keep`` trajectories (default 32 × 8 = 256). The baseline runs exactly
 that many envs (32 × 8); the redundant configuration runs ``num_env_groups × group_size`` (36 × 12) and
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "baseline_counts": base_counts,
         "redundant_counts": red_counts,
         "model": {k: getattr(args, k) for k in ("mean", "std", "turns", "p_slow", "slow_factor", "p_stop", "timeout")},
-        "seed_figure": "5.45x for 36x12 vs 32x8 (seed 000 Fig. 10: 243 s -> 45 s)",
+        "paper_figure": "5.45x for 36x12 vs 32x8 (ROLL Flash Fig. 10: 243 s -> 45 s)",
     }
     return write_report(
         args.out,

@@ -11,7 +11,7 @@ ends): p50/p99/max latency of the cheap requests in both phases. ``--compare-src
 measurement against the rollart source in ``DIR`` (e.g. ``git archive <rev> | tar -x -C DIR``) in the
 same run, one server after the other, so two versions are compared on the same machine and load.
 
-Sharing one service across jobs (seed 004 §7.5) is ``rollart bench shared-reward``: three real jobs.
+Sharing one service across jobs (RollArt paper §7.5) is ``rollart bench shared-reward``: three real jobs.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "reward-service",
         "service": {str(c): v for c, v in service.items()},
         "in_process": local,
-        "see_also": "rollart bench shared-reward (three jobs sharing one service, seed 004 §7.5)",
+        "see_also": "rollart bench shared-reward (three jobs sharing one service, RollArt paper §7.5)",
     }
     return write_report(
         args.out,

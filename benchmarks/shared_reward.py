@@ -1,4 +1,4 @@
-"""shared-reward: three real jobs sharing one reward service vs each job with a dedicated one (seed 004 §7.5).
+"""shared-reward: three real jobs sharing one reward service vs each job with a dedicated one (RollArt paper §7.5).
 
 Every job is a driver process running the real pipeline (:class:`~rollart.pipelines.agentic.AgenticPipeline`:
 tiny model, torch trainer, inference workers on the simulated engine) against one Ray cluster: the
@@ -40,7 +40,7 @@ from rollart.benchmarks.common import write_report
 log = logging.getLogger("rollart.bench")
 REWARD_MS_ENV = "ROLLART_BENCH_REWARD_MS"
 MODULE = "rollart.benchmarks.shared_reward"  # also when run as __main__ (a driver)
-SEED_FIGURE = {"utilisation": "6% -> 88%", "rollout_s": "158 s -> 77 s", "source": "seed 004 §7.5, Figure 14"}
+PAPER_FIGURE = {"utilisation": "6% -> 88%", "rollout_s": "158 s -> 77 s", "source": "RollArt paper §7.5, Figure 14"}
 
 
 async def verifier(trajectory: dict[str, Any]) -> float:
@@ -282,15 +282,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result[f"{mode}_rollout_s"] = m["rollout_s"]
     if {"dedicated", "shared"} <= set(measured):
         result["rollout_speedup"] = measured["dedicated"]["rollout_s"] / measured["shared"]["rollout_s"]
-    result["seed_utilisation"] = SEED_FIGURE["utilisation"]
-    result["seed_rollout"] = SEED_FIGURE["rollout_s"]
+    result["seed_utilisation"] = PAPER_FIGURE["utilisation"]
+    result["seed_rollout"] = PAPER_FIGURE["rollout_s"]
     result["counts_match"] = all(m["counts_match"] for m in measured.values())
     result["setup"] = (
         f"{args.jobs} driver processes on one Ray cluster (one namespace host), {devices} logical devices; "
         f"verifier {args.reward_ms:.0f} ms per trajectory"
     )
     result["modes"] = measured
-    result["seed_figure"] = SEED_FIGURE
+    result["paper_figure"] = PAPER_FIGURE
     bars = {f"{mode} rollout": m["rollout_s"] for mode, m in measured.items()}
     title = "shared reward service: utilisation " + " -> ".join(f"{m['utilisation']:.0%}" for m in measured.values())
     return write_report(args.out, "shared-reward", result, bars, "rollout time per step (s)", title)

@@ -91,7 +91,7 @@ def mode_config(args: argparse.Namespace, setting: Setting, alpha: int, out_dir:
         "sampling": {"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "seed": args.seed},
         "seed": args.seed,
         "advantage": "grpo",
-        # asynchronous runs train on samples up to alpha versions old: the decoupled objective (seed 000
+        # asynchronous runs train on samples up to alpha versions old: the decoupled objective (ROLL Flash
         # §2.2) centres the trust region on the trainer's policy and weights each token by pi_old / mu
         "train.loss": "decoupled_ppo" if alpha > 0 else "ppo",
         "train.lr": 3e-4,

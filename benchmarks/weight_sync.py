@@ -1,4 +1,4 @@
-"""weight-sync: Mooncake asynchronous publish/fetch vs a blocking transfer (seed 004 §7.3: 1.10–1.16×).
+"""weight-sync: Mooncake asynchronous publish/fetch vs a blocking transfer (RollArt paper §7.3: 1.10–1.16×).
 
 Both modes run the same loop with real components: inference workers (simulated engine, so the CPU is
 left to the transfers) keep ``--in-flight`` requests generating through the LLMProxy while a trainer
@@ -342,7 +342,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mooncake_fetch_MBps": get_bps / (1 << 20),
         "ray_put_get_MBps": ray_bps / (1 << 20),
         "modes": modes,
-        "seed_figure": "1.10-1.16x (seed 004 §7.3)",
+        "paper_figure": "1.10-1.16x (RollArt paper §7.3)",
     }
     return write_report(
         args.out,

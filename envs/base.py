@@ -1,4 +1,4 @@
-"""The text environment interface (gymnasium-style) and the env registry's store (seed 004 §5.3, seed
+"""The text environment interface (gymnasium-style) and the env registry's store (RollArt paper §5.3, seed
 000 §5.2); lookup by name is :mod:`rollart.envs.registry`.
 
 ``reset(seed) -> (observation, info)``; ``step(action) -> (observation, reward, terminated,

@@ -1,5 +1,5 @@
 """Fault injection for benchmarks and tests: latency (:class:`LatencyEnv`) and failures
-(:class:`FailingEnv`) wrapped around any env (seed 000 §5.2.2: fail-slow and fail-stop environments).
+(:class:`FailingEnv`) wrapped around any env (ROLL Flash §5.2.2: fail-slow and fail-stop environments).
 
 Both wrappers come in two flavours chosen at construction: *sync* (``reset``/``step`` are plain
 methods, run by the EnvManager in a worker thread) and *async* (coroutine methods, so thousands of

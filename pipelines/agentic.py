@@ -1,4 +1,4 @@
-"""The agentic / RLVR pipeline, built from Clusters (seed 004 §5.3, Figure 8).
+"""The agentic / RLVR pipeline, built from Clusters (RollArt paper §5.3, Figure 8).
 
     rollout (EnvManagers → LLMProxy → inference Cluster) ──► SampleBuffer ──get_batch──► train Cluster
                           ▲                                                                 │

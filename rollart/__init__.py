@@ -1,6 +1,6 @@
 """rollart: RL post-training of LLM agents on heterogeneous, disaggregated clusters.
 
-The public API (DESIGN.md, "The public API"): three decorators, ``Worker``, ``Cluster``,
+The public API: three decorators, ``Worker``, ``Cluster``,
 ``ResourceManager``, ``Batch`` and the dispatch modes. Everything else lives in subpackages.
 
 The names are imported on first use (module ``__getattr__``), so ``import rollart`` — and

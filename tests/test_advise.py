@@ -1,4 +1,4 @@
-"""rollart advise: the train/rollout split of seed 000 Prop. 2, its simulation, the profile it reads, and
+"""rollart advise: the train/rollout split of ROLL Flash Prop. 2, its simulation, the profile it reads, and
 the command on the quickstart (a real short run)."""
 
 from __future__ import annotations

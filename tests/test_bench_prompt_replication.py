@@ -1,5 +1,5 @@
 """`rollart bench prompt-replication`: n samples of a prompt pinned to one worker vs replicated over
-workers, on the simulated engine's H800 profile (seed 000 §5.1.2). Asserted: every sample comes back in
+workers, on the simulated engine's H800 profile (ROLL Flash §5.1.2). Asserted: every sample comes back in
 both modes, the model runs on the very lengths and assignments of the run, and where lengths differ
 only between prompts the model's pinned step is never faster than the replicated one."""
 
@@ -49,10 +49,10 @@ def test_model_sweep_covers_the_seed_configurations(tmp_path):
     result = pr.run(_args("--sweep", "--steps", "2", "--out", str(tmp_path)))
     rows = result["rows"]
     assert list(rows) == [f"{p}x{n}" for p, n in pr.SWEEP]
-    assert rows["64x16"]["seed_figure"] == pytest.approx(149 / 81)
+    assert rows["64x16"]["paper_figure"] == pytest.approx(149 / 81)
     for row in rows.values():
         assert row["without_replication_sim_s"] > 0 and row["with_replication_sim_s"] > 0
-    # the seed's shape: little gain with few samples per prompt, more with many prompts or samples
+    # ROLL Flash's shape: little gain with few samples per prompt, more with many prompts or samples
     assert rows["16x4"]["model_speedup"] < rows["64x16"]["model_speedup"]
     assert rows["16x4"]["model_speedup"] < rows["16x64"]["model_speedup"]
     assert (tmp_path / "prompt-replication-sweep.json").exists()

@@ -4,6 +4,7 @@ title, and a configuration reference that covers (and describes) every config ke
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,18 @@ def test_the_config_reference_lists_every_key_of_every_section():
     assert re.search(r"\| `steps` \| integer \(≥ 1\) \| `20` \| \S", text)
     assert re.search(r'\| `channel` \| `"ray"` \\\| `"mooncake"` \\\| `"dist"` \\\| `"none"` \| `"ray"` \| \S', text)
     assert re.search(r"\| `pools` \| mapping of string to any \| required \| \S", text)
+
+
+def test_code_cites_papers_by_title_and_no_file_outside_the_repository():
+    """Comments and docstrings name the papers (see docs/index.md), never a document number or a file
+    that is not in the repository."""
+    pattern = re.compile(r"\bseed 00\d|DESIGN\.md|shared/seeds|00\d_[0-9a-f]{16}\.txt", flags=re.I)
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    offenders = [
+        f"{name}:{n}"
+        for name in listed.split()
+        if name.endswith((".py", ".yaml", ".sh", ".toml")) and name != "tests/test_docs.py"
+        for n, line in enumerate((ROOT / name).read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert offenders == []

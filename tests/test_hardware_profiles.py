@@ -1,4 +1,4 @@
-"""Per-hardware profiles of the simulated engine (rollart.engines.hardware, seed 004 Table 2)."""
+"""Per-hardware profiles of the simulated engine (rollart.engines.hardware, RollArt paper Table 2)."""
 
 import asyncio
 from typing import Any

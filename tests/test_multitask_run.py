@@ -1,4 +1,4 @@
-"""A multi-task job end to end on a local Ray with the tiny model (issue #14, seed 004 §7.1): batch
+"""A multi-task job end to end on a local Ray with the tiny model (issue #14, RollArt paper §7.1): batch
 ratio 1:1 while one task is over ten times slower than the other, a reward service for one task only,
 generation settings per task, and the per-task metrics in metrics.jsonl. One run for the module."""
 

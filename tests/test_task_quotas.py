@@ -1,4 +1,4 @@
-"""Per-task shares of a training batch (seed 004 §7.1): the ratio arithmetic, the SampleBuffer's batch
+"""Per-task shares of a training batch (RollArt paper §7.1): the ratio arithmetic, the SampleBuffer's batch
 assembly under quotas (hypothesis), and the RolloutScheduler keeping 1:1 while one task is ten times
 slower than the other (no Ray, no model: envs that take 1 or 10 event-loop turns)."""
 

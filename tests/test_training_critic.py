@@ -1,4 +1,4 @@
-"""The critic (seed 003 §3): K value updates per actor step, frozen attention, skip-observation GAE batches,
+"""The critic (SAO §3): K value updates per actor step, frozen attention, skip-observation GAE batches,
 and two gloo ranks training like one rank on the whole batch."""
 
 import pytest
@@ -195,7 +195,7 @@ def test_two_ranks_train_the_critic_like_one_rank_on_the_whole_batch(make_rm, ti
 # ---------------------------------------------------------------------------------------------- SAO fidelity
 def test_sao_preset_sets_the_papers_lambdas_and_explicit_fields_win():
     sao = CriticConfig(preset="sao")
-    # seed 003 §4: lambda_policy = 1 - 1/(alpha l) with alpha = 1.5, lambda_critic = 1, K = 2, frozen attention
+    # SAO §4: lambda_policy = 1 - 1/(alpha l) with alpha = 1.5, lambda_critic = 1, K = 2, frozen attention
     assert (sao.lambda_alpha, sao.critic_lambda, sao.length_adaptive_lambda) == (1.5, 1.0, True)
     assert (sao.epochs, sao.freeze_attention, sao.gamma, sao.warmup_steps) == (2, True, 1.0, 10)
     assert sao.gae_kwargs() == {"gamma": 1.0, "lam": 0.95, "critic_lam": 1.0, "length_adaptive": True, "alpha": 1.5}

@@ -1,5 +1,5 @@
 """Trajectory groups → training batch, then advantages as a step over it: sequence and per-token
-group-normalised advantages, leave-one-out, and the running-mean baseline (seed 003)."""
+group-normalised advantages, leave-one-out, and the running-mean baseline (SAO)."""
 
 import pytest
 import torch
@@ -97,7 +97,7 @@ def single(tid, prompt, reward):
 
 
 def test_running_mean_baseline_by_hand():
-    """Seed 003 §4: ``A = r - mean`` of a window of the prompt's most recent rewards (here 2), the window as
+    """SAO §4: ``A = r - mean`` of a window of the prompt's most recent rewards (here 2), the window as
     it was before the batch; a prompt seen for the first time has no baseline (b = 0)."""
     base = RunningMeanBaseline(window=2, scope="prompt")
     p, q = [5, 6], [7, 8]
@@ -112,7 +112,7 @@ def test_running_mean_baseline_by_hand():
     step3 = trajectories_to_batch([[single("f", p, 1.0)], [single("g", q, 1.0)]], advantage=None)
     assert [a[0] for a in add_advantages(step3, "running_mean", baseline=base)[C.ADVANTAGES]] == [0.75, 0.5]
 
-    # scope global: one window over every prompt (seed 003 §5's online setting)
+    # scope global: one window over every prompt (SAO §5's online setting)
     glob = RunningMeanBaseline(window=3, scope="global")
     assert glob.advantages(["p", "q"], [1.0, 0.0]) == [1.0, 0.0]
     assert glob.advantages(["r"], [1.0]) == [0.5]  # mean(1, 0)

@@ -1,4 +1,4 @@
-"""Advantage estimators, pure functions over tensors (seed 000 §2.2, seed 003 §3 eq. 4–5), and the
+"""Advantage estimators, pure functions over tensors (ROLL Flash §2.2, SAO §3 eq. 4–5), and the
 registry of sequence-level estimators that ``advantage:`` names (``@register_advantage("name")`` or
 ``advantage: MODULE:FUNC``)."""
 
@@ -141,7 +141,7 @@ def gae(
 def skip_observation_gae(
     rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Skip-observation token GAE (seed 003 eq. 4–5): the recursion runs over action tokens only
+    """Skip-observation token GAE (SAO eq. 4–5): the recursion runs over action tokens only
     (``loss_mask == 1``); the next value of an action token is the value of the next *action* token,
     skipping the observation tokens between turns, so one TD step links consecutive actions across an
     environment observation. Rewards on observation tokens are carried to the preceding action token."""
@@ -168,7 +168,7 @@ def skip_observation_gae(
 def length_adaptive_lambda(lengths: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:
     """Length-adaptive GAE lambda ``lam = 1 - 1 / (alpha * l)`` (clamped to [0, 1]): longer sequences
     use a lambda closer to 1 so the bias of bootstrapping does not grow with length. ``alpha = 0.05`` is
-    VAPO's value; SAO (seed 003 §4) uses ``alpha = 1.5`` for the policy (``CriticConfig(preset="sao")``)."""
+    VAPO's value; SAO (§4) uses ``alpha = 1.5`` for the policy (``CriticConfig(preset="sao")``)."""
     return (1.0 - 1.0 / (alpha * lengths.to(torch.float32)).clamp(min=1e-6)).clamp(0.0, 1.0)
 
 
@@ -182,7 +182,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
 
 
 class RunningMeanBaseline:
-    """The critic-free single-rollout baseline SAO compares against (seed 003 §4 "single-rollout with
+    """The critic-free single-rollout baseline SAO compares against (SAO §4 "single-rollout with
     Running-mean baseline", §5 "Running Mean Advantage Estimation"): ``A = r - b`` with ``b`` the mean
     of a sliding window of the most recent rewards, kept per prompt (``scope="prompt"``, the §4 ablation:
     a window of 8) or over all prompts (``scope="global"``, the §5 online setting: a window of 128).

@@ -1,4 +1,4 @@
-"""Loss aggregation over tokens, sequences and groups (seed 000 §2.2), and the registry of
+"""Loss aggregation over tokens, sequences and groups (ROLL Flash §2.2), and the registry of
 user-defined aggregations (``@register_loss_agg("name", unit=...)`` or ``train.loss_agg: MODULE:FUNC``)."""
 
 from __future__ import annotations

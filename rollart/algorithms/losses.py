@@ -1,4 +1,4 @@
-"""Policy losses, pure functions over ``[B, T]`` tensors (seed 000 §2.2, eq. 12; seed 003 §3).
+"""Policy losses, pure functions over ``[B, T]`` tensors (ROLL Flash §2.2, eq. 12; SAO §3).
 
 Notation (one name per meaning, as in ``rollart.training.columns``): ``logprobs`` log pi_theta, the
 current policy (with gradient); ``proximal_logprobs`` log pi_old, the trainer's policy before this
@@ -7,7 +7,7 @@ the tokens; ``A`` advantages; ``r = exp(logprobs - proximal_logprobs)`` the impo
 stop-gradient. Every loss returns the per-token loss matrix aggregated by :func:`aggregate` and a
 metrics dict.
 
-Train/inference mismatch (seed 000 eq. 12): with ``behaviour_logprobs`` and ``tis_cap=C`` every loss
+Train/inference mismatch (ROLL Flash eq. 12): with ``behaviour_logprobs`` and ``tis_cap=C`` every loss
 is multiplied per token by ``w = sg(min(exp(proximal_logprobs - behaviour_logprobs), C))``.
 """
 
@@ -158,7 +158,7 @@ def _decoupled_ppo(
     eps: float = 0.2,
     behave_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Decoupled objective (seed 000 §2.2): the trust region is centred on the proximal policy while the
+    """Decoupled objective (ROLL Flash §2.2): the trust region is centred on the proximal policy while the
     behaviour policy (which sampled the tokens) is corrected by ``w = sg(exp(proximal - behaviour))``
     (optionally capped): ``-w * min(r A, clip(r, 1±eps) A)``, ``r = exp(logprobs - proximal)``."""
     prox = _needs(proximal_logprobs, _PROX[0], "decoupled_ppo", _PROX[1])
@@ -241,7 +241,7 @@ def _dis(
     low: float = 0.5,
     high: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Double-sided token IS masking (seed 003 eq. 1–3): with ``rho = exp(logprobs - behaviour_logprobs)``
+    """Double-sided token IS masking (SAO eq. 1–3): with ``rho = exp(logprobs - behaviour_logprobs)``
     tokens whose ratio leaves ``[low, high]`` are masked out; kept tokens contribute
     ``-sg(rho) * A * logprobs``. The proximal policy plays no part."""
     behave = _needs(behaviour_logprobs, _BEHAVE[0], "dis", _BEHAVE[1])

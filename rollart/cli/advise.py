@@ -2,7 +2,7 @@
 
 A short synchronous run of the config (``--steps``, ``rollout.alpha: 0``, no checkpoints, no export)
 measures the generation and training time per sample (:mod:`rollart.planning.profile`); from them the
-training share beta* of seed 000 Prop. 2 (:mod:`rollart.planning.partition`) is computed for the
+training share beta* of ROLL Flash Prop. 2 (:mod:`rollart.planning.partition`) is computed for the
 config's devices (or ``--devices K``) at the config's ``rollout.alpha`` (or ``--alpha``; 1 when the
 config is synchronous), then checked against a simulated sweep of every whole split.
 """

@@ -1,4 +1,4 @@
-"""``Cluster``: spawn a worker class on a pool and act as its invocation proxy (seed 004 §5.2).
+"""``Cluster``: spawn a worker class on a pool and act as its invocation proxy (RollArt paper §5.2).
 
 Every method decorated with ``@register``, ``@hw_mapping`` or ``@register_serverless`` is bound onto
 the Cluster instance under the same name:

@@ -1,4 +1,4 @@
-"""Dispatch and collect functions behind ``@register`` modes (seed 004 §5.2, "execute_all").
+"""Dispatch and collect functions behind ``@register`` modes (RollArt paper §5.2, "execute_all").
 
 ``plan_calls`` turns one Cluster call into per-rank ``(args, kwargs)`` (``None``: the rank does not
 run); ``collect`` turns the results of the ranks that ran into the caller's answer.

@@ -1,4 +1,4 @@
-"""HTTP transport of ``@register_serverless`` methods (seed 004 §4.3, §5.2).
+"""HTTP transport of ``@register_serverless`` methods (RollArt paper §4.3, §5.2).
 
 Wire protocol: the call POSTs a JSON object of the method's arguments by parameter name, with
 ``Authorization: Bearer <token>`` when a token variable is configured, one ``Idempotency-Key`` reused

@@ -1,4 +1,4 @@
-"""``Worker``: the base class of every rollart worker; one Ray actor per rank (seed 004 §5.2).
+"""``Worker``: the base class of every rollart worker; one Ray actor per rank (RollArt paper §5.2).
 
 Devices: a worker's ``device_ids`` are the GPUs Ray assigned to its actor (``ray.get_gpu_ids()``), or its
 owner's GPUs for a worker colocated on a multi-GPU bundle; nothing else ever becomes a CUDA device. A

@@ -1,4 +1,4 @@
-"""The three decorators of the declarative API. They only attach metadata (seed 004 §5.1)."""
+"""The three decorators of the declarative API. They only attach metadata (RollArt paper §5.1)."""
 
 from rollart.decorators.hw_mapping import hw_mapping
 from rollart.decorators.register import register

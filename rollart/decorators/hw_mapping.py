@@ -1,4 +1,4 @@
-"""``@hw_mapping``: route a call by its ``tag_name`` to the hardware that suits it (seed 004 §4.1, §5.1)."""
+"""``@hw_mapping``: route a call by its ``tag_name`` to the hardware that suits it (RollArt paper §4.1, §5.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``@register``: mark a worker method as callable through its Cluster (seed 004 §5.1, "Single Controller")."""
+"""``@register``: mark a worker method as callable through its Cluster (RollArt paper §5.1, "Single Controller")."""
 
 from __future__ import annotations
 

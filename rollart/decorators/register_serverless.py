@@ -1,4 +1,4 @@
-"""``@register_serverless``: a stateless method served over HTTP, never run locally (seed 004 §4.3, §5.1)."""
+"""``@register_serverless``: a stateless method served over HTTP, never run locally (RollArt paper §4.3, §5.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Metadata the three decorators attach to worker methods (seed 004 §5.1).
+"""Metadata the three decorators attach to worker methods (RollArt paper §5.1).
 
 The decorators never wrap or change a method: they set one attribute on the function object, and the
 :class:`~rollart.cluster.Cluster` reads it when it binds the worker class onto itself.

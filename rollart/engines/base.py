@@ -1,4 +1,4 @@
-"""The inference engine interface every backend implements (seed 004 §5.3).
+"""The inference engine interface every backend implements (RollArt paper §5.3).
 
 The inference worker's loop drives an engine only through these calls, between which it applies
 ADD / ABORT / UPDATE commands: ``add_request`` queues a request, ``step`` runs one prefill or decode

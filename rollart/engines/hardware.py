@@ -1,4 +1,4 @@
-"""Per-hardware latency profiles for the simulated engine (seed 004 §3.1, Table 2).
+"""Per-hardware latency profiles for the simulated engine (RollArt paper §3.1, Table 2).
 
 A roofline per engine step: the step's FLOPs over the device's dense BF16 throughput against the
 bytes it reads (the weights once, plus the KV cache of every running sequence) over its HBM
@@ -7,11 +7,11 @@ bandwidth; the step takes the longer of the two. Prefill of ``n`` new prompt tok
 sequences costs ``2·params·B`` FLOPs but reads all weights, so at the batch sizes of rollout it is
 bandwidth-bound and scales with HBM bandwidth.
 
-The figures are the datasheet ones the seed quotes (004_6ef1d678b5b90128.txt, Table 2): H800 989.5
+The figures are the datasheet ones the RollArt paper quotes (Table 2): H800 989.5
 dense BF16 TFLOPs and 3.35 TB/s HBM; H20 148 TFLOPs and 4.0 TB/s. The relative cost per device hour
-is the seed's "Normalized Cost" row (H20 1.00, H800 2.85, after MegaScale-Infer): the cost-equivalent
+is the RollArt paper's "Normalized Cost" row (H20 1.00, H800 2.85, after MegaScale-Infer): the cost-equivalent
 pools of Fig. 4 (2 H800 vs 6 H20) and Fig. 11a (72 H800 vs 208 H20 vs 64 H800 + 24 H20) follow from it.
-The default model is the seed's Qwen3-8B in BF16 (8.2 B parameters; 36 layers, 8 KV heads of 128:
+The default model is the RollArt paper's Qwen3-8B in BF16 (8.2 B parameters; 36 layers, 8 KV heads of 128:
 144 KiB of KV cache per token). Ideal utilisation on both devices: the ratios between devices, which
 are what the affinity comparison rests on, do not depend on a common efficiency factor.
 

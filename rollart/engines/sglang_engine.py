@@ -1,4 +1,4 @@
-"""SGLang behind rollart's engine interface (GPUs only; seed 004 §5.3).
+"""SGLang behind rollart's engine interface (GPUs only; RollArt paper §5.3).
 
 SGLang schedules its own batches in subprocesses, so there is no step to call: the adapter streams
 every request (``Engine.async_generate(input_ids=..., stream=True, rid=...)``) on a private event

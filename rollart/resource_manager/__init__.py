@@ -1,4 +1,4 @@
-"""Pool specs, validation against Ray, placement groups and the persistent metadata store (seed 004 §6)."""
+"""Pool specs, validation against Ray, placement groups and the persistent metadata store (RollArt paper §6)."""
 
 from rollart.resource_manager.capacity import HardwareCapacity, read_capacity
 from rollart.resource_manager.launcher import accelerator_resource, ensure_ray

@@ -11,7 +11,7 @@ With no ``RAY_ADDRESS`` and no initialised Ray, rollart starts a new Ray explici
 - logical hardware, the resource ``accelerator_type:<TYPE>`` with one unit per device and the marker
   ``rollart_logical:<TYPE>`` (so a GPU node's logical types are never taken for its GPUs): on a
   machine without GPUs every hardware type the config asks for, so every placement and routing path runs
-  on a CPU-only machine (DESIGN.md, "Dependencies"); on a machine with GPUs only the types named in
+  on a CPU-only machine; on a machine with GPUs only the types named in
   ``local_resources`` (``cluster.local_resources``), so a pool naming hardware the machine lacks gets the
   ResourceManager's "not in the Ray cluster" error. Workers of logical devices run on the CPU.
 

@@ -1,5 +1,5 @@
 """``ResourceManager``: validate pools against the Ray cluster, reserve them as placement groups, and
-keep pools, bindings and endpoints in the metadata store (seed 004 §6, "Resource Manager").
+keep pools, bindings and endpoints in the metadata store (RollArt paper §6, "Resource Manager").
 
 Invariants:
 - every check (spec shape, unknown hardware, over-subscription) runs before any placement group or

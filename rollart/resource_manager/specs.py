@@ -1,4 +1,4 @@
-"""Pool specifications: the dicts a YAML config or ``ResourceManager({...})`` holds (seed 004 §5.1, §6).
+"""Pool specifications: the dicts a YAML config or ``ResourceManager({...})`` holds (RollArt paper §5.1, §6).
 
 A pool is one hardware group ``{"hardware": "H800", "devices": 2}``, a list of groups for a mixed
 pool, or CPUs ``{"hardware": "CPU", "cpus": 8}``. Errors name the pool and the field.

@@ -1,4 +1,4 @@
-"""Persistent metadata store (SQLite) of jobs, pools, worker bindings and service endpoints (seed 004 §6).
+"""Persistent metadata store (SQLite) of jobs, pools, worker bindings and service endpoints (RollArt paper §6).
 
 Several jobs and drivers share one file; every row belongs to a job id (the Ray namespace). A
 restarted driver and ``rollart status`` read the same state back. WAL mode and a busy timeout let

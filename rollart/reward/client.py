@@ -1,4 +1,4 @@
-"""RewardClient: the rollout side of the reward service (seed 004 §5.3: rewards are requested as
+"""RewardClient: the rollout side of the reward service (RollArt paper §5.3: rewards are requested as
 non-blocking tasks as soon as a trajectory ends).
 
 ``await client.score(trajectory)`` queues the trajectory; a flusher sends up to ``max_batch``

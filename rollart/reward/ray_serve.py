@@ -1,4 +1,4 @@
-"""The reward service on Ray Serve, autoscaling from zero replicas (seed 004 §4.3: stateless rewards
+"""The reward service on Ray Serve, autoscaling from zero replicas (RollArt paper §4.3: stateless rewards
 scale elastically to and from zero). Needs ``pip install rollart[serve]``."""
 
 from __future__ import annotations

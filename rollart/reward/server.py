@@ -1,4 +1,4 @@
-"""The reward service: reward functions behind HTTP (seed 004 §4.3, §7.5 "Reward-as-a-Service").
+"""The reward service: reward functions behind HTTP (RollArt paper §4.3, §7.5 "Reward-as-a-Service").
 
 ``POST /rewards/<name>`` with ``{"trajectories": [...]}`` answers ``{"result": [scores], "details": [...]}``.
 Guards, in the order a request meets them: body size (413), bearer token compared in constant time

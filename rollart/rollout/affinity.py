@@ -1,4 +1,4 @@
-"""Automatic hardware affinity: route each task tag by its measured prefill/decode profile (seed 004 P1).
+"""Automatic hardware affinity: route each task tag by its measured prefill/decode profile (RollArt paper P1).
 
 The ``@hw_mapping`` preferences are the default and the bounds: for a tag, the automatic order only
 reorders the hardware types its static preference lists, never adds one. Once a tag has ``min_requests``

@@ -1,4 +1,4 @@
-"""AsyncController: the rollout–train synchronisation protocol (seed 004 §5.3, Figure 8; seed 000 §4).
+"""AsyncController: the rollout–train synchronisation protocol (RollArt paper §5.3, Figure 8; ROLL Flash §4).
 
 Per training step the pipeline calls ``get_batch`` (blocking until ``batch_groups`` groups within the
 bound are in), trains, then ``suspend`` → ``model_update`` → ``resume``. Rollout keeps running while

@@ -1,4 +1,4 @@
-"""EnvManager: one environment, one trajectory at a time (seed 004 §5.3, Figure 7; seed 000 §5.2).
+"""EnvManager: one environment, one trajectory at a time (RollArt paper §5.3, Figure 7; ROLL Flash §5.2).
 
 ``reset → (generate → step)* → reward``, never waiting for other environments. Each action is sent
 to the shared LLMProxy with the whole history so far; the trajectory keeps every token with a loss

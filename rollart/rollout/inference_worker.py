@@ -1,4 +1,4 @@
-"""Inference worker: a command-driven loop over one engine (seed 004 §5.3, "LLMProxy").
+"""Inference worker: a command-driven loop over one engine (RollArt paper §5.3, "LLMProxy").
 
 Between engine steps the loop applies the commands that arrived (ADD, ABORT, UPDATE of weights);
 when commands are pending none of them waits for a step, and a request that finishes in a step is

@@ -1,4 +1,4 @@
-"""LLMProxy: the gateway EnvManagers share to reach inference workers (seed 004 §5.3).
+"""LLMProxy: the gateway EnvManagers share to reach inference workers (RollArt paper §5.3).
 
 It routes each request by its ``tag`` through the inference Cluster's ``@hw_mapping`` (first live
 hardware type of the tag's preference, least-loaded worker within it), and carries partial rollouts

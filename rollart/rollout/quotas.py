@@ -1,4 +1,4 @@
-"""Per-task shares of a training batch (seed 004 §7.1; ROLL's "domain batch size").
+"""Per-task shares of a training batch (RollArt paper §7.1; ROLL's "domain batch size").
 
 A job that mixes tasks gives each task tag a ``ratio``; a batch of ``batch_groups`` groups then holds
 ``batch_groups * ratio / sum(ratios)`` groups of each task — whole groups only (GRPO normalises within

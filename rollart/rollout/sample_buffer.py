@@ -1,12 +1,12 @@
-"""SampleBuffer: complete trajectory groups with their version stamps (seed 004 §5.3, seed 000 §4.3).
+"""SampleBuffer: complete trajectory groups with their version stamps (RollArt paper §5.3, ROLL Flash §4.3).
 
 A group is the unit of a batch (GRPO normalises within it). ``get_batch`` blocks until ``n`` groups
 that satisfy the asynchronous bound are in: a group begun under version ``s`` is usable at version
 ``v`` while ``v - s <= alpha``. Older groups are evicted and handed to ``on_stale`` so their prompts
 go back to the queue — nothing is lost. The buffer's size is bounded by the scheduler's admission
-control (seed 001: ``accepted + running <= (alpha + version + 1) * batch``), not by dropping data.
+control (SkyRL's fully-async docs: ``accepted + running <= (alpha + version + 1) * batch``), not by dropping data.
 
-Per-task quotas (seed 004 §7.1, a "domain batch size"): with ``quotas = {task: groups}`` a batch holds
+Per-task quotas (RollArt paper §7.1, a "domain batch size"): with ``quotas = {task: groups}`` a batch holds
 exactly ``quotas[task]`` groups of each task, the oldest usable ones of that task; the groups of a
 task that finishes faster than its share wait in the buffer for a later batch (still under the
 asynchronous bound: evicted and replayed once too old). Without quotas a batch is the ``n`` oldest

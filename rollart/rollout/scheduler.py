@@ -1,5 +1,5 @@
 """Rollout scheduling over EnvManager groups: env-level asynchrony, redundant env rollouts, dynamic
-filtering and the admission control of the asynchronous bound (seed 000 §4.3, §5.1–5.2; seed 001).
+filtering and the admission control of the asynchronous bound (ROLL Flash §4.3, §5.1–5.2; SkyRL's fully-async docs).
 
 ``num_env_groups`` groups of ``group_size`` EnvManagers each run rounds on their own, never waiting
 for other groups. In a round every member of a group plays the same seed; the round completes as soon
@@ -9,13 +9,13 @@ rollouts: ``group_size > group_keep`` tolerates fail-slow/fail-stop envs inside 
 dynamic filtering drops it (all rewards equal: no learning signal). A round whose members fail too
 often to reach ``group_keep`` is counted and retried with the same seed.
 
-Admission (seed 001, "capacity"): a new round starts only while
+Admission (SkyRL's fully-async docs, "capacity"): a new round starts only while
 ``accepted + running < (alpha + version + 1) * batch_groups + extra_groups``, so generation never runs
 more than ``alpha`` policy versions ahead; ``extra_groups = num_env_groups - batch_groups`` is the
 redundancy slack. When the version advances, running rounds begun more than ``alpha`` versions ago
 are aborted and their seeds retried (nothing is lost).
 
-Per-task quotas (``quotas={tag: groups}``, seed 004 §7.1): every batch holds exactly that many
+Per-task quotas (``quotas={tag: groups}``, RollArt paper §7.1): every batch holds exactly that many
 groups of each task (an env group's task is its EnvManagers' ``tag``), and admission is per task:
 task ``t`` starts a round only while ``accepted_t + running_t < (alpha + version + 1) * q_t + extra_t``
 (``extra_t`` = its env groups beyond ``q_t``). A fast task therefore runs at most ``alpha`` versions

@@ -63,7 +63,7 @@ class GroupId(NamedTuple):
 
 
 class Trajectory(BaseModel):
-    """One episode as the trainer sees it (seed 004 §5.3, seed 003 §3).
+    """One episode as the trainer sees it (RollArt paper §5.3, SAO §3).
 
     ``token_ids`` is the whole interaction (prompt, actions, observations) with ``loss_mask`` 1 on
     action tokens and 0 elsewhere; ``logprobs`` and ``versions`` hold the behaviour log-probability and

@@ -227,7 +227,7 @@ SAO_PRESET: dict[str, Any] = {
     "critic_lambda": 1.0,  # lambda_critic = 1: the value targets are the Monte-Carlo returns
     "warmup_steps": 10,
 }
-"""What ``preset: sao`` sets (seed 003 §4 "Implementation details"); a field given explicitly wins. The
+"""What ``preset: sao`` sets (SAO §4 "Implementation details"); a field given explicitly wins. The
 paper's critic learning rate (5e-6, for a 30B model) is not part of it: set ``lr`` for your model."""
 
 

@@ -1,11 +1,11 @@
-"""The critic (value model) and the GAE batch path (seed 003 §3, "Reducing Off-Policy with Single Rollout").
+"""The critic (value model) and the GAE batch path (SAO §3, "Reducing Off-Policy with Single Rollout").
 
 Value model. A causal-LM backbone (``AutoModel``: the transformer without its LM head) plus a scalar
 head ``v = w·h + b``. ``V[:, t]`` is the value of the state in which token ``t`` is generated (the
 prefix ``x_{<t}``), read from the hidden state at ``t - 1``; it is laid out like ``token_logprobs``
 (``V[:, 0] = 0``: position 0 is prompt, never an action).
 
-Advantages (seed 003 eq. 4–5, :func:`rollart.algorithms.skip_observation_gae`). A trajectory is
+Advantages (SAO eq. 4–5, :func:`rollart.algorithms.skip_observation_gae`). A trajectory is
 ``[prompt, a_0, o_0, a_1, o_1, ...]`` with ``loss_mask`` 1 on the action tokens. The GAE recursion runs
 over action tokens only; the successor of the last token of action ``i`` is the first token of action
 ``i + 1``, skipping the observation the environment produced::
@@ -25,7 +25,7 @@ Critic loss (:func:`rollart.algorithms.value_loss`): ``0.5 * max((V - R)^2, (cli
 token mean over the action tokens of the whole batch (each micro-batch and each DDP rank weighted by its
 share of the tokens, as the actor's strategy does).
 
-Seed 003 §3 gives two value-training designs, both here:
+SAO §3 gives two value-training designs, both here:
 
 * **K updates per actor step** ("Faster Value Update than Policy"): single-rollout RL has no group
   baseline, so the variance of the advantages is only as low as the critic is accurate, and the critic

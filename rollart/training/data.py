@@ -1,5 +1,5 @@
-"""Trajectory groups → a training ``Batch``, then advantages as a step over that batch (seed 000 §2.2,
-seed 003 §3, seed 004 §5.3).
+"""Trajectory groups → a training ``Batch``, then advantages as a step over that batch (ROLL Flash §2.2,
+SAO §3, RollArt paper §5.3).
 
 :func:`trajectories_to_batch` builds the columns (names in ``rollart.training.columns``), one row per
 trajectory: ``input_ids``, ``loss_mask``, ``behaviour_logprobs`` (the sampling engine's log-probs of the
@@ -226,7 +226,7 @@ def gae_advantages(
     alpha: float = 0.05,
     whiten: bool = True,
 ) -> Batch:
-    """Skip-observation GAE (seed 003 eq. 4–5) under the critic's ``values`` (one row per batch row, each
+    """Skip-observation GAE (SAO eq. 4–5) under the critic's ``values`` (one row per batch row, each
     as long as the row). The sequence reward sits on the last action token. Adds ``advantages`` with the
     policy's lambda (``lam``, or ``1 - 1/(alpha * l)`` per row of ``l`` action tokens with
     ``length_adaptive``), ``returns`` (the critic's regression targets ``A + V``) computed with

@@ -1,4 +1,4 @@
-"""The reference policy for the KL term (seed 000 §2.2; seed 004 §5.3 "reference" cluster).
+"""The reference policy for the KL term (ROLL Flash §2.2; RollArt paper §5.3 "reference" cluster).
 
 A frozen copy of the initial policy: it never trains, and only answers ``compute_logprobs`` so the
 trainer can add ``kl_coef * KL(π_θ || π_ref)`` over the action tokens (estimator ``kl_kind``: k1, k2,

@@ -1,4 +1,4 @@
-"""What every weight channel offers (seed 004 §5.2: the ``model_update_group`` interface).
+"""What every weight channel offers (RollArt paper §5.2: the ``model_update_group`` interface).
 
 Three channels implement :class:`WeightChannel`: the Ray object store
 (:class:`~rollart.weights.ray_channel.RayObjectChannel`), a torch.distributed broadcast

@@ -1,4 +1,4 @@
-"""Weight channel over a torch.distributed broadcast (seed 004 §5.2 "weight sync over collective
+"""Weight channel over a torch.distributed broadcast (RollArt paper §5.2 "weight sync over collective
 communication": NCCL between GPUs, gloo on CPU).
 
 The trainer (the publisher, rank 0) and ``num_receivers`` inference-worker processes (ranks

@@ -1,4 +1,4 @@
-"""One fetch per host: a weight channel whose readers share each version inside their host (seed 004
+"""One fetch per host: a weight channel whose readers share each version inside their host (RollArt paper
 §5.2: "inference workers fetch them on demand, then model update within clusters").
 
 :class:`HostSharedChannel` wraps another channel (the Mooncake store across clusters). Publishing goes

@@ -1,4 +1,4 @@
-"""Weight channel over a Mooncake store (seed 004 §5.2 "cross-cluster weight synchronisation").
+"""Weight channel over a Mooncake store (RollArt paper §5.2 "cross-cluster weight synchronisation").
 
 The trainer publishes a versioned snapshot into the store and goes on training; inference workers,
 possibly in another cluster, fetch it when they are ready (on resume). Layout of version ``v``

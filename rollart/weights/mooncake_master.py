@@ -1,4 +1,4 @@
-"""Start and stop a ``mooncake_master`` process (seed 004 §5.2, cross-cluster weights).
+"""Start and stop a ``mooncake_master`` process (RollArt paper §5.2, cross-cluster weights).
 
 The master only keeps metadata (which client segment holds which key); the bytes live in the
 segments that clients mount. rollart starts one master per job when the config gives no address,
