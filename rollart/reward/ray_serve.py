@@ -14,13 +14,19 @@ log = logging.getLogger(__name__)
 def deployment(
     function_specs: list[str], settings: ServerSettings, max_replicas: int = 4, downscale_delay_s: float = 60.0
 ) -> Any:
-    """A bound Ray Serve application serving the same FastAPI app, ``min_replicas=0``."""
+    """A bound Ray Serve application serving the same FastAPI app, ``min_replicas=0``.
+
+    Each replica builds the app (and loads the reward functions) itself: a FastAPI app holds thread
+    queues that cannot be pickled, and a function loaded on the replica runs there."""
     from ray import serve
 
     from rollart.reward.loader import load_functions
     from rollart.reward.server import build_app
 
-    app = build_app(load_functions(function_specs), settings)
+    build_app(load_functions(function_specs), settings)  # a bad spec or setting fails here, before any replica
+
+    def build() -> Any:
+        return build_app(load_functions(function_specs), settings)
 
     @serve.deployment(
         name="rollart-rewards",
@@ -33,7 +39,7 @@ def deployment(
         },
         max_ongoing_requests=settings.max_concurrency,
     )
-    @serve.ingress(app)
+    @serve.ingress(build)
     class RewardService:
         pass
 

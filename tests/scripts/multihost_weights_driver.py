@@ -64,14 +64,14 @@ class RecordingPipeline(AgenticPipeline):
 
     async def _sync_weights(self) -> tuple[int, float]:
         version, waited = await super()._sync_weights()
-        if self.loader is None:  # ray / dist: served when the driver goes on
+        if self.weights.loader is None:  # ray / dist: served when the driver goes on
             await self._served(version)
         return version, waited
 
     async def _await_loading(self) -> None:
         await super()._await_loading()
-        if self.loader is not None:  # mooncake: the newest version is now served everywhere
-            await self._served(self.loader.served)
+        if self.weights.loader is not None:  # mooncake: the newest version is now served everywhere
+            await self._served(self.weights.loader.served)
 
 
 def worker_place(cluster: Any) -> list[dict[str, Any]]:
