@@ -199,12 +199,13 @@ class Cluster:
                     )
         if self._colocate_with is not None:
             other = self._colocate_with
-            if other.pool != self.pool or other.devices_per_worker != d:
+            rm = self.resource_manager
+            if rm.devices_of(other.pool or "") != rm.devices_of(self.pool) or other.devices_per_worker != d:
                 raise ResourceSpecError(
                     f"Cluster({self.name!r}): colocate_with={other.name!r} runs on pool {other.pool!r} with "
                     f"devices_per_worker={other.devices_per_worker}; colocation needs the same pool and devices_per_worker"
                 )
-            binding = self.resource_manager.bindings.get(self.pool)
+            binding = rm.bindings.get(rm.devices_of(self.pool))
             on_gpu = any(s.group.capacity.mode == "gpu" for s in self._slots)
             if on_gpu and d == 1 and binding is not None and len(binding.colocated) >= MAX_COLOCATED_ON_GPU:
                 raise ResourceSpecError(

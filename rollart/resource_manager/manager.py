@@ -6,7 +6,9 @@ Invariants:
   actor exists, and its error names the pool and the field;
 - each hardware group of a pool is one placement group of one-device (or one-CPU) bundles, so one
   job's pools never take another job's devices;
-- a pool hosts one Cluster unless a second one asks to colocate with it.
+- a pool hosts one Cluster unless a second one asks to colocate with it;
+- a colocated pool (``{"colocate_with": "train"}``) reserves nothing: its name stands for the other
+  pool's bundles (:meth:`ResourceManager.pool_groups`, :meth:`ResourceManager.bind`).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class ResourceManager:
         self.admission = admission if admission is not None else Admission.from_env()
         if self.admission is not None:
             users: dict[str, list[str]] = {}
-            for s in self.specs.values():
+            for s in self._reserved_specs():
                 for g in s.groups:
                     users.setdefault(g.hardware, []).append(s.name)
             wait_for_admission(registry, self.job_id, self._resources_asked(), users, self.admission)
@@ -101,9 +103,13 @@ class ResourceManager:
             raise
 
     # ------------------------------------------------------------------ validation
+    def _reserved_specs(self) -> list[PoolSpec]:
+        """The pools with devices of their own (a colocated pool's are another pool's)."""
+        return [s for s in self.specs.values() if s.colocate_with is None]
+
     def _resources_asked(self) -> dict[str, float]:
         asked: dict[str, float] = {}
-        for spec in self.specs.values():
+        for spec in self._reserved_specs():
             for g in spec.groups:
                 asked[g.hardware] = asked.get(g.hardware, 0) + g.amount
         return asked
@@ -124,7 +130,7 @@ class ResourceManager:
         for hw, need in asked.items():
             cap = self.capacity[hw]
             if need > cap.available + 1e-9:
-                users = [s.name for s in self.specs.values() for g in s.groups if g.hardware == hw]
+                users = [s.name for s in self._reserved_specs() for g in s.groups if g.hardware == hw]
                 field_name = "cpus" if hw == CPU else "devices"
                 raise ResourceSpecError(
                     f"pools {users} ask for {need:g} {hw} {field_name} but the cluster has {cap.available:g} "
@@ -134,7 +140,7 @@ class ResourceManager:
         on_gpus = {hw: n for hw, n in asked.items() if self.capacity[hw].mode == "gpu"}
         every_gpu = self.capacity.get(ANY_GPU)
         if len(on_gpus) > 1 and every_gpu is not None and sum(on_gpus.values()) > every_gpu.available + 1e-9:
-            users = [s.name for s in self.specs.values() for g in s.groups if g.hardware in on_gpus]
+            users = [s.name for s in self._reserved_specs() for g in s.groups if g.hardware in on_gpus]
             split = ", ".join(f"{h}: {n:g}" for h, n in on_gpus.items())
             raise ResourceSpecError(
                 f"pools {users} ask for {sum(on_gpus.values()):g} GPUs ({split}) but the cluster has "
@@ -146,7 +152,7 @@ class ResourceManager:
         self.store.record_job(self.job_id, ray.get_runtime_context().gcs_address)
         created: list[PlacementGroup] = []
         try:
-            for spec in self.specs.values():
+            for spec in self._reserved_specs():
                 reserved = []
                 for i, g in enumerate(spec.groups):
                     cap = self.capacity[g.hardware]
@@ -166,15 +172,26 @@ class ResourceManager:
             for pg in created:
                 remove_placement_group(pg)
             raise
-        for spec in self.specs.values():
+        for spec in self._reserved_specs():
             for rg in self.groups[spec.name]:
                 self.store.record_pool(
                     self.job_id, spec.name, rg.index, rg.group.hardware, rg.group.devices, rg.group.cpus, rg.name
                 )
-        log.info("job %s reserved pools %s", self.job_id, {n: s.hardware_types for n, s in self.specs.items()})
+        log.info(
+            "job %s reserved pools %s%s",
+            self.job_id,
+            {s.name: s.hardware_types for s in self._reserved_specs()},
+            "".join(f"; {s.name} shares {s.colocate_with}" for s in self.specs.values() if s.colocate_with),
+        )
 
     # ------------------------------------------------------------------ binding (used by Cluster)
+    def devices_of(self, pool: str) -> str:
+        """The pool whose devices ``pool`` names: itself, or the pool a colocated one shares."""
+        spec = self.specs.get(pool)
+        return spec.colocate_with or pool if spec is not None else pool
+
     def pool_groups(self, pool: str) -> list[ReservedGroup]:
+        pool = self.devices_of(pool)
         if pool not in self.groups:
             raise ResourceSpecError(f"pool={pool!r} is not a pool of this ResourceManager (pools: {list(self.groups)})")
         return self.groups[pool]
@@ -183,6 +200,7 @@ class ResourceManager:
         """Re-reserve ``pool`` as bundles of ``devices_per_bundle`` devices each (one bundle per worker of
         ``devices_per_worker`` devices: a Ray actor fits in one bundle). Only an unbound pool can change."""
         groups = self.pool_groups(pool)
+        pool = self.devices_of(pool)
         if all(rg.devices_per_bundle == devices_per_bundle for rg in groups):
             return
         if pool in self.bindings:
@@ -214,8 +232,10 @@ class ResourceManager:
             )
 
     def bind(self, cluster: str, pool: str, colocate_with: str | None) -> None:
-        """Record that ``cluster`` uses ``pool``; a second cluster must ask to colocate."""
+        """Record that ``cluster`` uses ``pool`` (a colocated pool: the pool it shares); a second cluster must
+        ask to colocate."""
         self.pool_groups(pool)
+        pool = self.devices_of(pool)
         current = self.bindings.get(pool)
         if colocate_with is None:
             if current is not None:
@@ -232,7 +252,7 @@ class ResourceManager:
         current.colocated.append(cluster)
 
     def unbind(self, cluster: str, pool: str) -> None:
-        binding = self.bindings.get(pool)
+        binding = self.bindings.get(self.devices_of(pool))
         if binding is None:
             return
         if binding.owner == cluster:

@@ -1,7 +1,9 @@
 """Pool specifications: the dicts a YAML config or ``ResourceManager({...})`` holds (RollArt paper §5.1, §6).
 
 A pool is one hardware group ``{"hardware": "H800", "devices": 2}``, a list of groups for a mixed
-pool, or CPUs ``{"hardware": "CPU", "cpus": 8}``. Errors name the pool and the field.
+pool, or CPUs ``{"hardware": "CPU", "cpus": 8}``; or ``{"colocate_with": "train"}``: a second name for
+another pool's devices (colocated mode: nothing more is reserved, a Cluster on it shares that pool's
+bundles). Errors name the pool and the field.
 """
 
 from __future__ import annotations
@@ -50,16 +52,44 @@ class HardwareGroup(BaseModel):
 
 
 class PoolSpec(BaseModel):
-    """A named pool: one or more hardware groups, in the order given."""
+    """A named pool: one or more hardware groups, in the order given. A colocated pool
+    (``colocate_with``) has the groups of the pool whose devices it shares and reserves nothing itself."""
 
     model_config = ConfigDict(frozen=True)
 
     name: str
     groups: tuple[HardwareGroup, ...]
+    colocate_with: str | None = None
 
     @property
     def hardware_types(self) -> list[str]:
         return [g.hardware for g in self.groups]
+
+
+COLOCATE_WITH = "colocate_with"
+
+
+def colocation_target(name: str, raw: Any) -> str | None:
+    """The pool ``raw`` (the spec of pool ``name``) shares devices with, or None for a pool of its own.
+    ``colocate_with`` goes alone, in a mapping: ``{"colocate_with": "train"}``."""
+    items = raw if isinstance(raw, list) else [raw]
+    if not any(isinstance(i, Mapping) and COLOCATE_WITH in i for i in items):
+        return None
+    if isinstance(raw, list):
+        raise ResourceSpecError(
+            f"pools.{name}: colocate_with shares another pool's devices and goes alone, not in a list of "
+            'groups: {"colocate_with": "train"}'
+        )
+    extra = sorted(k for k in raw if k != COLOCATE_WITH)
+    if extra:
+        raise ResourceSpecError(
+            f"pools.{name}: colocate_with shares the devices of pool {raw[COLOCATE_WITH]!r}, so {extra} cannot be "
+            f"given with it; drop {extra}, or drop colocate_with to give {name!r} devices of its own"
+        )
+    target = raw[COLOCATE_WITH]
+    if not isinstance(target, str) or not target:
+        raise ResourceSpecError(f"pools.{name}.colocate_with: the name of another pool (e.g. train), got {target!r}")
+    return target
 
 
 def parse_pools(pools: Mapping[str, Any]) -> dict[str, PoolSpec]:
@@ -67,9 +97,14 @@ def parse_pools(pools: Mapping[str, Any]) -> dict[str, PoolSpec]:
     if not isinstance(pools, Mapping) or not pools:
         raise ResourceSpecError('pools must be a non-empty dict such as {"train": {"hardware": "H800", "devices": 2}}')
     out: dict[str, PoolSpec] = {}
+    colocated: dict[str, str] = {}
     for name, raw in pools.items():
         if not isinstance(name, str) or not name:
             raise ResourceSpecError(f"pool name {name!r} must be a non-empty string")
+        target = colocation_target(name, raw)
+        if target is not None:
+            colocated[name] = target
+            continue
         items = raw if isinstance(raw, list) else [raw]
         if not items:
             raise ResourceSpecError(f"pools.{name}: an empty list; give at least one hardware group")
@@ -91,4 +126,18 @@ def parse_pools(pools: Mapping[str, Any]) -> dict[str, PoolSpec]:
         if len(set(hw)) != len(hw):
             raise ResourceSpecError(f"pools.{name}: hardware type listed twice ({hw}); merge the groups")
         out[name] = PoolSpec(name=name, groups=tuple(groups))
-    return out
+    for name, target in colocated.items():
+        if target == name:
+            raise ResourceSpecError(
+                f"pools.{name}.colocate_with: {name!r} names this pool itself; name the pool whose devices it "
+                "shares (e.g. colocate_with: train)"
+            )
+        if target in colocated:
+            raise ResourceSpecError(
+                f"pools.{name}.colocate_with: pool {target!r} has no devices of its own (it colocates with "
+                f"{colocated[target]!r}); name {colocated[target]!r}"
+            )
+        if target not in out:
+            raise ResourceSpecError(f"pools.{name}.colocate_with: {target!r} is not a pool; name one of {sorted(out)}")
+        out[name] = PoolSpec(name=name, groups=out[target].groups, colocate_with=target)
+    return {name: out[name] for name in pools}  # the order given
