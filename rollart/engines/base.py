@@ -5,6 +5,11 @@ ADD / ABORT / UPDATE commands: ``add_request`` queues a request, ``step`` runs o
 step for the running batch and returns the requests that finished in it, ``abort`` stops one and
 returns its partial output, ``update_weights`` swaps in a full state dict as a new version.
 
+Colocated mode (the engine shares its devices with a trainer in the same process): ``sleep(level)``
+gives the device memory back while the trainer steps — level 1 the KV cache, level 2 the KV cache and
+the engine's weights — and ``wake_up(weights, version)`` takes it again, loading the trainer's weights;
+``memory()`` says what the engine holds. An engine without a sleep mode raises ``NotImplementedError``.
+
 Behaviour logprobs: ``output_logprobs[i]`` is ``log p(token_i)`` under the distribution the token was
 actually sampled from — the model's logits divided by the temperature, then restricted by top-k and
 top-p and renormalised (greedy decoding reports the log-softmax of the raw logits).
@@ -60,10 +65,33 @@ class RequestOutput:
     weight_version: int = 0
 
 
+SLEEP_LEVELS = (1, 2)
+"""What a sleeping engine gives back: 1 its KV cache, 2 its KV cache and its weights."""
+
+
+@dataclass
+class EngineMemory:
+    """What an engine holds on its device (bytes; None where the engine cannot tell)."""
+
+    sleep_level: int = 0
+    """0 awake; else the level of the last ``sleep``."""
+    kv_cache_bytes: int | None = None
+    """The KV cache it holds on its device now (0 while asleep, where sleeping frees memory)."""
+    kv_cache_peak_bytes: int | None = None
+    """The largest KV cache it held since its last wake-up (or since it started)."""
+    weight_bytes: int | None = None
+    """Its weights on its device now (0 while asleep at level 2, where sleeping frees memory)."""
+    frees_memory: bool = False
+    """Whether sleeping gives memory back here (vLLM on CPU, for one, only pauses)."""
+    freed_bytes: int | None = None
+    """The device memory its last ``sleep`` gave back, as the device reports it; None where not measured."""
+
+
 class InferenceEngine(ABC):
     """A step-driven generation backend."""
 
     weight_version: int = 0
+    sleep_level: int = 0  # 0 awake; 1 or 2 while asleep (colocated mode)
 
     @abstractmethod
     def add_request(self, request: EngineRequest) -> None: ...
@@ -82,3 +110,22 @@ class InferenceEngine(ABC):
     @abstractmethod
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Load a full state dict as ``version``; a bad one is refused and the old weights keep serving."""
+
+    # ------------------------------------------------------------------ colocated mode
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back while a trainer in this process steps: ``level`` 1 the KV cache,
+        2 the KV cache and the weights. No request may be in the engine, and it takes none until
+        :meth:`wake_up`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no sleep mode: colocated mode needs an engine that implements sleep "
+            "and wake_up (the torch and vllm engines do)"
+        )
+
+    def wake_up(self, weights: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None:
+        """Take the device memory again; with ``weights``, load them as ``version`` first (after a level-2
+        sleep they must be given: the engine's own were freed). Awake, it only loads ``weights``."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode (see sleep)")
+
+    def memory(self) -> EngineMemory:
+        """What the engine holds on its device now."""
+        return EngineMemory(sleep_level=self.sleep_level)

@@ -9,6 +9,10 @@ are prefilled once and their cache row copied. A row that finishes or is aborted
 and leading columns no row uses any more are cut.
 Rows that share sampling settings are sampled in one vectorised call (a seeded row with its own uniform draw).
 
+Colocated mode: ``sleep(1)`` drops the KV cache, ``sleep(2)`` also the weights' storage (each parameter
+keeps its shape to be allocated again); ``wake_up(weights, version)`` allocates them and loads the
+trainer's weights. On a GPU the freed blocks go back to the device (``torch.cuda.empty_cache``).
+
 Sampling follows ``rollart.engines.base``: greedy at ``temperature == 0``; otherwise logits /
 temperature, top-k, then top-p (nucleus), renormalised; the behaviour logprob is that of the sampled
 token under this processed distribution. A request with ``seed`` samples from its own generator.
@@ -24,7 +28,14 @@ from typing import Any
 
 import torch
 
-from rollart.engines.base import EngineRequest, InferenceEngine, RequestOutput, SamplingParams
+from rollart.engines.base import (
+    SLEEP_LEVELS,
+    EngineMemory,
+    EngineRequest,
+    InferenceEngine,
+    RequestOutput,
+    SamplingParams,
+)
 from rollart.models.kv_cache import cache_kwargs, output_cache
 
 log = logging.getLogger(__name__)
@@ -94,9 +105,13 @@ class TorchEngine(InferenceEngine):
         self._cache: Any = None  # a DynamicCache over ``_running``: left-padded rows
         self._mask: torch.Tensor | None = None  # [B, T] 1 where the cache holds a real token
         self._next_pos: torch.Tensor | None = None  # [B] position id of each row's next input token
-        self._dropped = False  # a running request was aborted: its row goes at the next step
+        self._row_dropped = False  # a running request was aborted: its row goes at the next step
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
+        # names and shapes of the weights a state dict must match (the module's own are emptied by sleep(2))
+        self._state_shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        self._dropped: list[tuple[torch.nn.Parameter, torch.Size]] = []  # parameters emptied by sleep(2)
+        self._kv_peak = 0
         self.stats: dict[str, int] = {
             "prefill_forwards": 0,
             "prefill_tokens": 0,
@@ -107,6 +122,11 @@ class TorchEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> None:
+        if self.sleep_level:
+            raise RuntimeError(
+                f"request {request.request_id!r}: the engine is asleep (level {self.sleep_level}: the trainer holds "
+                "the device); wake_up first"
+            )
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
         if not request.prompt_token_ids:
@@ -126,7 +146,7 @@ class TorchEngine(InferenceEngine):
         try:
             self._waiting.remove(request_id)
         except ValueError:
-            self._dropped = True  # it has a cache row: dropped at the next step
+            self._row_dropped = True  # it has a cache row: dropped at the next step
         run.output.finished, run.output.finish_reason = True, "abort"
         return run.output
 
@@ -259,8 +279,8 @@ class TorchEngine(InferenceEngine):
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        if self._dropped:  # rows of aborted requests go
-            self._dropped = False
+        if self._row_dropped:  # rows of aborted requests go
+            self._row_dropped = False
             live = [i for i, r in enumerate(self._running) if self._requests.get(r.request.request_id) is r]
             if len(live) < len(self._running):
                 self._keep_rows(live)
@@ -295,19 +315,32 @@ class TorchEngine(InferenceEngine):
                 keep.append(i)
         if len(keep) < len(batch):
             self._keep_rows(keep)
+        self._kv_peak = max(self._kv_peak, self.kv_cache_bytes())
         return finished
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        current = self.model.state_dict()
-        missing = [k for k in current if k not in weights and not k.endswith("lm_head.weight")]
-        unexpected = [k for k in weights if k not in current]
-        bad_shape = [k for k, v in weights.items() if k in current and tuple(v.shape) != tuple(current[k].shape)]
+    def _check_state(self, weights: Mapping[str, torch.Tensor], version: int | None) -> None:
+        shapes = self._state_shapes
+        missing = [k for k in shapes if k not in weights and not k.endswith("lm_head.weight")]
+        unexpected = [k for k in weights if k not in shapes]
+        bad_shape = [k for k, v in weights.items() if k in shapes and tuple(v.shape) != shapes[k]]
+        if self._dropped:  # every emptied parameter must be written (a tied one under either name)
+            given = {id(p) for k, p in self.model.named_parameters(remove_duplicate=False) if k in weights}
+            names = {id(p): k for k, p in self.model.named_parameters()}
+            missing += [names[id(p)] for p, _ in self._dropped if id(p) not in given and names[id(p)] not in missing]
         if missing or unexpected or bad_shape:
             raise ValueError(
                 f"update_weights(version={version}) refused: missing {missing[:3]}, unexpected {unexpected[:3]}, "
                 f"wrong shape {bad_shape[:3]}; the engine keeps serving version {self.weight_version}"
             )
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        if self._dropped:
+            raise RuntimeError(
+                "update_weights: the weights were freed by sleep(2); wake_up(weights, version) loads them"
+            )
+        self._check_state(weights, version)
+        current = self.model.state_dict()
         with torch.no_grad():
             for k, v in weights.items():
                 current[k].copy_(v.to(current[k].device, current[k].dtype))
@@ -316,3 +349,50 @@ class TorchEngine(InferenceEngine):
         self._waiting.extendleft(reversed(live))
         self._reset_cache()
         self.weight_version = int(version)
+
+    # ------------------------------------------------------------------ colocated mode
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the batched KV cache held now (keys and values of every layer)."""
+        if self._cache is None:
+            return 0
+        tensors = [t for layer in self._cache.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def sleep(self, level: int = 1) -> None:
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep(level={level}): use one of {SLEEP_LEVELS}")
+        if self._requests:
+            raise RuntimeError(f"sleep: {len(self._requests)} requests are still in the engine; abort them first")
+        self._waiting.clear()
+        self._reset_cache()
+        if level >= 2 and not self._dropped:
+            for param in self.model.parameters():  # tied weights are one parameter: emptied once
+                self._dropped.append((param, param.shape))
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self.sleep_level = max(level, self.sleep_level)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.debug("torch engine asleep (level %d)", self.sleep_level)
+
+    def wake_up(self, weights: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None:
+        if weights is not None:
+            self._check_state(weights, version)  # before anything changes: a bad state dict leaves it asleep
+        elif self._dropped:
+            raise ValueError("wake_up: the weights were freed by sleep(2); give the weights to load")
+        with torch.no_grad():
+            for param, shape in self._dropped:
+                param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+        self._dropped = []
+        self.sleep_level = 0
+        self._kv_peak = 0
+        if weights is not None:
+            self.update_weights(weights, self.weight_version if version is None else version)
+
+    def memory(self) -> EngineMemory:
+        return EngineMemory(
+            sleep_level=self.sleep_level,
+            kv_cache_bytes=self.kv_cache_bytes(),
+            kv_cache_peak_bytes=self._kv_peak,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            frees_memory=True,
+        )

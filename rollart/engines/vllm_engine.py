@@ -12,7 +12,13 @@ so the inference worker's command loop keeps control between steps exactly as wi
   definition as :mod:`rollart.engines.base`;
 - ``update_weights`` checks names and shapes against the model's Hugging Face checkpoint (a bad
   state dict is refused and the old weights keep serving), loads through vLLM's in-place ``reload_weights``
-  (checkpoint names; q/k/v and gate/up are fused and CPU kernels repacked there) and drops the prefix cache.
+  (checkpoint names; q/k/v and gate/up are fused and CPU kernels repacked there) and drops the prefix cache;
+- colocated mode (``sleep_mode=True``): ``sleep(level)`` is vLLM's ``LLMEngine.sleep(level)`` (1: the KV
+  cache discarded, the weights moved to host memory; 2: both discarded), ``wake_up(weights, version)``
+  wakes the weights (``wake_up(tags=["weights"])``), loads the trainer's, then wakes the KV cache. vLLM
+  frees device memory only where its sleep mode exists (CUDA, ROCm, XPU; ``enable_sleep_mode`` is set
+  there, with ``gpu_memory_utilization`` 0.5 unless given, to leave the trainer room); on a CPU the same
+  calls pause and resume its scheduler and free nothing (``memory().frees_memory`` is False).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rollart.engines.base import EngineRequest, InferenceEngine, RequestOutput
+from rollart.engines.base import SLEEP_LEVELS, EngineMemory, EngineRequest, InferenceEngine, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,7 @@ class VLLMEngine(InferenceEngine):
         kv_cache_gb: float = 1.0,
         seed: int = 0,
         enforce_eager: bool = True,
+        sleep_mode: bool = False,
         **engine_kwargs: Any,
     ):
         if max_batch_size is not None:
@@ -106,6 +113,11 @@ class VLLMEngine(InferenceEngine):
             # not use offset"); a step budget that holds every running request's whole context never
             # splits one
             engine_kwargs["max_num_batched_tokens"] = max_num_seqs * max_model_len
+        # colocated mode: vLLM's sleep mode where the platform has one (it frees nothing on a CPU)
+        self.frees_memory = bool(sleep_mode) and current_platform.is_sleep_mode_available()
+        if self.frees_memory:
+            engine_kwargs["enable_sleep_mode"] = True
+            engine_kwargs.setdefault("gpu_memory_utilization", 0.5)  # the trainer shares the device
         from rollart.models.shapes import is_shape_folder, weight_shapes
 
         self.model_path = model
@@ -128,6 +140,8 @@ class VLLMEngine(InferenceEngine):
         self._prompts: dict[str, list[int]] = {}
         self._partial: dict[str, RequestOutput] = {}
         self.weight_version = 0
+        self.sleep_level = 0
+        self._freed: int | None = None
 
     # ------------------------------------------------------------------ requests
     def _sampling(self, request: EngineRequest) -> Any:
@@ -151,6 +165,8 @@ class VLLMEngine(InferenceEngine):
         from vllm.inputs import TokensPrompt
 
         rid = request.request_id
+        if self.sleep_level:
+            raise RuntimeError(f"request {rid!r}: the engine is asleep (level {self.sleep_level}); wake_up first")
         sampling = self._sampling(request)  # a refused request leaves nothing behind
         self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), sampling)
         self._prompts[rid] = list(request.prompt_token_ids)
@@ -206,12 +222,83 @@ class VLLMEngine(InferenceEngine):
         if bad:
             raise ValueError(f"update_weights: shape mismatch {bad[:3]} (name, got, expected)")
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        self.check_state(weights)
+    def _load(self, weights: Mapping[str, torch.Tensor]) -> None:
         items = [(k, v.detach().to("cpu")) for k, v in weights.items() if k in self._shapes]
         # vLLM's in-place reload: checkpoint-format names, re-runs the kernels' weight processing
         self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
         self._engine.apply_model(_refresh_tied_head)
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        if self.sleep_level:
+            raise RuntimeError("update_weights: the engine is asleep; wake_up(weights, version) loads them")
+        self.check_state(weights)
+        self._load(weights)
         self._engine.reset_prefix_cache()  # cached KV blocks came from the old weights
         self.weight_version = version
         logger.info("vLLM engine now serves weights version %d", version)
+
+    # ------------------------------------------------------------------ colocated mode
+    def _device_free_bytes(self) -> int | None:
+        if not (self.frees_memory and torch.cuda.is_available()):
+            return None
+        torch.cuda.synchronize()
+        return int(torch.cuda.mem_get_info()[0])
+
+    def sleep(self, level: int = 1) -> None:
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep(level={level}): use one of {SLEEP_LEVELS}")
+        if self._partial:
+            raise RuntimeError(f"sleep: {len(self._partial)} requests are still in the engine; abort them first")
+        if self.sleep_level:
+            return
+        before = self._device_free_bytes()
+        self._engine.sleep(level=level)  # pauses the scheduler and drops the prefix cache first
+        after = self._device_free_bytes()
+        self._freed = after - before if before is not None and after is not None else None
+        self.sleep_level = level
+
+    def wake_up(self, weights: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None:
+        if weights is not None:
+            self.check_state(weights)  # before anything wakes: a bad state dict leaves the engine asleep
+        version = self.weight_version if version is None else version
+        if not self.sleep_level:
+            if weights is not None:
+                self.update_weights(weights, version)
+            return
+        if weights is None and self.sleep_level >= 2 and self.frees_memory:
+            raise ValueError("wake_up: the weights were discarded by sleep(2); give the weights to load")
+        self._engine.wake_up(tags=["weights"])
+        if weights is not None:
+            self._load(weights)
+        self._engine.wake_up(tags=["kv_cache"])  # then the scheduler resumes
+        self._engine.reset_prefix_cache()
+        self.sleep_level = 0
+        self.weight_version = version
+        logger.info("vLLM engine awake, serving weights version %d", version)
+
+    def memory(self) -> EngineMemory:
+        kv = sum(self._engine.collective_rpc(_kv_cache_bytes))
+        weights = sum(self._engine.apply_model(_weight_bytes))
+        gone = bool(self.sleep_level) and self.frees_memory  # on a CPU a sleeping vLLM keeps everything
+        return EngineMemory(
+            sleep_level=self.sleep_level,
+            kv_cache_bytes=0 if gone else kv,
+            weight_bytes=0 if gone else weights,
+            frees_memory=self.frees_memory,
+            freed_bytes=self._freed,
+        )
+
+
+def _kv_cache_bytes(worker: Any) -> int:
+    """Bytes of the KV cache tensors a vLLM worker allocated (the blocks, used or not)."""
+
+    def size(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        return sum(size(y) for y in x) if isinstance(x, (list, tuple)) else 0
+
+    return size(getattr(worker.model_runner, "kv_caches", []))
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

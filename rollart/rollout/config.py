@@ -137,3 +137,8 @@ class EngineConfig(BaseModel):
     """Send each inference worker the requests of one event-loop turn as one streaming call (batched ADD); false:
     one Ray call per request.
     """
+    sleep_level: Literal[1, 2] = 2
+    """Colocated mode (`pools.<rollout>: {colocate_with: <train>}`): what the engine gives back while the trainer
+    steps: `1` its KV cache (vLLM's level 1 also moves its weights to host memory), `2` its KV cache and its
+    weights (it takes the trainer's at wake-up). Ignored with separate pools.
+    """

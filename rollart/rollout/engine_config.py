@@ -37,14 +37,25 @@ def simulated_options(options: dict[str, Any], hardware: str | None) -> dict[str
     return options
 
 
+SLEEPING_KINDS = ("torch", "vllm")
+"""The built-in engines with a sleep mode (colocated mode)."""
+
+
 def build_engine(
-    cfg: EngineConfig | dict[str, Any], device: str | None = None, hardware: str | None = None
+    cfg: EngineConfig | dict[str, Any],
+    device: str | None = None,
+    hardware: str | None = None,
+    *,
+    colocated: bool = False,
 ) -> InferenceEngine:
     """The engine of ``cfg``; the torch engine runs on ``device`` (the worker's) unless its options say;
-    the simulated engine's ``profile: auto`` becomes ``hardware`` (the worker's hardware type)."""
+    the simulated engine's ``profile: auto`` becomes ``hardware`` (the worker's hardware type).
+    ``colocated``: the engine will sleep while a trainer in its process steps (vLLM turns its sleep mode on)."""
     cfg = EngineConfig.model_validate(cfg)
     if cfg.kind == "torch" and device is not None and "device" not in cfg.options:
         cfg = cfg.model_copy(update={"options": {**cfg.options, "device": device}})
+    if colocated and cfg.kind == "vllm":
+        cfg = cfg.model_copy(update={"options": {**cfg.options, "sleep_mode": True}})
     target = ENGINE_KINDS.get(cfg.kind, cfg.kind)
     if ":" not in target:
         raise ValueError(f"engine.kind={cfg.kind!r}: use one of {sorted(ENGINE_KINDS)} or 'module:Class'")

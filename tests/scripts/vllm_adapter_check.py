@@ -51,8 +51,9 @@ def main(model: str, new_weights: str, out_path: str) -> None:
         result["unknown_refused"] = False
     except ValueError as err:
         result["unknown_refused"] = str(err)
-    # max_batch_size, the engine-neutral name of the running-batch limit, is vLLM's max_num_seqs
-    engine = VLLMEngine(model, dtype="float32", max_model_len=512, max_batch_size=8)
+    # max_batch_size, the engine-neutral name of the running-batch limit, is vLLM's max_num_seqs; sleep_mode
+    # (colocated mode) is accepted on a CPU, where vLLM has no sleep mode to enable
+    engine = VLLMEngine(model, dtype="float32", max_model_len=512, max_batch_size=8, sleep_mode=True)
     sched = engine._engine.vllm_config.scheduler_config
     result["max_num_seqs"], result["max_num_batched_tokens"] = sched.max_num_seqs, sched.max_num_batched_tokens
     result["greedy"] = run(engine, greedy("g"))
@@ -106,8 +107,45 @@ def main(model: str, new_weights: str, out_path: str) -> None:
     engine.update_weights(state, 1)
     result["version"] = engine.weight_version
     result["updated"] = run(engine, greedy("u"))
+    result["sleep"] = sleep_and_wake(engine, model)
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def sleep_and_wake(engine: VLLMEngine, model: str) -> dict:
+    """Colocated mode through vLLM's own sleep / wake-up: refused with a request in the engine, asleep it
+    takes none, woken with other weights it serves those; what it says it holds (on a CPU: everything)."""
+    from dataclasses import asdict
+
+    from transformers import AutoModelForCausalLM
+
+    out: dict = {}
+    engine.add_request(EngineRequest("busy", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=30)))
+    engine.step()
+    try:
+        engine.sleep(2)
+        out["busy_refused"] = False
+    except RuntimeError as err:
+        out["busy_refused"] = str(err)
+    engine.abort("busy")
+    out["awake"] = asdict(engine.memory())
+    engine.sleep(2)
+    out["asleep"] = asdict(engine.memory())
+    out["vllm_sleeping"] = engine._engine.is_sleeping()
+    try:
+        engine.add_request(EngineRequest("late", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=4)))
+        out["asleep_refused"] = False
+    except RuntimeError as err:
+        out["asleep_refused"] = str(err)
+    first = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).state_dict()
+    engine.wake_up(first, 2)  # the weights it served before the update: its outputs go back to those
+    out["vllm_sleeping_after_wake"] = engine._engine.is_sleeping()
+    out["version"] = engine.weight_version
+    out["woken"] = run(engine, greedy("w"))
+    engine.sleep(1)
+    engine.wake_up()  # level 1 without weights: it keeps its own
+    out["level1"] = run(engine, greedy("k"))
+    return out
 
 
 if __name__ == "__main__":
