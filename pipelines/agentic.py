@@ -128,21 +128,32 @@ class AgenticPipeline:
         pool_hw = [g.hardware for g in self.rm.specs[config.rollout_pool].groups]
         tags = {k: (v or pool_hw) for k, v in config.tags.items()}
         engine = config.engine.model_copy(update={"model": config.engine.model or self.model_path})
-        self.infer = ra.Cluster(
-            "actor_infer",
-            inference_worker_class(tags),
-            self.rm,
-            pool=config.rollout_pool,
-            worker_kwargs={"engine": engine.model_dump()},
-        )
         train_cfg = config.train.model_copy(update={"model": config.train.model or self.model_path})
-        self.train = ra.Cluster(
-            "actor_train",
-            train_worker_class(train_cfg.strategy),
-            self.rm,
-            pool=config.train_pool,
-            worker_kwargs={"config": train_cfg.model_dump()},
-        )
+        if config.colocated:  # one worker per train rank holds the trainer and the engine (time-shared)
+            from rollart.training.colocated import colocated_worker_class
+
+            self.train = self.infer = ra.Cluster(
+                "actor",
+                colocated_worker_class(train_cfg.strategy, tags),
+                self.rm,
+                pool=config.train_pool,
+                worker_kwargs={"config": train_cfg.model_dump(), "engine": engine.model_dump()},
+            )
+        else:
+            self.infer = ra.Cluster(
+                "actor_infer",
+                inference_worker_class(tags),
+                self.rm,
+                pool=config.rollout_pool,
+                worker_kwargs={"engine": engine.model_dump()},
+            )
+            self.train = ra.Cluster(
+                "actor_train",
+                train_worker_class(train_cfg.strategy),
+                self.rm,
+                pool=config.train_pool,
+                worker_kwargs={"config": train_cfg.model_dump()},
+            )
         start_data_parallel(self.train)
         self.ref = self._beside_trainer("reference", train_cfg) if config.train.kl_coef > 0 else None
         self.baseline = None
@@ -189,8 +200,9 @@ class AgenticPipeline:
 
         config = self.config
         # a restarted inference worker loads the served version (ray or mooncake channel; a dist
-        # broadcast needs every receiver at once, so with it dead workers are not restarted)
-        restart = config.fault.inference if config.weights.channel != "dist" else None
+        # broadcast needs every receiver at once, so with it dead workers are not restarted; colocated
+        # engines are trainer ranks, restored by the trainer's fault policy)
+        restart = config.fault.inference if config.weights.channel not in ("dist", "inprocess") else None
         affinity = None
         if config.routing.auto:  # @hw_mapping / tags: are the default order and its bounds
             from rollart.rollout.affinity import AutoAffinity
@@ -509,6 +521,7 @@ class AgenticPipeline:
         t_rollout = time.monotonic() - t0
         staleness = Counter(self.scheduler.staleness) - stale_before
         t1 = time.monotonic()
+        await self.weights.before_train(self.controller)  # colocated: the engines give the devices back
         batch, critic_step = await self._make_batch(groups)
         if self.ref is not None:
             batch[C.REF_LOGPROBS] = await self.ref.compute_logprobs(batch, blocking=False)
@@ -523,6 +536,7 @@ class AgenticPipeline:
             step, version, trajs, train_metrics, t_rollout, t_train, t_sync, time.monotonic() - t0, staleness
         )
         record.update(batch_statistics(batch, trajs))
+        record.update(self.weights.record())
         record.update(task_record(self.scheduler, groups, task_stale_before, held_back, self.quotas))
         record["trainer_restarts"] = len(self.recoveries)
         if self.data_tasks.samplers:
@@ -597,6 +611,7 @@ class AgenticPipeline:
         self.proxy.close()
         self.env_pools.stop()
         self.train.shutdown()
-        self.infer.shutdown()
+        if self.infer is not self.train:
+            self.infer.shutdown()
         self.rm.shutdown()
         self.weights.close()

@@ -9,6 +9,9 @@
   the driver never waits: a loader serves the newest published version on every worker, one at a time
   (a version published while another loads is skipped if a newer one follows), each host fetching a
   version once through its host cache. The channel is renamed after a trainer restart.
+- ``inprocess`` (:class:`InProcessSync`, colocated mode): trainer and engine share each rank's process
+  and devices; before the step the rollout is suspended and every engine sleeps (:meth:`WeightSync.before_train`),
+  after it every engine wakes with its trainer's weights, loaded in its own process, and the rollout resumes.
 - ``none`` (:class:`NoSync`): benchmarks only; no weights move, the version advances.
 
 Every method that touches the rollout takes the pipeline's current :class:`AsyncController` (a
@@ -42,6 +45,13 @@ class WeightSync:
 
     async def start(self, rollout: AsyncController) -> None:
         """Before the first step of a run."""
+
+    async def before_train(self, rollout: AsyncController) -> None:
+        """After the step's batch is in, before anything of the step computes on the trainer's devices."""
+
+    def record(self) -> dict[str, Any]:
+        """What this weight path reports for the step just synced (merged into the step's record)."""
+        return {}
 
     async def push(self, rollout: AsyncController, version: int) -> int:
         """The trainer's current weights, before the rollout starts (a resumed or restored run): every
@@ -137,6 +147,57 @@ class RaySync(WeightSync):
     async def reset(self) -> None:
         await super().reset()
         self.snapshots = {}
+
+
+class InProcessSync(WeightSync):
+    """``weights.channel: inprocess`` (colocated mode): the trainer Cluster is the inference Cluster, one
+    worker per rank holding both (:mod:`rollart.training.colocated`); the engines and the trainer take
+    turns on the devices and the weights never leave a rank's process."""
+
+    kind = "inprocess"
+
+    def __init__(self, config: Any, train: Any, infer: Any):
+        super().__init__(config, train, infer)
+        if infer is not train:
+            raise ValueError("weights.channel inprocess: the inference Cluster must be the trainer's (colocated mode)")
+        self.suspended: AsyncController | None = None  # the rollout while the trainer holds the devices
+        self.ranks: list[dict[str, Any]] = []  # each rank's record of the last step
+
+    async def before_train(self, rollout: AsyncController) -> None:
+        """Every request in flight preempted (callers keep their tokens), new ones held, every engine asleep."""
+        await rollout.suspend()
+        self.suspended = rollout
+        await self.train.sleep_engine()
+
+    async def push(self, rollout: AsyncController, version: int) -> int:
+        await rollout.proxy.model_update_in_process(lambda: self.train.wake_engine(version, blocking=False), version)
+        return version
+
+    async def sync(self, rollout: AsyncController, version: int) -> int:
+        """Every engine wakes with its trainer's weights as ``version``; the rollout resumes under it."""
+        self.ranks = await rollout.swap_in_process(lambda: self.train.wake_engine(version, blocking=False), version)
+        self.suspended = None
+        return version
+
+    async def stop_loading(self) -> None:
+        """A step failed while the engines slept: the held requests go on (a sleeping engine refuses them,
+        so their trajectories end) instead of waiting for a wake-up that will not come."""
+        rollout, self.suspended = self.suspended, None
+        if rollout is not None:
+            await rollout.resume()
+
+    def record(self) -> dict[str, Any]:
+        """``colocated``: per rank, when its engine generated, when it trained and slept (its process's
+        monotonic clock), and what the engine held (see :class:`rollart.training.colocated.PhaseLog`)."""
+        if not self.ranks:
+            return {}
+        return {
+            "colocated": {
+                "ranks": self.ranks,
+                "sleep_s": max(r["sleep_s"] for r in self.ranks),
+                "wake_s": max(r["wake_s"] for r in self.ranks),
+            }
+        }
 
 
 class ChannelSync(WeightSync):
@@ -293,4 +354,6 @@ def weight_sync(config: Any, train: Any, infer: Any, *, job_id: str, out_dir: Pa
         return DistSync(config, train, infer, name)
     if channel == "none":
         return NoSync(config, train, infer)
+    if channel == "inprocess":
+        return InProcessSync(config, train, infer)
     return RaySync(config, train, infer)

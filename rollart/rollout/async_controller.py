@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.sample_buffer import Group
@@ -22,6 +22,7 @@ from rollart.rollout.scheduler import RolloutScheduler
 from rollart.weights.base import WeightChannel
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncController:
@@ -85,6 +86,16 @@ class AsyncController:
         else:
             await self.model_update(weights, version)
         self.timings["weight_sync_s"] = time.monotonic() - t0
+
+    async def swap_in_process(self, load: Callable[[], Awaitable[T]], version: int) -> T:
+        """Colocated mode: the workers (suspended, their engines asleep) serve ``version`` from weights in their
+        own process, started by ``load()``; then the rollout resumes under it. Timed as ``weight_sync_s``."""
+        t0 = time.monotonic()
+        out = await self.proxy.model_update_in_process(load, version)
+        await self.scheduler.set_version(version)
+        await self.resume()
+        self.timings["weight_sync_s"] = time.monotonic() - t0
+        return out
 
     async def stop(self) -> None:
         await self.scheduler.stop()

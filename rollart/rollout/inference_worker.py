@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,7 +71,16 @@ class UpdateCommand:
     reply: asyncio.Future[int]
 
 
-Command = AddCommand | AbortCommand | UpdateCommand
+@dataclass(frozen=True)
+class EngineCommand:
+    """Preempt every request, then run ``fn`` on the engine between two steps; ``reply`` gets its result
+    (colocated mode: the engine sleeps and wakes this way, never during a step)."""
+
+    fn: Callable[[], Any]
+    reply: asyncio.Future[Any]
+
+
+Command = AddCommand | AbortCommand | UpdateCommand | EngineCommand
 
 
 @dataclass(frozen=True)
@@ -87,13 +96,14 @@ class InferenceWorker(Worker):
     """Serves ``generate`` calls routed by tag. Subclass with ``@hw_mapping`` on ``generate`` (or use
     :func:`inference_worker_class`) to choose the hardware per tag."""
 
-    def __init__(self, engine: EngineConfig | dict[str, Any] | None = None):
+    def __init__(self, engine: EngineConfig | dict[str, Any] | None = None, *, colocated: bool = False):
         from rollart.cluster.devices import worker_device
 
         self.engine = build_engine(
             engine or EngineConfig(),
             device=str(worker_device(getattr(self, "device_ids", ()))),
             hardware=getattr(self, "hardware", None),
+            colocated=colocated,
         )
         self._commands: asyncio.Queue[Command] | None = None
         self._loop_task: asyncio.Task | None = None
@@ -141,7 +151,7 @@ class InferenceWorker(Worker):
         while self._commands is not None and not self._commands.empty():
             waiting.append(self._commands.get_nowait())
         for cmd in waiting:  # an ADD's caller was failed above, through its pending request
-            if isinstance(cmd, (AbortCommand, UpdateCommand)) and not cmd.reply.done():
+            if isinstance(cmd, (AbortCommand, UpdateCommand, EngineCommand)) and not cmd.reply.done():
                 cmd.reply.set_exception(self._loop_error)
 
     async def _run(self) -> None:
@@ -155,7 +165,7 @@ class InferenceWorker(Worker):
             if self.engine.has_unfinished():
                 t0 = time.monotonic()
                 try:
-                    finished = await loop.run_in_executor(self._executor, self.engine.step)
+                    finished = await loop.run_in_executor(self._executor, self._step_engine)
                 except Exception as err:  # the engine broke: fail every caller, never hang them
                     self.logger.exception("engine step failed")
                     for rid in list(self._pending):
@@ -195,8 +205,7 @@ class InferenceWorker(Worker):
                         n += 1
                 reply.set_result(n)
             case UpdateCommand(weights=weights, version=version, reply=reply):
-                for rid in list(self._pending):  # no request may straddle two weight versions
-                    self._finish(self.engine.abort(rid), preempted=True, rid=rid)
+                self._preempt_all()  # no request may straddle two weight versions
                 try:
                     self.engine.update_weights(weights, version)
                 except Exception as err:
@@ -204,6 +213,29 @@ class InferenceWorker(Worker):
                     return
                 self.stats["weight_updates"] += 1
                 reply.set_result(version)
+            case EngineCommand(fn=fn, reply=reply):
+                self._preempt_all()
+                try:
+                    reply.set_result(fn())
+                except Exception as err:
+                    reply.set_exception(err)
+
+    def _preempt_all(self) -> None:
+        """Answer every request in flight as preempted (its partial tokens go back to its caller)."""
+        for rid in list(self._pending):
+            self._finish(self.engine.abort(rid), preempted=True, rid=rid)
+
+    def _step_engine(self) -> list[RequestOutput]:
+        """One engine step (in the loop's step thread)."""
+        return self.engine.step()
+
+    async def _between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine between two steps, every request in flight preempted first."""
+        self._ensure_loop()
+        assert self._commands is not None
+        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        await self._commands.put(EngineCommand(fn, reply))
+        return await reply
 
     def _finish(self, out: RequestOutput | None, *, preempted: bool, rid: str | None = None) -> None:
         rid = rid or (out.request_id if out is not None else None)

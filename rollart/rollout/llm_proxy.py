@@ -22,7 +22,8 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import ray
 
@@ -35,6 +36,7 @@ from rollart.rollout.types import GenerateOutput, GenerateRequest
 from rollart.weights.base import WeightChannel
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _has_generate_many(cluster: Cluster) -> bool:
@@ -218,6 +220,16 @@ class LLMProxy:
             fut = self.cluster.load_weights_from(channel, version)
         await fut
         self.version = version
+
+    async def model_update_in_process(self, load: Callable[[], Awaitable[T]], version: int) -> T:
+        """The workers serve ``version`` from weights they hold themselves (colocated mode: each takes its
+        trainer's, in its own process); ``load()`` starts that. Returns what it answers."""
+        with self._push_lock:
+            self._serving = (None, None, version)
+            fut = load()
+        out = await fut
+        self.version = version
+        return out
 
     def fault_metrics(self) -> dict[str, int]:
         """Deaths, reroutes, skipped control calls, restarts and removals of the pool; migrated requests."""
