@@ -26,7 +26,7 @@ from rollart.cluster.config import FaultConfig
 from rollart.data.config import DataTask, EvalConfig
 from rollart.engines.base import SamplingParams
 from rollart.plugins import checked as _plain
-from rollart.resource_manager.specs import parse_pools
+from rollart.resource_manager.specs import ResourceSpecError, colocation_target, parse_pools
 from rollart.rollout.config import EngineConfig, EnvManagerConfig, RolloutConfig, RoutingConfig
 from rollart.serving.config import ServingConfig
 from rollart.training.config import CriticConfig, RunningMeanConfig, TrainConfig
@@ -231,15 +231,18 @@ class WeightsConfig(BaseModel):
     ``ray``: the trainer puts the snapshot in the Ray object store, rollout pauses while every worker
     loads it. ``mooncake``: the trainer writes it to a Mooncake store in the background; workers fetch
     it while they keep generating and swap between two engine steps. ``dist``: a torch.distributed
-    broadcast in buckets (gloo on CPU, NCCL on GPUs) from trainer rank 0 to every worker. ``none``
-    (benchmarks only): no weights move, the policy version still advances — the baseline a weight
+    broadcast in buckets (gloo on CPU, NCCL on GPUs) from trainer rank 0 to every worker. ``inprocess``
+    (colocated mode, and only there): each rank's engine loads its trainer's weights in its own process.
+    ``none`` (benchmarks only): no weights move, the policy version still advances — the baseline a weight
     channel's overhead is measured against."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    channel: Literal["ray", "mooncake", "dist", "none"] = "ray"
+    channel: Literal["ray", "mooncake", "dist", "inprocess", "none"] = "ray"
     """How new weights reach the inference workers: `ray` (object store), `mooncake` (a Mooncake store, in the
-    background), `dist` (torch.distributed broadcast), `none` (benchmarks only: no transfer).
+    background), `dist` (torch.distributed broadcast), `inprocess` (colocated mode, where it is the default and
+    the only one: the engine loads its trainer's weights inside its process), `none` (benchmarks only: no
+    transfer).
     """
     pause_rollout: bool = True
     """Channel `ray`: suspend every worker for the swap; false: each worker swaps between two of its engine
@@ -417,6 +420,14 @@ class PipelineConfig(BaseModel):
             data["train"].setdefault("plugin_paths", folders)
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _colocated_weights_inprocess(cls, data: Any) -> Any:
+        """Colocated mode moves the weights in-process: ``weights.channel`` defaults to ``inprocess`` there."""
+        if isinstance(data, dict) and colocated_pools(data) and isinstance(data.get("weights", {}), dict):
+            data = {**data, "weights": {"channel": "inprocess", **data.get("weights", {})}}
+        return data
+
     @field_validator("model", mode="before")
     @classmethod
     def _model_shape(cls, value: Any) -> Any:
@@ -501,11 +512,17 @@ class PipelineConfig(BaseModel):
                     {"groups": e.groups, "backend": e.backend, "pool": e.pool, "servers": e.servers} for e in self.envs
                 ],
                 "data": [{"groups": t.groups} for t in self.data],
-                "rollout": {"num_env_groups": self.rollout.num_env_groups, "batch_groups": self.rollout.batch_groups},
+                "rollout": {
+                    "num_env_groups": self.rollout.num_env_groups,
+                    "batch_groups": self.rollout.batch_groups,
+                    "alpha": self.rollout.alpha,
+                },
                 "tasks": {t: {"ratio": c.ratio} for t, c in self.tasks.items()},
                 "model": self.model,
-                "train": {"model": self.train.model},
+                "train": {"model": self.train.model, "strategy": self.train.strategy},
                 "engine": {"kind": self.engine.kind, "model": self.engine.model},
+                "weights": {"channel": self.weights.channel},
+                "fault": {"inference": None} if "inference" in self.fault.model_fields_set else {},
             }
         )
         if self.tasks:
@@ -517,6 +534,11 @@ class PipelineConfig(BaseModel):
     @property
     def out_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
+
+    @property
+    def colocated(self) -> bool:
+        """Colocated mode: the rollout pool shares the train pool's devices (``{colocate_with: <train>}``)."""
+        return colocated_pools(self.model_dump(include={"pools", "train_pool", "rollout_pool"}))
 
     def task_quotas(self) -> dict[str, int] | None:
         """Groups per batch of every task tag (``tasks.*.ratio``); None when no ratio is set."""
@@ -625,12 +647,135 @@ def model_problems(raw: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def colocated_pools(raw: Mapping[str, Any]) -> bool:
+    """Whether the config's rollout pool is ``{colocate_with: <its train pool>}`` (colocated mode)."""
+    pools = raw.get("pools")
+    rollout = raw.get("rollout_pool", PipelineConfig.model_fields["rollout_pool"].default)
+    train = raw.get("train_pool", PipelineConfig.model_fields["train_pool"].default)
+    if not isinstance(pools, Mapping) or not isinstance(rollout, str) or rollout not in pools:
+        return False
+    try:
+        return colocation_target(rollout, pools[rollout]) == train
+    except ResourceSpecError:  # parse_pools reports it
+        return False
+
+
+def _pool_units(pool: Any) -> int | None:
+    """Devices (or CPUs) of a pool spec; None when it is not one the count can be read from."""
+    groups = pool if isinstance(pool, list) else [pool]
+    units = [g.get("devices", g.get("cpus")) if isinstance(g, Mapping) else None for g in groups]
+    return sum(units) if all(isinstance(u, int) for u in units) else None  # type: ignore[arg-type]
+
+
+def colocation_problems(raw: Mapping[str, Any]) -> list[str]:
+    """Colocated mode (``pools.<rollout>: {colocate_with: <train>}``) against the rest of the config: which
+    pool may colocate, the supported ``rollout.alpha`` (0), the weight channel (``inprocess``), engines with
+    a sleep mode, the torch strategy, vLLM on one device, and no inference restart policy of its own."""
+    pools = raw.get("pools")
+    if not isinstance(pools, Mapping):
+        return []
+    train = raw.get("train_pool", PipelineConfig.model_fields["train_pool"].default)
+    rollout_pool = raw.get("rollout_pool", PipelineConfig.model_fields["rollout_pool"].default)
+    out = []
+    for name, spec in pools.items():
+        try:
+            target = colocation_target(str(name), spec)
+        except ResourceSpecError:
+            continue  # parse_pools reports it
+        if target is None:
+            continue
+        if name != rollout_pool:
+            out.append(
+                f"pools.{name}.colocate_with: only the rollout pool (rollout_pool: {rollout_pool!r}) can share "
+                f"devices, with the train pool ({train!r}); give {name!r} devices of its own"
+            )
+        elif target != train and target in pools:
+            out.append(
+                f"pools.{name}.colocate_with: the rollout colocates with the trainer; name the train pool {train!r} "
+                "(train_pool), or give the rollout devices of its own"
+            )
+
+    def section(key: str) -> Mapping[str, Any]:
+        value = raw.get(key)
+        return value if isinstance(value, Mapping) else {}
+
+    channel = section("weights").get("channel")
+    if not colocated_pools(raw):
+        if channel == "inprocess":
+            out.append(
+                "weights.channel: inprocess moves the weights inside a colocated rank; it needs "
+                f"pools.{rollout_pool}: {{colocate_with: {train}}}, or use channel ray, dist or mooncake"
+            )
+        return out
+    mode = f"colocated mode (pools.{rollout_pool}: {{colocate_with: {train}}})"
+    alpha = section("rollout").get("alpha", 0)
+    if isinstance(alpha, int) and not isinstance(alpha, bool) and alpha != 0:
+        out.append(
+            f"rollout.alpha: {alpha} is not supported in {mode}, which supports alpha 0 only: the trainer and the "
+            "engine take turns on the same devices, so the rollout cannot run ahead while the trainer steps (what "
+            "alpha >= 1 is for); set rollout.alpha: 0, or give the rollout devices of its own to train asynchronously"
+        )
+    if channel not in (None, "inprocess"):
+        out.append(
+            f"weights.channel: {channel!r} does not apply in {mode}: each engine takes its trainer's weights inside "
+            "its own process (channel inprocess); drop weights.channel"
+        )
+    out += _colocated_engine_problems(
+        section("engine"), section("train").get("strategy", "torch"), pools.get(train), mode
+    )
+    if "inference" in section("fault"):
+        out.append(
+            f"fault.inference: in {mode} the engines live in the trainer's ranks and a dead one is a dead trainer "
+            "rank (fault.train restarts it); drop fault.inference"
+        )
+    return out
+
+
+def _colocated_engine_problems(engine: Mapping[str, Any], strategy: Any, train_pool: Any, mode: str) -> list[str]:
+    """The engine and the strategy a colocated rank can hold."""
+    from rollart.rollout.engine_config import ENGINE_KINDS, SLEEPING_KINDS
+
+    out = []
+    kind = engine.get("kind", "torch")
+    if kind in ENGINE_KINDS and kind not in SLEEPING_KINDS:
+        out.append(
+            f"engine.kind: {kind!r} has no sleep mode, which {mode} needs; use torch or vllm (or your MODULE:CLASS "
+            "engine that implements sleep and wake_up), or give the rollout devices of its own"
+        )
+    elif isinstance(kind, str) and ":" in kind:
+        from rollart.engines.base import InferenceEngine
+        from rollart.plugins import import_object
+
+        try:
+            cls = import_object(kind, "engine.kind")
+        except Exception:  # the engine's own check reports an engine that does not import
+            cls = None
+        if isinstance(cls, type) and issubclass(cls, InferenceEngine) and cls.sleep is InferenceEngine.sleep:
+            out.append(
+                f"engine.kind: {kind} does not implement sleep and wake_up (rollart.engines.base.InferenceEngine), "
+                f"which {mode} needs; implement them, or give the rollout devices of its own"
+            )
+    if strategy != "torch":
+        out.append(
+            f"train.strategy: {strategy!r} is not supported in {mode}; use torch, or give the rollout devices of "
+            "its own"
+        )
+    units = _pool_units(train_pool)
+    if kind == "vllm" and units is not None and units > 1:
+        out.append(
+            f"engine.kind: vllm in {mode} needs a one-device train pool ({units} here): each rank's in-process vLLM "
+            "would set up a torch.distributed group of its own beside the trainer's; use the torch engine, or "
+            "devices: 1"
+        )
+    return out
+
+
 def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
     """The checks that relate several sections (pool names, the critic of ``advantage: gae``, the task
     groups against ``rollout.num_env_groups``), on a config mapping — also one whose fields have errors
     of their own, so that :func:`validate_config` reports these with them, not after they are fixed.
     Values of the wrong type are skipped (their own field reports them)."""
-    out = model_problems(raw)
+    out = model_problems(raw) + colocation_problems(raw)
     pools = raw.get("pools")
     if isinstance(pools, dict):
         for field_name in ("train_pool", "rollout_pool"):
