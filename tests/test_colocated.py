@@ -281,6 +281,46 @@ def test_two_colocated_ranks_take_turns_with_their_engines_every_step(ray_local,
     assert ledger["lost"] == 0 and ledger["trained"] == 3 * 3 * 4, ledger
 
 
+def test_colocated_and_separate_pools_learn_the_same_policy_step_for_step(ray_local, tmp_path):
+    """Seeded, the colocated run (the engine woken with its trainer's weights in-process) and the run with
+    a rollout pool of its own (weights through the ``ray`` channel) log the same rewards, gradient norms and
+    entropies at every step: the engine serves exactly the trainer's weights of each version."""
+    from rollart.config import PipelineConfig
+    from rollart.pipelines.agentic import AgenticPipeline
+
+    runs = {}
+    for name, rollout in (("colocated", {"colocate_with": "train"}), ("separate", {"hardware": "H800", "devices": 1})):
+        cfg = PipelineConfig.model_validate(
+            {
+                "name": name,
+                "pools": {"train": {"hardware": "H800", "devices": 1}, "rollout": rollout},
+                "envs": [{"name": "reverse", "groups": 4, "kwargs": {"length": 3}}],
+                "rollout": {"num_env_groups": 4, "group_size": 4, "batch_groups": 4, "alpha": 0},
+                "sampling": {"temperature": 1.0, "max_new_tokens": 3, "seed": 0},
+                "advantage": "grpo_token",
+                "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
+                "train": {"lr": 0.01},
+                "steps": 4,
+                "checkpoint_every": 0,
+                "output_dir": str(tmp_path / name),
+                "cluster": {"metadata_store": str(tmp_path / "meta.sqlite")},
+            }
+        )
+        assert cfg.colocated == (name == "colocated")
+        pipe = AgenticPipeline(cfg, progress=False)
+        try:
+            pipe.run()
+        finally:
+            pipe.shutdown()
+        runs[name] = pipe.step_records()
+    colocated, separate = runs["colocated"], runs["separate"]
+    assert "colocated" not in separate[0] and len(colocated) == len(separate) == 4
+    assert [r["reward_mean"] for r in colocated] == [r["reward_mean"] for r in separate]
+    for key in ("grad_norm", "entropy"):
+        assert [r["train"][key] for r in colocated] == [r["train"][key] for r in separate], key
+    assert len({r["train"]["entropy"] for r in colocated}) == 4  # the policy moved: each step served new weights
+
+
 ONE_DEVICE = """
 import json, sys
 from rollart.config import load_config
