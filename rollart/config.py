@@ -325,12 +325,13 @@ class PipelineConfig(BaseModel):
     """Where Ray comes from and the job's identity."""
     pools: dict[str, Any]
     """Resource pools by name: `{hardware: H800, devices: 2}`, a list of such groups, or `{hardware: CPU, cpus:
-    8}`; the same dicts `ResourceManager` takes.
+    8}`; the same dicts `ResourceManager` takes. `{colocate_with: <train pool>}` as the rollout pool: colocated
+    mode, the trainer and the engine take turns on the train pool's devices (docs: GPUs, "Colocated mode").
     """
     train_pool: str = "train"
     """The pool the trainer (and its reference and critic) runs on."""
     rollout_pool: str = "rollout"
-    """The pool the inference workers run on."""
+    """The pool the inference workers run on (in colocated mode: the train pool's workers, which hold an engine)."""
     tags: dict[str, list[str]] = Field(default_factory=lambda: {"*": list[str]()})
     """Each task tag's hardware preference, in order (the inference workers' `@hw_mapping`); `*` is every other
     tag.
