@@ -36,6 +36,7 @@ from rollart.pipeline.checkpoints import Checkpoints
 from rollart.pipeline.records import MetricsFile, StepTimes, batch_statistics, step_record, task_record, write_ledger
 from rollart.pipeline.recovery import TrainerSupervisor
 from rollart.pipeline.rewards import RewardServices
+from rollart.pipeline.startup import StartupTimeline
 from rollart.pipeline.weight_sync import WeightSync, weight_sync
 from rollart.pipelines.data_tasks import DataTasks, eval_sets
 from rollart.rollout.async_controller import AsyncController
@@ -56,6 +57,7 @@ __all__ = ["AgenticPipeline", "batch_statistics"]
 
 class AgenticPipeline:
     def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
+        self.startup = StartupTimeline()  # the command to the first step, in phases: RUN_DIR/startup.json
         self.config = config
         self.out_dir = config.out_dir.resolve()  # absolute: Ray (a submitted job) may change the working directory
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -125,6 +127,7 @@ class AgenticPipeline:
             local_resources=config.cluster.local_resources,
         )
         job_file.write_text(self.rm.job_id + "\n")
+        self.startup.resources_ready(self.rm)
         pool_hw = [g.hardware for g in self.rm.specs[config.rollout_pool].groups]
         tags = {k: (v or pool_hw) for k, v in config.tags.items()}
         engine = config.engine.model_copy(update={"model": config.engine.model or self.model_path})
@@ -162,6 +165,7 @@ class AgenticPipeline:
 
             self.baseline = RunningMeanBaseline(config.running_mean.window, config.running_mean.scope)
         self.critic = self._beside_trainer("critic", train_cfg) if config.advantage == "gae" else None
+        self.startup.clusters_ready(c for c in (self.infer, self.train, self.ref, self.critic) if c is not None)
 
     def _beside_trainer(self, role: str, train_cfg: Any) -> Any:
         """The frozen initial policy (``reference``) or the value model (``critic``, with its own
@@ -417,6 +421,7 @@ class AgenticPipeline:
         """The steps; a trainer, reference or critic rank that dies is handled by its ``fault:`` policy
         (:meth:`_recover_training`), then the steps go on from the restored checkpoint."""
         history: list[dict[str, Any]] = []
+        self.startup.mark("run_began")
         if self.endpoint is not None:  # the agent envs' policy endpoint, on this event loop
             await self.endpoint.start()
         try:
@@ -489,6 +494,8 @@ class AgenticPipeline:
         try:
             for step in range(self.start_step, cfg.steps):
                 record = await self._step(step)
+                if self.startup.mark("first_step"):
+                    self.startup.write(self.out_dir)
                 history.append(record)
                 if len(history) > 2 * cfg.history_keep:  # bounded memory: trimmed in batches, O(1) per step
                     del history[: len(history) - cfg.history_keep]
@@ -515,6 +522,7 @@ class AgenticPipeline:
         stale_before = Counter(self.scheduler.staleness)
         task_stale_before = {t: Counter(c) for t, c in self.scheduler.staleness_by_task.items()}
         groups = await self.supervisor.wait_probing(self.controller.get_batch(self.train_version))
+        self.startup.mark("first_batch")
         held_back = self.scheduler.buffered_by_task()
         # the order groups finished in depends on timing; a fixed order keeps a seeded run repeatable
         groups = sorted((Group(sorted(g, key=lambda t: t.traj_id), g.gid) for g in groups), key=lambda g: g.gid)

@@ -33,6 +33,7 @@ import asyncio
 import inspect
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +47,7 @@ from rollart.cluster.dispatch import collect, plan_calls
 from rollart.cluster.errors import NoLiveWorkerError, WorkerDiedError
 from rollart.cluster.future import ACTOR_GONE, SKIPPED, ClusterFuture
 from rollart.cluster.methods import ExposedMethod, exposed_methods
-from rollart.cluster.worker import BY_REF_PREFIX, CUDA_VISIBLE, Worker, WorkerContext, host_class
+from rollart.cluster.worker import BY_REF_PREFIX, CUDA_VISIBLE, Worker, WorkerContext, WorkerStart, host_class
 from rollart.decorators.specs import Dispatch, HwMappingSpec, ServerlessSpec
 from rollart.resource_manager.capacity import MAX_COLOCATED_ON_GPU
 from rollart.resource_manager.manager import ReservedGroup, ResourceManager
@@ -78,6 +79,8 @@ class _Slot:
     restarting: bool = False  # a supervisor is bringing it back
     inflight: int = 0
     served: int = 0
+    requested_at: float = 0.0  # when its actor was last asked for (Unix time)
+    start: WorkerStart = WorkerStart()  # its last start: see Cluster.start_times
 
 
 class Cluster:
@@ -87,6 +90,10 @@ class Cluster:
     spawns ``devices / devices_per_worker`` workers per hardware group of the pool (ranks run group by
     group in the pool's order). ``pool=None`` is for classes whose methods are all serverless.
     ``worker_args``/``worker_kwargs`` go to the worker's ``__init__``.
+
+    ``wait=False`` returns once the workers are asked for (Ray starts their processes in the background),
+    so that several clusters start at the same time; :meth:`wait_ready` then waits for them, and the
+    cluster's methods refuse calls until it did.
     """
 
     def __init__(
@@ -103,6 +110,7 @@ class Cluster:
         max_concurrency: int | None = None,
         ready_timeout_s: float = 300.0,
         skip_dead_ranks: bool = False,
+        wait: bool = True,
     ):
         if not isinstance(name, str) or not name:
             raise ValueError("Cluster(name=...) must be a non-empty string")
@@ -136,6 +144,8 @@ class Cluster:
         self._colocate_with = colocate_with
         self._is_async = any(m.is_async for m in self.methods.values() if m.serverless is None)
         self._max_concurrency = max_concurrency or (1000 if self._is_async else 1)
+        self._pending: dict[int, ray.ObjectRef] = {}  # rank -> its start answer, until wait_ready()
+        self._ready_timeout_s = ready_timeout_s
 
         self._plan_slots()  # every check runs before any actor exists
         if pool is not None:
@@ -143,10 +153,12 @@ class Cluster:
                 resource_manager.regroup(pool, devices_per_worker)
             resource_manager.bind(name, pool, colocate_with.name if colocate_with else None)
             try:
-                self._spawn_all(ready_timeout_s)
+                self._spawn_all()
             except BaseException:
                 self.shutdown()
                 raise
+            if wait:
+                self.wait_ready()
         for m in self.methods.values():
             self._bind_method(m)
             if m.serverless is not None:
@@ -240,10 +252,12 @@ class Cluster:
         return opts
 
     def _shared_devices(self, slot: _Slot) -> tuple[int, ...]:
-        """The owner's GPUs, for a colocated worker that takes no GPU of its multi-GPU bundle."""
+        """The owner's GPUs, for a colocated worker that takes no GPU of its multi-GPU bundle (known once
+        the owner's workers started: an owner still starting is waited for)."""
         owner = self._colocate_with
         if owner is None or slot.group.capacity.mode != "gpu" or self.devices_per_worker == 1:
             return ()
+        owner.wait_ready()
         return tuple(owner._slots[slot.rank].device_ids)
 
     def _start_actor(self, slot: _Slot) -> ray.ObjectRef:
@@ -262,6 +276,7 @@ class Cluster:
             # one Ray actor class for every rank and every restart: a class built per actor is pickled,
             # exported and kept by the driver once per restart (memory that grows with each fault)
             self._actor_class = ray.remote(host_class(self.worker_cls))
+        slot.requested_at = time.time()
         slot.actor = self._actor_class.options(**opts).remote(ctx, self._worker_args, self._worker_kwargs)
         slot.actor_name = opts["name"]
         return slot.actor._rollart_info.remote()
@@ -271,6 +286,13 @@ class Cluster:
         slot.pid = int(info.get("pid", 0))
         slot.node_ip = info.get("node_ip", "")
         slot.device_ids = tuple(info["device_ids"])
+        slot.start = WorkerStart(
+            requested=slot.requested_at,
+            process_started=float(info.get("process_started", 0.0)),
+            init_began=float(info.get("init_began", 0.0)),
+            init_done=float(info.get("init_done", 0.0)),
+            answered=time.time(),
+        )
         self.resource_manager.store.record_binding(
             self.job_id,
             self.name,
@@ -284,20 +306,34 @@ class Cluster:
             slot_ids=list(slot.slot_ids),
         )
 
-    def _spawn_all(self, timeout_s: float) -> None:
-        pending = {slot.rank: self._start_actor(slot) for slot in self._slots}
-        for rank, ref in pending.items():
-            slot = self._slots[rank]
-            try:
-                info = ray.get(ref, timeout=timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise self._died(rank) from None
-            except ray.exceptions.RayError as err:
-                raise RuntimeError(
-                    f"worker {self.name}[rank {rank}] on {slot.hardware} failed to start: {err}"
-                ) from err
-            self._mark_started(slot, info)
-            slot.alive = True
+    def _spawn_all(self) -> None:
+        """Ask Ray for every rank's actor; their start answers wait in ``_pending`` (:meth:`wait_ready`)."""
+        for slot in self._slots:
+            self._pending[slot.rank] = self._start_actor(slot)
+
+    def wait_ready(self) -> None:
+        """Wait until every worker asked for by ``Cluster(..., wait=False)`` runs (its ``__init__``
+        returned); at once when none is pending. A worker that fails to start (or does not answer within
+        ``ready_timeout_s``) shuts this cluster down, and its error is raised."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        try:
+            for rank, ref in pending.items():
+                slot = self._slots[rank]
+                try:
+                    info = ray.get(ref, timeout=self._ready_timeout_s)
+                except ray.exceptions.GetTimeoutError:
+                    raise self._died(rank) from None
+                except ray.exceptions.RayError as err:
+                    raise RuntimeError(
+                        f"worker {self.name}[rank {rank}] on {slot.hardware} failed to start: {err}"
+                    ) from err
+                self._mark_started(slot, info)
+                slot.alive = True
+        except BaseException:
+            self.shutdown()
+            raise
         log.info(
             "cluster %s: %d workers on pool %s (%s)",
             self.name,
@@ -365,6 +401,10 @@ class Cluster:
     def _check_fatal(self) -> None:
         if self._fatal is not None:
             raise self._fatal
+        if self._pending:
+            raise RuntimeError(
+                f"cluster {self.name!r} is still starting (Cluster(..., wait=False)): call its wait_ready() first"
+            )
 
     def add_death_listener(self, fn: Callable[[int, BaseException | None], None]) -> None:
         """``fn(rank, cause)`` runs (in the caller's thread) each time a live rank is found dead."""
@@ -387,6 +427,11 @@ class Cluster:
             )
             return self._fatal is None and any(s.alive for s in self._slots)
 
+    def start_times(self) -> list[WorkerStart]:
+        """Each rank's last start (rank order): when its actor was asked for, its process and
+        ``__init__`` began, ``__init__`` returned and the driver had the answer."""
+        return [s.start for s in self._slots]
+
     def pids(self) -> dict[int, int]:
         """The process id of each rank's actor (as reported when it started)."""
         return {s.rank: s.pid for s in self._slots}
@@ -403,6 +448,7 @@ class Cluster:
 
     def shutdown(self) -> None:
         """Kill this cluster's workers and free its pool binding (the pool stays reserved)."""
+        self._pending = {}  # a cluster still starting: its workers go too
         for slot in self._slots:
             if slot.actor is not None:
                 try:

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,50 @@ class WorkerContext:
 
 
 CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
+
+
+@dataclass(frozen=True)
+class WorkerStart:
+    """When one worker started (Unix times; the driver's and the worker's clocks, one machine's when
+    local): the Cluster asked Ray for its actor (``requested``), its process began
+    (``process_started``), its ``__init__`` began (``init_began``: the process booted and imported the
+    worker's modules) and returned (``init_done``: the model is loaded), and the driver had its answer
+    (``answered``). Zero where unknown."""
+
+    requested: float = 0.0
+    process_started: float = 0.0
+    init_began: float = 0.0
+    init_done: float = 0.0
+    answered: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "requested": self.requested,
+            "process_started": self.process_started,
+            "init_began": self.init_began,
+            "init_done": self.init_done,
+            "answered": self.answered,
+        }
+
+
+def process_start_time() -> float:
+    """When this process began (Unix time, to the kernel's clock tick; 0.0 when the OS does not say).
+    Linux: its start in ticks since boot (``/proc/self/stat``) against the boot-time clock now, which
+    is finer than ``psutil``'s (the boot time it adds is in whole seconds)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, after pid and (comm)
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux
+        pass
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # no psutil, or a platform without the process start time
+        return 0.0
+
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +153,10 @@ class Worker:
             "node_id": ray.get_runtime_context().get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
+            # when this worker's process and __init__ began and when __init__ returned (start-up timeline)
+            "process_started": process_start_time(),
+            "init_began": getattr(self, "_rollart_init_began", 0.0),
+            "init_done": getattr(self, "_rollart_init_done", 0.0),
         }
 
     def _rollart_ping(self) -> int:
@@ -118,9 +167,11 @@ def host_class(worker_cls: type[Worker]) -> type:
     """A subclass of ``worker_cls`` whose constructor binds the context before the user's ``__init__``."""
 
     def __init__(self: Any, ctx: WorkerContext, args: tuple, kwargs: dict) -> None:
+        self._rollart_init_began = time.time()
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         Worker._rollart_bind(self, ctx)
         worker_cls.__init__(self, *args, **kwargs)
+        self._rollart_init_done = time.time()
 
     # a distinct qualname makes cloudpickle ship this class by value instead of looking up the user's
     attrs: dict[str, Any] = {

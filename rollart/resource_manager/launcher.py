@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import ray
 
@@ -87,6 +89,27 @@ def detect_gpus() -> DetectedGpus:
     return DetectedGpus(count, kind or None)
 
 
+@dataclass(frozen=True)
+class RayStart:
+    """How this process came to its Ray: it started a local one (``local``) or joined ``RAY_ADDRESS``
+    (``joined``), between ``began`` and ``ready`` (Unix times)."""
+
+    how: Literal["local", "joined"]
+    began: float
+    ready: float
+
+
+_ray_start: RayStart | None = None
+
+
+def take_ray_start() -> RayStart | None:
+    """How and when :func:`ensure_ray` last brought this process to Ray, told once: the first caller
+    after that start (its ResourceManager) gets it, later ones None (Ray was up before them)."""
+    global _ray_start
+    start, _ray_start = _ray_start, None
+    return start
+
+
 def node_hardware() -> list[dict[str, object]]:
     """Per alive node of the connected Ray: its IP, GPUs, GPU types and logical device types."""
     out: list[dict[str, object]] = []
@@ -130,6 +153,8 @@ def ensure_ray(
     """
     if ray.is_initialized():
         return ray.get_runtime_context().namespace or job_id or new_job_id()
+    global _ray_start
+    began = time.time()
     limit_malloc_arenas()  # the driver's memory stays flat over long runs with faults (resource_manager.allocator)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     job_id = job_id or new_job_id()
@@ -143,6 +168,7 @@ def ensure_ray(
             os.environ.get("RAY_AUTH_MODE", "unset"),
         )
         ray.init(address=address, namespace=job_id, log_to_driver=True)
+        _ray_start = RayStart("joined", began, time.time())
         return job_id
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     _bind_to_loopback()
@@ -176,6 +202,7 @@ def ensure_ray(
             "env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
         },
     )
+    _ray_start = RayStart("local", began, time.time())
     return job_id
 
 

@@ -25,7 +25,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 
 from rollart.resource_manager.admission import Admission, wait_for_admission
 from rollart.resource_manager.capacity import HardwareCapacity, read_capacity
-from rollart.resource_manager.launcher import ANY_GPU, ensure_ray
+from rollart.resource_manager.launcher import ANY_GPU, RayStart, ensure_ray, take_ray_start
 from rollart.resource_manager.specs import CPU, HardwareGroup, PoolSpec, ResourceSpecError, parse_pools
 from rollart.resource_manager.store import MetadataStore
 
@@ -78,6 +78,11 @@ class ResourceManager:
     ):
         self.specs: dict[str, PoolSpec] = parse_pools(pools)
         self.job_id = ensure_ray(local_resources, job_id, asked=self._resources_asked())
+        # the start-up timeline: the Ray start this job waited for (None: Ray was up before), then Unix
+        # times of Ray being up for this job and of its pools reserved
+        self.ray_start: RayStart | None = take_ray_start()
+        self.ray_ready_at = time.time()
+        self.reserved_at = 0.0
         self.store = store if isinstance(store, MetadataStore) else MetadataStore(store)
         from rollart.resource_manager.registry import ClusterRegistry
 
@@ -97,6 +102,7 @@ class ResourceManager:
             self.capacity = read_capacity()
             self._validate()
             self._reserve(ready_timeout_s)
+            self.reserved_at = time.time()
         except BaseException:
             if self.admission is not None and isinstance(registry, ClusterRegistry):  # give the share back at once
                 registry.end_job(self.job_id, state="failed")
