@@ -54,6 +54,9 @@ BENCHES: dict[str, BenchEntry] = {
     ),
     "weight-sync": BenchEntry("weight_sync", "Mooncake background publish/fetch against a blocking weight transfer"),
     "quickstart": BenchEntry("quickstart", "the quickstart config once per seed: steps to a reward of 0.9"),
+    "startup": BenchEntry(
+        "startup", "rollart run to its first trained step, in phases (Ray, workers, model load, first rollout)"
+    ),
     "throughput": BenchEntry("throughput", "samples/s of generation and training on reverse-3, optionally beside TRL"),
     "chaos": BenchEntry("chaos", "a run on three namespace hosts under a seeded schedule of faults (needs root)"),
     "soak": BenchEntry("soak", "the chaos run for many minutes with random faults, sampling memory (needs root)"),
