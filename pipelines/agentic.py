@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import rollart as ra
+from rollart.cluster.cluster import start_together
 from rollart.cluster.errors import WorkerDiedError
 from rollart.config import PipelineConfig
 from rollart.data.evaluation import Evaluator
@@ -132,44 +133,72 @@ class AgenticPipeline:
         tags = {k: (v or pool_hw) for k, v in config.tags.items()}
         engine = config.engine.model_copy(update={"model": config.engine.model or self.model_path})
         train_cfg = config.train.model_copy(update={"model": config.train.model or self.model_path})
-        if config.colocated:  # one worker per train rank holds the trainer and the engine (time-shared)
-            from rollart.training.colocated import colocated_worker_class
 
-            self.train = self.infer = ra.Cluster(
-                "actor",
-                colocated_worker_class(train_cfg.strategy, tags),
-                self.rm,
-                pool=config.train_pool,
-                worker_kwargs={"config": train_cfg.model_dump(), "engine": engine.model_dump()},
-            )
-        else:
-            self.infer = ra.Cluster(
-                "actor_infer",
-                inference_worker_class(tags),
-                self.rm,
-                pool=config.rollout_pool,
-                worker_kwargs={"engine": engine.model_dump()},
-            )
+        def train() -> Any:  # the reference and critic ranks colocate with it
+            if config.colocated:  # one worker per train rank holds the trainer and the engine (time-shared)
+                from rollart.training.colocated import colocated_worker_class
+
+                self.train = self.infer = ra.Cluster(
+                    "actor",
+                    colocated_worker_class(train_cfg.strategy, tags),
+                    self.rm,
+                    pool=config.train_pool,
+                    worker_kwargs={"config": train_cfg.model_dump(), "engine": engine.model_dump()},
+                    wait=False,
+                )
+                return self.train
             self.train = ra.Cluster(
                 "actor_train",
                 train_worker_class(train_cfg.strategy),
                 self.rm,
                 pool=config.train_pool,
                 worker_kwargs={"config": train_cfg.model_dump()},
+                wait=False,
             )
-        start_data_parallel(self.train)
-        self.ref = self._beside_trainer("reference", train_cfg) if config.train.kl_coef > 0 else None
+            return self.train
+
+        def infer() -> Any:
+            self.infer = ra.Cluster(
+                "actor_infer",
+                inference_worker_class(tags),
+                self.rm,
+                pool=config.rollout_pool,
+                worker_kwargs={"engine": engine.model_dump()},
+                wait=False,
+            )
+            return self.infer
+
+        starts = [train] if config.colocated else [infer, train]
+        if config.train.kl_coef > 0:
+            starts.append(lambda: self._beside_trainer("reference", train_cfg))
+        if config.advantage == "gae":
+            starts.append(lambda: self._beside_trainer("critic", train_cfg))
+        try:  # every worker boots, imports and loads its model at the same time; one that fails stops all
+            clusters = start_together(starts)
+            self.ref = next((c for c in clusters if c.name == "reference"), None)
+            self.critic = next((c for c in clusters if c.name == "critic"), None)
+            try:
+                start_data_parallel(self.train)
+                if self.critic is not None:
+                    start_data_parallel(self.critic)
+            except BaseException:
+                for c in reversed(clusters):
+                    c.shutdown()
+                raise
+        except BaseException:
+            self.rm.shutdown()  # no pipeline exists to release the pools later
+            raise
         self.baseline = None
         if config.advantage == "running_mean":  # critic-free single-rollout baseline, kept across steps
             from rollart.algorithms import RunningMeanBaseline
 
             self.baseline = RunningMeanBaseline(config.running_mean.window, config.running_mean.scope)
-        self.critic = self._beside_trainer("critic", train_cfg) if config.advantage == "gae" else None
         self.startup.clusters_ready(c for c in (self.infer, self.train, self.ref, self.critic) if c is not None)
 
     def _beside_trainer(self, role: str, train_cfg: Any) -> Any:
         """The frozen initial policy (``reference``) or the value model (``critic``, with its own
-        data-parallel group): one rank colocated with each trainer rank."""
+        data-parallel group, formed by the caller): one rank colocated with each trainer rank, starting
+        (``wait=False``) beside the trainer's."""
         if role == "reference":
             from rollart.training.reference import ReferenceWorker
 
@@ -181,21 +210,21 @@ class AgenticPipeline:
                 pool=self.config.train_pool,
                 colocate_with=self.train,
                 worker_kwargs=kwargs,
+                wait=False,
             )
         from rollart.training.critic import CriticWorker
 
         assert self.config.critic is not None
         critic_cfg = self.config.critic.model_copy(update={"model": self.config.critic.model or self.model_path})
-        critic = ra.Cluster(
+        return ra.Cluster(
             role,
             CriticWorker,
             self.rm,
             pool=self.config.train_pool,
             colocate_with=self.train,
             worker_kwargs={"config": critic_cfg.model_dump()},
+            wait=False,
         )
-        start_data_parallel(critic)
-        return critic
 
     def _start_rollout(self, seeds: RoundSeeds, held_out: list) -> None:
         """The LLMProxy over the inference Cluster, the reward services, the envs (local or on env

@@ -1,7 +1,7 @@
 """Worker base, the Cluster invocation proxy, dispatch/collect modes, tag routing, serverless calls."""
 
 from rollart.cluster.batch import Batch
-from rollart.cluster.cluster import Cluster
+from rollart.cluster.cluster import Cluster, start_together
 from rollart.cluster.errors import ClusterError, NoLiveWorkerError, WorkerDiedError
 from rollart.cluster.future import ClusterFuture
 from rollart.cluster.worker import Worker, WorkerContext
@@ -15,4 +15,5 @@ __all__ = [
     "Worker",
     "WorkerContext",
     "WorkerDiedError",
+    "start_together",
 ]

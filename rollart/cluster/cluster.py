@@ -809,6 +809,38 @@ class Cluster:
             return self._executor
 
 
+def start_together(starts: Sequence[Callable[[], Cluster]]) -> list[Cluster]:
+    """Start several clusters at the same time: each of ``starts`` builds one with ``Cluster(...,
+    wait=False)`` (Ray starts its workers' processes in the background), then the workers of all of them
+    are waited for together, so their processes boot, import and load their models side by side. The
+    clusters are returned in the order of ``starts``. When a build or a worker fails (or a worker does not
+    answer within its cluster's ``ready_timeout_s``), every cluster started here shuts down, and the
+    first error is raised: the failing cluster's own (``ResourceSpecError``, ``WorkerDiedError`` or the
+    worker's start error, naming it)."""
+    started: list[Cluster] = []
+    try:
+        for start in starts:
+            started.append(start())
+        owners = {ref: c for c in started for ref in c._pending.values()}
+        deadline = time.monotonic() + max((c._ready_timeout_s for c in started), default=0.0)
+        while owners:  # the first failure surfaces at once, whichever cluster it is in
+            ready, _ = ray.wait(list(owners), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            cluster = owners.pop(ready[0])
+            try:
+                ray.get(ready[0], timeout=0)
+            except ray.exceptions.RayError:
+                cluster.wait_ready()  # raises that cluster's start error (and shuts it down)
+        for c in started:
+            c.wait_ready()  # at once where every worker answered; the timeout error where one did not
+    except BaseException:
+        for c in reversed(started):
+            c.shutdown()
+        raise
+    return started
+
+
 _NOT_SHARED = (int, float, str, bool, type(None), ray.ObjectRef)  # small, or already in the object store
 
 

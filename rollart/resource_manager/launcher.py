@@ -201,6 +201,10 @@ def ensure_ray(
         runtime_env={
             "env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
         },
+        # no idle workers started ahead (one per CPU, when the driver connects): rollart's workers are
+        # actors with their own runtime env, which never take them, and each one importing Ray competes
+        # for the CPUs with the start-up of the actors that are asked for
+        _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
     )
     _ray_start = RayStart("local", began, time.time())
     return job_id
