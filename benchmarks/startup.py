@@ -129,12 +129,18 @@ def bare_ray(timeout: float) -> dict[str, float]:
     }
 
 
+def command(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """The ``rollart run`` of one repeat: ``args.config`` for ``args.steps`` steps into ``run_dir``, with
+    the user's ``--set`` overrides last (they win)."""
+    cmd = [sys.executable, "-m", "rollart.cli", "run", args.config, "--overwrite", "--set", f"steps={args.steps}"]
+    return cmd + ["--set", f"output_dir={run_dir}", *[x for s in args.set for x in ("--set", s)]]
+
+
 def run_once(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """One ``rollart run``: its phases (from its ``startup.json``), total and CPU seconds to the first step."""
     from rollart.pipeline.startup import FILE, PHASES
 
-    cmd = [sys.executable, "-m", "rollart.cli", "run", args.config, "--overwrite", "--set", f"steps={args.steps}"]
-    cmd += ["--set", f"output_dir={run_dir}", *[x for s in args.set for x in ("--set", s)]]
+    cmd = command(args, run_dir)
     record = run_dir / FILE
     if record.exists():
         record.unlink()

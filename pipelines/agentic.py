@@ -37,7 +37,7 @@ from rollart.pipeline.checkpoints import Checkpoints
 from rollart.pipeline.records import MetricsFile, StepTimes, batch_statistics, step_record, task_record, write_ledger
 from rollart.pipeline.recovery import TrainerSupervisor
 from rollart.pipeline.rewards import RewardServices
-from rollart.pipeline.startup import StartupTimeline
+from rollart.pipeline.startup import StartupTimeline, run_job_id
 from rollart.pipeline.weight_sync import WeightSync, weight_sync
 from rollart.pipelines.data_tasks import DataTasks, eval_sets
 from rollart.rollout.async_controller import AsyncController
@@ -120,10 +120,9 @@ class AgenticPipeline:
         critic (``advantage: gae``) beside the trainer ranks; the running-mean baseline."""
         config = self.config
         job_file = self.out_dir / "job_id"  # a --resume is the next attempt of the same job
-        job_id = config.cluster.job_id or (job_file.read_text().strip() if resume and job_file.exists() else None)
         self.rm = ra.ResourceManager(
             config.pools,
-            job_id=job_id,
+            job_id=run_job_id(config, resume),
             store=config.cluster.metadata_store,
             local_resources=config.cluster.local_resources,
         )

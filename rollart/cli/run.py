@@ -29,6 +29,10 @@ def build_pipeline(cfg: Any, **kwargs: Any) -> Any:
     """The config's pipeline (``pipeline:``, checked when the config loaded), else ``AgenticPipeline``."""
     pipeline_cls = cfg.pipeline_class()
     if pipeline_cls is None:
+        from rollart.pipeline.startup import start_ray_while_importing
+
+        # Ray starts while torch, transformers and the pipeline import (the two take seconds each)
+        start_ray_while_importing(cfg, bool(kwargs.get("resume")), "rollart.pipelines.agentic")
         from rollart.pipelines.agentic import AgenticPipeline
 
         pipeline_cls = AgenticPipeline

@@ -292,6 +292,8 @@ class Cluster:
             init_began=float(info.get("init_began", 0.0)),
             init_done=float(info.get("init_done", 0.0)),
             answered=time.time(),
+            boot_cpu_s=float(info.get("boot_cpu_s", 0.0)),
+            init_cpu_s=float(info.get("init_cpu_s", 0.0)),
         )
         self.resource_manager.store.record_binding(
             self.job_id,

@@ -47,13 +47,17 @@ class WorkerStart:
     local): the Cluster asked Ray for its actor (``requested``), its process began
     (``process_started``), its ``__init__`` began (``init_began``: the process booted and imported the
     worker's modules) and returned (``init_done``: the model is loaded), and the driver had its answer
-    (``answered``). Zero where unknown."""
+    (``answered``). Zero where unknown. ``boot_cpu_s`` and ``init_cpu_s``: the CPU seconds its process
+    used before ``__init__`` (Ray's worker start, unpickling and importing the worker's modules) and in
+    it (on a busy machine a phase's time is mostly waiting for a CPU; its CPU seconds are not)."""
 
     requested: float = 0.0
     process_started: float = 0.0
     init_began: float = 0.0
     init_done: float = 0.0
     answered: float = 0.0
+    boot_cpu_s: float = 0.0
+    init_cpu_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -62,6 +66,8 @@ class WorkerStart:
             "init_began": self.init_began,
             "init_done": self.init_done,
             "answered": self.answered,
+            "boot_cpu_s": self.boot_cpu_s,
+            "init_cpu_s": self.init_cpu_s,
         }
 
 
@@ -157,6 +163,8 @@ class Worker:
             "process_started": process_start_time(),
             "init_began": getattr(self, "_rollart_init_began", 0.0),
             "init_done": getattr(self, "_rollart_init_done", 0.0),
+            "boot_cpu_s": getattr(self, "_rollart_boot_cpu_s", 0.0),
+            "init_cpu_s": getattr(self, "_rollart_init_cpu_s", 0.0),
         }
 
     def _rollart_ping(self) -> int:
@@ -168,10 +176,12 @@ def host_class(worker_cls: type[Worker]) -> type:
 
     def __init__(self: Any, ctx: WorkerContext, args: tuple, kwargs: dict) -> None:
         self._rollart_init_began = time.time()
+        self._rollart_boot_cpu_s = time.process_time()
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         Worker._rollart_bind(self, ctx)
         worker_cls.__init__(self, *args, **kwargs)
         self._rollart_init_done = time.time()
+        self._rollart_init_cpu_s = time.process_time() - self._rollart_boot_cpu_s
 
     # a distinct qualname makes cloudpickle ship this class by value instead of looking up the user's
     attrs: dict[str, Any] = {

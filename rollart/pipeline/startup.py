@@ -25,14 +25,19 @@ the workers' clocks: on several hosts, clock skew moves time between ``worker_st
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollart.cluster.worker import process_start_time
+
+if TYPE_CHECKING:
+    from rollart.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +119,7 @@ class StartupTimeline:
             "phases_s": {p: round(s, 4) for p, s in phases.items()},
             "time_to_first_step_s": round(sum(phases.values()), 4),
             "workers": {
-                name: [{k: round(v - t0, 4) if v else None for k, v in w.items()} for w in ranks]
+                name: [{k: _since(k, v, t0) for k, v in w.items()} for w in ranks]
                 for name, ranks in self.workers.items()
             },
         }
@@ -127,6 +132,48 @@ class StartupTimeline:
         parts = ", ".join(f"{p.replace('_', ' ')} {s:.1f} s" for p, s in data["phases_s"].items())
         log.info("start-up: first step done %.1f s after the command (%s)", data["time_to_first_step_s"], parts)
         return self.path
+
+
+def run_job_id(config: PipelineConfig, resume: bool) -> str | None:
+    """The job id a run asks for: ``cluster.job_id``, else on ``--resume`` the one in ``RUN_DIR/job_id``
+    (the next attempt of the same job), else None (a new one)."""
+    job_file = config.out_dir.resolve() / "job_id"
+    return config.cluster.job_id or (job_file.read_text().strip() if resume and job_file.exists() else None)
+
+
+def start_ray_while_importing(config: PipelineConfig, resume: bool, module: str) -> None:
+    """Start (or join) the run's Ray while ``module`` (the pipeline's, with torch and transformers) is
+    imported in a thread beside it: starting Ray is mostly waiting for its processes, and the import
+    fills that wait. The pipeline's ResourceManager then finds Ray up, for the job id it asks for
+    (:func:`run_job_id`), with the resources its pools ask for. An import error is raised here."""
+    from rollart.resource_manager.launcher import ensure_ray
+    from rollart.resource_manager.manager import resources_asked
+    from rollart.resource_manager.specs import parse_pools
+
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException as err:  # raised in the caller's thread below
+            failed.append(err)
+
+    loader = threading.Thread(target=load, name="rollart-import", daemon=True)
+    loader.start()
+    try:
+        asked = resources_asked(parse_pools(config.pools))
+        ensure_ray(config.cluster.local_resources, run_job_id(config, resume), asked=asked)
+    finally:
+        loader.join()
+    if failed:
+        raise failed[0]
+
+
+def _since(key: str, value: float, t0: float) -> float | None:
+    """A worker's time as seconds since ``t0`` (None: unknown); its CPU seconds (``*_cpu_s``) as they are."""
+    if key.endswith("_s"):
+        return round(value, 4)
+    return round(value - t0, 4) if value else None
 
 
 def read(run_dir: Path) -> dict[str, Any]:

@@ -32,6 +32,18 @@ from rollart.resource_manager.store import MetadataStore
 log = logging.getLogger(__name__)
 
 
+def resources_asked(specs: Mapping[str, PoolSpec]) -> dict[str, float]:
+    """What ``specs`` (parsed pools) ask for in all, by hardware type (devices, or CPUs); a colocated pool
+    asks for nothing (it shares another pool's devices)."""
+    asked: dict[str, float] = {}
+    for spec in specs.values():
+        if spec.colocate_with is not None:
+            continue
+        for g in spec.groups:
+            asked[g.hardware] = asked.get(g.hardware, 0) + g.amount
+    return asked
+
+
 @dataclass
 class ReservedGroup:
     """One hardware group of a pool, reserved as a placement group of ``group.amount`` bundles."""
@@ -114,11 +126,7 @@ class ResourceManager:
         return [s for s in self.specs.values() if s.colocate_with is None]
 
     def _resources_asked(self) -> dict[str, float]:
-        asked: dict[str, float] = {}
-        for spec in self._reserved_specs():
-            for g in spec.groups:
-                asked[g.hardware] = asked.get(g.hardware, 0) + g.amount
-        return asked
+        return resources_asked(self.specs)
 
     def _validate(self) -> None:
         known = ", ".join(sorted(self.capacity)) or "nothing"
@@ -167,16 +175,19 @@ class ResourceManager:
                     created.append(pg)
                     reserved.append(ReservedGroup(spec.name, i, g, cap, pg, name))
                 self.groups[spec.name] = reserved
-            ready = [pg.ready() for pg in created]
-            done, pending = ray.wait(ready, num_returns=len(ready), timeout=ready_timeout_s)
+            # every pool's placement groups are asked for at once and awaited together
+            ready = {rg.placement_group.ready(): rg for rgs in self.groups.values() for rg in rgs}
+            _, pending = ray.wait(list(ready), num_returns=len(ready), timeout=ready_timeout_s)
             if pending:
+                where = sorted({self._where(ready[r]) for r in pending})
                 raise ResourceSpecError(
-                    f"{len(pending)} placement group(s) could not be placed within {ready_timeout_s:.0f}s "
-                    "(free devices are split across nodes or taken meanwhile); free hardware or lower devices"
+                    f"{', '.join(where)} could not be placed within {ready_timeout_s:.0f}s (free devices are split "
+                    "across nodes or taken meanwhile); free hardware or lower that pool's devices"
                 )
         except BaseException:
             for pg in created:
                 remove_placement_group(pg)
+            self.groups.clear()
             raise
         for spec in self._reserved_specs():
             for rg in self.groups[spec.name]:
@@ -189,6 +200,10 @@ class ResourceManager:
             {s.name: s.hardware_types for s in self._reserved_specs()},
             "".join(f"; {s.name} shares {s.colocate_with}" for s in self.specs.values() if s.colocate_with),
         )
+
+    def _where(self, rg: ReservedGroup) -> str:
+        """The config field of a reserved group: ``pools.NAME`` (``pools.NAME[i]`` in a pool of several)."""
+        return f"pools.{rg.pool}" + (f"[{rg.index}]" if len(self.specs[rg.pool].groups) > 1 else "")
 
     # ------------------------------------------------------------------ binding (used by Cluster)
     def devices_of(self, pool: str) -> str:
