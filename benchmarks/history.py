@@ -131,9 +131,19 @@ TRACKED: tuple[Tracked, ...] = (
     Tracked(
         "full",
         "startup",
-        (),
-        (Value("speedup", _key("speedup"), doc="the startup bench's ratio"),),
-        missing="rollart bench startup is not in this version yet: its slot records nothing until it is",
+        ("--repeats", "3"),
+        (
+            # a run's CPU seconds hardly change with the machine's load (its wall time does, several-fold);
+            # over a bare Ray program's, measured just before it, Ray's own cost and the CPU's speed cancel
+            Value("cpu_vs_bare_ray", _key("cpu_over_bare"), False, "CPU s to the first step / a bare Ray program's"),
+            Value(
+                "first_step_vs_bare_ray",
+                _key("first_step_over_bare"),
+                False,
+                "seconds to the first step / a bare Ray program's to its first actor call",
+            ),
+        ),
+        timeout_s=1800,
     ),
 )
 

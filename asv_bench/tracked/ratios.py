@@ -143,3 +143,19 @@ class full_throughput(_Run):
 
     def track_alpha1_vs_trl(self, values: dict[str, float]) -> float:
         return values["alpha1_vs_trl"]
+
+
+class full_startup(_Run):
+    run = by_name("full_startup")
+    timeout = run.timeout_s
+
+    def setup_cache(self) -> dict[str, float]:
+        return measure(self.run)
+
+    setup_cache.timeout = run.timeout_s  # type: ignore[attr-defined]
+
+    def track_cpu_vs_bare_ray(self, values: dict[str, float]) -> float:
+        return values["cpu_vs_bare_ray"]
+
+    def track_first_step_vs_bare_ray(self, values: dict[str, float]) -> float:
+        return values["first_step_vs_bare_ray"]
