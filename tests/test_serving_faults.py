@@ -131,3 +131,82 @@ def test_no_worker_left_answers_503_and_the_episode_raises_the_cause(make_rm, tm
     finally:
         served.close()
         cluster.shutdown()
+
+
+# ---------------------------------------------------------------------- the whole pipeline
+@pytest.mark.timeout(900)
+def test_an_agent_pipeline_survives_a_worker_killed_mid_call_and_the_ledger_holds(ray_local, tmp_path):
+    """An AgenticPipeline of ``agent`` episodes (tests/serving_agents.py: one completion call each,
+    rewarded by what the policy wrote) on the tiny model, one inference worker with a restart policy.
+    After step 1 the next episode kills the worker while its call is in flight: the LLMProxy waits
+    for the restart and sends the call again from its stored state, so the harness sees an answer.
+    Two episodes started after it raise (a harness that lost its connection): their rounds fail and
+    are played again. The run completes; every trained trajectory carries exactly the reward its
+    agent returned (none is a 0 it did not return, none comes from a crashed episode); the ledger
+    loses, invents and trains twice nothing."""
+    import serving_agents
+    from transformers import AutoTokenizer
+
+    from rollart.config import PipelineConfig
+    from rollart.pipelines.agentic import AgenticPipeline
+
+    cfg = PipelineConfig.model_validate(
+        {
+            "name": "agent-fault",
+            "pools": {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}},
+            "envs": [{"agent": "serving_agents:faulty", "groups": 2, "tag": "faulty", "timeout_s": 300}],
+            "rollout": {"num_env_groups": 2, "group_size": 4, "batch_groups": 2, "alpha": 0},
+            "sampling": {"temperature": 1.0, "max_new_tokens": 48, "seed": 0},
+            "serving": {"model_name": "policy"},
+            "advantage": "grpo",
+            "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
+            "train": {"lr": 0.001},
+            "steps": 3,
+            "checkpoint_every": 0,
+            "fault": {"inference": {"max_restarts": 2, "backoff_s": 0}},
+            "output_dir": str(tmp_path / "run"),
+            "cluster": {"metadata_store": str(tmp_path / "meta.sqlite")},
+        }
+    )
+    plan = serving_agents.PLAN = serving_agents.Plan()
+    trained: list = []
+    killed: list[int] = []
+    in_flight: list[int] = []
+
+    class Killing(AgenticPipeline):
+        async def _kill_mid_call(self) -> None:
+            await _running(self.proxy, 1)  # this episode's call (at least) is in the engine
+            in_flight.append(sum(m["running"] for m in await self.proxy.worker_metrics()))
+            killed.append(await asyncio.to_thread(kill, self.infer, 0))
+
+        def _record(self, step, version, trajs, *rest):
+            trained.extend(trajs)
+            if step == 1:
+                plan.kill, plan.crash = self._kill_mid_call, 2
+            return super()._record(step, version, trajs, *rest)
+
+    pipe = Killing(cfg, progress=False)
+    try:
+        history = pipe.run()
+        ledger = pipe.scheduler.ledger()
+        counts = dict(pipe.scheduler.counts)
+        faults = pipe.proxy.fault_metrics()
+        tok = AutoTokenizer.from_pretrained(pipe._model_path())
+    finally:
+        pipe.shutdown()
+    assert [h["step"] for h in history] == [1, 2, 3] and killed and in_flight[0] >= 1
+    assert faults["deaths"] == 1 and faults["restarts"] == 1 and faults["migrated"] >= 1
+    assert history[-1]["faults"]["deaths"] == 1
+    # the crashed episodes failed (never scored) and their rounds were played again
+    assert len(plan.crashed) == 2 and counts["trajectories_failed"] >= 2
+    assert ledger["lost"] == 0 and ledger["trained_twice"] == 0 and ledger["in_flight"] == 0
+    assert ledger["trained"] == len(trained) == 3 * 2 * 4 and len({t.traj_id for t in trained}) == len(trained)
+    assert ledger["started"] == ledger["trained"] + ledger["retried"] + ledger["failed"] + ledger["buffered"]
+    for t in trained:
+        session = t.info["session"]
+        assert t.status == "ok" and session not in plan.crashed
+        assert t.reward == plan.returned[session]  # the agent's own number, not a default
+        ((s, e),) = t.turns  # the reward is recomputed from the tokens that train
+        assert t.reward == serving_agents.reward_of(tok.decode(t.token_ids[s:e], skip_special_tokens=True))
+        assert sum(t.loss_mask) == e - s and len(t.logprobs) == len(t.token_ids)
+        assert all(math.isfinite(x) for x in t.logprobs[s:e])
