@@ -34,10 +34,12 @@ def reward_of(text: str) -> float:
 
 async def faulty(client, task: dict) -> float:
     session = str(client.base_url).rstrip("/").split("/")[-2]
-    call = asyncio.ensure_future(
-        client.completions.create(model="policy", prompt=f"task {task['seed']}:", max_tokens=48, temperature=1.0)
-    )
     kill, PLAN.kill = PLAN.kill, None
+    call = asyncio.ensure_future(  # the call the worker is killed in is a long one
+        client.completions.create(
+            model="policy", prompt=f"task {task['seed']}:", max_tokens=48 if kill is None else 300, temperature=1.0
+        )
+    )
     if kill is not None:
         await kill()
     reply = await call

@@ -171,13 +171,13 @@ def test_an_agent_pipeline_survives_a_worker_killed_mid_call_and_the_ledger_hold
     plan = serving_agents.PLAN = serving_agents.Plan()
     trained: list = []
     killed: list[int] = []
-    in_flight: list[int] = []
 
     class Killing(AgenticPipeline):
         async def _kill_mid_call(self) -> None:
+            pid = (await asyncio.to_thread(self.infer.pids))[0]
             await _running(self.proxy, 1)  # this episode's call (at least) is in the engine
-            in_flight.append(sum(m["running"] for m in await self.proxy.worker_metrics()))
-            killed.append(await asyncio.to_thread(kill, self.infer, 0))
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
 
         def _record(self, step, version, trajs, *rest):
             trained.extend(trajs)
@@ -194,8 +194,9 @@ def test_an_agent_pipeline_survives_a_worker_killed_mid_call_and_the_ledger_hold
         tok = AutoTokenizer.from_pretrained(pipe._model_path())
     finally:
         pipe.shutdown()
-    assert [h["step"] for h in history] == [1, 2, 3] and killed and in_flight[0] >= 1
-    assert faults["deaths"] == 1 and faults["restarts"] == 1 and faults["migrated"] >= 1
+    assert [h["step"] for h in history] == [1, 2, 3] and killed
+    assert faults["deaths"] == 1 and faults["restarts"] == 1
+    assert faults["migrated"] >= 1  # the call in flight was sent again: the worker died mid-call
     assert history[-1]["faults"]["deaths"] == 1
     # the crashed episodes failed (never scored) and their rounds were played again
     assert len(plan.crashed) == 2 and counts["trajectories_failed"] >= 2
