@@ -1,11 +1,13 @@
 """The starting policy: rollart's tiny character-level model (built offline) with a ChatML template that
 renders tools, after a short supervised warm-up on transcripts of the agent's format.
 
-The transcripts show the format — a ``<tool_call>`` to ``calc`` with the two numbers of the question,
-then the tool's result as the answer — but their operator is a coin flip: the warm-up teaches the
-tool-call format and copying, not which operation the words ask for. Starting from it the agent earns
-about half its reward by chance; reinforcement learning through the endpoint has to learn the rest
-(``gets ... more`` is a sum, ``gives away`` a difference).
+The transcripts show the format — a ``<tool_call>`` to ``calc`` with the two quantities of the
+question, then the tool's result as the answer — but their operator is a coin flip: the warm-up teaches
+the tool-call format and copying (its loss counts the answer's one or two tokens once more on their
+own, else the model learns the fifty tokens of the call long before it learns to copy), not which
+operation the words ask for. Starting from it the model picks ``+`` about as often for ``gets ... more``
+as for ``gives ... away``; reinforcement learning through the endpoint has to learn which one the words
+ask for.
 
 The transcripts are the exact token ids the endpoint gives the model (:class:`rollart.serving.render.ChatRenderer`
 renders the prompt and continues it after each reply), so the warm-up and the served conversation agree.
@@ -27,11 +29,13 @@ from tasks import make_task
 log = logging.getLogger("calculator_agent")
 
 MODEL = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 384}
+RECIPE = 3  # the warm-up's loss and data: a cached policy is rebuilt when they change
 CALL = '<tool_call>{{"name": "calc", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
 
 
-def transcript(renderer, tok, task: dict, rng: random.Random) -> tuple[list[int], list[int]]:
-    """(ids, labels) of one episode with a coin-flip operator; labels -100 off the model's replies."""
+def transcript(renderer, tok, task: dict, rng: random.Random) -> tuple[list[int], list[int], int]:
+    """(ids, labels, where the answer's turn starts) of one episode with a coin-flip operator; labels
+    -100 off the model's replies."""
     expression = f"a{rng.choice('+-')}b"
     end = tok.convert_tokens_to_ids("<|im_end|>")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
@@ -43,7 +47,7 @@ def transcript(renderer, tok, task: dict, rng: random.Random) -> tuple[list[int]
     reply2 = tok.encode(result, add_special_tokens=False) + [end]
     ids = prompt + reply1 + between + reply2
     labels = [-100] * len(prompt) + reply1 + [-100] * len(between) + reply2
-    return ids, labels
+    return ids, labels, len(prompt) + len(reply1) + len(between)
 
 
 def copied(model, tok, renderer, n: int = 16) -> float:
@@ -81,13 +85,24 @@ def warm_up(folder: Path, steps: int, batch: int, lr: float, seed: int) -> list[
     losses = []
     for step in range(steps):
         rows = [transcript(renderer, tok, make_task(10**9 + rng.randrange(10**9)), rng) for _ in range(batch)]
-        width = max(len(ids) for ids, _ in rows)
+        width = max(len(row[0]) for row in rows)
         ids = torch.full((batch, width), tok.pad_token_id)
         labels = torch.full((batch, width), -100)
         mask = torch.zeros((batch, width), dtype=torch.long)
-        for i, (x, y) in enumerate(rows):
+        weights = torch.zeros((2, batch, width))  # the tool call's tokens, the answer's tokens
+        for i, (x, y, cut) in enumerate(rows):
             ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            weights[0, i, :cut], weights[1, i, cut : len(y)] = 1.0, 1.0
+            weights[:, i] *= labels[i] != -100
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
+        ).view(batch, -1)
+        # every reply token, plus the answer's tokens once more on their own: the answer's one or two
+        # tokens would otherwise be lost among the tool call's fifty, and the model would learn the
+        # format long before it learns to copy
+        every, answer = weights.sum(0)[:, 1:], weights[1, :, 1:]
+        loss = (nll * every).sum() / every.sum() + (nll * answer).sum() / answer.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -108,7 +123,9 @@ def build_policy(
     from rollart.models.tiny import build_tiny
     from rollart.serving.render import CHATML_TOOLS_TEMPLATE
 
-    key = hashlib.sha256(json.dumps([MODEL, steps, batch, lr, seed, CHATML_TOOLS_TEMPLATE]).encode()).hexdigest()[:10]
+    key = hashlib.sha256(
+        json.dumps([RECIPE, MODEL, steps, batch, lr, seed, CHATML_TOOLS_TEMPLATE]).encode()
+    ).hexdigest()[:10]
     target = Path(root) / f"calculator-policy-{key}"
     if (target / "warmup.json").exists():
         return target
