@@ -119,6 +119,48 @@ def _gone(pid: int) -> bool:
         return True
 
 
+PLACE = (
+    "import json, ray, time\n"
+    "from ray.util.placement_group import placement_group, remove_placement_group\n"
+    "ray.init(log_to_driver=False)\n"
+    "pg = placement_group([{'accelerator_type:H20': 1}])\n"
+    "try:\n"
+    "    ray.get(pg.ready(), timeout=3)\n"
+    "    placed = True\n"
+    "except ray.exceptions.GetTimeoutError:\n"
+    "    placed = False\n"
+    "remove_placement_group(pg)\n"
+    "print('RESULT ' + json.dumps(placed))\n"
+)
+
+
+def test_a_host_joins_a_running_cluster_and_a_drained_one_leaves_it_and_is_removed():
+    """What an elastic run needs of the harness: a machine that joins mid-run, Ray's drain of it (nothing new
+    is placed there; Ray removes the node once idle), and its removal."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with start_hosts([HostSpec("head", {"H800": 1})]) as cluster:
+        assert cluster.run_python(PLACE).check().result is False  # no H20 anywhere yet
+        d = cluster.add_host(HostSpec("d", {"H20": 1}))
+        assert d.ip == "10.201.0.2" and d.namespace in _namespaces()
+        assert cluster.run_python(NODES).check().result == {
+            "10.201.0.1": {"accelerator_type:H800": 1.0},
+            "10.201.0.2": {"accelerator_type:H20": 1.0},
+        }
+        assert cluster.run_python(PLACE).check().result is True  # the new host's device is usable
+        node = cluster.drain_host("d")
+        assert cluster.wait_host_gone("d", timeout_s=120)  # idle: Ray removes the drained node by itself
+        alive = cluster.run_python(NODES).check().result
+        assert list(alive) == ["10.201.0.1"], (node, alive)
+        cluster.remove_host("d")
+        assert d.namespace not in _namespaces() and not d.pids()
+        with pytest.raises(KeyError):
+            cluster.host("d")
+        again = cluster.add_host(HostSpec("d", {"H20": 1}))  # a name can come back; its index and IP are new
+        assert again.ip == "10.201.0.3"
+
+
 def test_bad_specs_are_refused_with_the_reason():
     reason = skip_reason()
     if reason:

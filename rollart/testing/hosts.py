@@ -35,6 +35,10 @@ Usage (tests use the ``hosts3`` fixture of ``tests/conftest.py``; a benchmark ca
         res.check()                        # raises with the driver's output on a non-zero exit
         res.result                         # JSON of the last ``RESULT {...}`` line of its stdout
         cluster.kill_host("c")             # every process of host c, by pid
+        cluster.add_host(HostSpec("d", {"H20": 2}))  # a machine joins the running cluster
+        cluster.drain_host("d")            # Ray's drain: marked for removal (Ray removes it once idle)
+        cluster.wait_host_gone("d")        # its Ray node left the cluster
+        cluster.remove_host("d")           # its namespace and processes gone
 
 Inside a driver started by :meth:`HostCluster.run_driver`, ``RAY_ADDRESS`` names the head
 (``10.201.0.1:6379``) and ``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN_PATH`` are set, so
@@ -240,7 +244,8 @@ class HostCluster:
             )
             for i, s in enumerate(specs)
         ]
-        self._specs = list(specs)
+        self._specs = dict(enumerate(specs))  # by host index
+        self._next_index = len(specs)  # host indexes (and so IPs and namespaces) are never reused
         self._namespaces: list[str] = []
         self._closed = False
         # the finalizer holds no reference to self (it tears down by namespace name and directory); it
@@ -388,6 +393,92 @@ class HostCluster:
         self._ray_start(h, head=False)
         self._wait_nodes()
 
+    def add_host(self, spec: HostSpec) -> Host:
+        """Start one more host and join its Ray node to the running cluster (a machine that joins mid-run);
+        returns it once the cluster lists it alive. Its index, IP and namespace are new (never reused)."""
+        if any(h.name == spec.name for h in self.hosts):
+            raise HostsError(f"a host named {spec.name!r} exists; choose another name")
+        index = self._next_index
+        if index >= 250:
+            raise HostsError("at most 250 hosts fit the /24 test subnet")
+        self._next_index += 1
+        h = Host(
+            index=index,
+            name=spec.name,
+            namespace=f"rat{self.run_id}h{index}",
+            ip=f"{SUBNET_PREFIX}.{index + 1}",
+            hardware={k: float(v) for k, v in spec.hardware.items()},
+            num_cpus=spec.num_cpus,
+            temp_dir=self.dir / f"h{index}",
+            cpus=spec.cpus,
+        )
+        self._specs[index] = spec
+        self.hosts.append(h)
+        try:
+            self._link_host(h)
+            self._ray_start(h, head=False)
+            self._wait_nodes()
+        except BaseException:
+            self.remove_host(h.name)
+            raise
+        log.info("host %s (%s) joined run %s", h.name, h.ip, self.run_id)
+        return h
+
+    def node_id(self, name: str) -> str:
+        """The Ray node id of host ``name``'s alive node."""
+        ip = self.host(name).ip
+        code = (
+            "import json, ray\n"
+            "ray.init(log_to_driver=False)\n"
+            f"ids = [n['NodeID'] for n in ray.nodes() if n['Alive'] and n['NodeManagerAddress'] == {ip!r}]\n"
+            "print('RESULT ' + json.dumps(ids))\n"
+        )
+        ids = self.run_python(code, timeout=120).check().result
+        if not ids:
+            raise HostsError(f"host {name} ({ip}) has no alive Ray node")
+        return str(ids[0])  # type: ignore[index]
+
+    def drain_host(self, name: str, reason: str = "DRAIN_NODE_REASON_PREEMPTION", deadline_s: int = 600) -> str:
+        """Mark host ``name``'s Ray node for removal with Ray's drain API (``ray drain-node``, what an autoscaler
+        does before it removes a node): Ray places nothing new there and removes the node once nothing runs
+        on it. Returns the node id."""
+        node = self.node_id(name)
+        args = [_ray_bin(), "drain-node", f"--address={self.address}", f"--node-id={node}", f"--reason={reason}"]
+        args += ["--reason-message=rollart.testing: host drained", f"--deadline-remaining-seconds={deadline_s}"]
+        self.run(self.head, args, timeout=120).check()
+        return node
+
+    def wait_host_gone(self, name: str, timeout_s: float = 300.0) -> bool:
+        """Wait until the cluster lists no alive node at host ``name``'s IP (True), or ``timeout_s`` passes."""
+        ip = self.host(name).ip
+        code = (
+            "import json, time, ray\n"
+            "ray.init(log_to_driver=False)\n"
+            f"deadline = time.monotonic() + {timeout_s}\n"
+            f"while any(n['Alive'] and n['NodeManagerAddress'] == {ip!r} for n in ray.nodes()):\n"
+            "    if time.monotonic() > deadline: break\n"
+            "    time.sleep(0.2)\n"
+            f"print('RESULT ' + json.dumps(not any(n['Alive'] and n['NodeManagerAddress'] == {ip!r} for n in ray.nodes())))\n"
+        )
+        return bool(self.run_python(code, timeout=timeout_s + 60).result)
+
+    def remove_host(self, name: str) -> None:
+        """Kill every process of host ``name``, delete its namespace (and its link) and forget it (the machine
+        is gone; the cluster notices its node's death by itself)."""
+        h = self.host(name)
+        if h.index == 0:
+            raise HostsError("the head host cannot be removed: its GCS holds the cluster")
+        _teardown([h.namespace] if h.namespace in self._namespaces else [], "")
+        if h.namespace in self._namespaces:
+            self._namespaces.remove(h.namespace)
+        subprocess.run(
+            ["ip", "-n", self.bridge_namespace, "link", "del", f"p{h.index}"],
+            check=False,
+            capture_output=True,
+            stdin=subprocess.DEVNULL,
+        )
+        self.hosts.remove(h)
+
     # --- building ------------------------------------------------------------------------------------
     def _ip(self, *args: str) -> None:
         run_ip(*args)
@@ -403,18 +494,23 @@ class HostCluster:
         self._ip("-n", br, "link", "add", "br0", "type", "bridge")
         self._ip("-n", br, "link", "set", "br0", "up")
         for h in self.hosts:
-            self._add_namespace(h.namespace)
-            # both ends are created directly inside their namespaces: no name in the root namespace
-            self._ip(
-                "link", "add", "eth0", "netns", h.namespace, "type", "veth", "peer", "name", f"p{h.index}", "netns", br
-            )
-            self._ip("-n", br, "link", "set", f"p{h.index}", "master", "br0")
-            self._ip("-n", br, "link", "set", f"p{h.index}", "up")
-            self._ip("-n", h.namespace, "addr", "add", f"{h.ip}/24", "dev", "eth0")
-            self._ip("-n", h.namespace, "link", "set", "eth0", "up")
-            if h.cpus:
-                self._steer_receive(h)
+            self._link_host(h)
         log.info("hosts %s on %s.0/24 (run %s)", [(h.name, h.ip) for h in self.hosts], SUBNET_PREFIX, self.run_id)
+
+    def _link_host(self, h: Host) -> None:
+        """``h``'s namespace, with an ``eth0`` whose peer is on the bridge."""
+        br = self.bridge_namespace
+        self._add_namespace(h.namespace)
+        # both ends are created directly inside their namespaces: no name in the root namespace
+        self._ip(
+            "link", "add", "eth0", "netns", h.namespace, "type", "veth", "peer", "name", f"p{h.index}", "netns", br
+        )
+        self._ip("-n", br, "link", "set", f"p{h.index}", "master", "br0")
+        self._ip("-n", br, "link", "set", f"p{h.index}", "up")
+        self._ip("-n", h.namespace, "addr", "add", f"{h.ip}/24", "dev", "eth0")
+        self._ip("-n", h.namespace, "link", "set", "eth0", "up")
+        if h.cpus:
+            self._steer_receive(h)
 
     def _steer_receive(self, h: Host) -> None:
         """Receive processing of ``h``'s ``eth0`` on ``h``'s own cores (RPS), as on its own machine."""
