@@ -67,45 +67,50 @@ class HardwareCapacity:
         return {"num_cpus": 0.0, "resources": {accelerator_resource(self.hardware): float(devices)}}
 
 
-def read_capacity() -> dict[str, HardwareCapacity]:
-    """Totals and what is still free, per hardware type, over the alive nodes."""
+def node_devices(res: dict[str, float], free: dict[str, float]) -> dict[str, tuple[str, float, float]]:
+    """One node's hardware types: ``{type: (mode, total, free)}`` from its Ray resources ``res`` and what is
+    free of them (``free``); ``CPU`` for its CPUs, ``GPU`` for its GPUs of any type."""
+    out: dict[str, tuple[str, float, float]] = {}
+    if res.get(CPU, 0) > 0:
+        out[CPU] = ("cpu", res[CPU], free.get(CPU, 0.0))
+    gpus = res.get("GPU", 0.0)
+    if gpus > 0:
+        out[ANY_GPU] = ("gpu", gpus, free.get("GPU", 0.0))
+    for key, amount in res.items():
+        if not key.startswith(ACCEL_PREFIX):
+            continue
+        hw = key[len(ACCEL_PREFIX) :]
+        if hw == ANY_GPU and gpus > 0:
+            continue  # the GPUs themselves, counted above
+        if gpus > 0 and f"{LOGICAL_PREFIX}{hw}" not in res:
+            out[hw] = ("gpu", gpus, free.get("GPU", 0.0))
+        else:
+            out[hw] = ("logical", amount, free.get(key, 0.0))
+    return out
+
+
+def free_per_node() -> dict[str, dict[str, float]]:
+    """What is free of each alive node's resources (empty where this Ray cannot tell: totals are used)."""
     try:
-        per_node_free = ray._private.state.available_resources_per_node()
+        return ray._private.state.available_resources_per_node()
     except Exception as err:  # a Ray without it: totals only, and say so — other jobs' use is not seen
         log.warning("cannot read free resources per node (%s); validating against cluster totals", err)
-        per_node_free = {}
+        return {}
+
+
+def read_capacity() -> dict[str, HardwareCapacity]:
+    """Totals and what is still free, per hardware type, over the alive nodes."""
+    per_node_free = free_per_node()
     out: dict[str, HardwareCapacity] = {}
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
         res = node.get("Resources", {})
         nid = node["NodeID"]
-        free = per_node_free.get(nid, res)
-        if res.get(CPU, 0) > 0:
-            cap = out.setdefault(CPU, HardwareCapacity(CPU, "cpu"))
-            cap.total += res[CPU]
-            cap.available += free.get(CPU, 0.0)
-            cap.node_ids.append(nid)
-        gpus = res.get("GPU", 0.0)
-        if gpus > 0:
-            cap = out.setdefault(ANY_GPU, HardwareCapacity(ANY_GPU, "gpu"))
-            cap.total += gpus
-            cap.available += free.get("GPU", 0.0)
-            cap.node_ids.append(nid)
-        for key, amount in res.items():
-            if not key.startswith(ACCEL_PREFIX):
-                continue
-            hw = key[len(ACCEL_PREFIX) :]
-            if hw == ANY_GPU and gpus > 0:
-                continue  # the GPUs themselves, counted above
-            mode = "gpu" if gpus > 0 and f"{LOGICAL_PREFIX}{hw}" not in res else "logical"
+        for hw, (mode, total, free) in node_devices(res, per_node_free.get(nid, res)).items():
             cap = out.setdefault(hw, HardwareCapacity(hw, mode))
             cap.mode = mode if cap.mode == mode else "gpu"
-            if mode == "gpu":
-                cap.total += gpus
-                cap.available += free.get("GPU", 0.0)
-            else:
-                cap.total += amount
-                cap.available += free.get(key, 0.0)
+            cap.total += total
+            cap.available += free
             cap.node_ids.append(nid)
     return out

@@ -8,12 +8,16 @@ Invariants:
   job's pools never take another job's devices;
 - a pool hosts one Cluster unless a second one asks to colocate with it;
 - a colocated pool (``{"colocate_with": "train"}``) reserves nothing: its name stands for the other
-  pool's bundles (:meth:`ResourceManager.pool_groups`, :meth:`ResourceManager.bind`).
+  pool's bundles (:meth:`ResourceManager.pool_groups`, :meth:`ResourceManager.bind`);
+- an elastic group (``max_devices``) is reserved one worker at a time: each worker's devices are a
+  placement group of their own (a *unit*), so one worker's devices can be given back without the others
+  (:meth:`ResourceManager.grow`, :meth:`ResourceManager.release`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,6 +59,7 @@ class ReservedGroup:
     placement_group: PlacementGroup
     name: str
     devices_per_bundle: int = 1
+    elastic: bool = False  # one worker's devices of an elastic group (a unit), reserved and released alone
 
 
 @dataclass
@@ -110,6 +115,9 @@ class ResourceManager:
             wait_for_admission(registry, self.job_id, self._resources_asked(), users, self.admission)
         self.groups: dict[str, list[ReservedGroup]] = {}
         self.bindings: dict[str, PoolBinding] = {}
+        self.worker_devices: dict[str, int] = {}  # devices per worker of each pool (its bundles' size)
+        self._units_lock = threading.Lock()  # the units of elastic groups come and go on another thread
+        self._serial = 0  # numbers the units' placement groups
         try:
             self.capacity = read_capacity()
             self._validate()
@@ -132,6 +140,11 @@ class ResourceManager:
         known = ", ".join(sorted(self.capacity)) or "nothing"
         for spec in self.specs.values():
             for i, g in enumerate(spec.groups):
+                if g.hardware not in self.capacity and g.elastic and not g.devices:
+                    log.info(
+                        "pools.%s: no %s in the Ray cluster yet; the pool grows when some joins", spec.name, g.hardware
+                    )
+                    continue
                 if g.hardware not in self.capacity:
                     where = f"pools.{spec.name}[{i}]" if len(spec.groups) > 1 else f"pools.{spec.name}"
                     raise ResourceSpecError(
@@ -169,12 +182,19 @@ class ResourceManager:
             for spec in self._reserved_specs():
                 reserved = []
                 for i, g in enumerate(spec.groups):
-                    cap = self.capacity[g.hardware]
                     name = f"rollart/{self.job_id}/{spec.name}/{i}"
+                    if g.elastic:  # one placement group per worker (a unit), released alone
+                        for _ in range(g.amount):
+                            unit = self._new_unit(spec.name, i, 1)
+                            created.append(unit.placement_group)
+                            reserved.append(unit)
+                        continue
+                    cap = self.capacity[g.hardware]
                     pg = placement_group([cap.bundle() for _ in range(g.amount)], strategy="PACK", name=name)
                     created.append(pg)
                     reserved.append(ReservedGroup(spec.name, i, g, cap, pg, name))
                 self.groups[spec.name] = reserved
+                self.worker_devices[spec.name] = 1
             # every pool's placement groups are asked for at once and awaited together
             ready = {rg.placement_group.ready(): rg for rgs in self.groups.values() for rg in rgs}
             _, pending = ray.wait(list(ready), num_returns=len(ready), timeout=ready_timeout_s)
@@ -190,10 +210,8 @@ class ResourceManager:
             self.groups.clear()
             raise
         for spec in self._reserved_specs():
-            for rg in self.groups[spec.name]:
-                self.store.record_pool(
-                    self.job_id, spec.name, rg.index, rg.group.hardware, rg.group.devices, rg.group.cpus, rg.name
-                )
+            for i in range(len(spec.groups)):
+                self._record_group(spec.name, i)
         log.info(
             "job %s reserved pools %s%s",
             self.job_id,
@@ -222,7 +240,7 @@ class ResourceManager:
         ``devices_per_worker`` devices: a Ray actor fits in one bundle). Only an unbound pool can change."""
         groups = self.pool_groups(pool)
         pool = self.devices_of(pool)
-        if all(rg.devices_per_bundle == devices_per_bundle for rg in groups):
+        if self.worker_devices.get(pool, 1) == devices_per_bundle:
             return
         if pool in self.bindings:
             raise ResourceSpecError(
@@ -230,20 +248,34 @@ class ResourceManager:
                 f"{groups[0].devices_per_bundle} device(s) per worker; devices_per_worker={devices_per_bundle} "
                 "needs a pool of its own"
             )
-        for rg in groups:
-            if rg.group.amount % devices_per_bundle:
-                raise ResourceSpecError(
-                    f"pools.{pool}[{rg.index}]: {rg.group.amount} devices cannot be split into "
-                    f"bundles of {devices_per_bundle}"
-                )
+        for i, g in enumerate(self.specs[pool].groups):
+            amounts = [g.max_devices, g.amount] if g.elastic else [g.amount]
+            for amount in amounts:
+                if amount is not None and amount % devices_per_bundle:
+                    field = "max_devices" if g.elastic and amount == g.max_devices else "devices"
+                    raise ResourceSpecError(
+                        f"pools.{pool}[{i}].{field}: {amount} devices cannot be split into bundles of "
+                        f"{devices_per_bundle}"
+                    )
+        fixed = [rg for rg in groups if not rg.elastic]
+        units = [rg for rg in groups if rg.elastic]
         for rg in groups:  # free the one-device bundles first: the new ones need the same devices
             remove_placement_group(rg.placement_group)
+        for rg in fixed:
             rg.placement_group = placement_group(
                 [rg.capacity.bundle(devices_per_bundle) for _ in range(rg.group.amount // devices_per_bundle)],
                 strategy="PACK",
                 name=rg.name,
             )
             rg.devices_per_bundle = devices_per_bundle
+        # an elastic group's units: one per worker of devices_per_bundle devices
+        regrouped = list(fixed)
+        for i in dict.fromkeys(u.index for u in units):
+            total = sum(u.group.amount for u in units if u.index == i)
+            regrouped += [self._new_unit(pool, i, devices_per_bundle) for _ in range(total // devices_per_bundle)]
+        regrouped.sort(key=lambda rg: rg.index)  # the pool's group order (ranks follow it)
+        self.groups[pool] = groups = regrouped
+        self.worker_devices[pool] = devices_per_bundle
         ready = [rg.placement_group.ready() for rg in groups]
         _, pending = ray.wait(ready, num_returns=len(ready), timeout=ready_timeout_s)
         if pending:
@@ -251,6 +283,93 @@ class ResourceManager:
                 f"pool {pool!r}: bundles of {devices_per_bundle} devices could not be placed within "
                 f"{ready_timeout_s:.0f}s (each needs {devices_per_bundle} free devices on one node)"
             )
+
+    # ------------------------------------------------------------------ elastic groups (units)
+    def _capacity_of(self, hardware: str) -> HardwareCapacity:
+        """How ``hardware`` is placed (its bundle); read again for a type that joined the cluster later."""
+        cap = self.capacity.get(hardware)
+        if cap is None:
+            cap = read_capacity().get(hardware)
+            if cap is None:
+                raise ResourceSpecError(f"hardware {hardware!r} is not in the Ray cluster")
+            self.capacity[hardware] = cap
+        return cap
+
+    def _new_unit(self, pool: str, index: int, devices: int) -> ReservedGroup:
+        """A placement group of one bundle of ``devices`` devices of group ``index`` of ``pool`` (not waited for)."""
+        hw = self.specs[pool].groups[index].hardware
+        cap = self._capacity_of(hw)
+        with self._units_lock:
+            self._serial += 1
+            name = f"rollart/{self.job_id}/{pool}/{index}/{self._serial}"
+        pg = placement_group([cap.bundle(devices)], strategy="PACK", name=name)
+        return ReservedGroup(
+            pool, index, HardwareGroup(hardware=hw, devices=devices), cap, pg, name, devices, elastic=True
+        )
+
+    def grow(self, pool: str, index: int, timeout_s: float = 10.0) -> ReservedGroup | None:
+        """Reserve one more worker's devices in the elastic group ``index`` of ``pool``; None when Ray could
+        not place them within ``timeout_s`` (the devices were taken meanwhile: nothing stays reserved)."""
+        group = self.specs[pool].groups[index]
+        if not group.elastic:
+            raise ResourceSpecError(f"pools.{pool}[{index}] is not elastic (no max_devices)")
+        unit = self._new_unit(pool, index, self.worker_devices.get(pool, 1))
+        try:
+            ray.get(unit.placement_group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(unit.placement_group)
+            return None
+        with self._units_lock:
+            self.groups[pool].append(unit)
+        self._record_group(pool, index)
+        return unit
+
+    def release(self, unit: ReservedGroup) -> None:
+        """Give a unit's devices back to the cluster (its worker must be stopped: Ray ends the actors of a
+        removed placement group)."""
+        try:
+            remove_placement_group(unit.placement_group)
+        except Exception as err:  # already gone with its node
+            log.debug("placement group %s: %s", unit.name, err)
+        with self._units_lock:
+            if unit in self.groups.get(unit.pool, []):
+                self.groups[unit.pool].remove(unit)
+        self._record_group(unit.pool, unit.index)
+
+    def units(self, pool: str, index: int | None = None) -> list[ReservedGroup]:
+        """The units (workers' reservations) of the elastic groups of ``pool`` (of group ``index``)."""
+        with self._units_lock:
+            return [rg for rg in self.groups.get(pool, []) if rg.elastic and index in (None, rg.index)]
+
+    def group_devices(self, pool: str, index: int) -> int:
+        """The devices group ``index`` of ``pool`` holds now (an elastic group's units; a fixed group's devices)."""
+        group = self.specs[pool].groups[index]
+        if not group.elastic:
+            return group.amount
+        return sum(u.group.amount for u in self.units(pool, index))
+
+    def resources_held(self) -> dict[str, float]:
+        """What the job's pools hold now per hardware type (devices, or CPUs): the ``asks`` of its row."""
+        held: dict[str, float] = {}
+        for spec in self._reserved_specs():  # a colocated pool's devices are its owner's
+            for i, g in enumerate(spec.groups):
+                held[g.hardware] = held.get(g.hardware, 0.0) + self.group_devices(spec.name, i)
+        return held
+
+    def _record_group(self, pool: str, index: int) -> None:
+        """A group's row in the store: its hardware, the devices it holds now and, elastic, its maximum."""
+        g = self.specs[pool].groups[index]
+        devices = self.group_devices(pool, index) if g.hardware != CPU else None
+        self.store.record_pool(
+            self.job_id,
+            pool,
+            index,
+            g.hardware,
+            devices,
+            g.cpus,
+            f"rollart/{self.job_id}/{pool}/{index}",
+            max_devices=g.max_devices,
+        )
 
     def bind(self, cluster: str, pool: str, colocate_with: str | None) -> None:
         """Record that ``cluster`` uses ``pool`` (a colocated pool: the pool it shares); a second cluster must

@@ -29,8 +29,10 @@ class JobRecords(Protocol):
         cpus: float | None,
         placement_group: str,
         state: str = "reserved",
+        max_devices: int | None = None,
     ) -> None:
-        """One group of a pool, reserved as ``placement_group``."""
+        """One group of a pool, reserved as ``placement_group``: the ``devices`` it holds now and, for an
+        elastic group, ``max_devices``."""
         ...
 
     def record_binding(

@@ -12,6 +12,8 @@ queued/running/finished/failed/stopped, ``asks``, ``quota``, ``priority``, ``sub
 :mod:`rollart.resource_manager.admission`), ``locks/<name>``, ``pools/<job>/<pool>/<group>``,
 ``bindings/<job>/<cluster>/<rank>``, ``endpoints/<job>/<cluster>/<method>``; each value is the JSON of
 the row (the same fields as the SQLite tables, plus ``node_ip`` for bindings and ``driver_ip`` for jobs).
+``scale/<job>/<pool>`` holds the last ``rollart scale`` request of an elastic pool (``devices``, ``at``),
+which the job's driver reads; its job row's ``elastic`` field says how far each elastic pool got.
 The registry lives as long as the cluster's GCS: a restarted head starts empty.
 """
 
@@ -115,6 +117,7 @@ class ClusterRegistry(JobRecords):
         cpus: float | None,
         placement_group: str,
         state: str = "reserved",
+        max_devices: int | None = None,
     ) -> None:
         row = {
             "job_id": job_id,
@@ -124,6 +127,7 @@ class ClusterRegistry(JobRecords):
             "devices": devices,
             "cpus": cpus,
             "placement_group": placement_group,
+            "max_devices": max_devices,
             "state": state,
             "updated_at": time.time(),
         }
@@ -201,6 +205,16 @@ class ClusterRegistry(JobRecords):
         held = self._get(key)
         if held is not None and held.get("holder") == holder:
             _kv()._internal_kv_del(key, namespace=self.namespace)
+
+    def request_scale(self, job_id: str, pool: str, devices: int) -> dict[str, Any]:
+        """Ask job ``job_id``'s elastic ``pool`` to hold ``devices`` devices (its driver applies it)."""
+        row = {"job_id": job_id, "pool": pool, "devices": int(devices), "at": time.time()}
+        self._put(f"scale/{job_id}/{pool}", row)
+        return row
+
+    def scale_request(self, job_id: str, pool: str) -> dict[str, Any] | None:
+        """The last ``rollart scale`` request of ``pool`` of ``job_id``, or None."""
+        return self._get(f"scale/{job_id}/{pool}")
 
     @staticmethod
     def _key(kind: str, row: dict[str, Any]) -> str:

@@ -4,6 +4,11 @@ A pool is one hardware group ``{"hardware": "H800", "devices": 2}``, a list of g
 pool, or CPUs ``{"hardware": "CPU", "cpus": 8}``; or ``{"colocate_with": "train"}``: a second name for
 another pool's devices (colocated mode: nothing more is reserved, a Cluster on it shares that pool's
 bundles). Errors name the pool and the field.
+
+A group with ``max_devices`` is elastic (``{"hardware": "H20", "devices": 2, "max_devices": 8}``): it starts
+with ``devices`` (0 allowed: it waits for such hardware to appear) and grows while the job runs as
+matching devices come free, up to ``max_devices``; it shrinks when asked (``rollart scale``) or when a
+node of it is marked for removal (:mod:`rollart.rollout.elastic`).
 """
 
 from __future__ import annotations
@@ -26,8 +31,15 @@ class HardwareGroup(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     hardware: str = Field(min_length=1, description='hardware type, e.g. "H800", "H20", or "CPU"')
-    devices: int | None = Field(default=None, ge=1, description="GPUs (or logical device slots) of this type")
+    devices: int | None = Field(
+        default=None, ge=0, description="GPUs (or logical device slots) of this type; at start for an elastic group"
+    )
     cpus: int | None = Field(default=None, ge=1, description="CPUs, for a CPU pool")
+    max_devices: int | None = Field(
+        default=None,
+        ge=1,
+        description="makes the group elastic: it grows up to this many devices as matching ones come free",
+    )
 
     @model_validator(mode="after")
     def _check_kind(self) -> HardwareGroup:
@@ -43,7 +55,25 @@ class HardwareGroup(BaseModel):
                 )
             if self.cpus is not None:
                 raise ValueError('"cpus" is only for {"hardware": "CPU"} groups; give devices for accelerators')
+        if self.max_devices is not None:
+            if self.hardware == CPU:
+                raise ValueError('"max_devices" is for accelerator groups; a CPU group has a fixed "cpus"')
+            if self.max_devices < (self.devices or 0):
+                raise ValueError(
+                    f'"max_devices" ({self.max_devices}) is below "devices" ({self.devices}); '
+                    f"set max_devices >= devices"
+                )
+        elif self.devices == 0:
+            raise ValueError(
+                f'"devices": 0 needs "max_devices" (an elastic group that waits for {self.hardware} to appear); '
+                "give devices >= 1, or add max_devices"
+            )
         return self
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the group grows and shrinks while the job runs (``max_devices`` is set)."""
+        return self.max_devices is not None
 
     @property
     def amount(self) -> int:
@@ -64,6 +94,11 @@ class PoolSpec(BaseModel):
     @property
     def hardware_types(self) -> list[str]:
         return [g.hardware for g in self.groups]
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a group of the pool is elastic (has ``max_devices``)."""
+        return any(g.elastic for g in self.groups)
 
 
 COLOCATE_WITH = "colocate_with"

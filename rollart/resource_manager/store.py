@@ -68,6 +68,8 @@ class MetadataStore(JobRecords):
             columns = {r["name"] for r in db.execute("PRAGMA table_info(bindings)")}
             if "slot_ids" not in columns:  # a file written before bindings had slot ids
                 db.execute("ALTER TABLE bindings ADD COLUMN slot_ids TEXT")
+            if "max_devices" not in {r["name"] for r in db.execute("PRAGMA table_info(pools)")}:
+                db.execute("ALTER TABLE pools ADD COLUMN max_devices INTEGER")  # a file from before elastic pools
 
     @contextmanager
     def _conn(self) -> Iterator[sqlite3.Connection]:
@@ -146,15 +148,20 @@ class MetadataStore(JobRecords):
         cpus: float | None,
         placement_group: str,
         state: str = "reserved",
+        max_devices: int | None = None,
     ) -> None:
+        """One group of a pool: ``devices`` it holds now, ``max_devices`` for an elastic group."""
         with self._conn() as db:
             db.execute(
-                "INSERT OR REPLACE INTO pools VALUES (?,?,?,?,?,?,?,?,?)",
-                (job_id, pool, group_index, hardware, devices, cpus, placement_group, state, time.time()),
+                "INSERT OR REPLACE INTO pools (job_id, pool, group_index, hardware, devices, cpus, placement_group, "
+                "state, updated_at, max_devices) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (job_id, pool, group_index, hardware, devices, cpus, placement_group, state, time.time(), max_devices),
             )
         self._mirror(
             "record_pool",
-            lambda r: r.record_pool(job_id, pool, group_index, hardware, devices, cpus, placement_group, state),
+            lambda r: r.record_pool(
+                job_id, pool, group_index, hardware, devices, cpus, placement_group, state, max_devices=max_devices
+            ),
         )
 
     def record_binding(
