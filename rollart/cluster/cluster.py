@@ -17,6 +17,11 @@ restarts the rank under its policy). Such a call fails (``WorkerDiedError`` with
 rank is alive and none is being restarted. A rank taken out for good (``remove_worker``) never serves
 again; ``fail(err)`` makes every later call raise ``err``.
 
+Membership (elastic pools): :meth:`add_worker` starts a new rank in a unit the ResourceManager reserved
+(it takes traffic once :meth:`mark_alive`), :meth:`set_draining` stops routing to a rank while control
+calls still reach it (its in-flight calls finish: :meth:`wait_idle`), and :meth:`retire_worker` takes it
+out for good (no restart, no death reported). Ranks are never reused.
+
 Sync worker methods block and return the collected value unless ``blocking=False`` is passed (then
 a :class:`ClusterFuture`); ``async def`` worker methods always return an awaitable ``ClusterFuture``.
 ``blocking`` is therefore a reserved keyword for exposed methods (a worker method with a parameter of
@@ -75,8 +80,11 @@ class _Slot:
     node_ip: str = ""
     actor_name: str = ""
     pid: int = 0
-    removed: bool = False  # taken out of the pool for good (its restart policy is spent)
+    removed: bool = False  # taken out of the pool for good (its restart policy is spent, or it left)
     restarting: bool = False  # a supervisor is bringing it back
+    joining: bool = False  # added to an elastic pool, not serving yet (loading weights)
+    draining: bool = False  # leaving: no new routed call; control calls still reach it
+    retired: bool = False  # left an elastic pool (scale-in, its node drained or lost): never restarted
     inflight: int = 0
     served: int = 0
     requested_at: float = 0.0  # when its actor was last asked for (Unix time)
@@ -133,6 +141,7 @@ class Cluster:
         # tag -> hardware order that replaces the @hw_mapping one (None: keep it); see rollart.rollout.affinity
         self.route_override: Callable[[str], tuple[str, ...] | None] | None = None
         self._death_listeners: list[Callable[[int, BaseException | None], None]] = []
+        self.awaiting_workers = False  # an elastic pool: workers may join later (routed calls wait for them)
         self._fatal: BaseException | None = None
         self._last_death: BaseException | None = None
         self.fault_counts: dict[str, int] = {"deaths": 0, "rerouted": 0, "skipped": 0, "restarts": 0, "removed": 0}
@@ -147,9 +156,17 @@ class Cluster:
         self._pending: dict[int, ray.ObjectRef] = {}  # rank -> its start answer, until wait_ready()
         self._ready_timeout_s = ready_timeout_s
 
+        elastic = pool is not None and pool in resource_manager.specs and resource_manager.specs[pool].elastic
+        if elastic and colocate_with is not None:
+            raise ResourceSpecError(
+                f"Cluster({name!r}): pool {pool!r} is elastic (max_devices); a colocated cluster cannot follow its "
+                "workers as they come and go; give it a pool of its own"
+            )
+        if elastic and devices_per_worker > 1:  # an elastic group is reserved per worker: the units first
+            resource_manager.regroup(pool, devices_per_worker)
         self._plan_slots()  # every check runs before any actor exists
         if pool is not None:
-            if devices_per_worker > 1 and colocate_with is None:
+            if devices_per_worker > 1 and colocate_with is None and not elastic:
                 resource_manager.regroup(pool, devices_per_worker)
             resource_manager.bind(name, pool, colocate_with.name if colocate_with else None)
             try:
@@ -199,7 +216,13 @@ class Cluster:
                 # one bundle per worker: d > 1 re-reserves the pool as d-device bundles (ResourceManager.regroup)
                 self._slots.append(_Slot(rank, rg.group.hardware, rg, k if d > 1 else k * d, slots))
                 rank += 1
-        pool_hw = {s.hardware for s in self._slots}
+        # the pool's hardware types, also those of an elastic group that holds no device yet
+        pool_hw = (
+            set(self.resource_manager.specs[self.pool].hardware_types)
+            if self.pool in self.resource_manager.specs
+            else set()
+        )
+        pool_hw |= {s.hardware for s in self._slots}
         for m in self.methods.values():
             if m.hw_mapping is None:
                 continue
@@ -351,6 +374,8 @@ class Cluster:
         supervisor first loads the current weights into it)."""
         slot = self._slot(rank)
         with self._lock:
+            if slot.retired:
+                raise RuntimeError(f"{self.name}[rank {rank}] left the pool; it is not restarted")
             slot.alive = False
         try:
             ray.kill(slot.actor, no_restart=True)
@@ -369,7 +394,9 @@ class Cluster:
         """Let ``rank`` take traffic again (after :meth:`restart_worker` with ``mark_alive=False``)."""
         slot = self._slot(rank)
         with self._lock:
-            slot.alive, slot.restarting, slot.removed = True, False, False
+            if slot.retired:  # it left the pool meanwhile (its node went): it stays out
+                return
+            slot.alive, slot.restarting, slot.removed, slot.joining = True, False, False, False
             self._live_changed.notify_all()
         self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, "running")
 
@@ -391,6 +418,69 @@ class Cluster:
         except Exception as err:
             log.debug("kill %s[%d]: %s", self.name, rank, err)
         self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, "removed")
+
+    # ------------------------------------------------------------------ membership (elastic pools)
+    def add_worker(self, unit: ReservedGroup, timeout_s: float = 300.0) -> int:
+        """Start a new rank in ``unit`` (one worker's devices, reserved by the ResourceManager); it takes no
+        traffic until :meth:`mark_alive`. Returns its rank. A start that fails retires the rank and raises."""
+        with self._lock:
+            rank = len(self._slots)
+            slot = _Slot(rank, unit.group.hardware, unit, 0, tuple(range(self.devices_per_worker)), joining=True)
+            self._slots.append(slot)
+            self._live_changed.notify_all()
+        try:
+            info = ray.get(self._start_actor(slot), timeout=timeout_s)
+        except BaseException:
+            self.retire_worker(rank, "failed")
+            raise
+        self._mark_started(slot, info)
+        self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, "joining")
+        log.info("cluster %s: rank %d started on %s (host %s)", self.name, rank, slot.hardware, slot.node_ip or "?")
+        return rank
+
+    def set_draining(self, rank: int, draining: bool = True) -> None:
+        """Route no new call to ``rank`` (its in-flight calls go on, control calls still reach it)."""
+        slot = self._slot(rank)
+        with self._lock:
+            slot.draining = draining
+            self._live_changed.notify_all()
+        if draining:
+            self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, "draining")
+
+    def wait_idle(self, rank: int, timeout_s: float) -> bool:
+        """Block until ``rank`` has no routed call in flight (True) or ``timeout_s`` passes (False)."""
+        slot = self._slot(rank)
+        with self._live_changed:
+            return self._live_changed.wait_for(lambda: slot.inflight == 0 or not slot.actor, timeout=timeout_s)
+
+    def retire_worker(self, rank: int, state: str = "left") -> None:
+        """Take ``rank`` out of the pool for good (it left an elastic pool): no call reaches it, it is never
+        restarted and its death is not reported; its actor is killed. ``state`` is what the records say."""
+        slot = self._slot(rank)
+        with self._lock:
+            slot.alive = slot.restarting = slot.joining = slot.draining = False
+            slot.removed = slot.retired = True
+            self._live_changed.notify_all()
+        if slot.actor is not None:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception as err:
+                log.debug("kill %s[%d]: %s", self.name, rank, err)
+        self.resource_manager.store.set_binding_state(self.job_id, self.name, rank, state)
+
+    def group_of(self, rank: int) -> ReservedGroup:
+        """The reserved group (for an elastic pool: the unit) ``rank`` runs in."""
+        return self._slot(rank).group
+
+    def set_awaiting_workers(self, awaiting: bool) -> None:
+        """Whether workers may join later (an elastic pool): routed calls then wait for one while none serves."""
+        with self._lock:
+            self.awaiting_workers = awaiting
+            self._live_changed.notify_all()
+
+    def is_retired(self, rank: int) -> bool:
+        """Whether ``rank`` left the pool (:meth:`retire_worker`)."""
+        return self._slot(rank).retired
 
     def fail(self, err: BaseException, cause: BaseException | None = None) -> None:
         """Every later call on this cluster raises ``err`` (a restart policy gave up with ``fail``)."""
@@ -417,17 +507,22 @@ class Cluster:
             self._death_listeners.remove(fn)
 
     def recoverable(self) -> bool:
-        """Whether a rank is alive or being restarted (a control call may then skip the dead ones)."""
-        return any(s.alive or s.restarting for s in self._slots)
+        """Whether a rank is alive, being restarted or joining, or workers are awaited (an elastic pool that
+        waits for capacity): a control call may then skip the dead ones, a routed call wait for one."""
+        return self.awaiting_workers or any(s.alive or s.restarting or s.joining for s in self._slots)
 
     def wait_until_serving(self, timeout_s: float) -> bool:
-        """Block until a rank is alive (True), or none can come back / ``timeout_s`` passes (False)."""
+        """Block until a rank serves (alive, not draining: True), or none can come back / ``timeout_s``
+        passes (False)."""
+
+        def serving() -> bool:
+            return any(s.alive and not s.draining for s in self._slots)
+
         with self._live_changed:
             self._live_changed.wait_for(
-                lambda: self._fatal is not None or not self.recoverable() or any(s.alive for s in self._slots),
-                timeout=timeout_s,
+                lambda: self._fatal is not None or not self.recoverable() or serving(), timeout=timeout_s
             )
-            return self._fatal is None and any(s.alive for s in self._slots)
+            return self._fatal is None and serving()
 
     def start_times(self) -> list[WorkerStart]:
         """Each rank's last start (rank order): when its actor was asked for, its process and
@@ -436,11 +531,11 @@ class Cluster:
 
     def pids(self) -> dict[int, int]:
         """The process id of each rank's actor (as reported when it started)."""
-        return {s.rank: s.pid for s in self._slots}
+        return {s.rank: s.pid for s in self._slots if not s.retired}
 
     def health_check(self, timeout_s: float = 10.0) -> dict[int, bool]:
         """Ping every worker; mark the unreachable ones dead. Returns rank → alive."""
-        refs = {s.rank: s.actor._rollart_ping.remote() for s in self._slots if s.actor is not None}
+        refs = {s.rank: s.actor._rollart_ping.remote() for s in self._slots if s.actor is not None and not s.retired}
         for rank, ref in refs.items():
             try:
                 ray.get(ref, timeout=timeout_s)
@@ -490,6 +585,9 @@ class Cluster:
                 "slot_ids": list(s.slot_ids),
                 "device_ids": list(s.device_ids),
                 "alive": s.alive,
+                "joining": s.joining,
+                "draining": s.draining,
+                "retired": s.retired,
             }
             for s in self._slots
         ]
@@ -673,12 +771,12 @@ class Cluster:
         with self._lock:
             if prefer is not None and 0 <= prefer < len(self._slots):  # affinity: the rank that served before
                 slot = self._slots[prefer]
-                if slot.alive and slot.hardware in prefs:
+                if slot.alive and not slot.draining and slot.hardware in prefs:
                     slot.inflight += 1
                     slot.served += 1
                     return slot
             for hw in prefs:
-                live = [s for s in self._slots if s.hardware == hw and s.alive]
+                live = [s for s in self._slots if s.hardware == hw and s.alive and not s.draining]
                 if live:
                     slot = min(live, key=lambda s: (s.inflight, s.served, s.rank))
                     slot.inflight += 1
@@ -712,6 +810,8 @@ class Cluster:
         slot = self._slots[rank]
         with self._lock:
             slot.inflight = max(0, slot.inflight - n)
+            if slot.draining and not slot.inflight:
+                self._live_changed.notify_all()
 
     def worker_died(self, rank: int, err: BaseException) -> WorkerDiedError:
         """Mark ``rank`` dead (routing skips it, death listeners such as a supervisor are told) and
@@ -725,6 +825,8 @@ class Cluster:
         def done(_: Any) -> None:
             with self._lock:
                 slot.inflight = max(0, slot.inflight - 1)
+                if slot.draining and not slot.inflight:
+                    self._live_changed.notify_all()
 
         ref.future().add_done_callback(done)
         return ref

@@ -125,8 +125,8 @@ class WorkerSupervisor:
     # ------------------------------------------------------------------ reacting to a death
     def _on_death(self, rank: int, cause: BaseException | None) -> None:
         with self._cond:
-            if rank in self.restarting or self._stopped.is_set():
-                return
+            if rank in self.restarting or self._stopped.is_set() or self.cluster.is_retired(rank):
+                return  # a rank that left an elastic pool is not restarted
             backoff = self.budget.take(rank)
             if backoff is None:
                 self._exhausted(rank, cause)
@@ -177,11 +177,13 @@ class WorkerSupervisor:
 
     def _restart(self, rank: int, backoff: float, cause: BaseException | None) -> None:
         try:
-            if self._stopped.wait(backoff):  # backoff of the policy; a shutdown ends it early
+            if self._stopped.wait(backoff) or self.cluster.is_retired(rank):  # a shutdown ends the backoff early
+                with self._cond:
+                    self.restarting.discard(rank)
                 return
             self.cluster.restart_worker(rank, timeout_s=self.ready_timeout_s, mark_alive=False)
             actor = self.cluster.workers[rank]
-            while True:
+            while not self.cluster.is_retired(rank):
                 version = self.prepare(actor) if self.prepare is not None else self.current_version()
                 with self.version_lock:
                     if version == self.current_version():
@@ -193,14 +195,21 @@ class WorkerSupervisor:
                     rank,
                     version,
                 )
+            else:  # it left an elastic pool meanwhile (its node went): not back
+                with self._cond:
+                    self.restarting.discard(rank)
+                return
             log.warning("%s: rank %d restarted, serving version %d", self.cluster.name, rank, version)
             with self._cond:
                 self.restarting.discard(rank)
             self._event("restarted", rank, cause, version=version)
         except Exception as err:  # the restart itself failed: counts as a death of its own
-            log.exception("%s: restart of rank %d failed", self.cluster.name, rank)
             with self._cond:
                 self.restarting.discard(rank)
+            if self.cluster.is_retired(rank):  # it left an elastic pool meanwhile (its node went)
+                log.info("%s: rank %d left the pool during its restart (%r)", self.cluster.name, rank, err)
+                return
+            log.exception("%s: restart of rank %d failed", self.cluster.name, rank)
             self.cluster.mark_restarting(rank, False)
             if not self._stopped.is_set():
                 self._on_death(rank, err)

@@ -86,6 +86,12 @@ class WeightSync:
     async def retire(self, old: WeightChannel) -> None:
         """Stop every reader of ``old`` (see :meth:`trainer_restarted`)."""
 
+    def host_joined(self, node_id: str) -> None:
+        """A host started serving the rollout pool (an elastic pool grew onto it), before its first load."""
+
+    def host_left(self, node_id: str) -> None:
+        """No worker of the rollout pool is left on this host (it may be drained and removed)."""
+
     def close(self) -> None:
         """Release what this object started (at the pipeline's shutdown)."""
 
@@ -305,6 +311,20 @@ class MooncakeSync(ChannelSync):
             # a worker down now (restarting, its host lost) is skipped: its host's first reader makes that cache
             nodes = [i["node_id"] for i in infos if isinstance(i, dict)]
             await asyncio.to_thread(self.channel.start_caches, nodes)
+
+    def host_joined(self, node_id: str) -> None:
+        """The new host's weight cache, made by the driver (so it outlives the workers of that host)."""
+        from rollart.weights.host_cache import HostSharedChannel
+
+        if isinstance(self.channel, HostSharedChannel):
+            self.channel.start_caches([node_id])
+
+    def host_left(self, node_id: str) -> None:
+        """The host's weight cache ends with its last worker: a drained node must run nothing of the job."""
+        from rollart.weights.host_cache import HostSharedChannel
+
+        if isinstance(self.channel, HostSharedChannel):
+            self.channel.end_cache(node_id)
 
     async def sync(self, rollout: AsyncController, version: int) -> int:
         """The driver does not wait: the loader serves the newest version."""

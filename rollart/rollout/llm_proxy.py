@@ -13,6 +13,8 @@ while every worker of its tag is being restarted, the proxy waits for one to com
 can serve it (all removed, or the restart policy failed the job) the request raises with the cause.
 With a :class:`~rollart.cluster.fault.WorkerSupervisor`, every weight push records the version it
 sends under the supervisor's lock, and a restarted worker loads that version before it takes traffic.
+A worker that joins an elastic pool does the same (:meth:`LLMProxy.admit_worker`), and takes traffic
+only while the rollout is not suspended (a worker never serves through a weight swap the others paused for).
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class LLMProxy:
         # the weights being served: (state dict or its ObjectRef, channel, version); what a restart loads
         self._serving: tuple[Any, Any, int] = (None, None, 0)
         self._push_lock = threading.Lock()
+        self._resumed = threading.Event()  # cleared while suspend() holds the workers (a weight swap)
+        self._resumed.set()
         self.supervisor: WorkerSupervisor | None = None
         if restart is not None:
             cluster.skip_dead_ranks = True
@@ -200,10 +204,35 @@ class LLMProxy:
 
     async def suspend(self) -> None:
         """Preempt every in-flight request (partial tokens kept) and hold new ones."""
-        await self.cluster.suspend()
+        with (
+            self._push_lock
+        ):  # a joining worker is admitted before this (and suspended with the others) or after resume
+            self._resumed.clear()
+            fut = self.cluster.suspend()
+        await fut
 
     async def resume(self) -> None:
-        await self.cluster.resume()
+        with self._push_lock:
+            fut = self.cluster.resume()
+            self._resumed.set()
+        await fut
+
+    def admit_worker(self, rank: int, timeout_s: float = 300.0) -> int:
+        """Let a new worker of the pool (it joined an elastic pool) take traffic: it loads the weights being
+        served and is marked alive once it serves the current version and the rollout is not suspended.
+        Blocks (call it off the event loop); returns the version it serves. Raises ``TimeoutError`` when
+        the rollout stays suspended for ``timeout_s``."""
+        actor = self.cluster.workers[rank]
+        deadline = time.monotonic() + timeout_s
+        while not self.cluster.is_retired(rank):
+            version = self._load_serving(actor)
+            with self._push_lock:
+                if version == self._serving[2] and self._resumed.is_set():
+                    self.cluster.mark_alive(rank)
+                    return version
+            if not self._resumed.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"rank {rank}: the rollout stayed suspended for {timeout_s:.0f}s")
+        raise RuntimeError(f"rank {rank} left the pool before it served")
 
     async def model_update(self, weights: Any, version: int) -> None:
         """Load new weights on every worker (a state dict, or an ObjectRef of one)."""

@@ -426,6 +426,14 @@ class HostSharedChannel:
         reader."""
         ray.get([self._cache(n).stats.remote() for n in dict.fromkeys(node_ids)])
 
+    def end_cache(self, node_id: str) -> None:
+        """End the cache of ``node_id`` this process made (its host leaves the job: nothing of the job may
+        keep a drained node busy); a reader there later makes a new one."""
+        with _HANDLES_LOCK:
+            cache = _HANDLES.pop(_cache_name(self.name, node_id), None)
+        if cache is not None:
+            ray.kill(cache, no_restart=True)
+
     def _refuse_if_retired(self, version: int) -> None:
         if self.name in _RETIRED:
             raise _replaced(self.name, version)
