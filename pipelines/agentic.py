@@ -41,6 +41,7 @@ from rollart.pipeline.startup import StartupTimeline, run_job_id
 from rollart.pipeline.weight_sync import WeightSync, weight_sync
 from rollart.pipelines.data_tasks import DataTasks, eval_sets
 from rollart.rollout.async_controller import AsyncController
+from rollart.rollout.elastic import ElasticRollout
 from rollart.rollout.env_manager import EnvManager, HFCodec
 from rollart.rollout.inference_worker import inference_worker_class
 from rollart.rollout.llm_proxy import LLMProxy
@@ -73,6 +74,8 @@ class AgenticPipeline:
         self.weights: WeightSync = weight_sync(
             config, self.train, self.infer, job_id=self.rm.job_id, out_dir=self.out_dir
         )
+        if self.elastic is not None:  # a host that joins the pool gets what the weight path keeps per host
+            self.elastic.hosts = self.weights
         self.train_version = 0  # the trainer's policy version (one per step); served versions may lag it
         self.start_step = 0
         self.metrics = MetricsFile(self.out_dir)
@@ -244,6 +247,11 @@ class AgenticPipeline:
             affinity = AutoAffinity(spec.preference, config.routing)
         self.proxy = LLMProxy(
             self.infer, restart=restart, affinity=affinity, batch_requests=config.engine.batch_requests
+        )
+        # an elastic rollout pool (max_devices) grows and shrinks with the cluster while the job runs
+        elastic = self.rm.specs[config.rollout_pool].elastic
+        self.elastic = (
+            ElasticRollout(self.rm, self.infer, self.proxy, config.elastic, out_dir=self.out_dir) if elastic else None
         )
         self.codec = HFCodec(AutoTokenizer.from_pretrained(self.model_path))
         self.rewards = RewardServices(config, self.rm.job_id, self.codec)
@@ -452,6 +460,8 @@ class AgenticPipeline:
         self.startup.mark("run_began")
         if self.endpoint is not None:  # the agent envs' policy endpoint, on this event loop
             await self.endpoint.start()
+        if self.elastic is not None:
+            self.elastic.start()
         try:
             while True:
                 try:
@@ -462,6 +472,8 @@ class AgenticPipeline:
                         raise
                     await self._recover_training(died, err, history)
         finally:
+            if self.elastic is not None:
+                self.elastic.stop()
             if self.endpoint is not None:
                 await self.endpoint.stop()
 
@@ -575,6 +587,8 @@ class AgenticPipeline:
         record.update(self.weights.record())
         record.update(task_record(self.scheduler, groups, task_stale_before, held_back, self.quotas))
         record["trainer_restarts"] = len(self.recoveries)
+        if self.elastic is not None:  # the pool's size, workers joined / left / lost during the step
+            record["elastic"] = self.elastic.step_metrics()
         if self.data_tasks.samplers:
             record["data_epoch"] = self.data_tasks.metrics()
         if self.evaluator is not None and self.evaluator.due(step, self.config.steps - 1):
@@ -644,6 +658,8 @@ class AgenticPipeline:
         for extra in (self.ref, self.critic):
             if extra is not None:
                 extra.shutdown()
+        if self.elastic is not None:
+            self.elastic.stop()
         self.proxy.close()
         self.env_pools.stop()
         self.train.shutdown()

@@ -27,7 +27,7 @@ from rollart.data.config import DataTask, EvalConfig
 from rollart.engines.base import SamplingParams
 from rollart.plugins import checked as _plain
 from rollart.resource_manager.specs import ResourceSpecError, colocation_target, parse_pools
-from rollart.rollout.config import EngineConfig, EnvManagerConfig, RolloutConfig, RoutingConfig
+from rollart.rollout.config import ElasticConfig, EngineConfig, EnvManagerConfig, RolloutConfig, RoutingConfig
 from rollart.serving.config import ServingConfig
 from rollart.training.config import CriticConfig, RunningMeanConfig, TrainConfig
 
@@ -338,6 +338,10 @@ class PipelineConfig(BaseModel):
     """
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     """Automatic hardware affinity: reorder `tags:` by each task's measured shape."""
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    """How an elastic rollout pool (a group of `pools.ROLLOUT` with `max_devices`) grows and shrinks while the
+    job runs.
+    """
     model: str | None = None
     """The policy to train: a local Hugging Face folder (with a `config.json`), a model name the offline
     Hugging Face cache holds, or `{shape: qwen2.5-0.5b}` (a published architecture with random weights,
@@ -783,6 +787,7 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
             pool = raw.get(field_name, PipelineConfig.model_fields[field_name].default)
             if isinstance(pool, str) and pool not in pools:
                 out.append(f"{field_name}: {pool!r} is not one of pools {sorted(pools)}; name one of them")
+        out += elastic_problems(raw, pools)
     advantage, critic = raw.get("advantage", "grpo"), raw.get("critic")
     if advantage == "gae" and critic is None:
         out.append(
@@ -817,6 +822,35 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
         }
         if ratios and len(ratios) == sum(r is not None for r in given.values()):  # a bad ratio reports itself
             out += ratio_problems(ratios, batch)
+    return out
+
+
+def elastic_problems(raw: Mapping[str, Any], pools: Mapping[str, Any]) -> list[str]:
+    """Only the rollout pool may be elastic (``max_devices``), and its weights must reach workers that
+    join later (``weights.channel`` ray or mooncake; a ``dist`` broadcast has a fixed group, ``inprocess``
+    weights stay inside the train ranks)."""
+    rollout_pool = raw.get("rollout_pool", PipelineConfig.model_fields["rollout_pool"].default)
+    out = []
+    for name, groups in pools.items():
+        items = groups if isinstance(groups, list) else [groups]
+        for i, g in enumerate(items):
+            if not isinstance(g, Mapping) or g.get("max_devices") is None:
+                continue
+            where = f"pools.{name}[{i}].max_devices" if isinstance(groups, list) else f"pools.{name}.max_devices"
+            if name != rollout_pool:
+                out.append(
+                    f"{where}: only the rollout pool (rollout_pool: {rollout_pool}) can be elastic; "
+                    f"drop max_devices from pools.{name}"
+                )
+                continue
+            weights = raw.get("weights")
+            channel = weights.get("channel", "ray") if isinstance(weights, Mapping) else "ray"
+            if channel in ("dist", "inprocess"):
+                how = "broadcasts to a fixed group" if channel == "dist" else "stays inside each train rank (colocated)"
+                out.append(
+                    f"{where}: an elastic pool needs weights that workers joining later can load; weights.channel "
+                    f"{channel} {how}: use ray or mooncake"
+                )
     return out
 
 

@@ -1,6 +1,6 @@
 """The rollout sections of a pipeline config (pydantic only): ``rollout:`` (:class:`RolloutConfig`),
-``env_manager:`` (:class:`EnvManagerConfig`), ``routing:`` (:class:`RoutingConfig`) and ``engine:``
-(:class:`EngineConfig`)."""
+``env_manager:`` (:class:`EnvManagerConfig`), ``routing:`` (:class:`RoutingConfig`), ``engine:``
+(:class:`EngineConfig`) and ``elastic:`` (:class:`ElasticConfig`)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,28 @@ class RoutingConfig(BaseModel):
     """Parameters of the served model, for the rooflines (default: Qwen3-8B)."""
     kv_bytes_per_token: float = Field(default=ModelShape().kv_bytes_per_token, gt=0)
     """KV-cache bytes per token of the served model, for the rooflines (default: Qwen3-8B in BF16)."""
+
+
+class ElasticConfig(BaseModel):
+    """``elastic:``: how an elastic rollout pool (a group with `max_devices`) follows the cluster while the
+    job runs (:mod:`rollart.rollout.elastic`)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    poll_s: float = Field(default=1.0, gt=0)
+    """How often the Ray cluster's nodes, free devices and drain marks are read, in seconds."""
+    place_timeout_s: float = Field(default=10.0, gt=0)
+    """How long a new worker's devices may take to be placed before the try is given up (the devices were taken
+    meanwhile), in seconds.
+    """
+    join_timeout_s: float = Field(default=300.0, gt=0)
+    """How long a new worker may take to start and load the served weights, in seconds."""
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """How long a leaving worker may finish its requests in flight; those still running then continue on other
+    workers (their tokens so far kept), in seconds.
+    """
+    max_joining: int = Field(default=4, ge=1)
+    """Workers started at the same time."""
 
 
 class EngineConfig(BaseModel):

@@ -1,0 +1,156 @@
+"""Elastic rollout on a real local Ray (logical H20 devices): the pool grows into devices that come free
+while it serves, new workers take traffic only once they serve the current weights, ``scale`` drains
+workers without losing a request and gives their devices back, a ``rollart scale`` request through the
+cluster registry is applied, and bad elastic specs are refused before anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from rollout_fixtures import simulated_cluster
+
+from rollart.config import PipelineConfig
+from rollart.engines.base import SamplingParams
+from rollart.resource_manager.specs import ResourceSpecError, parse_pools
+from rollart.rollout.config import ElasticConfig
+from rollart.rollout.elastic import ElasticRollout
+from rollart.rollout.llm_proxy import LLMProxy
+from rollart.rollout.types import GenerateRequest
+
+pytestmark = pytest.mark.timeout(300)
+
+FAST = ElasticConfig(poll_s=0.1, drain_timeout_s=5.0, place_timeout_s=5.0, join_timeout_s=120.0)
+
+
+def request(rid: str, n: int = 8) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=n))
+
+
+def free_h20() -> float:
+    return ray.available_resources().get("accelerator_type:H20", 0.0)
+
+
+def block_h20(keep: int = 0):
+    """A placement group holding every free H20 device but ``keep`` (another job's devices)."""
+    n = int(free_h20()) - keep
+    pg = placement_group([{"accelerator_type:H20": 1.0}] * n, strategy="PACK")
+    ray.get(pg.ready(), timeout=30)
+    return pg, n
+
+
+def wait_until(predicate, timeout_s: float = 60.0, what: str = ""):
+    """Poll a condition the elastic thread brings about; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not reached within {timeout_s:.0f}s: {what}")
+        time.sleep(0.05)
+
+
+def serving(cluster) -> list[int]:
+    return [p["rank"] for p in cluster.placement() if p["alive"] and not p["draining"]]
+
+
+def test_elastic_specs_are_checked_before_anything_starts(tmp_path):
+    spec = parse_pools({"rollout": {"hardware": "H20", "devices": 2, "max_devices": 8}})["rollout"]
+    assert spec.elastic and spec.groups[0].max_devices == 8
+    assert parse_pools({"rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 0, "max_devices": 2}]})
+    with pytest.raises(ResourceSpecError, match=r'pools.rollout: "max_devices" \(2\) is below "devices" \(4\)'):
+        parse_pools({"rollout": {"hardware": "H20", "devices": 4, "max_devices": 2}})
+    with pytest.raises(ResourceSpecError, match=r'pools.rollout.*"devices": 0 needs "max_devices"'):
+        parse_pools({"rollout": {"hardware": "H20", "devices": 0}})
+    with pytest.raises(ResourceSpecError, match=r'pools.rollout: "max_devices" is for accelerator groups'):
+        parse_pools({"rollout": {"hardware": "CPU", "cpus": 2, "max_devices": 4}})
+    base = {
+        "envs": [{"name": "reverse", "groups": 2}],
+        "rollout": {"num_env_groups": 2, "group_size": 2, "batch_groups": 2},
+        "output_dir": str(tmp_path / "run"),
+    }
+    with pytest.raises(ValueError, match=r"pools.train.max_devices: only the rollout pool .* can be elastic"):
+        PipelineConfig.model_validate(
+            {**base, "pools": {"train": {"hardware": "H800", "devices": 1, "max_devices": 2}, "rollout": {"hardware": "H20", "devices": 1}}}
+        )
+    with pytest.raises(ValueError, match=r"pools.rollout.max_devices: an elastic pool .* weights.channel dist"):
+        PipelineConfig.model_validate(
+            {
+                **base,
+                "pools": {"train": {"hardware": "H800", "devices": 1}, "rollout": {"hardware": "H20", "devices": 1, "max_devices": 2}},
+                "weights": {"channel": "dist"},
+            }
+        )
+
+
+async def test_the_pool_grows_into_freed_devices_and_shrinks_without_losing_a_request(make_rm, tmp_path):
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 1, "max_devices": 3}})
+    blocker, blocked = block_h20()  # the cluster's other H20 devices are taken: the pool stays at one
+    cluster = simulated_cluster(rm, "rollout", decode_base_s=0.01)
+    proxy = LLMProxy(cluster, batch_requests=True)
+    elastic = ElasticRollout(rm, cluster, proxy, FAST, out_dir=tmp_path)
+    try:
+        await proxy.model_update({}, 3)  # the served version: a joining worker must serve it too
+        elastic.start()
+        await asyncio.sleep(0.5)  # several polls with nothing free: nothing joins
+        assert serving(cluster) == [0] and elastic.devices() == 1
+
+        remove_placement_group(blocker)  # capacity comes free while the pool serves
+        outs = await asyncio.gather(*(proxy.generate(request(f"a{i}"), "x") for i in range(8)))
+        assert all(len(o.output_token_ids) == 8 for o in outs)
+        await asyncio.to_thread(wait_until, lambda: elastic.totals["joined"] == 2, 120, "two workers joined")
+        assert len(serving(cluster)) == 3
+        joined = [e for e in elastic.events if e["event"] == "joined"]
+        assert sorted(e["rank"] for e in joined) == [1, 2] and all(e["version"] == 3 for e in joined), joined
+        assert all(m["weight_version"] == 3 for m in await cluster.metrics())  # every worker serves version 3
+        assert all(e["join_s"] > 0 and e["load_s"] >= 0 for e in joined)
+        # new requests reach the new workers (least-loaded routing over the live ones)
+        outs = await asyncio.gather(*(proxy.generate(request(f"b{i}", n=40), "x") for i in range(12)))
+        assert {o.rank for o in outs} == {0, 1, 2}
+        assert rm.group_devices("rollout", 0) == 3 and elastic.step_metrics()["joined"] == 2
+
+        # scale in to one device while long requests run: the last joined leave, every request completes
+        long = [asyncio.ensure_future(proxy.generate(request(f"c{i}", n=150), "x")) for i in range(9)]
+        await asyncio.sleep(0.2)
+        before = free_h20()
+        assert elastic.scale(1)
+        await asyncio.to_thread(wait_until, lambda: elastic.totals["left"] == 2, 120, "two workers left")
+        assert serving(cluster) == [0] and elastic.devices() == 1
+        outs = await asyncio.gather(*long)
+        assert all(len(o.output_token_ids) == 150 and o.finish_reason == "length" for o in outs)
+        left = [e for e in elastic.events if e["event"] == "left"]
+        assert sorted(e["rank"] for e in left) == [1, 2] and all(e["reason"] == "scale" for e in left)
+        await asyncio.to_thread(wait_until, lambda: free_h20() >= before + 2, 30, "devices given back to the cluster")
+        assert rm.group_devices("rollout", 0) == 1 and elastic.step_metrics()["left"] == 2
+        assert not elastic.scale(5) and elastic.events[-1]["event"] == "scale_refused"  # above max_devices
+        rows = [json.loads(line) for line in (tmp_path / "elastic.jsonl").read_text().splitlines()]
+        assert [r["event"] for r in rows].count("joined") == 2 and [r["event"] for r in rows].count("left") == 2
+    finally:
+        elastic.stop()
+        proxy.close()
+        cluster.shutdown()
+
+
+async def test_a_request_still_running_when_the_drain_times_out_continues_on_another_worker(make_rm, tmp_path):
+    rm = make_rm({"rollout": {"hardware": "H20", "devices": 2, "max_devices": 2}})
+    cluster = simulated_cluster(rm, "rollout", decode_base_s=0.02)
+    proxy = LLMProxy(cluster, batch_requests=True)
+    cfg = FAST.model_copy(update={"drain_timeout_s": 0.3})
+    elastic = ElasticRollout(rm, cluster, proxy, cfg, out_dir=tmp_path)
+    try:
+        elastic.start()
+        long = [asyncio.ensure_future(proxy.generate(request(f"l{i}", n=120), "x")) for i in range(6)]
+        await asyncio.sleep(0.3)
+        assert elastic.scale(1)
+        outs = await asyncio.gather(*long)
+        # every request has its whole budget, in order: the preempted ones continued from their tokens
+        assert all(len(o.output_token_ids) == 120 for o in outs)
+        left = [e for e in elastic.events if e["event"] == "left"]
+        assert len(left) == 1 and left[0]["migrated"] >= 1, left
+        assert serving(cluster) == [0]
+    finally:
+        elastic.stop()
+        proxy.close()
+        cluster.shutdown()
