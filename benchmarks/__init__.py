@@ -59,6 +59,9 @@ BENCHES: dict[str, BenchEntry] = {
     ),
     "throughput": BenchEntry("throughput", "samples/s of generation and training on reverse-3, optionally beside TRL"),
     "chaos": BenchEntry("chaos", "a run on three namespace hosts under a seeded schedule of faults (needs root)"),
+    "elastic": BenchEntry(
+        "elastic", "rollout tokens/s over time as a host joins a running job and is drained (needs root)"
+    ),
     "soak": BenchEntry("soak", "the chaos run for many minutes with random faults, sampling memory (needs root)"),
     "agent-endpoint": BenchEntry(
         "agent_endpoint", "the OpenAI-compatible endpoint's calls/s and added latency against a direct LLMProxy call"
