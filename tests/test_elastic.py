@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -56,10 +59,22 @@ def serving(cluster) -> list[int]:
     return [p["rank"] for p in cluster.placement() if p["alive"] and not p["draining"]]
 
 
+QUEUED_DRIVER = """
+import json, sys
+from rollart.resource_manager import ResourceManager
+from rollart.resource_manager.admission import Admission
+rm = ResourceManager({"rollout": {"hardware": "H20", "devices": 2}}, job_id=sys.argv[1], admission=Admission(poll_s=0.05))
+print(json.dumps({"job": rm.job_id, "devices": rm.group_devices("rollout", 0)}))
+rm.shutdown()
+"""
+
+
 def test_elastic_specs_are_checked_before_anything_starts(tmp_path):
     spec = parse_pools({"rollout": {"hardware": "H20", "devices": 2, "max_devices": 8}})["rollout"]
     assert spec.elastic and spec.groups[0].max_devices == 8
-    assert parse_pools({"rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 0, "max_devices": 2}]})
+    assert parse_pools(
+        {"rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 0, "max_devices": 2}]}
+    )
     with pytest.raises(ResourceSpecError, match=r'pools.rollout: "max_devices" \(2\) is below "devices" \(4\)'):
         parse_pools({"rollout": {"hardware": "H20", "devices": 4, "max_devices": 2}})
     with pytest.raises(ResourceSpecError, match=r'pools.rollout.*"devices": 0 needs "max_devices"'):
@@ -73,13 +88,22 @@ def test_elastic_specs_are_checked_before_anything_starts(tmp_path):
     }
     with pytest.raises(ValueError, match=r"pools.train.max_devices: only the rollout pool .* can be elastic"):
         PipelineConfig.model_validate(
-            {**base, "pools": {"train": {"hardware": "H800", "devices": 1, "max_devices": 2}, "rollout": {"hardware": "H20", "devices": 1}}}
+            {
+                **base,
+                "pools": {
+                    "train": {"hardware": "H800", "devices": 1, "max_devices": 2},
+                    "rollout": {"hardware": "H20", "devices": 1},
+                },
+            }
         )
     with pytest.raises(ValueError, match=r"pools.rollout.max_devices: an elastic pool .* weights.channel dist"):
         PipelineConfig.model_validate(
             {
                 **base,
-                "pools": {"train": {"hardware": "H800", "devices": 1}, "rollout": {"hardware": "H20", "devices": 1, "max_devices": 2}},
+                "pools": {
+                    "train": {"hardware": "H800", "devices": 1},
+                    "rollout": {"hardware": "H20", "devices": 1, "max_devices": 2},
+                },
                 "weights": {"channel": "dist"},
             }
         )
@@ -151,6 +175,72 @@ async def test_a_request_still_running_when_the_drain_times_out_continues_on_ano
         assert len(left) == 1 and left[0]["migrated"] >= 1, left
         assert serving(cluster) == [0]
     finally:
+        elastic.stop()
+        proxy.close()
+        cluster.shutdown()
+
+
+async def test_scale_in_hands_the_devices_to_a_queued_job_which_then_starts(make_rm, tmp_path):
+    """A `rollart scale` request (through the cluster registry) drains the elastic pool; the job waiting in
+    the admission queue for those devices is admitted and places its pools. While it waits, the elastic
+    pool does not take the devices it waits for."""
+    from rollart.cli.scale import scale_problem
+    from rollart.resource_manager.admission import Admission
+
+    total = int(ray.cluster_resources().get("accelerator_type:H20", 0.0))
+    rm = make_rm(
+        {"rollout": {"hardware": "H20", "devices": 1, "max_devices": total - 1}},
+        job_id=f"elastic-{tmp_path.name}",
+        admission=Admission(poll_s=0.05),
+    )
+    registry = rm.store.registry
+    cluster = simulated_cluster(rm, "rollout", decode_base_s=0.01)
+    proxy = LLMProxy(cluster, batch_requests=True)
+    elastic = ElasticRollout(rm, cluster, proxy, FAST, out_dir=tmp_path)
+    queued_job, waiter = f"queued-{tmp_path.name}", None
+    try:
+        elastic.start()
+        await asyncio.to_thread(wait_until, lambda: elastic.devices() == total - 1, 120, "the pool grew to its maximum")
+        await asyncio.to_thread(wait_until, lambda: elastic.totals["joined"] == total - 2, 120, "the new workers serve")
+        row = registry.jobs(rm.job_id)[0]
+        assert row["asks"] == {"H20": total - 1} and row["elastic"]["rollout"]["devices"] == total - 1
+
+        # another job's driver (its own process, as `rollart submit` starts it): it asks for two H20, one is free
+        env = {
+            **os.environ,
+            "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+            "ROLLART_METADATA_DB": str(tmp_path / "b.sqlite"),
+        }
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", QUEUED_DRIVER, queued_job],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        await asyncio.to_thread(
+            wait_until,
+            lambda: waiter.poll() is not None or [r.get("state") for r in registry.jobs(queued_job)] == ["queued"],
+            120,
+            "the job queued",
+        )
+        assert waiter.poll() is None, waiter.communicate()
+        assert elastic.devices() == total - 1  # the queued job's devices stay free: the pool does not take them
+        assert scale_problem(registry.jobs(rm.job_id)[0], rm.job_id, "rollout", total) is not None  # above max
+        assert scale_problem(registry.jobs(rm.job_id)[0], rm.job_id, "train", 1) is not None  # not elastic
+        assert scale_problem(registry.jobs(rm.job_id)[0], rm.job_id, "rollout", 1) is None
+        registry.request_scale(rm.job_id, "rollout", 1)  # what `rollart scale JOB --pool rollout --devices 1` writes
+        out, err = await asyncio.to_thread(waiter.communicate, timeout=180)
+        assert waiter.returncode == 0, err[-3000:]
+        assert json.loads(out.splitlines()[-1]) == {"job": queued_job, "devices": 2}  # its groups were placed: it ran
+        assert [r["state"] for r in registry.jobs(queued_job)] == ["finished"]  # it ended as it should
+        assert elastic.devices() == 1 and registry.jobs(rm.job_id)[0]["asks"] == {"H20": 1}
+        scaled = [e for e in elastic.events if e["event"] == "scale"]
+        assert scaled and scaled[-1]["source"] == "rollart scale" and scaled[-1]["devices"] == 1
+    finally:
+        if waiter is not None and waiter.poll() is None:
+            waiter.kill()
+            waiter.wait()
         elastic.stop()
         proxy.close()
         cluster.shutdown()

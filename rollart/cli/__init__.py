@@ -1,4 +1,4 @@
-"""The ``rollart`` command: ``--version``, ``status``, ``run``, ``submit``/``jobs``/``logs``/``stop``, ``serve``,
+"""The ``rollart`` command: ``--version``, ``status``, ``run``, ``submit``/``jobs``/``logs``/``stop``, ``scale``, ``serve``,
 ``bench``, ``export``, ``advise``.
 
 One module of this package per command; this one only mounts them. Every command module imports only
@@ -20,6 +20,7 @@ from rollart.cli.bench import add_bench_parser
 from rollart.cli.export import add_export_parser
 from rollart.cli.jobs import add_job_parsers
 from rollart.cli.run import add_run_parser
+from rollart.cli.scale import add_scale_parser
 from rollart.cli.serve import add_serve_parser
 from rollart.cli.status import add_status_parser
 
@@ -59,7 +60,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command")
     add_status_parser(sub)
-    for add in (add_run_parser, add_serve_parser, add_export_parser, add_job_parsers, add_advise_parser):
+    for add in (
+        add_run_parser,
+        add_serve_parser,
+        add_export_parser,
+        add_job_parsers,
+        add_scale_parser,
+        add_advise_parser,
+    ):
         add(sub)
     add_bench_parser(sub, list(sys.argv[1:] if argv is None else argv))
     return parser

@@ -224,6 +224,7 @@ def list_jobs(address: str | None) -> list[dict[str, Any]]:
                 "priority": int(j.metadata.get("priority", 0)),
                 "quota": json.loads(j.metadata.get("quota", "{}")),
                 "asks": row.get("asks"),
+                "pools": row.get("elastic"),  # each elastic pool's size now: devices, max_devices, joining, draining
                 "submitted_at": (j.start_time or 0) / 1000.0,
                 "admitted_at": row.get("admitted_at"),
                 "ended_at": row.get("ended_at") or ((j.end_time or 0) / 1000.0 or None),
@@ -244,19 +245,32 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title="rollart jobs")
-    cols = ["job", "state", "priority", "quota", "asks", "submitted_at", "ended_at", "output"]
+    cols = ["job", "state", "priority", "quota", "asks", "pools", "submitted_at", "ended_at", "output"]
     for c in cols:
         table.add_column(c, overflow="fold")
     for r in rows:
         cells = []
         for c in cols:
-            v = output_location(r) if c == "output" else r[c]
+            v = output_location(r) if c == "output" else pool_sizes(r) if c == "pools" else r[c]
             if c.endswith("_at") and v:
                 v = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(v)))
             cells.append("" if v is None else str(v))
         table.add_row(*cells)
     Console().print(table)
     return 0
+
+
+def pool_sizes(row: dict[str, Any]) -> str:
+    """Each elastic pool's devices now and its maximum (``rollout 3/8``; ``+1 joining``, ``-1 draining``)."""
+    parts = []
+    for pool, size in sorted((row.get("pools") or {}).items()):
+        text = f"{pool} {size.get('devices')}/{size.get('max_devices')}"
+        if size.get("joining"):
+            text += f" +{size['joining']} joining"
+        if size.get("draining"):
+            text += f" -{size['draining']} draining"
+        parts.append(text)
+    return ", ".join(parts)
 
 
 def output_location(row: dict[str, Any]) -> str:

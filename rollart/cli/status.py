@@ -112,7 +112,11 @@ def _print_tables(state: dict[str, Any], where: str) -> None:
         console.print(f"node {node['node_ip']}: {node['gpus']:g} GPU{gpu_types}; logical devices: {logical}")
     for title, rows, cols in (
         ("jobs", state["jobs"], ["job_id", "state", "driver_pid", "driver_alive", "ray_address", "ended_at"]),
-        ("pools", state["pools"], ["job_id", "pool", "group_index", "hardware", "devices", "cpus", "state"]),
+        (
+            "pools",
+            state["pools"],
+            ["job_id", "pool", "group_index", "hardware", "devices", "max_devices", "cpus", "state"],
+        ),
         (
             "workers",
             state["bindings"],
