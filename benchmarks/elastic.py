@@ -93,7 +93,9 @@ def config(
 
 
 # ---------------------------------------------------------------------- the driver (head host)
-def make_pipeline(cfg: Any, record: dict[str, Any], *, join_at: int, drain_at: int, joining: int, sample_s: float) -> Any:
+def make_pipeline(
+    cfg: Any, record: dict[str, Any], *, join_at: int, drain_at: int, joining: int, sample_s: float
+) -> Any:
     """The pipeline with the join and drain asked for after steps ``join_at`` and ``drain_at`` (each waited
     for while rollout goes on), every trained reward recomputed, and a throughput sampler."""
     from rollart.benchmarks.chaos import letter_reward
@@ -121,11 +123,14 @@ def make_pipeline(cfg: Any, record: dict[str, Any], *, join_at: int, drain_at: i
             print(f"NEED {what}", flush=True)  # the outer side does it; the run goes on meanwhile
 
         async def _until(self, done: Any, what: str, timeout_s: float = 600.0) -> None:
-            deadline = time.monotonic() + timeout_s
+            start = time.monotonic()
+            deadline = start + timeout_s
             while not done():
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{what}: not within {timeout_s:.0f}s")
                 await asyncio.sleep(0.2)  # the rollout and the elastic thread make progress meanwhile
+            # the step loop waited: rollout stops at the async bound then, so phases leave this time out
+            record["waits"].append((start - record["t0"], time.monotonic() - record["t0"]))
 
         async def _sample(self) -> None:
             while True:
@@ -169,7 +174,7 @@ def driver_main(argv: list[str]) -> int:
     logging.getLogger("rollart.rollout.elastic").setLevel(logging.INFO)
     out = Path(a.out)
     reward = RewardService(free_port()).start()
-    record: dict[str, Any] = {"asked": {}, "timeline": [], "rewards_mismatch": 0, "unverifiable": 0}
+    record: dict[str, Any] = {"asked": {}, "timeline": [], "waits": [], "rewards_mismatch": 0, "unverifiable": 0}
     pipe = None
     try:
         record["t0"] = time.monotonic()
@@ -185,7 +190,9 @@ def driver_main(argv: list[str]) -> int:
             joining=a.joining,
             max_new_tokens=a.max_new_tokens,
         )
-        pipe = make_pipeline(cfg, record, join_at=a.join_at, drain_at=a.drain_at, joining=a.joining, sample_s=a.sample_s)
+        pipe = make_pipeline(
+            cfg, record, join_at=a.join_at, drain_at=a.drain_at, joining=a.joining, sample_s=a.sample_s
+        )
         try:
             record["steps"] = len(pipe.run())
         except Exception as err:  # reported with what was measured up to it
@@ -193,6 +200,7 @@ def driver_main(argv: list[str]) -> int:
             record["error"] = f"{type(err).__name__}: {err}"
         record["wall_s"] = time.monotonic() - record["t0"]
         record["faults"] = pipe.proxy.fault_metrics()
+        record["served_by_rank"] = {p["rank"]: [p["node_ip"], p["served"]] for p in pipe.infer.placement()}
         if pipe.elastic is not None:
             record["elastic_clock_offset_s"] = pipe.elastic.t0 - record["t0"]  # events count from the pool's start
             record["events"] = list(pipe.elastic.events)
@@ -309,31 +317,37 @@ def rates(timeline: list[list[float]], window_s: float = 4.0) -> list[tuple[floa
 
 
 def phases(res: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Tokens/s of rollout before the join, while the joined workers serve, and after they left: the tokens
-    the LLMProxy returned over each phase's time (from the sampler's timeline and the run's events)."""
+    """Tokens/s of rollout with one host, while the joined workers serve, and after they left: the tokens the
+    LLMProxy returned over each phase's time (the sampler's timeline, cut by the run's events). The time the
+    step loop stood waiting for the join or the drain is left out (rollout stops at the async bound then)."""
     events = res.get("events", [])
-    t0_driver = res["timeline"][0][0] if res["timeline"] else 0.0
     joined = [e["elapsed_s"] for e in events if e["event"] == "joined"]
     draining = [e["elapsed_s"] for e in events if e["event"] == "draining"]
     left = [e["elapsed_s"] for e in events if e["event"] == "left"]
     # the events' clock starts when the elastic pool was made, the timeline's when the driver did: align them
     offset = res.get("elastic_clock_offset_s", 0.0)
+    timeline = res["timeline"]
+    if len(timeline) < 2:
+        return {}
     bounds = {
-        "one_host": (t0_driver, (min(joined) + offset) if joined else None),
+        "one_host": (timeline[0][0], (min(joined) + offset) if joined else None),
         "two_hosts": ((max(joined) + offset) if joined else None, (min(draining) + offset) if draining else None),
         "after_drain": ((max(left) + offset) if left else None, None),
     }
+    waits = res.get("waits", [])
     out = {}
-    timeline = res["timeline"]
     for name, (start, end) in bounds.items():
         if start is None:
             continue
-        pts = [(t, tok) for t, tok, _ in timeline if t >= start and (end is None or t <= end)]
-        if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
-            out[name] = {
-                "tokens_per_s": (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]),
-                "seconds": pts[-1][0] - pts[0][0],
-            }
+        tokens = seconds = 0.0
+        for (t0, tok0, _), (t1, tok1, _) in zip(timeline, timeline[1:]):
+            inside = t0 >= start and (end is None or t1 <= end)
+            waiting = any(t0 < w1 and t1 > w0 for w0, w1 in waits)
+            if inside and not waiting:
+                tokens += tok1 - tok0
+                seconds += t1 - t0
+        if seconds > 0:
+            out[name] = {"tokens_per_s": tokens / seconds, "seconds": seconds}
     return out
 
 
@@ -359,6 +373,8 @@ def plot(res: dict[str, Any], path: Path) -> Path | None:
     ax2.set_ylim(0, max(p[2] for p in pts) + 1)
     offset = res.get("elastic_clock_offset_s", 0.0)
     marks = {"node_joined": "tab:orange", "node_draining": "tab:red", "node_left": "tab:gray"}
+    for w0, w1 in res.get("waits", []):
+        ax.axvspan(w0, w1, color="0.9", zorder=0)  # the step loop waits for the join or the drain
     for e in res.get("events", []):
         if e["event"] in marks:
             ax.axvline(e["elapsed_s"] + offset, color=marks[e["event"]], linestyle="--", linewidth=1)
@@ -374,9 +390,9 @@ def plot(res: dict[str, Any], path: Path) -> Path | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=14)
-    p.add_argument("--join-at", type=int, default=3, help="the host joins after this step (0-based)")
-    p.add_argument("--drain-at", type=int, default=8, help="the host is drained after this step")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--join-at", type=int, default=4, help="the host joins after this step (0-based)")
+    p.add_argument("--drain-at", type=int, default=12, help="the host is drained after this step")
     p.add_argument("--joining", type=int, default=JOINING, help="H20 devices of the joining host")
     p.add_argument("--engine", default="simulated", choices=["simulated", "torch"])
     p.add_argument("--alpha", type=int, default=1)

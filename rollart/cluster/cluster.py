@@ -162,7 +162,9 @@ class Cluster:
                 f"Cluster({name!r}): pool {pool!r} is elastic (max_devices); a colocated cluster cannot follow its "
                 "workers as they come and go; give it a pool of its own"
             )
-        if elastic and devices_per_worker > 1:  # an elastic group is reserved per worker: the units first
+        if (
+            pool is not None and elastic and devices_per_worker > 1
+        ):  # an elastic group is reserved per worker: the units first
             resource_manager.regroup(pool, devices_per_worker)
         self._plan_slots()  # every check runs before any actor exists
         if pool is not None:
@@ -588,6 +590,7 @@ class Cluster:
                 "joining": s.joining,
                 "draining": s.draining,
                 "retired": s.retired,
+                "served": s.served,  # routed calls it took
             }
             for s in self._slots
         ]
