@@ -56,10 +56,12 @@ def config(
     rollout: dict[str, Any] = {"hardware": "H20", "devices": 1}
     if elastic:
         rollout["max_devices"] = 1 + joining
-    if engine == "simulated":  # modelled decode time per step: each worker adds its own device's throughput
+    # the simulated engine models each decode step's device time, mostly per sequence (a device busy with its
+    # batch): a worker that joins adds its own device's throughput, whatever this machine's cores do
+    if engine == "simulated":
         engine_cfg: dict[str, Any] = {
             "kind": "simulated",
-            "options": {"decode_base_s": 0.02, "decode_per_seq_s": 0.0005, "vocab_size": 60},
+            "options": {"decode_base_s": 0.005, "decode_per_seq_s": 0.003, "vocab_size": 60},
         }
     else:
         engine_cfg = {"kind": "torch"}
@@ -68,7 +70,7 @@ def config(
             "name": "elastic",
             "seed": seed,
             "pools": {"train": {"hardware": "H800", "devices": 1}, "rollout": rollout},
-            "envs": [{"name": "reverse", "groups": NUM_GROUPS * (alpha + 1), "kwargs": {"length": 1}}],
+            "envs": [{"name": "reverse", "groups": NUM_GROUPS * (alpha + 1), "kwargs": {"length": max_new_tokens}}],
             "rollout": {
                 "num_env_groups": NUM_GROUPS * (alpha + 1),
                 "group_size": GROUP_SIZE,
@@ -94,7 +96,14 @@ def config(
 
 # ---------------------------------------------------------------------- the driver (head host)
 def make_pipeline(
-    cfg: Any, record: dict[str, Any], *, join_at: int, drain_at: int, joining: int, sample_s: float
+    cfg: Any,
+    record: dict[str, Any],
+    *,
+    join_at: int,
+    drain_at: int,
+    joining: int,
+    sample_s: float,
+    lose_at: int | None = None,
 ) -> Any:
     """The pipeline with the join and drain asked for after steps ``join_at`` and ``drain_at`` (each waited
     for while rollout goes on), every trained reward recomputed, and a throughput sampler."""
@@ -113,6 +122,11 @@ def make_pipeline(
             if step == join_at:
                 self._ask("add_host")
                 await self._until(lambda: self.elastic.totals["joined"] >= joining, "the new workers serve")
+            if step == lose_at:  # the host vanishes (every process killed), then comes back
+                self._ask("kill_host")
+                await self._until(lambda: self.elastic.totals["lost"] >= joining, "the lost workers left the pool")
+                self._ask("restart_host")
+                await self._until(lambda: self.elastic.totals["joined"] >= 2 * joining, "the pool grew back")
             if step == drain_at:
                 self._ask("drain_host")
                 await self._until(lambda: self.elastic.totals["left"] >= joining, "the drained workers left")
@@ -163,6 +177,7 @@ def driver_main(argv: list[str]) -> int:
     p.add_argument("--fixed", action="store_true", help="a fixed pool: no host joins (the comparison run)")
     p.add_argument("--join-at", type=int, default=2)
     p.add_argument("--drain-at", type=int, default=7)
+    p.add_argument("--lose-at", type=int, default=None, help="kill the joined host after this step, then restart it")
     p.add_argument("--joining", type=int, default=JOINING)
     p.add_argument("--engine", default="torch", choices=["torch", "simulated"])
     p.add_argument("--alpha", type=int, default=0)
@@ -191,7 +206,13 @@ def driver_main(argv: list[str]) -> int:
             max_new_tokens=a.max_new_tokens,
         )
         pipe = make_pipeline(
-            cfg, record, join_at=a.join_at, drain_at=a.drain_at, joining=a.joining, sample_s=a.sample_s
+            cfg,
+            record,
+            join_at=a.join_at,
+            drain_at=a.drain_at,
+            joining=a.joining,
+            sample_s=a.sample_s,
+            lose_at=a.lose_at,
         )
         try:
             record["steps"] = len(pipe.run())
@@ -223,6 +244,7 @@ def run_elastic(
     fixed: bool = False,
     join_at: int = 2,
     drain_at: int = 7,
+    lose_at: int | None = None,
     joining: int = JOINING,
     engine: str = "torch",
     alpha: int = 0,
@@ -241,6 +263,7 @@ def run_elastic(
     args += ["--steps", str(steps), "--seed", str(seed), "--join-at", str(join_at), "--drain-at", str(drain_at)]
     args += ["--joining", str(joining), "--engine", engine, "--alpha", str(alpha), "--channel", channel]
     args += ["--max-new-tokens", str(max_new_tokens)] + (["--fixed"] if fixed else [])
+    args += ["--lose-at", str(lose_at)] if lose_at is not None else []
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "driver.log"
     harness: dict[str, Any] = {}
@@ -249,8 +272,17 @@ def run_elastic(
 
     def add() -> None:
         harness["add_asked_s"] = time.monotonic() - t0
-        hosts.add_host(HostSpec(join_host, {"H20": joining}, num_cpus=1))
+        harness["ip"] = hosts.add_host(HostSpec(join_host, {"H20": joining}, num_cpus=1)).ip
         harness["added_s"] = time.monotonic() - t0
+
+    def kill() -> None:
+        harness["kill_asked_s"] = time.monotonic() - t0
+        harness["killed_pids"] = len(hosts.kill_host(join_host))
+
+    def restart() -> None:
+        harness["restart_asked_s"] = time.monotonic() - t0
+        hosts.restart_host(join_host)
+        harness["restarted_s"] = time.monotonic() - t0
 
     def drain() -> None:
         harness["drain_asked_s"] = time.monotonic() - t0
@@ -280,6 +312,10 @@ def run_elastic(
         for line in proc.stdout:
             if line.startswith("NEED add_host"):
                 background(add)
+            elif line.startswith("NEED kill_host"):
+                background(kill)
+            elif line.startswith("NEED restart_host"):
+                background(restart)
             elif line.startswith("NEED drain_host"):
                 background(drain)
             elif line.startswith("RESULT "):

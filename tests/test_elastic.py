@@ -244,3 +244,27 @@ async def test_scale_in_hands_the_devices_to_a_queued_job_which_then_starts(make
         elastic.stop()
         proxy.close()
         cluster.shutdown()
+
+
+async def test_a_tag_rule_listing_several_types_takes_new_workers_of_the_first_listed_type(make_rm, tmp_path):
+    """A mixed pool whose H20 group is elastic and empty at start: a tag ruled ``[H20, H800]`` is served by
+    the H800 worker until an H20 worker joins, then by the H20 one (the rule's order)."""
+    rm = make_rm({"rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 0, "max_devices": 1}]})
+    cluster = simulated_cluster(rm, "rollout", mapping={"x": ["H20", "H800"], "*": ["H800"]})
+    proxy = LLMProxy(cluster, batch_requests=True)
+    elastic = ElasticRollout(rm, cluster, proxy, FAST, out_dir=tmp_path)
+    try:
+        first = await asyncio.gather(*(proxy.generate(request(f"a{i}"), "x") for i in range(4)))
+        assert {o.rank for o in first} == {0}  # only the H800 worker exists
+        elastic.start()
+        await asyncio.to_thread(wait_until, lambda: elastic.totals["joined"] == 1, 120, "an H20 worker joined")
+        [joined] = [e for e in elastic.events if e["event"] == "joined"]
+        assert joined["hardware"] == "H20" and joined["rank"] == 1
+        after = await asyncio.gather(*(proxy.generate(request(f"b{i}"), "x") for i in range(4)))
+        assert {o.rank for o in after} == {1}  # the rule's first type now has a live worker
+        other = await proxy.generate(request("c"), "y")
+        assert other.rank == 0  # a tag ruled [H800] stays there
+    finally:
+        elastic.stop()
+        proxy.close()
+        cluster.shutdown()

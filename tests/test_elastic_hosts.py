@@ -32,7 +32,7 @@ def test_a_host_joins_serves_is_drained_and_the_run_matches_a_fixed_pool(hosts, 
     res = run_elastic(
         hosts, tmp_path / "elastic", steps=STEPS, seed=5, join_at=JOIN_AT, drain_at=DRAIN_AT, joining=JOINING
     )
-    d_ip = "10.201.0.3"  # the host that joined (hosts are never renumbered)
+    d_ip = res["harness"]["ip"]  # the host that joined
     events = res["events"]
     kinds = [e["event"] for e in events]
     # the host joined, its two workers started there and served the weights being served
@@ -67,3 +67,26 @@ def test_a_host_joins_serves_is_drained_and_the_run_matches_a_fixed_pool(hosts, 
     curve = [m["reward_mean"] for m in res["metrics"]]
     assert curve == [m["reward_mean"] for m in fixed["metrics"]], (curve, [m["reward_mean"] for m in fixed["metrics"]])
     assert fixed["ledger"]["lost"] == 0 and fixed["ledger"]["trained_twice"] == 0
+
+
+def test_a_vanished_host_goes_through_the_fault_path_and_the_pool_grows_back(hosts, tmp_path):
+    """The joined host's processes are all killed mid-run: its workers' requests go to the live worker (the
+    fault path), its workers leave the pool as lost (not restarted in place); when the host comes back the
+    pool grows onto it again, and the run ends with the ledger balanced."""
+    res = run_elastic(
+        hosts, tmp_path / "lost", steps=STEPS, seed=6, join_at=JOIN_AT, lose_at=2, drain_at=DRAIN_AT, joining=JOINING
+    )
+    events = res["events"]
+    kinds = [e["event"] for e in events]
+    lost = [e for e in events if e["event"] == "lost"]
+    assert len(lost) == JOINING and all(e["node_ip"] == res["harness"]["ip"] for e in lost), events
+    assert "node_left" in kinds and kinds.index("node_left") <= max(i for i, k in enumerate(kinds) if k == "lost")
+    joined = [e for e in events if e["event"] == "joined"]
+    assert len(joined) == 2 * JOINING and kinds.index("lost") < [i for i, k in enumerate(kinds) if k == "joined"][-1]
+    assert res["elastic_totals"] == {"joined": 2 * JOINING, "lost": JOINING, "left": JOINING}, res["elastic_totals"]
+    assert sum(m["elastic"]["lost"] for m in res["metrics"]) == JOINING
+    led = res["ledger"]
+    assert led["started"] == led["trained"] + led["retried"] + led["failed"] + led["filtered"] + led["buffered"]
+    assert led["in_flight"] == 0 and led["lost"] == 0 and led["trained_twice"] == 0
+    assert led["rewards_invented"] == 0 and res["rewards_mismatch"] == 0 and res["unverifiable"] == 0
+    assert len(res["metrics"]) == STEPS

@@ -116,7 +116,9 @@ class ElasticRollout:
         self.events_path = out_dir / "elastic.jsonl" if out_dir is not None else None
         self._view: ClusterView | None = None
         self._node_seen: dict[str, float] = {}  # node id -> when it was first seen alive
-        self._scale_at = 0.0  # the time of the last `rollart scale` request applied
+        # the time of the last `rollart scale` request applied; one older than this pool is an earlier run's
+        # (the same job id restarted): `rollart scale` asks only once a running pool published its size
+        self._scale_at = time.time()
         self._published: dict[str, Any] | None = None
         self._ops = ThreadPoolExecutor(max_workers=self.config.max_joining + 4, thread_name_prefix="elastic")
         self._inflight_ops = 0
