@@ -221,7 +221,7 @@ def _nothing_new(actors: set, pgs: set) -> bool:
         ({"train": {"hardware": "H800"}}, r"pools\.train: hardware 'H800' needs \"devices\""),
         (
             {"train": {"hardware": "H800", "devices": 0}},
-            r"pools\.train\.devices: Input should be greater than or equal to 1",
+            r'pools\.train: "devices": 0 needs "max_devices" \(an elastic group',
         ),
         ({"env": {"hardware": "CPU", "devices": 2}}, r"pools\.env: a CPU group takes \"cpus\""),
         (
