@@ -184,6 +184,7 @@ async def test_scale_in_hands_the_devices_to_a_queued_job_which_then_starts(make
     """A `rollart scale` request (through the cluster registry) drains the elastic pool; the job waiting in
     the admission queue for those devices is admitted and places its pools. While it waits, the elastic
     pool does not take the devices it waits for."""
+    from rollart.cli.jobs import pool_sizes
     from rollart.cli.scale import scale_problem
     from rollart.resource_manager.admission import Admission
 
@@ -204,6 +205,14 @@ async def test_scale_in_hands_the_devices_to_a_queued_job_which_then_starts(make
         await asyncio.to_thread(wait_until, lambda: elastic.totals["joined"] == total - 2, 120, "the new workers serve")
         row = registry.jobs(rm.job_id)[0]
         assert row["asks"] == {"H20": total - 1} and row["elastic"]["rollout"]["devices"] == total - 1
+        # what `rollart jobs` and `rollart status` show: the pool's devices now and its maximum
+        size = row["elastic"]["rollout"]
+        assert pool_sizes({"pools": {"rollout": {**size, "joining": 0}}}) == f"rollout {total - 1}/{total - 1}"
+        assert pool_sizes({"pools": {"rollout": {**size, "devices": 2, "joining": 0, "draining": 1}}}) == (
+            f"rollout 2/{total - 1} -1 draining"
+        )
+        [pool_row] = rm.store.pools(rm.job_id)
+        assert (pool_row["devices"], pool_row["max_devices"]) == (total - 1, total - 1)
 
         # another job's driver (its own process, as `rollart submit` starts it): it asks for two H20, one is free
         env = {
@@ -235,6 +244,7 @@ async def test_scale_in_hands_the_devices_to_a_queued_job_which_then_starts(make
         assert json.loads(out.splitlines()[-1]) == {"job": queued_job, "devices": 2}  # its groups were placed: it ran
         assert [r["state"] for r in registry.jobs(queued_job)] == ["finished"]  # it ended as it should
         assert elastic.devices() == 1 and registry.jobs(rm.job_id)[0]["asks"] == {"H20": 1}
+        assert [(r["devices"], r["max_devices"]) for r in rm.store.pools(rm.job_id)] == [(1, total - 1)]
         scaled = [e for e in elastic.events if e["event"] == "scale"]
         assert scaled and scaled[-1]["source"] == "rollart scale" and scaled[-1]["devices"] == 1
     finally:
