@@ -46,7 +46,8 @@ def test_a_host_joins_serves_is_drained_and_the_run_matches_a_fixed_pool(hosts, 
     assert kinds.index("node_draining") < min(i for i, k in enumerate(kinds) if k == "left"), kinds
     left = [e for e in events if e["event"] == "left"]
     assert sorted(e["rank"] for e in left) == sorted(e["rank"] for e in joined)
-    assert all(e["reason"] == "node_draining" for e in left) and "node_left" in kinds
+    assert all(e["reason"] == "node_draining" for e in left)
+    # Ray removed the idle drained node (seen by the harness: the run may end before the pool's next poll)
     assert res["harness"]["gone"] and res["harness"]["removed"], res["harness"]
     assert res["elastic_totals"] == {"joined": JOINING, "left": JOINING}, res["elastic_totals"]
     # per step the metrics record the pool's size and who joined and left
