@@ -181,7 +181,7 @@ async def test_a_request_still_running_when_the_drain_times_out_continues_on_ano
 
 
 async def test_scale_in_hands_the_devices_to_a_queued_job_which_then_starts(make_rm, tmp_path):
-    """A `rollart scale` request (through the cluster registry) drains the elastic pool; the job waiting in
+    """`rollart scale` (the command, run as a user runs it) drains the elastic pool; the job waiting in
     the admission queue for those devices is admitted and places its pools. While it waits, the elastic
     pool does not take the devices it waits for."""
     from rollart.cli.jobs import pool_sizes
@@ -238,7 +238,23 @@ async def test_scale_in_hands_the_devices_to_a_queued_job_which_then_starts(make
         assert scale_problem(registry.jobs(rm.job_id)[0], rm.job_id, "rollout", total) is not None  # above max
         assert scale_problem(registry.jobs(rm.job_id)[0], rm.job_id, "train", 1) is not None  # not elastic
         assert scale_problem(registry.jobs(rm.job_id)[0], rm.job_id, "rollout", 1) is None
-        registry.request_scale(rm.job_id, "rollout", 1)  # what `rollart scale JOB --pool rollout --devices 1` writes
+        # the command a user types: above the pool's maximum it is refused before anything is asked
+        scale = [sys.executable, "-m", "rollart.cli", "scale", rm.job_id, "--pool", "rollout"]
+        refused = await asyncio.to_thread(
+            subprocess.run, [*scale, "--devices", str(total)], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert refused.returncode == 2 and "max_devices" in refused.stderr, refused.stderr[-2000:]
+        assert elastic.devices() == total - 1
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [*scale, "--devices", "1", "--wait", "120"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip().splitlines()[-1] == f"rollout: 1/{total - 1} devices"
         out, err = await asyncio.to_thread(waiter.communicate, timeout=180)
         assert waiter.returncode == 0, err[-3000:]
         assert json.loads(out.splitlines()[-1]) == {"job": queued_job, "devices": 2}  # its groups were placed: it ran
