@@ -32,7 +32,9 @@ def build_pipeline(cfg: Any, **kwargs: Any) -> Any:
         from rollart.pipeline.startup import start_ray_while_importing
 
         # Ray starts while torch, transformers and the pipeline import (the two take seconds each)
-        start_ray_while_importing(cfg, bool(kwargs.get("resume")), "rollart.pipelines.agentic")
+        start_ray_while_importing(
+            cfg, bool(kwargs.get("resume")), "rollart.pipelines.agentic", "transformers.models.auto.tokenization_auto"
+        )
         from rollart.pipelines.agentic import AgenticPipeline
 
         pipeline_cls = AgenticPipeline

@@ -141,10 +141,10 @@ def run_job_id(config: PipelineConfig, resume: bool) -> str | None:
     return config.cluster.job_id or (job_file.read_text().strip() if resume and job_file.exists() else None)
 
 
-def start_ray_while_importing(config: PipelineConfig, resume: bool, module: str) -> None:
-    """Start (or join) the run's Ray while ``module`` (the pipeline's, with torch and transformers) is
-    imported in a thread beside it: starting Ray is mostly waiting for its processes, and the import
-    fills that wait. The pipeline's ResourceManager then finds Ray up, for the job id it asks for
+def start_ray_while_importing(config: PipelineConfig, resume: bool, *modules: str) -> None:
+    """Start (or join) the run's Ray while ``modules`` (the pipeline's, with torch and transformers, and
+    the tokenizer's, which the pipeline uses once its workers are up) are imported in a thread beside it:
+    starting Ray is mostly waiting for its processes, and the imports fill that wait. The pipeline's ResourceManager then finds Ray up, for the job id it asks for
     (:func:`run_job_id`), with the resources its pools ask for. An import error is raised here."""
     from rollart.resource_manager.launcher import ensure_ray
     from rollart.resource_manager.manager import resources_asked
@@ -154,7 +154,8 @@ def start_ray_while_importing(config: PipelineConfig, resume: bool, module: str)
 
     def load() -> None:
         try:
-            importlib.import_module(module)
+            for module in modules:
+                importlib.import_module(module)
         except BaseException as err:  # raised in the caller's thread below
             failed.append(err)
 
