@@ -34,6 +34,7 @@ from rollart.config import PipelineConfig
 from rollart.data.evaluation import Evaluator
 from rollart.data.sampler import RoundSeeds
 from rollart.pipeline.checkpoints import Checkpoints
+from rollart.pipeline.interrupt import Interrupt
 from rollart.pipeline.records import MetricsFile, StepTimes, batch_statistics, step_record, task_record, write_ledger
 from rollart.pipeline.recovery import TrainerSupervisor
 from rollart.pipeline.rewards import RewardServices
@@ -60,6 +61,7 @@ __all__ = ["AgenticPipeline", "batch_statistics"]
 class AgenticPipeline:
     def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
         self.startup = StartupTimeline()  # the command to the first step, in phases: RUN_DIR/startup.json
+        self.interrupt = Interrupt()  # SIGINT stops the run at the next step boundary at the latest
         self.config = config
         self.out_dir = config.out_dir.resolve()  # absolute: Ray (a submitted job) may change the working directory
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -533,6 +535,7 @@ class AgenticPipeline:
             bar = tqdm(total=cfg.steps, initial=self.start_step, desc=cfg.name, unit="step")
         try:
             for step in range(self.start_step, cfg.steps):
+                self.interrupt.check()
                 record = await self._step(step)
                 if self.startup.mark("first_step"):
                     self.startup.write(self.out_dir)
@@ -640,7 +643,7 @@ class AgenticPipeline:
 
     def run(self) -> list[dict[str, Any]]:
         """Train; the records of the last ``history_keep`` steps (every step is in ``metrics.jsonl``)."""
-        history = asyncio.run(self._run())
+        history = self.interrupt.run(self._run())  # Ctrl-C: KeyboardInterrupt once the step loop stopped
         history = history[-self.config.history_keep :]
         self.plot_path = self.plot(self.step_records())
         return history

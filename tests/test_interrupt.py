@@ -1,0 +1,65 @@
+"""Ctrl-C stops a run even where a library swallows the cancellation it causes (rollart.pipeline.interrupt)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from rollart.pipeline.interrupt import Interrupt
+
+
+def test_a_swallowed_cancellation_still_stops_the_loop_at_the_next_step_and_raises_keyboard_interrupt():
+    interrupt = Interrupt()
+    seen = {"steps": 0, "swallowed": 0, "finally": False}
+
+    async def steps() -> None:
+        try:
+            while True:
+                interrupt.check()
+                if seen["steps"] == 1:
+                    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during the second step
+                try:
+                    await asyncio.sleep(0)  # the cancellation lands here...
+                except asyncio.CancelledError:
+                    seen["swallowed"] += 1  # ...and a library swallows it
+                seen["steps"] += 1
+        finally:
+            seen["finally"] = True  # the run's own clean-up (ledger, trackers) still runs
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupt.run(steps())
+    assert interrupt.requested
+    assert seen == {"steps": 2, "swallowed": 1, "finally": True}  # stopped at the very next step boundary
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+
+
+def test_a_run_without_sigint_returns_its_result_and_an_error_stays_that_error():
+    assert Interrupt().run(asyncio.sleep(0, result=7)) == 7
+
+    async def fails() -> None:
+        raise ValueError("a step failed")
+
+    with pytest.raises(ValueError, match="a step failed"):
+        Interrupt().run(fails())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_sigint_interrupts_at_once():
+    interrupt = Interrupt()
+
+    async def deaf() -> None:  # a coroutine that never reaches a step boundary
+        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            pass
+        os.kill(os.getpid(), signal.SIGINT)
+        while True:
+            await asyncio.sleep(0)
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupt.run(deaf())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
