@@ -117,6 +117,9 @@ class ResourceManager:
         self.bindings: dict[str, PoolBinding] = {}
         self.worker_devices: dict[str, int] = {}  # devices per worker of each pool (its bundles' size)
         self._units_lock = threading.Lock()  # the units of elastic groups come and go on another thread
+        # a group's size is read and written to the store in one go: two releases at once (a scale-in of
+        # several workers) must not leave the earlier, larger count as the row's last write
+        self._record_lock = threading.Lock()
         self._serial = 0  # numbers the units' placement groups
         try:
             self.capacity = read_capacity()
@@ -359,17 +362,18 @@ class ResourceManager:
     def _record_group(self, pool: str, index: int) -> None:
         """A group's row in the store: its hardware, the devices it holds now and, elastic, its maximum."""
         g = self.specs[pool].groups[index]
-        devices = self.group_devices(pool, index) if g.hardware != CPU else None
-        self.store.record_pool(
-            self.job_id,
-            pool,
-            index,
-            g.hardware,
-            devices,
-            g.cpus,
-            f"rollart/{self.job_id}/{pool}/{index}",
-            max_devices=g.max_devices,
-        )
+        with self._record_lock:
+            devices = self.group_devices(pool, index) if g.hardware != CPU else None
+            self.store.record_pool(
+                self.job_id,
+                pool,
+                index,
+                g.hardware,
+                devices,
+                g.cpus,
+                f"rollart/{self.job_id}/{pool}/{index}",
+                max_devices=g.max_devices,
+            )
 
     def bind(self, cluster: str, pool: str, colocate_with: str | None) -> None:
         """Record that ``cluster`` uses ``pool`` (a colocated pool: the pool it shares); a second cluster must
