@@ -63,3 +63,23 @@ def test_a_second_sigint_interrupts_at_once():
     with pytest.raises(KeyboardInterrupt):
         interrupt.run(deaf())
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_sigint_ignored_by_the_launching_shell_still_stops_the_run_and_stays_ignored_after():
+    """A shell starts a background command with SIGINT ignored (and Ray passes that on to a submitted
+    job's driver): SIGINT is still how `rollart stop` ends the run."""
+    interrupt = Interrupt()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+
+        async def steps() -> None:
+            while True:
+                interrupt.check()
+                os.kill(os.getpid(), signal.SIGINT)
+                await asyncio.sleep(0)
+
+        with pytest.raises(KeyboardInterrupt):
+            interrupt.run(steps())
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

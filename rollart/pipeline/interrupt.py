@@ -1,8 +1,11 @@
 """Ctrl-C (and ``rollart stop``, which sends SIGINT) for a running pipeline.
 
-The first SIGINT cancels the step in progress, and the step loop stops at its next step boundary at the
-latest (:meth:`Interrupt.check`): a cancellation that lands where a library swallows it (Python 3.11's
-``asyncio.wait_for`` does when its inner future completes at the same moment) cannot keep the run going.
+The run handles SIGINT itself, also where SIGINT was ignored when the process started (a shell's
+background command; a submitted job whose Ray was started from one): Python and ``asyncio.run`` then
+leave it ignored, and ``rollart stop`` could not end the run. The first SIGINT cancels the step in
+progress, and the step loop stops at its next step boundary at the latest (:meth:`Interrupt.check`): a
+cancellation that lands where a library swallows it (Python 3.11's ``asyncio.wait_for`` does when its
+inner future completes at the same moment) cannot keep the run going.
 The run's own ``finally`` blocks still run (the ledger, the trackers); :meth:`Interrupt.run` then raises
 ``KeyboardInterrupt``, as ``asyncio.run`` does. A second SIGINT raises ``KeyboardInterrupt`` at once.
 """
@@ -34,10 +37,12 @@ class Interrupt:
 
     def run(self, main: Coroutine[Any, Any, T]) -> T:
         """``main`` to its end on a new event loop. In a program's main thread whose SIGINT handler is
-        Python's default, SIGINT stops it as the module says; elsewhere (an embedding program that
+        Python's default, SIGINT stops it as the module says; so it does where SIGINT was ignored when the
+        process started (a shell starts background commands so, and Ray's processes pass that on to a
+        submitted job): SIGINT is how ``rollart stop`` ends a run. Elsewhere (an embedding program that
         handles SIGINT itself, a thread) it runs as ``asyncio.run`` would."""
         if threading.current_thread() is not threading.main_thread() or (
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+            signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, signal.SIG_IGN)
         ):
             return asyncio.run(main)
         with asyncio.Runner() as runner:
