@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import sys
 import types
 import typing
 from collections.abc import Iterator
@@ -214,4 +215,4 @@ def markdown(root: type[BaseModel] | None = None, heading: str = "##") -> str:
 
 
 if __name__ == "__main__":
-    print(markdown())
+    sys.stdout.write(markdown())
