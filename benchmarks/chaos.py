@@ -47,6 +47,19 @@ def letter_reward(trajectory: dict[str, Any]) -> float:
     return 0.5 * letter + 0.5 * (letter and response == str(trajectory["ground_truth"]))
 
 
+def count_reward_checks(trajs: list[Any], record: dict[str, Any]) -> None:
+    """Rewards invented: every trained reward recomputed from its response and ground truth with
+    :func:`letter_reward`; counts ``unverifiable`` and ``rewards_mismatch`` into ``record``."""
+    for t in trajs:
+        steps = t.info.get("steps") or [{}]
+        truth = t.info.get("reset", {}).get("ground_truth")
+        resp = steps[-1].get("response")
+        if resp is None or truth is None:
+            record["unverifiable"] += 1
+        elif abs(letter_reward({"response": resp, "ground_truth": truth}) - float(t.reward)) > 1e-9:
+            record["rewards_mismatch"] += 1
+
+
 def schedule(kinds: list[str], steps: int, seed: int, first: int = 3, gap: int = 3) -> dict[int, str]:
     """Step -> fault kind: the kinds in a seeded random order, ``gap`` steps apart from step ``first``
     (each fault has a step to settle before the next). Raises when ``steps`` is too short for them."""
@@ -261,15 +274,7 @@ def make_pipeline(
                 self._sample()
                 if time.monotonic() > deadline:
                     raise TimeUp(f"soak time over after step {step}")
-            # rewards invented: every trained reward recomputed from the response and the ground truth
-            for t in trajs:
-                steps = t.info.get("steps") or [{}]
-                truth = t.info.get("reset", {}).get("ground_truth")
-                resp = steps[-1].get("response")
-                if resp is None or truth is None:
-                    record["unverifiable"] += 1
-                elif abs(letter_reward({"response": resp, "ground_truth": truth}) - float(t.reward)) > 1e-9:
-                    record["rewards_mismatch"] += 1
+            count_reward_checks(trajs, record)  # rewards invented: every trained reward recomputed
             if not last_fault:
                 last_fault.append(time.monotonic())
             if every_s > 0 and kinds and time.monotonic() - last_fault[0] >= every_s:

@@ -107,7 +107,7 @@ def make_pipeline(
 ) -> Any:
     """The pipeline with the join and drain asked for after steps ``join_at`` and ``drain_at`` (each waited
     for while rollout goes on), every trained reward recomputed, and a throughput sampler."""
-    from rollart.benchmarks.chaos import letter_reward
+    from rollart.benchmarks.chaos import count_reward_checks
     from rollart.pipelines.agentic import AgenticPipeline
 
     class ElasticRun(AgenticPipeline):
@@ -154,14 +154,7 @@ def make_pipeline(
                 await asyncio.sleep(sample_s)
 
         def _record(self, step: int, version: int, trajs: list, *rest: Any) -> dict[str, Any]:
-            for t in trajs:  # rewards invented: every trained reward recomputed from its response
-                steps = t.info.get("steps") or [{}]
-                truth = t.info.get("reset", {}).get("ground_truth")
-                resp = steps[-1].get("response")
-                if resp is None or truth is None:
-                    record["unverifiable"] += 1
-                elif abs(letter_reward({"response": resp, "ground_truth": truth}) - float(t.reward)) > 1e-9:
-                    record["rewards_mismatch"] += 1
+            count_reward_checks(trajs, record)  # rewards invented: every trained reward recomputed
             return super()._record(step, version, trajs, *rest)
 
     return ElasticRun(cfg, progress=False)
