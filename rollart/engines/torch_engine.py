@@ -112,6 +112,7 @@ class TorchEngine(InferenceEngine):
         self._state_shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         self._dropped: list[tuple[torch.nn.Parameter, torch.Size]] = []  # parameters emptied by sleep(2)
         self._kv_peak = 0
+        self._freed: int | None = None  # device memory the last sleep gave back (CUDA only)
         self.stats: dict[str, int] = {
             "prefill_forwards": 0,
             "prefill_tokens": 0,
@@ -364,14 +365,17 @@ class TorchEngine(InferenceEngine):
         if self._requests:
             raise RuntimeError(f"sleep: {len(self._requests)} requests are still in the engine; abort them first")
         self._waiting.clear()
+        cuda = self.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
         self._reset_cache()
         if level >= 2 and not self._dropped:
             for param in self.model.parameters():  # tied weights are one parameter: emptied once
                 self._dropped.append((param, param.shape))
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         self.sleep_level = max(level, self.sleep_level)
-        if self.device.type == "cuda":
+        if cuda:  # the blocks go back to the device: what the caching allocator held less after than before
             torch.cuda.empty_cache()
+            self._freed = reserved - torch.cuda.memory_reserved(self.device)
         log.debug("torch engine asleep (level %d)", self.sleep_level)
 
     def wake_up(self, weights: Mapping[str, torch.Tensor] | None = None, version: int | None = None) -> None:
@@ -395,4 +399,5 @@ class TorchEngine(InferenceEngine):
             kv_cache_peak_bytes=self._kv_peak,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             frees_memory=True,
+            freed_bytes=self._freed,
         )
