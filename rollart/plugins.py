@@ -14,6 +14,7 @@ import importlib
 import inspect
 import logging
 import sys
+import types
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -42,6 +43,26 @@ def checked(check: Callable[..., Any], *args: Any, prefix: str = "") -> Any:
     if isinstance(result, list) and result:
         raise ValueError(prefix + "; ".join(result))
     return result
+
+
+class LazyModule:
+    """Stands for the module ``name`` in the globals of the module that made it, and imports it on its first
+    attribute access, then puts the module itself in its place. The loss, advantage and aggregation
+    modules use it for torch: a config names their functions and is checked against their signatures
+    without importing torch, so ``rollart run`` starts Ray before torch has loaded (torch imports beside it)."""
+
+    def __init__(self, name: str, namespace: dict[str, Any], alias: str | None = None) -> None:
+        self._name = name
+        self._namespace = namespace
+        self._alias = alias or name
+
+    def __getattr__(self, attr: str) -> Any:
+        module = importlib.import_module(self._name)
+        self._namespace[self._alias] = module
+        return getattr(module, attr)
+
+    def __repr__(self) -> str:
+        return f"<{self._name}, imported at first use>"
 
 
 def is_spec(value: object) -> bool:
@@ -190,7 +211,10 @@ def signature_problems(
         target = fn
         if isinstance(fn, type):  # a class: its (possibly inherited) __init__'s annotations
             target = next((vars(c)["__init__"] for c in fn.__mro__ if "__init__" in vars(c)), fn)
-        hints = typing.get_type_hints(target)
+        # only the given arguments' annotations: the others may name torch, which a config check never imports
+        given = {k: v for k, v in getattr(target, "__annotations__", {}).items() if k in kwargs}
+        globalns = getattr(target, "__globals__", None)
+        hints = typing.get_type_hints(types.SimpleNamespace(__annotations__=given), globalns=globalns) if given else {}
     except Exception:
         hints = {}
     for key, value in kwargs.items():

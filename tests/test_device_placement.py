@@ -173,11 +173,20 @@ class StartEnv(ra.Worker):
 
 
 @pytest.mark.timeout(300)
-def test_a_cpu_worker_starts_with_cuda_hidden_from_its_actors_environment(make_rm):
-    """Hidden from the start of its process (before any import can initialise CUDA), on any Ray: the
-    Cluster sets it in the actor's runtime environment. (Not in the job's: Ray then maps every worker's
-    GPU ids through that empty list and a GPU actor would see none.)"""
+def test_a_cpu_worker_starts_with_cuda_hidden_from_its_actors_environment(make_rm, monkeypatch):
+    """Hidden from the start of its process (before any import can initialise CUDA), on any Ray. A local
+    Ray that rollart started on a machine without GPUs hides them from every worker of the node (so actors
+    take the workers the raylet started ahead); elsewhere the Cluster sets it in the actor's runtime
+    environment. (Not in the job's on a Ray with GPUs: Ray then maps every worker's GPU ids through that
+    empty list and a GPU actor would see none.)"""
+    assert launcher.workers_see_no_gpu(), "the tests' local Ray has no GPU: rollart hides CUDA node-wide"
     rm = make_rm({"start_env": {"hardware": "CPU", "cpus": 1}})
     c = ra.Cluster("start_env", StartEnv, rm, pool="start_env")
+    assert "runtime_env" not in c._actor_options(c._slots[0])
+    assert c.visible_at_start() == [""]
+    c.shutdown()
+    # a Ray rollart did not start (joined, or the user's): the actor's own runtime env hides them
+    monkeypatch.setattr(launcher, "_workers_see_no_gpu", False)
+    c = ra.Cluster("start_env2", StartEnv, rm, pool="start_env")
     assert c._actor_options(c._slots[0])["runtime_env"] == {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
     assert c.visible_at_start() == [""]

@@ -187,3 +187,46 @@ def test_phases_of_overlapping_marks_are_zero_and_add_up():
     marks = dict.fromkeys(MARKS, 0.0) | {"ray_ready": 2.0, "pools_reserved": 1.5, "first_step": 5.0}
     phases = phases_of(marks)
     assert phases["ray_start"] == 2.0 and phases["pools"] == 0.0 and sum(phases.values()) == 5.0
+
+
+def test_the_config_is_checked_without_importing_torch_and_its_errors_still_name_the_field(tmp_path):
+    """``rollart run`` checks the whole config (losses, advantages and aggregations against their
+    functions' signatures included) before Ray starts, and torch imports beside Ray's start: checking a
+    config must not import torch, also when a check fails. The loss functions still work (torch loads at
+    their first call)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from rollart.config import ConfigError, load_config\n"
+        "cfg = load_config('quickstart', {'train.loss': 'decoupled_ppo', 'train.loss_agg': 'seq-mean-token-mean'})\n"
+        "assert cfg.train.loss == 'decoupled_ppo'\n"
+        "assert load_config('quickstart', {'train.loss_params': {'eps': 0.1}}).train.loss_params == {'eps': 0.1}\n"
+        "try:\n"
+        "    load_config('quickstart', {'train.loss_params': {'clip_rnage': 0.2}})\n"
+        "except ConfigError as err:\n"
+        "    print('ERROR', err)\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+        "from rollart.algorithms.losses import resolve_loss\n"
+        "import torch\n"
+        "loss, _ = resolve_loss('ppo')(torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), "
+        "proximal_logprobs=torch.zeros(1, 2), behaviour_logprobs=None)\n"
+        "print('LOSS', tuple(loss.shape))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "TORCH False" in out.stdout, out.stdout
+    assert "ERROR" in out.stdout and "clip_rnage" in out.stdout and "train.loss_params" in out.stdout, out.stdout
+    assert "LOSS (1, 2)" in out.stdout, out.stdout
+
+
+def test_a_lazy_module_imports_at_first_use_and_then_is_the_module_itself():
+    from rollart.plugins import LazyModule
+
+    namespace: dict = {}
+    namespace["json"] = LazyModule("json", namespace)
+    assert namespace["json"].dumps([1]) == "[1]"
+    import json as real
+
+    assert namespace["json"] is real

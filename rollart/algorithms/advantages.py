@@ -6,9 +6,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+from rollart.plugins import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported at first use: a config is checked against these functions without torch
+    torch = LazyModule("torch", globals())
+
 
 AdvantageFn = Callable[..., Any]
 _ADVANTAGES: dict[str, AdvantageFn] = {}

@@ -4,12 +4,18 @@ user-defined aggregations (``@register_loss_agg("name", unit=...)`` or ``train.l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from rollart.plugins import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported at first use: a config is checked against these functions without torch
+    torch = LazyModule("torch", globals())
+
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "group-mean")
-AggFn = Callable[..., torch.Tensor]
+AggFn = Callable[..., "torch.Tensor"]
 Unit = Literal["token", "sequence"]
 _AGGS: dict[str, tuple[AggFn, Unit]] = {}
 

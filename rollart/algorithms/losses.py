@@ -14,13 +14,17 @@ is multiplied per token by ``w = sg(min(exp(proximal_logprobs - behaviour_logpro
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rollart.algorithms.aggregation import aggregate
+from rollart.plugins import LazyModule
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+if TYPE_CHECKING:
+    import torch
+else:  # imported at first use: a config is checked against these functions without torch
+    torch = LazyModule("torch", globals())
+
+LossFn = Callable[..., tuple["torch.Tensor", dict[str, float]]]
 _LOSSES: dict[str, LossFn] = {}
 _USES_PROXIMAL: dict[str, bool] = {}
 

@@ -55,6 +55,7 @@ from rollart.cluster.methods import ExposedMethod, exposed_methods
 from rollart.cluster.worker import BY_REF_PREFIX, CUDA_VISIBLE, Worker, WorkerContext, WorkerStart, host_class
 from rollart.decorators.specs import Dispatch, HwMappingSpec, ServerlessSpec
 from rollart.resource_manager.capacity import MAX_COLOCATED_ON_GPU
+from rollart.resource_manager.launcher import workers_see_no_gpu
 from rollart.resource_manager.manager import ReservedGroup, ResourceManager
 from rollart.resource_manager.specs import ResourceSpecError
 
@@ -270,9 +271,10 @@ class Cluster:
         }
         # a colocated worker shares its owner's bundle: a GPU share on one-GPU bundles, else nothing of it
         opts.update(slot.group.capacity.actor_resources(self.devices_per_worker, self._colocate_with is not None))
-        if not opts.get("num_gpus") and not self._shared_devices(slot):
+        if not opts.get("num_gpus") and not self._shared_devices(slot) and not workers_see_no_gpu():
             # no GPU of its own: CUDA sees no device in its process, set before anything there can
-            # initialise CUDA (Ray sets CUDA_VISIBLE_DEVICES only for actors it gives GPUs)
+            # initialise CUDA (Ray sets CUDA_VISIBLE_DEVICES only for actors it gives GPUs); a local Ray
+            # without GPUs sets it for all its workers already
             opts["runtime_env"] = {"env_vars": {CUDA_VISIBLE: ""}}
         return opts
 
