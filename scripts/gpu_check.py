@@ -147,7 +147,7 @@ def _megatron(args: argparse.Namespace) -> list[str] | str:
     import importlib.util
 
     if importlib.util.find_spec("megatron") is None:
-        return "megatron-core is not installed (bundle it: EXTRA=megatron-core==0.16.1 make_bundle.sh)"
+        return "megatron-core is not installed (pip install 'rollart[megatron]'; scripts/device_bundle.sh bundles it)"
     return _quickstart(f"pools.train={GPU_POOL}", "train.strategy=megatron")(args)
 
 
