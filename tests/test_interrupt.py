@@ -12,6 +12,7 @@ from rollart.pipeline.interrupt import Interrupt
 
 
 def test_a_swallowed_cancellation_still_stops_the_loop_at_the_next_step_and_raises_keyboard_interrupt():
+    before = signal.getsignal(signal.SIGINT)  # Python's, or SIG_IGN where the test runner started with it ignored
     interrupt = Interrupt()
     seen = {"steps": 0, "swallowed": 0, "finally": False}
 
@@ -35,10 +36,11 @@ def test_a_swallowed_cancellation_still_stops_the_loop_at_the_next_step_and_rais
         interrupt.run(steps())
     assert interrupt.requested
     assert seen == {"steps": 2, "swallowed": 1, "finally": True}  # stopped at the very next step boundary
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is put back
 
 
 def test_a_run_without_sigint_returns_its_result_and_an_error_stays_that_error():
+    before = signal.getsignal(signal.SIGINT)
     assert Interrupt().run(asyncio.sleep(0, result=7)) == 7
 
     async def fails() -> None:
@@ -46,10 +48,11 @@ def test_a_run_without_sigint_returns_its_result_and_an_error_stays_that_error()
 
     with pytest.raises(ValueError, match="a step failed"):
         Interrupt().run(fails())
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_a_second_sigint_interrupts_at_once():
+    before = signal.getsignal(signal.SIGINT)
     interrupt = Interrupt()
 
     async def deaf() -> None:  # a coroutine that never reaches a step boundary
@@ -64,7 +67,7 @@ def test_a_second_sigint_interrupts_at_once():
 
     with pytest.raises(KeyboardInterrupt):
         interrupt.run(deaf())
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_sigint_ignored_by_the_launching_shell_still_stops_the_run_and_stays_ignored_after():
