@@ -88,3 +88,22 @@ def test_sigint_ignored_by_the_launching_shell_still_stops_the_run_and_stays_ign
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_while_the_pipeline_starts_ends_the_command_with_130_and_says_nothing_was_trained(
+    monkeypatch, tmp_path, capsys
+):
+    """SIGINT can land before the step loop (workers still starting, `rollart stop` on a job just admitted):
+    the command ends as a stopped run does, without a traceback."""
+    from rollart.cli import main
+    from rollart.cli import run as run_cli
+
+    def interrupted(cfg, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_cli, "build_pipeline", interrupted)
+    code = main(["run", "quickstart", "--set", f"output_dir={tmp_path / 'run'}"])
+    assert code == 130
+    err = capsys.readouterr().err
+    assert "stopped while starting, before the first step; nothing was trained" in err
+    assert "rollart run quickstart --overwrite" in err

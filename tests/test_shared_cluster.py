@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +145,14 @@ def _states(jobs):
     return sorted(r["state"] for r in jobs.values())
 
 
+def _wait_for_a_step(metrics: Path, timeout_s: float = 300) -> None:
+    """Until the job's ``metrics.jsonl`` has a step (polling the file; the assertion is on its content)."""
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline, f"{metrics.parent.name} trained no step within {timeout_s:.0f} s"
+        time.sleep(1.0)
+
+
 def test_three_jobs_two_run_the_third_waits_until_one_ends_quotas_hold_and_stop_frees(shared):
     cluster, config = shared
     names = ["shared-a", "shared-b", "shared-c"]
@@ -186,7 +195,8 @@ def test_three_jobs_two_run_the_third_waits_until_one_ends_quotas_hold_and_stop_
     # one job ends (c finishes its 3 steps, or, if c is the waiter, a running job is stopped): the waiter
     # is admitted after that
     ended = "shared-c" if waiter != "shared-c" else running[0]
-    if ended != "shared-c":
+    if ended != "shared-c":  # stopped once it has trained a step, as the others below: it has scored rewards
+        _wait_for_a_step(config.parent / "out" / ended / "metrics.jsonl")
         _cli(cluster, "stop", ended)
     jobs = _wait(cluster, f"{waiter} admitted after {ended} ended", lambda j: j[waiter]["state"] == "running")
     assert jobs[ended]["state"] == ("finished" if ended == "shared-c" else "stopped")
@@ -196,12 +206,8 @@ def test_three_jobs_two_run_the_third_waits_until_one_ends_quotas_hold_and_stop_
     assert long_running == [n for n in ("shared-a", "shared-b") if n != ended]
 
     # each long-running job has trained a step (so it has scored rewards) before it is stopped
-    deadline = time.monotonic() + 300
     for n in long_running:
-        path = config.parent / "out" / n / "metrics.jsonl"
-        while not (path.exists() and path.read_text().strip()):
-            assert time.monotonic() < deadline, f"{n} trained no step within 300 s"
-            time.sleep(1.0)  # polling the job's metrics file; the assertion is on its content
+        _wait_for_a_step(config.parent / "out" / n / "metrics.jsonl")
     stops = [
         cluster.popen("head", [sys.executable, "-m", "rollart.cli", "stop", job], stdout=-1, stderr=-1, text=True)
         for job in long_running

@@ -117,7 +117,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.overwrite and out_dir.exists():
         log.info("--overwrite: removing the earlier run in %s", out_dir)
         shutil.rmtree(out_dir)
-    pipe = build_pipeline(cfg, resume=args.resume)
+    try:
+        pipe = build_pipeline(cfg, resume=args.resume)
+    except KeyboardInterrupt:  # Ctrl-C, or `rollart stop`, while the workers were starting: nothing trained
+        sys.stderr.write(
+            "rollart run: stopped while starting, before the first step; nothing was trained: start again "
+            f"with `rollart run {shlex.quote(args.config)} --overwrite`\n"
+        )
+        return 130
     rm = getattr(pipe, "rm", None)
     registry = getattr(getattr(rm, "store", None), "registry", None)
     if rm is not None and registry is not None:  # `rollart jobs` and `rollart logs` show where the outputs are
