@@ -33,10 +33,10 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
+from unittest.mock import patch
 
 import ray
 
@@ -108,21 +108,6 @@ def workers_see_no_gpu() -> bool:
     """Whether every worker of the Ray this process started sees no CUDA device (a local Ray on a machine
     without GPUs: set for the whole node), so a worker needs no runtime env to hide them."""
     return _workers_see_no_gpu and ray.is_initialized()
-
-
-@contextmanager
-def _environ(values: Mapping[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``values`` while the block runs (what the processes started in it inherit)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def take_ray_start() -> RayStart | None:
@@ -214,25 +199,17 @@ def ensure_ray(
         )
     worker_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
     global _workers_see_no_gpu
-    if gpus.count == 0:
+    _workers_see_no_gpu = gpus.count == 0
+    if _workers_see_no_gpu:
         # No GPU declared: every worker of this Ray runs without CUDA devices. Set for the node's processes
         # (the raylet passes its environment to the workers it starts), so actors need no runtime env of
-        # their own and take the workers the raylet starts ahead while the driver is still starting.
-        worker_env["CUDA_VISIBLE_DEVICES"] = ""
-        with _environ(worker_env):
-            ray.init(
-                address="local",
-                num_cpus=num_cpus,
-                num_gpus=0,
-                resources=custom,
-                namespace=job_id,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                log_to_driver=True,
-                _system_config={"enable_worker_prestart": True, "prestart_worker_first_driver": False},
-            )
-        _workers_see_no_gpu = True
+        # their own and take the idle worker the raylet starts ahead while the driver is still starting.
+        node_env, job_env, prestart = {**worker_env, "CUDA_VISIBLE_DEVICES": ""}, None, True
     else:
+        # Actors without GPUs hide them with a runtime env of their own, which never takes an idle worker
+        # started ahead; each such worker importing Ray would only compete for the CPUs with the actors.
+        node_env, job_env, prestart = {}, {"env_vars": worker_env}, False
+    with patch.dict(os.environ, node_env):  # what Ray's processes inherit; the driver's own is put back
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -242,13 +219,9 @@ def ensure_ray(
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             log_to_driver=True,
-            runtime_env={"env_vars": worker_env},
-            # no idle workers started ahead (one per CPU, when the driver connects): actors without GPUs
-            # have a runtime env of their own (CUDA hidden), which never takes them, and each one importing
-            # Ray competes for the CPUs with the start-up of the actors that are asked for
-            _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
+            runtime_env=job_env,
+            _system_config={"enable_worker_prestart": prestart, "prestart_worker_first_driver": False},
         )
-        _workers_see_no_gpu = False
     _ray_start = RayStart("local", began, time.time())
     return job_id
 
