@@ -40,7 +40,7 @@ def run_local_driver(code: str, **env_extra: str) -> object:
 
 
 LOOPBACK_DRIVER = """
-import json, psutil, ray
+import json, os, psutil, ray, subprocess, sys
 from rollart.resource_manager.net import node_ip
 from rollart.resource_manager.launcher import ensure_ray
 ensure_ray({'H800': 1}, job_id='loopback-test')
@@ -54,6 +54,13 @@ result = {
     'started': sorted(p.name() for p in ours),
     'listening': listening,
 }
+# another driver on this machine (`rollart submit`, `rollart jobs`, a test's job) joins with RAY_ADDRESS
+joined = subprocess.run(
+    [sys.executable, '-c', 'import ray; ray.init(); print(ray.cluster_resources().get("accelerator_type:H800"))'],
+    env={**os.environ, 'RAY_ADDRESS': ray.get_runtime_context().gcs_address},
+    capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+)
+result['second_driver'] = [joined.returncode, joined.stdout.strip(), joined.stderr[-1500:]]
 print('RESULT ' + json.dumps(result))
 ray.shutdown()
 """
@@ -63,8 +70,10 @@ ray.shutdown()
 def test_the_local_ray_listens_on_loopback_only():
     """``rollart run`` on one machine: the local Ray (and every address rollart derives from its node IP:
     Mooncake segments, env and reward servers) is on 127.0.0.1, never on the machine's network address,
-    even in a process that imported ray before rollart set Ray's single-machine switch."""
+    even in a process that imported ray before rollart set Ray's single-machine switch. A second driver on
+    the machine joins it with RAY_ADDRESS (what the local start leaves in the environment lets it in)."""
     r = run_local_driver(LOOPBACK_DRIVER)
+    assert r["second_driver"][:2] == [0, "1.0"], r["second_driver"]
     assert r["nodes"] == ["127.0.0.1"] and r["worker"] == "127.0.0.1", r
     assert r["started"] == ["gcs_server", "raylet"], r
     assert r["listening"] and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _, ip in r["listening"]), r
@@ -91,8 +100,11 @@ def test_joining_a_cluster_uses_token_auth_and_never_sets_the_single_host_flag(m
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append((kw, dict(os.environ))))
     monkeypatch.setenv("RAY_ADDRESS", "10.201.0.1:6379")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    # set, then unset: monkeypatch puts back only what it changed, and ensure_ray sets RAY_AUTH_MODE; left
+    # in this process, a later local start (the session's Ray) would be refused by its own GCS
+    for name in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     assert launcher.ensure_ray({"H800": 2}, job_id="j") == "j"
     ((kw, env),) = calls
     assert kw["address"] == "10.201.0.1:6379" and "num_cpus" not in kw

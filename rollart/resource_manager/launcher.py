@@ -33,10 +33,10 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
-from unittest.mock import patch
 
 import ray
 
@@ -108,6 +108,24 @@ def workers_see_no_gpu() -> bool:
     """Whether every worker of the Ray this process started sees no CUDA device (a local Ray on a machine
     without GPUs: set for the whole node), so a worker needs no runtime env to hide them."""
     return _workers_see_no_gpu and ray.is_initialized()
+
+
+@contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` while the block runs (what the processes started in it inherit).
+    Only these keys are put back afterwards: ``ray.init`` adds keys of its own to the environment (the
+    cluster's ``RAY_AUTH_MODE``, which drivers and subprocesses started later need to connect), and those
+    must stay (``unittest.mock.patch.dict`` would restore the whole environment and drop them)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def take_ray_start() -> RayStart | None:
@@ -209,7 +227,7 @@ def ensure_ray(
         # Actors without GPUs hide them with a runtime env of their own, which never takes an idle worker
         # started ahead; each such worker importing Ray would only compete for the CPUs with the actors.
         node_env, job_env, prestart = {}, {"env_vars": worker_env}, False
-    with patch.dict(os.environ, node_env):  # what Ray's processes inherit; the driver's own is put back
+    with _environ(node_env):  # what Ray's processes inherit; the driver's own is put back
         ray.init(
             address="local",
             num_cpus=num_cpus,
