@@ -81,6 +81,7 @@ def mode_config(args: argparse.Namespace, setting: Setting, alpha: int, out_dir:
         "data": {
             "train": str(setting.train.resolve()),
             "verifier": "rollart.benchmarks.reverse_chat_task:score",
+            "inline_verifier": True,  # quick pure Python: scored on the rollout's event loop
             "tag": "reverse-chat",
             "groups": args.groups,
         },

@@ -31,6 +31,8 @@ class DatasetEnv(TextEnv):
         self.tag = prompts.tag  # type: ignore[misc]
         self.max_new_tokens = max_new_tokens
         self.current: dict[str, Any] | None = None
+        # picking the row is quick; scoring it is the verifier's, quick by the task's word only
+        self.inline_methods = frozenset({"reset", "step"} if prompts.inline_verifier else {"reset"})
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         if seed is None:

@@ -39,6 +39,11 @@ class DataTask(BaseModel):
     """Scores a completion: `MODULE:FUNC`, `FILE.py:FUNC` or a built-in name (`exact_match`, `number`,
     `contains`, `reverse`, `addition`, `countdown`); default `exact_match`.
     """
+    inline_verifier: bool | None = None
+    """Score answers on the rollout's event loop instead of in a worker thread: no thread hop per answer,
+    for a quick pure-Python verifier. One that blocks, sleeps or may hang stalls the whole rollout (no
+    timeout can stop it): leave those false. Default: true for the built-in verifiers, false for yours.
+    """
     groups: int = Field(default=1, ge=1)
     """Env groups playing this task (they count toward `rollout.num_env_groups`)."""
     max_new_tokens: int | None = Field(default=None, ge=1)

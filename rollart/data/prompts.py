@@ -9,7 +9,14 @@ from typing import Any
 
 from rollart.data.config import DataTask, EvalConfig
 from rollart.data.sources import DataError, check_columns, load_rows
-from rollart.data.verifiers import Verifier, add_import_dir, call_verifier, required_columns, resolve_verifier
+from rollart.data.verifiers import (
+    Verifier,
+    add_import_dir,
+    call_verifier,
+    is_builtin,
+    required_columns,
+    resolve_verifier,
+)
 
 VAL_SPLITS = ("validation", "test", "val")
 
@@ -27,10 +34,12 @@ class PromptSet:
         answer_key: str = "answer",
         system_prompt: str | None = None,
         source: str = "",
+        inline_verifier: bool = False,
     ):
         self.rows, self.tag, self.verifier = rows, tag, verifier
         self.prompt_key, self.answer_key, self.system_prompt = prompt_key, answer_key, system_prompt
         self.source = source
+        self.inline_verifier = inline_verifier  # quick: scored on the rollout's event loop (DataTask.inline_verifier)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -69,6 +78,7 @@ def load_prompts(task: DataTask, field: str, split: str = "train", path: str | N
         answer_key=task.answer_key,
         system_prompt=task.system_prompt,
         source=str(where),
+        inline_verifier=task.inline_verifier if task.inline_verifier is not None else is_builtin(task.verifier),
     )
 
 

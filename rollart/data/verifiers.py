@@ -56,6 +56,11 @@ TASK_VERIFIERS: dict[str, str] = {
 }
 
 
+def is_builtin(spec: str | None) -> bool:
+    """Whether ``spec`` names one of rollart's own verifiers (all quick pure Python)."""
+    return spec is None or spec in BUILTIN or spec in TASK_VERIFIERS
+
+
 def add_import_dir(folder: str | Path) -> None:
     """Make modules in ``folder`` (a config file's folder) importable, first on ``sys.path``."""
     d = str(Path(folder).resolve())

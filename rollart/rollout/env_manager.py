@@ -89,6 +89,14 @@ async def _call_env(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any
         return await asyncio.to_thread(fn, *args)
 
 
+def inline_methods(env: Any) -> frozenset[str]:
+    """The methods of ``env`` to call on the event loop (``TextEnv.inline_methods``): the instance's own
+    setting, else its class's; never what a wrapper's ``__getattr__`` forwards from the env it wraps."""
+    own = vars(env).get("inline_methods") if hasattr(env, "__dict__") else None
+    names = own if own is not None else getattr(type(env), "inline_methods", frozenset())
+    return frozenset(names)
+
+
 class EnvManager:
     """Drives one env through the shared LLMProxy. ``version_fn()`` reads the current policy version
     (stamped as the trajectory's ``start_version``)."""
@@ -118,6 +126,7 @@ class EnvManager:
         self.reward_fn = reward_fn
         self.version_fn = version_fn
         self.tag: str = getattr(env, "tag", type(env).__name__)
+        self.inline = inline_methods(env)
         self.current_request: str | None = None
         self._env_call: asyncio.Task | None = None
         self._aborting = False
@@ -140,9 +149,12 @@ class EnvManager:
         return text if text and not observation.startswith(text) else None
 
     async def _env(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
-        """An env call that :meth:`abort` can cancel (a fail-slow env must not hold a finished round)."""
+        """An env call that :meth:`abort` can cancel (a fail-slow env must not hold a finished round);
+        a method of :attr:`inline` runs here, on the event loop (quick by its env's word)."""
         if self._aborting:
             raise _Aborted()
+        if fn.__name__ in self.inline and not inspect.iscoroutinefunction(fn):
+            return fn(*args)
         self._env_call = asyncio.ensure_future(_call_env(fn, *args, timeout_s=timeout_s))
         try:
             return await self._env_call
