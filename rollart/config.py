@@ -244,9 +244,10 @@ class WeightsConfig(BaseModel):
     the only one: the engine loads its trainer's weights inside its process), `none` (benchmarks only: no
     transfer).
     """
-    pause_rollout: bool = True
-    """Channel `ray`: suspend every worker for the swap; false: each worker swaps between two of its engine
-    steps.
+    pause_rollout: bool = False
+    """Channel `ray`: true: suspend every worker for the swap (all switch at one moment; the requests in
+    flight are handed back and sent again); false: each worker swaps between two of its engine steps, its
+    requests in flight continue there under the new weights (each token records its version).
     """
     background_load: bool | Literal["auto"] = False
     """Channel `ray`: train the next batch while the workers load the snapshot (the newest version wins); `auto`:
