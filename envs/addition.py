@@ -21,7 +21,7 @@ _INT = re.compile(r"[+-]?[0-9]+")
 @register_env("addition")
 class AdditionTask(VerifiableTask):
     tag: ClassVar[str] = "addition"
-    inline_methods: ClassVar[frozenset[str]] = frozenset({"reset", "step"})  # quick pure Python
+    inline_methods = frozenset({"reset", "step"})  # quick pure Python
     instructions: ClassVar[str] = "Add the two numbers and write the sum after '=', e.g. 12+34=46."
 
     def __init__(self, digits: int = 2, with_instructions: bool = False):

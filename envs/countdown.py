@@ -47,7 +47,7 @@ def evaluate(node: ast.AST, used: list[int]) -> Fraction:
 @register_env("countdown")
 class CountdownTask(VerifiableTask):
     tag: ClassVar[str] = "countdown"
-    inline_methods: ClassVar[frozenset[str]] = frozenset({"reset", "step"})  # quick pure Python
+    inline_methods = frozenset({"reset", "step"})  # quick pure Python
     instructions: ClassVar[str] = (
         "Use the numbers before '->', each at most once, with + - * / and parentheses "
         "to make the number after it; answer with the expression, e.g. 3 4 5->12:3*4."

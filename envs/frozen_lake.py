@@ -74,7 +74,7 @@ class FrozenLake(DirectionGame):
     name: ClassVar[str] = "frozen_lake"
     prompt: ClassVar[str] = "move:"
     tag: ClassVar[str] = "FrozenLake"
-    inline_methods: ClassVar[frozenset[str]] = frozenset({"reset", "step"})  # quick pure Python
+    inline_methods = frozenset({"reset", "step"})  # quick pure Python
     instructions: ClassVar[str] = (
         "FrozenLake: you are P on a grid. Reach G; a hole H ends the game; F is safe ice. "
         "Answer with one move: Left, Down, Right or Up (L, D, R, U)."

@@ -22,7 +22,7 @@ from rollart.envs.single_turn import VerifiableTask
 @register_env("reverse")
 class ReverseTask(VerifiableTask):
     tag: ClassVar[str] = "reverse"
-    inline_methods: ClassVar[frozenset[str]] = frozenset({"reset", "step"})  # quick pure Python
+    inline_methods = frozenset({"reset", "step"})  # quick pure Python
     instructions: ClassVar[str] = "Reverse the letters before '=' and write them after it, e.g. abc=cba."
 
     def __init__(

@@ -92,7 +92,7 @@ class Sokoban(DirectionGame):
     name: ClassVar[str] = "sokoban"
     prompt: ClassVar[str] = "push:"
     tag: ClassVar[str] = "Sokoban"
-    inline_methods: ClassVar[frozenset[str]] = frozenset({"reset", "step"})  # quick pure Python
+    inline_methods = frozenset({"reset", "step"})  # quick pure Python
     instructions: ClassVar[str] = (
         "Sokoban: you are P. Push every box X onto a target O (a box on a target is √); # is a wall, _ is "
         "floor. Boxes can only be pushed. Answer with one move: Up, Down, Left or Right (U, D, L, R)."

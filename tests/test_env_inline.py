@@ -62,7 +62,7 @@ class ThreadProbe(TextEnv):
 
 
 class QuickProbe(ThreadProbe):
-    inline_methods: ClassVar[frozenset[str]] = frozenset({"reset", "step"})
+    inline_methods = frozenset({"reset", "step"})
 
 
 async def _play(env: Any, **config: Any) -> Any:
