@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+ROOT_ENV = "ROLLART_HISTORY_ROOT"  # the checkout a recording runs from (set for the benches asv runs)
 
 MACHINE = "2core-cpu"  # the machine kind the project is developed and CI-tested on
 TOLERANCE = 0.2  # a drop of more than 20% against the median of the last three recorded values
@@ -158,6 +159,12 @@ def tracked(suite: str | None = None, only: Sequence[str] = ()) -> list[Tracked]
     return [t for t in TRACKED if (suite in (None, "all", t.suite)) and (not only or t.bench in only)]
 
 
+def bench_argv(t: Tracked, root: Path) -> list[str]:
+    """The bench's arguments, with what it needs beyond the repository (TRL's interpreter, named relative
+    to the checkout) made absolute against ``root``: asv runs the bench in a folder of its own."""
+    return [str(root / a) if a in t.needs else a for a in t.args]
+
+
 def measure(t: Tracked) -> dict[str, float]:
     """Run one tracked bench in this process and return its values by name."""
     from rollart.benchmarks import load_bench
@@ -167,8 +174,9 @@ def measure(t: Tracked) -> dict[str, float]:
     mod = load_bench(t.bench)
     parser = argparse.ArgumentParser(prog=f"rollart bench {t.bench}")
     mod.add_arguments(parser)
+    argv = bench_argv(t, Path(os.environ.get(ROOT_ENV) or os.getcwd()))
     with tempfile.TemporaryDirectory(prefix="rollart-history-") as out:
-        args = parser.parse_args([*t.args, "--out", out])
+        args = parser.parse_args([*argv, "--out", out])
         result = mod.run(args)
     if result.get("error"):
         raise RuntimeError(f"rollart bench {t.bench} failed: {result['error']}")
@@ -212,7 +220,8 @@ def run_asv(root: Path, suite: str, only: Sequence[str], results_dir: Path | Non
         raise SystemExit(f"history: nothing to run in suite {suite!r} for {list(only)}")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
     with tempfile.TemporaryDirectory(prefix="rollart-asv-") as scratch:
-        env = {**os.environ, "HOME": scratch}  # asv's machine file (~/.asv-machine.json) stays in the scratch
+        # asv's machine file (~/.asv-machine.json) stays in the scratch; the benches learn the checkout
+        env = {**os.environ, "HOME": scratch, ROOT_ENV: str(root)}
         conf = _asv_config(root, results_dir, Path(scratch))
         asv = [sys.executable, "-m", "asv", "--config", str(conf)]
         subprocess.run([*asv, "machine", "--yes", "--machine", MACHINE], env=env, cwd=root, check=True)

@@ -68,3 +68,14 @@ def test_lower_is_better_values_regress_upwards():
     assert not h.dropped(0.5, 1.0, higher_is_better=False, tolerance=0.2)
     assert h.dropped(0.7, 1.0, higher_is_better=True, tolerance=0.2)
     assert not h.dropped(1.5, 1.0, higher_is_better=True, tolerance=0.2)
+
+
+def test_what_a_tracked_run_needs_outside_the_repository_is_found_from_the_folder_asv_runs_it_in(tmp_path):
+    """asv runs each bench in a folder of its own: TRL's interpreter, named relative to the checkout, is
+    passed to the bench as a path under the checkout the recording started from."""
+    run = h.by_name("full_throughput")
+    assert run.needs == (".venv-trl/bin/python",)
+    argv = h.bench_argv(run, tmp_path)
+    trl = argv[argv.index("--trl") + 1]
+    assert trl == str(tmp_path / ".venv-trl" / "bin" / "python")
+    assert [a for a in argv if a != trl] == [a for a in run.args if a not in run.needs]
