@@ -126,7 +126,10 @@ class EnvManager:
         self.reward_fn = reward_fn
         self.version_fn = version_fn
         self.tag: str = getattr(env, "tag", type(env).__name__)
-        self.inline = inline_methods(env)
+        # the quick methods it names, called on the loop; a coroutine method is awaited there anyway
+        self.inline = frozenset(
+            n for n in inline_methods(env) if not inspect.iscoroutinefunction(getattr(env, n, None))
+        )
         self.current_request: str | None = None
         self._env_call: asyncio.Task | None = None
         self._aborting = False
@@ -153,7 +156,7 @@ class EnvManager:
         a method of :attr:`inline` runs here, on the event loop (quick by its env's word)."""
         if self._aborting:
             raise _Aborted()
-        if fn.__name__ in self.inline and not inspect.iscoroutinefunction(fn):
+        if fn.__name__ in self.inline:
             return fn(*args)
         self._env_call = asyncio.ensure_future(_call_env(fn, *args, timeout_s=timeout_s))
         try:
