@@ -123,6 +123,27 @@ def test_sysv_shared_memory_is_bounded(server: str) -> None:
     assert held <= sandbox.limits().shm_mb, f"{held} MB of SysV shared memory held past the limit"
 
 
+# raise the IPC namespace's own limits from inside (the namespace's root uid is the server's, outside)
+RAISE_IPC_LIMITS = r"""
+import json
+out = {}
+for name in ("kernel/shmall", "kernel/shmmax", "kernel/shmmni", "kernel/msgmnb", "fs/mqueue/queues_max"):
+    try:
+        with open("/proc/sys/" + name, "w") as f:
+            f.write("100000000")
+        out[name] = "raised"
+    except OSError:
+        out[name] = "refused"
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_the_sandbox_cannot_raise_its_own_ipc_limits(server: str) -> None:
+    out = run_python_as(server, RAISE_IPC_LIMITS)
+    assert set(json.loads(out["stdout"]).values()) == {"refused"}, out["stdout"]
+
+
 @pytest.mark.parametrize("server", SERVERS)
 def test_the_captured_output_is_no_file_to_fallocate(server: str) -> None:
     out = run_python_as(server, FALLOCATE)

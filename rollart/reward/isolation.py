@@ -357,7 +357,9 @@ def bwrap_argv(
                 made.add(parent)
                 args += ["--perms", "0755", "--dir", parent]
         args += ["--ro-bind", prefix, prefix]
-    args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
+    # /proc/sys read-only: under a server that is not root, the sandbox's uid is the root of its IPC
+    # namespace's owner, to whom the kernel would let it raise that namespace's limits
+    args += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev", "--remount-ro", "/dev"]
     args += ["--perms", "1777", "--size", str(shm_bytes), "--tmpfs", "/dev/shm"]
     args += ["--perms", "1777", "--size", str(disk_bytes), "--tmpfs", WORKDIR]
     args += ["--perms", "0444", "--ro-bind-data", str(code_fd), SOLUTION, "--chdir", WORKDIR]
