@@ -46,6 +46,21 @@ for _ in range(8):
 print(held >> 20)
 """
 
+# anonymous files (memfd): shared memory no mount's size limit sees, each file held open
+MEMFD = r"""
+import os
+held, fds = 0, []
+for i in range(40):
+    try:
+        fd = os.memfd_create("m%d" % i)
+        os.write(fd, b"x" * (8 << 20))
+    except OSError:
+        break
+    fds.append(fd)
+    held += 8
+print(held)
+"""
+
 # FALLOC_FL_KEEP_SIZE reserves disk without growing the file (no file-size limit sees it)
 FALLOCATE = r"""
 import ctypes, sys
@@ -121,6 +136,13 @@ def test_sysv_shared_memory_is_bounded(server: str) -> None:
     assert out["returncode"] == 0, out["stderr"]
     held = int(out["stdout"])
     assert held <= sandbox.limits().shm_mb, f"{held} MB of SysV shared memory held past the limit"
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_anonymous_files_do_not_hold_memory_past_the_limits(server: str) -> None:
+    out = run_python_as(server, MEMFD, memory_mb=64)
+    assert out["returncode"] == 0, out["stderr"]
+    assert int(out["stdout"]) <= sandbox.limits().shm_mb, f"{out['stdout'].strip()} MB held in anonymous files"
 
 
 # raise the IPC namespace's own limits from inside (the namespace's root uid is the server's, outside)

@@ -7,6 +7,8 @@ allows everything else:
   code would hold every capability over new mount namespaces and mount a tmpfs without the sandbox's
   size limit; ``clone3`` answers ``ENOSYS`` (its flags cannot be read by a filter; the C library then
   falls back to ``clone``, which is checked);
+- anonymous files (``memfd_create``, ``memfd_secret``: ``ENOSYS``, so callers fall back): their pages
+  are shared memory that neither a mount's size limit nor ``RLIMIT_AS`` sees;
 - ``io_uring``, ``bpf``, ``perf_event_open``, ``userfaultfd``, the kernel keyrings (``add_key``,
   ``keyctl``, ``request_key``) and kernel loading (``kexec_*``, ``*_module``): ``EPERM``;
 - system calls of another ABI (32-bit x86 or x32 on x86-64): the process is killed.
@@ -17,6 +19,7 @@ through ``pyseccomp``; where it is missing :func:`program` raises :class:`Seccom
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -62,6 +65,9 @@ def program() -> bytes:
     flt.add_rule(sc.ERRNO(errno.EPERM), "unshare", newuser)
     flt.add_rule(sc.ERRNO(errno.EPERM), "clone", newuser)  # x86-64 and arm64: the flags are argument 0
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for name in ("memfd_create", "memfd_secret"):  # memory no size limit sees (ENOSYS: callers fall back)
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
+            flt.add_rule(sc.ERRNO(errno.ENOSYS), name)
     for name in DENIED:
         try:
             flt.add_rule(sc.ERRNO(errno.EPERM), name)
