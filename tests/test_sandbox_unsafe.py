@@ -153,5 +153,11 @@ def test_a_child_killed_by_a_signal_is_reported_as_killed(mode: str) -> None:
 
 
 def test_no_process_of_an_unsafe_sandbox_uid_is_left() -> None:
-    out = run_python_as("root", "import os\nprint(os.getuid())", unsafe=True)
+    # a daemon (double fork, its own session) left running as the code exits at once
+    code = (
+        "import os, time\nprint(os.getuid(), flush=True)\n"
+        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
+    )
+    out = run_python_as("root", code, unsafe=True)
+    assert out["returncode"] == 0 and not out["timed_out"], out
     assert processes_of_uid(int(out["stdout"])) == []

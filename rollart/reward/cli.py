@@ -39,8 +39,9 @@ def add_sandbox_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--unsafe-no-sandbox",
         action="store_true",
-        help="run untrusted code WITHOUT isolation when bubblewrap is not usable (it can read this "
-        "server's files and reach the network); without it, code is refused",
+        help="run untrusted code WITHOUT isolation when bubblewrap is not usable (a root server runs it as a "
+        "uid of its own; any other server as itself, with its files, tokens and processes; either way it "
+        "reaches the network); without it, code is refused",
     )
 
 
