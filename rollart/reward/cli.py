@@ -22,16 +22,26 @@ def add_sandbox_arguments(p: argparse.ArgumentParser) -> None:
 
     d = SandboxLimits()
     p.add_argument(
-        "--sandbox-timeout-s", type=float, default=d.timeout_s, help="code sandbox: most wall seconds per run"
+        "--sandbox-timeout-s", type=float, default=d.timeout_s, help="code sandbox: most CPU seconds per run"
+    )
+    p.add_argument(
+        "--sandbox-wall-factor",
+        type=float,
+        default=d.wall_factor,
+        help="code sandbox: wall-clock seconds per run, as a multiple of --sandbox-timeout-s",
     )
     p.add_argument("--sandbox-memory-mb", type=int, default=d.memory_mb, help="code sandbox: most MB per process")
     p.add_argument("--sandbox-processes", type=int, default=d.max_processes, help="code sandbox: most processes")
     p.add_argument("--sandbox-disk-mb", type=int, default=d.disk_mb, help="code sandbox: most MB written in all")
     p.add_argument(
+        "--sandbox-shm-mb", type=int, default=d.shm_mb, help="code sandbox: most MB of /dev/shm, and of SysV shm"
+    )
+    p.add_argument(
         "--unsafe-no-sandbox",
         action="store_true",
-        help="run untrusted code WITHOUT isolation when bubblewrap is not usable (it can read this "
-        "server's files and reach the network); without it, code is refused",
+        help="run untrusted code WITHOUT isolation when bubblewrap is not usable (a root server runs it as a "
+        "uid of its own; any other server as itself, with its files, tokens and processes; either way it "
+        "reaches the network); without it, code is refused",
     )
 
 
@@ -44,12 +54,15 @@ def sandbox_limits(args: argparse.Namespace) -> Any:
     try:
         return SandboxLimits(
             timeout_s=args.sandbox_timeout_s,
+            wall_factor=args.sandbox_wall_factor,
             memory_mb=args.sandbox_memory_mb,
             max_processes=args.sandbox_processes,
             disk_mb=args.sandbox_disk_mb,
+            shm_mb=args.sandbox_shm_mb,
         )
     except ValidationError as err:
-        flags = {"timeout_s": "timeout-s", "memory_mb": "memory-mb", "max_processes": "processes", "disk_mb": "disk-mb"}
+        flags = {"timeout_s": "timeout-s", "memory_mb": "memory-mb", "max_processes": "processes", "disk_mb": "disk-mb",
+                 "shm_mb": "shm-mb", "wall_factor": "wall-factor"}  # fmt: skip
         raise ValueError(
             "; ".join(f"--sandbox-{flags.get(str(e['loc'][0]), e['loc'][0])}: {e['msg']}" for e in err.errors())
         ) from None
