@@ -19,6 +19,10 @@ Per layout it reports, as the maximum over the ranks:
   bucket of ``--bucket-mb`` at a time (gathered from the shards, copied to the CPU, handed on), against
   ``bucket_gib``.
 
+``--job`` runs each layout as a whole job on this machine instead (``rollart run``'s pipeline: a local Ray,
+the torch engine on one CPU, the driver, the train ranks; the reverse task for ``--steps`` steps) and reports
+its train ranks' states and peak RSS (each rank's ``memory()``) with the rewards the run logged.
+
 A layout that does not fit the machine's memory (checked against the arithmetic before it starts) is
 reported as ``skipped`` with the reason, as a run would refuse it. ``--shape qwen2.5-0.5b`` is the real
 architecture with random weights; without ``--shape``/``--model``, the built-in tiny model.
@@ -58,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", type=int, default=32, help="the bucket of the weights' publish (weights.bucket_mb)")
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads a rank (default: 1 on the CPU; on GPUs, the cores)"
+    )
+    p.add_argument(
+        "--job",
+        action="store_true",
+        help="run each layout as a whole job instead (rollout engine, driver and the train ranks on this machine: "
+        "the reverse task for --steps steps) and report its ranks' memory and rewards",
     )
     p.add_argument("--out", default="runs/bench/train_memory")
 
@@ -193,6 +203,46 @@ def _run_layout(spec: dict[str, Any], world: int) -> list[dict[str, Any]]:
         return [json.loads(Path(f).read_text()) for f in files]
 
 
+def _job(args: argparse.Namespace, path: str, cfg: dict[str, Any], world: int) -> dict[str, Any]:
+    """One whole job of ``--steps`` steps with the train config ``cfg`` on ``world`` CPU ranks."""
+    import ray
+
+    from rollart.config import PipelineConfig
+    from rollart.pipelines.agentic import AgenticPipeline
+
+    out = Path(args.out) / f"job-{cfg['sharding']}-{world}"
+    config = PipelineConfig.model_validate(
+        {
+            "name": "train-memory",
+            "model": path,
+            "cluster": {"local_resources": {"CPU": world + 2}},
+            "pools": {"train": {"hardware": "CPU", "cpus": world}, "rollout": {"hardware": "CPU", "cpus": 1}},
+            "envs": [{"name": "reverse", "groups": 2, "kwargs": {"length": 3}}],
+            "rollout": {"num_env_groups": 2, "group_size": 2, "batch_groups": 2, "alpha": 0},
+            "sampling": {"temperature": 1.0, "max_new_tokens": 3, "seed": 0},
+            "train": {k: v for k, v in cfg.items() if k != "model"},
+            "steps": args.steps,
+            "checkpoint_every": 0,
+            "output_dir": str(out),
+        }
+    )
+    own_ray = not ray.is_initialized()
+    pipe = AgenticPipeline(config, progress=False)
+    try:
+        history = pipe.run()
+        ranks = pipe.train.memory()
+    finally:
+        pipe.shutdown()
+        if own_ray:
+            ray.shutdown()
+    return {
+        "states_gib": max(r["states_bytes"] for r in ranks) / 2**30,
+        "peak_rss_gib": max(r["peak_rss_bytes"] for r in ranks) / 2**30,
+        "rewards": [h["reward_mean"] for h in history],
+        "step_s": statistics.median(h["time"]["step_s"] for h in history) if history else None,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import psutil
     import torch
@@ -233,6 +283,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if "skipped" in row:
                 rows.append(row)
                 continue
+            if args.job:
+                row.update(_job(args, path, cfg, world))
+                rows.append(row)
+                continue
             threads = args.threads or (max(1, (os.cpu_count() or 1) // world) if on_gpu else 1)
             spec = {
                 "config": cfg,
@@ -265,9 +319,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(device),
         "batch": args.batch,
         "seq_len": args.seq_len,
+        "job": args.job,
         "rows": rows,
     }
-    bars = {f"{r['layout']} x{r['ranks']}": r["step_peak_rss_gib"] for r in rows if "skipped" not in r}
+    key = "peak_rss_gib" if args.job else "step_peak_rss_gib"
+    bars = {f"{r['layout']} x{r['ranks']}": r[key] for r in rows if "skipped" not in r}
     return write_report(
         args.out, "train_memory", result, bars, "peak RSS per rank (GiB)", f"train-memory: {label}, per rank"
     )

@@ -203,6 +203,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of ``t`` (its local shard for a sharded tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A (possibly sharded) tensor's whole value on every rank (a collective for a sharded one)."""
     return _full(t)

@@ -87,6 +87,17 @@ def enable_gradient_checkpointing(model: Any) -> None:
     model.config.use_cache = False
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (``VmHWM``; 0 where ``/proc`` does not say)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 ENTROPY_POSITIONS = 8  # train metrics report the policy entropy of the first 8 action tokens of a row
 
 
@@ -625,6 +636,22 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         reloaded weights go out under a version newer than any served before)."""
         self.version = int(version)
         return self.version
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def memory(self) -> dict[str, Any]:
+        """What this rank holds: ``states_bytes`` (its parameters, gradients and optimizer states: local shards
+        on a sharded rank), ``peak_rss_bytes`` (its process's peak resident memory) and, on a GPU,
+        ``peak_gpu_bytes`` (``torch.cuda.max_memory_allocated``)."""
+        from rollart.training.sharding import local_bytes
+
+        params = list(self.module.parameters())
+        states = sum(local_bytes(p) for p in params) + sum(local_bytes(p.grad) for p in params if p.grad is not None)
+        for state in self.optimizer.state.values():
+            states += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        out: dict[str, Any] = {"rank": self.rank, "states_bytes": states, "peak_rss_bytes": peak_rss_bytes()}
+        if self.device.type == "cuda":
+            out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return out
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def weight_checksum(self) -> float:
