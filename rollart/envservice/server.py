@@ -6,9 +6,11 @@ their ``seq``; sessions run concurrently (a sync env's calls in worker threads, 
 event loop). A call is applied by a task of its own, so a client that hangs up does not cancel it: its
 answer is kept for the repeat. Idle sessions are closed after ``session_ttl_s``.
 
-Guards (:mod:`rollart.reward.http_guard`, as the reward service has them): a body over ``max_body_bytes`` is
-413; with ``token_env`` (one shared token) or ``tenants_file`` (a token per tenant) every endpoint but
-``/healthz`` needs ``Authorization: Bearer <token>`` (401 before the body is read). A session belongs to
+Guards (:mod:`rollart.reward.http_guard`, :mod:`rollart.reward.http_server`, as the reward service has
+them): connections over ``max_connections`` are refused (503), headers or a body not sent within
+``read_timeout_s`` get 408; with ``token_env`` (one shared token) or ``tenants_file`` (a token per
+tenant) every endpoint but ``/healthz`` needs ``Authorization: Bearer <token>`` (401 from the headers
+alone, before any body byte is read); a body over ``max_body_bytes`` is 413. A session belongs to
 the tenant that opened it: another tenant's calls, repeats and closes of it answer 404 as for a session
 that does not exist. ``max_sessions`` counts the sessions being opened too, so concurrent opens cannot
 exceed it. A call's deadline kills: an env call past its ``timeout_s`` (504) has every code sandbox it
@@ -20,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -47,7 +49,8 @@ from rollart.envservice.protocol import (
     StepRequest,
     StepResponse,
 )
-from rollart.reward.http_guard import BearerAuth, BodyLimit, check_token, load_tenants, read_token
+from rollart.reward.http_guard import BearerAuth, RequestGuard, check_token, load_tenants, read_token
+from rollart.reward.http_server import ConnectionLimits, ThreadedServer
 from rollart.reward.sandbox import SandboxCancelled, SandboxLimits, deadline
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,11 @@ class EnvServerSettings(BaseModel):
     # the code sandbox of this process (rollart serve env --sandbox-*, --unsafe-no-sandbox); None: as is
     sandbox: SandboxLimits | None = None
     unsafe_no_sandbox: bool = False
+    max_connections: int = Field(default=512, gt=0)  # connections open at once (503 past it)
+    read_timeout_s: float = Field(default=30.0, gt=0)  # seconds to send the headers, and again the body (408)
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(max_connections=self.max_connections, read_timeout_s=self.read_timeout_s)
 
 
 def _error(status: int, kind: str, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -384,42 +392,21 @@ def build_env_app(
         end(s, "closed by the client")
         return {"closed": True}
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(
+        RequestGuard,
+        limit=settings.max_body_bytes,
+        auth=auth,
+        public=("/healthz",),
+        read_timeout_s=settings.read_timeout_s,
+        error=_guard_error,
+    )
     return app
 
 
-class ThreadedServer:
-    """Uvicorn serving ``app`` in a daemon thread on ``host:port`` (port 0: a free one). ``url`` is
-    ``http://host:port`` once :meth:`start` returned."""
+def _guard_error(status: int, detail: str) -> bytes:
+    """The env server's error body for the guard's answers (401, 408, 413)."""
+    kind = {401: "unauthorized", 408: "request_timeout", 413: "body_too_large"}.get(status, "bad_request")
+    return json.dumps({"error": kind, "detail": detail}).encode()
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
 
-        self.host = host
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, name=f"env-server-{host}:{port}", daemon=True)
-        self.port = port
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> ThreadedServer:
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:  # readiness of a server in another thread: nothing to wait on but the flag
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"env server on {self.host}:{self.port} did not start within {timeout_s:g}s")
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout_s)
-
-    def __enter__(self) -> ThreadedServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+__all__ = ["EnvServerSettings", "ThreadedServer", "build_env_app"]

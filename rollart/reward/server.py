@@ -1,8 +1,11 @@
 """The reward service: reward functions behind HTTP (RollArt paper §4.3, §7.5 "Reward-as-a-Service").
 
 ``POST /rewards/<name>`` with ``{"trajectories": [...]}`` answers ``{"result": [scores], "details": [...]}``.
-Guards, in the order a request meets them: body size (413), bearer token compared in constant time
-(401), concurrency limit (429 + ``Retry-After``), schema (422, never 500), per-request timeout (504).
+Guards, in the order a request meets them: connections over ``max_connections`` (503) and headers
+not sent within ``read_timeout_s`` (408) (:mod:`rollart.reward.http_server`); bearer token compared in
+constant time, from the headers alone (401, before any body byte is read); body size (413) and a body
+not sent within ``read_timeout_s`` (408) (:class:`~rollart.reward.http_guard.RequestGuard`); concurrency
+limit (429 + ``Retry-After``), schema (422, never 500), per-request timeout (504).
 A reward function that raises gives a 500 carrying its message — never a made-up score; one that raises
 ``RewardInputError`` (a malformed trajectory, a limit it refuses) answers 422 with its message. A
 repeated ``Idempotency-Key`` (per tenant and function) with the same body is answered from a bounded
@@ -14,8 +17,9 @@ Endpoints: ``/healthz`` (public: the functions, ``in_flight`` requests, ``runnin
 ``/metrics`` (Prometheus text) and ``/openapi.json`` need the token when the server has one (any
 tenant's token, with ``--tenants``), and ``/docs`` is served only by a server without one.
 
-The token is checked by FastAPI's ``HTTPBearer`` (so ``/openapi.json`` declares the scheme) before the
-body is validated: an unauthenticated caller learns nothing about the schema. The tenant label
+The token is checked by :class:`~rollart.reward.http_guard.RequestGuard` before the body is read, and
+again by FastAPI's ``HTTPBearer`` for the route (so ``/openapi.json`` declares the scheme): an
+unauthenticated caller learns nothing about the schema and cannot make the server hold a body. The tenant label
 (``X-Rollart-Tenant``) must match ``[A-Za-z0-9][A-Za-z0-9._:-]{0,63}`` (else 422); the first
 ``max_tenants`` distinct tenants keep their own label in ``/metrics``, later ones are counted as
 ``other`` (and unauthenticated requests as ``unauthenticated``), so a client cannot grow the metrics
@@ -74,11 +78,13 @@ from rollart.reward.http_guard import (
     TENANT_FORMAT,
     BearerAuth,
     BodyLimit,
+    RequestGuard,
     TenantsFile,
     TenantSpec,
     load_tenants,
     read_token,
 )
+from rollart.reward.http_server import ConnectionLimits
 from rollart.reward.sandbox import SandboxCancelled, SandboxLimits, deadline
 from rollart.reward.sandbox import configure as configure_sandbox
 from rollart.reward.sandbox import running as sandboxes_running
@@ -118,6 +124,11 @@ class ServerSettings(BaseModel):
     # the code sandbox of this process (rollart serve rewards --sandbox-*, --unsafe-no-sandbox); None: as is
     sandbox: SandboxLimits | None = None
     unsafe_no_sandbox: bool = False
+    max_connections: int = Field(default=512, gt=0)  # connections open at once (503 past it)
+    read_timeout_s: float = Field(default=30.0, gt=0)  # seconds to send the headers, and again the body (408)
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(max_connections=self.max_connections, read_timeout_s=self.read_timeout_s)
 
 
 class TenantLabels:
@@ -273,8 +284,10 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         token,
         tenant_tokens,
         description="the token of `--token-env`, or the caller's own token of `--tenants` (when the server has one)",
-        on_reject=lambda request: count(request.path_params.get("name", ""), 401, "unauthenticated"),
     )
+
+    def rejected(path: str) -> None:
+        count(path.removeprefix("/rewards/") if path.startswith("/rewards/") else "", 401, "unauthenticated")
 
     # a server with a token shows its schema and metrics to token holders only, and serves no docs page
     # (its script could not send the token)
@@ -433,5 +446,12 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             in_flight.dec()
             tenant_in_flight.labels(tenant=tenant).dec()
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(
+        RequestGuard,
+        limit=settings.max_body_bytes,
+        auth=auth,
+        public=("/healthz",),
+        read_timeout_s=settings.read_timeout_s,
+        on_reject=rejected,
+    )
     return app

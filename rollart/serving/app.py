@@ -8,8 +8,11 @@ token-exactly (:mod:`rollart.serving.sessions`); calls to ``/v1`` are served and
 shows it (``?trajectory=true``: the token-exact trajectory), ``POST /sessions/{id}/reward`` with
 ``{"reward": R}`` ends the episode with its reward, ``DELETE /sessions/{id}`` closes it.
 
-Guards, in the order a request meets them: body size (413), bearer token compared in constant time
-(401; the per-job token, the ``api_key`` of an ``openai`` client), session (404), JSON that does not
+Guards, in the order a request meets them: connections over ``max_connections`` (503) and headers not
+sent within ``read_timeout_s`` (408) (:mod:`rollart.reward.http_server`); bearer token compared in
+constant time from the headers alone, before any body byte is read (401; the per-job token, the
+``api_key`` of an ``openai`` client); body size (413) and a body not sent within ``read_timeout_s``
+(408) (:class:`~rollart.reward.http_guard.RequestGuard`); session (404), JSON that does not
 parse (400), schema (422), what the endpoint cannot honour (400, naming the field), model name (404),
 calls in flight (429 + ``Retry-After``), no inference worker (503 + ``Retry-After``). Every error is
 an OpenAI error object ``{"error": {"message", "type", "param", "code"}}``.
@@ -74,11 +77,14 @@ def build_app(
     *,
     token: str | None = None,
     max_body_bytes: int = 8 << 20,
+    read_timeout_s: float | None = None,
     ready: Callable[[], bool] = lambda: True,
     public_url: Callable[[], str] | None = None,
 ) -> FastAPI:
-    """The endpoint over ``service``; ``token``: the bearer token every call must carry (None: open)."""
-    from rollart.reward.server import BodyLimit
+    """The endpoint over ``service``; ``token``: the bearer token every call must carry (None: open),
+    checked from the headers alone before any body byte is read; ``read_timeout_s``: the most seconds
+    a body may take to arrive (408 past it)."""
+    from rollart.reward.http_guard import BearerAuth, RequestGuard
 
     app = FastAPI(title="rollart policy endpoint (OpenAI-compatible)", version="1")
     tok = service.tokenizer
@@ -263,7 +269,20 @@ def build_app(
             await service.backend.abort(sorted(session.in_flight))
         return {"id": session.id, "closed": True}
 
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    def guard_error(status: int, message: str) -> bytes:
+        if status == 401:
+            message = "missing or wrong bearer token (the job's token: the api_key of an openai client)"
+        code = {401: "invalid_api_key", 408: "request_timeout", 413: "body_too_large"}.get(status)
+        return json.dumps(APIError(status, message, code=code).body()).encode()
+
+    app.add_middleware(
+        RequestGuard,
+        limit=max_body_bytes,
+        auth=BearerAuth(token, {}, description="the job's token"),
+        public=("/healthz",),
+        read_timeout_s=read_timeout_s,
+        error=guard_error,
+    )
     return app
 
 
