@@ -132,6 +132,7 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         tenant_max_concurrency=args.tenant_max_concurrency,
         slots=args.slots,
         threads_per_function=args.threads_per_function,
+        tenant_slots=args.tenant_slots,
         max_connections=args.max_connections,
         read_timeout_s=args.read_timeout_s,
     )
@@ -242,6 +243,13 @@ def add_rewards_parser(what: Any) -> None:
         type=int,
         default=8,
         help="threads of each synchronous reward function's own pool (slow functions cannot starve the others)",
+    )
+    p.add_argument(
+        "--tenant-slots",
+        type=int,
+        default=None,
+        help="trajectories one tenant computes at once in a function's pool and of --slots (default: all but "
+        "one, so another tenant always finds one free); freed ones go to the tenant computing the fewest",
     )
     add_sandbox_arguments(p)
     p.add_argument("--ray-serve", action="store_true", help="deploy on Ray Serve with autoscaling from zero")

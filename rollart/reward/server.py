@@ -37,7 +37,11 @@ so ``compute_seconds / (slots * wall)`` is the service's utilisation.
 
 Slow work cannot starve cheap work: every synchronous reward function runs in a thread pool of its own
 (``threads_per_function`` threads), so six requests of a slow code function leave ``math_answer``'s
-threads free. A request's deadline kills: the request runs under a :func:`rollart.reward.sandbox.deadline`
+threads free. One tenant cannot starve another: a pool's threads (and ``slots``) are handed out per
+trajectory by :class:`~rollart.reward.fair.FairSlots` -- a tenant computes at most ``tenant_slots``
+trajectories of a function at once (default: all threads but one), and a freed thread goes to the
+tenant computing the fewest -- so a request of 16 slow trajectories leaves a thread for another
+tenant's cheap one. ``/healthz`` shows the trajectories ``queued`` per function. A request's deadline kills: the request runs under a :func:`rollart.reward.sandbox.deadline`
 scope of ``timeout_s``, and when it times out (504) or its client goes away, every sandbox it started is
 killed, its trajectories not yet started are dropped, and a function still in ``run_python`` stops.
 """
@@ -74,6 +78,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollart.reward.errors import RewardInputError
+from rollart.reward.fair import FairSlots
 from rollart.reward.http_guard import (
     TENANT_FORMAT,
     BearerAuth,
@@ -121,6 +126,9 @@ class ServerSettings(BaseModel):
     tenant_max_concurrency: int | None = Field(default=None, gt=0)  # default quota per tenant
     slots: int | None = Field(default=None, gt=0)  # trajectories computed at once (None: unbounded)
     threads_per_function: int = Field(default=8, gt=0)  # a sync function's own thread pool
+    # the most trajectories one tenant computes at once in a function's pool (and of ``slots``);
+    # None: all but one, so another tenant always finds one free
+    tenant_slots: int | None = Field(default=None, gt=0)
     # the code sandbox of this process (rollart serve rewards --sandbox-*, --unsafe-no-sandbox); None: as is
     sandbox: SandboxLimits | None = None
     unsafe_no_sandbox: bool = False
@@ -178,18 +186,23 @@ def _body_digest(body: RewardRequest) -> str:
 
 
 class _Pools:
-    """A bounded thread pool per synchronous reward function, and the calls really running in each
-    (counted from the moment a thread starts the call until it returns, whether or not anyone still
-    waits for it)."""
+    """A bounded thread pool per synchronous reward function, shared fairly by tenants
+    (:class:`~rollart.reward.fair.FairSlots`: a tenant holds at most ``per_tenant`` of its threads, a
+    freed thread goes to the tenant holding the fewest), and the calls really running in each (counted
+    from the moment a thread starts the call until it returns, whether or not anyone still waits for
+    it: its slot stays taken until then)."""
 
-    def __init__(self, names: list[str], threads: int):
+    def __init__(self, names: list[str], threads: int, per_tenant: int | None):
         self.executors = {
             n: ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"reward-{n}"[:40]) for n in names
         }
+        self.slots = {n: FairSlots(threads, per_tenant) for n in names}
         self.running = dict.fromkeys(names, 0)
         self._lock = threading.Lock()
 
-    def run(self, name: str, fn: RewardFn, traj: dict[str, Any]) -> asyncio.Future[Any]:
+    async def run(self, name: str, fn: RewardFn, traj: dict[str, Any], tenant: str) -> Any:
+        slots = self.slots[name]
+        await slots.acquire(tenant)
         ctx = contextvars.copy_context()  # the request's sandbox deadline reaches the thread
 
         def call() -> Any:
@@ -201,7 +214,13 @@ class _Pools:
                 with self._lock:
                     self.running[name] -= 1
 
-        return asyncio.get_running_loop().run_in_executor(self.executors[name], call)
+        try:
+            future = self.executors[name].submit(call)
+        except BaseException:
+            slots.release(tenant)
+            raise
+        future.add_done_callback(lambda _: slots.release_soon(tenant))  # when the call returns, not before
+        return await asyncio.wrap_future(future)
 
     def shutdown(self) -> None:
         for executor in self.executors.values():
@@ -214,6 +233,10 @@ class _Pools:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.running)
+
+    def queued(self) -> dict[str, int]:
+        """Trajectories waiting for a thread, per function."""
+        return {n: s.waiting() for n, s in self.slots.items()}
 
 
 def needs_sandbox(functions: dict[str, RewardFn]) -> list[str]:
@@ -259,14 +282,14 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         settings.slots or 0
     )
     pools = _Pools(sorted(n for n, fn in functions.items() if not inspect.iscoroutinefunction(fn)),
-                   settings.threads_per_function)  # fmt: skip
+                   settings.threads_per_function, settings.tenant_slots)  # fmt: skip
     running = Gauge("rollart_reward_running", "reward calls running in threads", ["function"], registry=registry)
     for name in pools.executors:
         running.labels(function=name).set_function(functools.partial(pools.count, name))
     Gauge("rollart_reward_sandboxes", "code sandboxes alive", registry=registry).set_function(sandboxes_running)
     state = {"in_flight": 0}
     per_tenant: dict[str, int] = {}  # requests in flight per tenant label (bounded like the labels)
-    slots = asyncio.Semaphore(settings.slots) if settings.slots else None
+    slots = FairSlots(settings.slots, settings.tenant_slots) if settings.slots else None
     tenants = TenantLabels(settings.max_tenants, reserved=set(tenant_tokens))
     cache: OrderedDict[tuple[str, str, str], tuple[str, dict[str, Any]]] = OrderedDict()
 
@@ -320,6 +343,7 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             "functions": sorted(functions),
             "in_flight": state["in_flight"],
             "running": pools.snapshot(),
+            "queued": pools.queued(),
             "sandboxes": sandboxes_running(),
         }
 
@@ -334,17 +358,20 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             return JSONResponse(get_openapi(title=app.title, version=app.version, routes=app.routes))
 
     async def call(fn: RewardFn, traj: dict[str, Any], name: str, tenant: str) -> Any:
-        if slots is not None:
-            async with slots:
-                return await timed(fn, traj, name, tenant)
-        return await timed(fn, traj, name, tenant)
+        if slots is None:
+            return await timed(fn, traj, name, tenant)
+        await slots.acquire(tenant)
+        try:
+            return await timed(fn, traj, name, tenant)
+        finally:
+            slots.release(tenant)
 
     async def timed(fn: RewardFn, traj: dict[str, Any], name: str, tenant: str) -> Any:
         t0 = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(fn):
                 return await fn(traj)
-            return await pools.run(name, fn, traj)
+            return await pools.run(name, fn, traj, tenant)
         finally:
             compute.labels(function=name, tenant=tenant).inc(time.perf_counter() - t0)
 
