@@ -76,7 +76,7 @@ def test_a_tenants_flood_of_slow_trajectories_leaves_a_thread_for_anothers_cheap
         sender = threading.Thread(target=send_flood)
         sender.start()
         try:
-            health = lambda: httpx.get(srv.url + "/healthz").json()  # noqa: E731
+            health = lambda: httpx.get(srv.url + "/healthz").json()
             wait_until(lambda: health()["running"]["check"] == 7, 30, "tenant a computes 7 trajectories")
             assert health()["queued"]["check"] == 9  # its other 9 wait: one thread is left for the others
             cheap = httpx.post(url, json={"trajectories": [{"response": "quick"}] * 2},

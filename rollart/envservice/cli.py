@@ -61,6 +61,10 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
             unsafe_no_sandbox=args.unsafe_no_sandbox,
             max_connections=args.max_connections,
             read_timeout_s=args.read_timeout_s,
+            tenant_max_sessions=args.tenant_max_sessions,
+            max_threads=args.max_threads,
+            tenant_threads=args.tenant_threads,
+            max_kwargs_bytes=args.max_kwargs_bytes,
         )
         app = build_env_app(envs, settings)
     except (ValueError, SandboxUnavailable) as err:  # an env that does not resolve, a bad token: fail now
@@ -91,6 +95,24 @@ def add_env_parser(what: Any) -> None:
     )
     p.add_argument("--port", type=int, default=8200, help="TCP port to listen on")
     p.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most (429 past it)")
+    p.add_argument(
+        "--tenant-max-sessions",
+        type=int,
+        default=None,
+        help="sessions one tenant has open or opening (429 past it; default: --max-sessions shared evenly by the "
+        "tenants of --tenants)",
+    )
+    p.add_argument("--max-threads", type=int, default=32, help="threads running env calls (build, reset, step)")
+    p.add_argument(
+        "--tenant-threads",
+        type=int,
+        default=None,
+        help="threads one tenant's env calls hold at once, a timed-out call until it returns (default: "
+        "--max-threads shared evenly by the tenants of --tenants)",
+    )
+    p.add_argument(
+        "--max-kwargs-bytes", type=int, default=64 * 1024, help="a session's kwargs as JSON, at most (422 past it)"
+    )
     p.add_argument("--session-ttl-s", type=float, default=900.0, help="seconds after which an idle session is closed")
     p.add_argument(
         "--call-timeout-s",
