@@ -95,3 +95,28 @@ def test_serve_warns_when_it_listens_beyond_the_loopback_without_a_token(service
                               timeout=120, stdin=subprocess.DEVNULL)  # fmt: skip
         assert done.returncode != 0  # the address is not this machine's
         assert ("without a token" in done.stderr) is warned, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_the_ray_token_of_a_local_ray_is_readable_by_its_owner_only(tmp_path: Path, existing: bool) -> None:
+    """A local Ray started by rollart with token authentication (Ray's default) has its token in
+    ``~/.ray/auth_token`` mode 0600 (Ray writes it 0644); an existing token file of the user that others
+    can read is made 0600 too."""
+    token = tmp_path / ".ray" / "auth_token"
+    if existing:
+        token.parent.mkdir()
+        token.write_text("f" * 64)
+        token.chmod(0o644)
+    driver = (
+        "import ray\n"
+        "from rollart.resource_manager.launcher import ensure_ray\n"
+        "ensure_ray({'CPU': 1}, job_id='token-mode-test')\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=240,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert token.is_file() and token.stat().st_mode & 0o777 == 0o600, oct(token.stat().st_mode)
+    assert existing or token.parent.stat().st_mode & 0o077 == 0
+    assert (token.read_text() == "f" * 64) is existing  # an existing token is kept
