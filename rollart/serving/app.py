@@ -152,7 +152,7 @@ def build_app(
 
     async def body_of(request: Request, model: type[BaseModel]) -> Any:
         raw = await request.body()
-        return await service.offload(parse_body, raw, model)  # a big body is parsed off the loop
+        return await service.offload(parse_body, raw, model, size=len(raw))  # a big body is parsed off the loop
 
     # ------------------------------------------------------------------ /v1
     def models() -> dict[str, Any]:
@@ -190,9 +190,12 @@ def build_app(
         result = await service.chat(body, session)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            split = await service.offload(_split, tok, result, body.logprobs, True)
+            split = await service.offload(_split, tok, result, body.logprobs, True, size=0, tokens=_tokens(result))
             return _sse(_chat_chunks(service.model, result, split, include_usage))
-        return JSONResponse(await service.offload(_chat_response, tok, service.model, result, body.logprobs))
+        reply = await service.offload(
+            _chat_response, tok, service.model, result, body.logprobs, size=0, tokens=_tokens(result)
+        )
+        return JSONResponse(reply)
 
     async def completion(request: Request, session: Session | None) -> Any:
         body: CompletionRequest = await body_of(request, CompletionRequest)
@@ -201,9 +204,12 @@ def build_app(
         logprobs = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            split = await service.offload(_split, tok, result, logprobs, False)
+            split = await service.offload(_split, tok, result, logprobs, False, size=0, tokens=_tokens(result))
             return _sse(_completion_chunks(service.model, result, split, include_usage))
-        return JSONResponse(await service.offload(_completion_response, tok, service.model, result, logprobs))
+        reply = await service.offload(
+            _completion_response, tok, service.model, result, logprobs, size=0, tokens=_tokens(result)
+        )
+        return JSONResponse(reply)
 
     @app.post("/v1/chat/completions")
     async def chat_plain(request: Request) -> Any:
@@ -341,6 +347,10 @@ def _lone_surrogate(value: Any, path: str = "") -> str | None:
 
 
 # ---------------------------------------------------------------------- response bodies
+def _tokens(result: Result) -> int:
+    return sum(len(c.token_ids) for c in result.choices)
+
+
 def _usage(result: Result) -> dict[str, int]:
     completion = sum(len(c.token_ids) for c in result.choices)
     return {

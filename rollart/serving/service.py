@@ -40,6 +40,8 @@ from rollart.serving.tools import ParsedCall, ToolParser, call_id
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+INLINE_CHARS = 4096  # text rendered or tokenised on the loop itself (more goes to the tokenizer thread)
+INLINE_TOKENS = 256  # reply tokens detokenised on the loop itself
 UNKNOWN_CONTEXT = 131072  # the context assumed, for the length check by characters, of a model whose config names none
 
 
@@ -143,7 +145,8 @@ class PolicyService:
             messages = [m.template_dict() for m in body.messages]
             return messages, tuple(m.key() for m in body.messages), _tools_key(tools)
 
-        messages, keys, tools_key = await self.offload(prepare)
+        size = sum(len(m.content) if isinstance(m.content, str) else 1 + len(m.content or []) for m in body.messages)
+        messages, keys, tools_key = await self.offload(prepare, size=size)
         trace, parent = TokenTrace(), None
         found = session.find_parent("chat", (tools_key, keys)) if session is not None else None
         if found is not None:
@@ -153,12 +156,15 @@ class PolicyService:
             parent = (call.index, call.choices.index(choice))
         else:
             covered = 0
-        self._fits(_chars(messages[covered:]) + len(tools_key), len(trace.token_ids), "messages")
+        chars = _chars(messages[covered:]) + len(tools_key)
+        self._fits(chars, len(trace.token_ids), "messages")
         try:
             if found is not None:
-                ids = await self.offload(renderer.continuation_ids, found[1].token_ids, messages[covered:], tools)
+                ids = await self.offload(
+                    renderer.continuation_ids, found[1].token_ids, messages[covered:], tools, size=chars
+                )
             else:
-                ids = await self.offload(renderer.prompt, messages, tools)
+                ids = await self.offload(renderer.prompt, messages, tools, size=chars)
         except ChatTemplateError as err:
             raise APIError(400, str(err), param="messages") from None
         trace.add_context(ids)
@@ -195,14 +201,19 @@ class PolicyService:
                 trace.add_action(choice.token_ids, choice.logprobs, choice.versions)
                 parent = (call.index, call.choices.index(choice))
             self._fits(len(text) - covered, len(trace.token_ids), "prompt")
-            trace.add_context(await self.offload(self._encode, text[covered:]))
+            trace.add_context(await self.offload(self._encode, text[covered:], size=len(text) - covered))
             if not trace.token_ids:
                 raise APIError(400, "prompt is empty", param="prompt")
         return await self._run(body, session, "completion", key, trace, parent, None)
 
-    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in the endpoint's tokenizer thread: tokenising, rendering and detokenising never
-        run on the event loop (the driver's), and one thread keeps the tokenizer's calls apart."""
+    async def offload(self, fn: Callable[..., T], *args: Any, size: int | None = None, tokens: int = 0) -> T:
+        """``fn(*args)`` in the endpoint's tokenizer thread, so that rendering, tokenising and
+        detokenising a big request never runs on the event loop (the driver's); one thread keeps the
+        tokenizer's calls apart. Small work (``size`` characters or bytes up to :data:`INLINE_CHARS`
+        and ``tokens`` up to :data:`INLINE_TOKENS`: a few milliseconds) runs in place, which saves
+        the two thread hops that would cost more than the work."""
+        if size is not None and size <= INLINE_CHARS and tokens <= INLINE_TOKENS:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))
 
     # ------------------------------------------------------------------ internals
@@ -329,7 +340,9 @@ class PolicyService:
             why = session.ended if session is not None and session.ended else "aborted"
             raise APIError(404, f"the call was aborted: its session ended ({why})", code="session_closed")
         choices = await self.offload(
-            lambda: [self._choice(i, out, body.stop or [], parse) for i, out in enumerate(outs)]
+            lambda: [self._choice(i, out, body.stop or [], parse) for i, out in enumerate(outs)],
+            size=0,
+            tokens=sum(len(o.output_token_ids) for o in outs),
         )
         self.counts["calls"] += 1
         self.counts["continued" if parent is not None else "fresh"] += 1
