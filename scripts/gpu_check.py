@@ -206,7 +206,7 @@ STEPS = [
         _bench(
             "train-memory",
             ["--shape", "qwen2.5-1.5b", "--layouts", "ddp", "fsdp", "--ranks", "1", "--batch", "8", "--seq-len", "512"],
-            ["--layouts", "ddp", "fsdp", "--ranks", "1", "2", "--batch", "2", "--seq-len", "16", "--steps", "1"],
+            ["--layouts", "fsdp", "--ranks", "2", "--batch", "2", "--seq-len", "16", "--steps", "1"],
         ),
         240,
         needs_gpu=False,

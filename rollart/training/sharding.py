@@ -241,17 +241,19 @@ def gather_buckets(
     """Full CPU copies of ``items`` (sharded or not), a bucket of at most ``bucket_bytes`` at a time (a
     larger tensor alone). Every rank must iterate it to the end (the gathers are collectives); only
     ranks with ``keep`` get the tensors, the others get empty buckets at the same points."""
+    from torch.distributed.tensor import DTensor
+
     bucket: dict[str, torch.Tensor] = {}
     size = 0
     for name, t in items:
+        gathered = isinstance(t, DTensor)  # full_tensor() is a new tensor: no second copy of it is needed
         full = _full(t.detach())
         nbytes = full.numel() * (dtype.itemsize if dtype is not None else full.element_size())
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = {}, 0
         if keep:
-            cpu = full.to("cpu", dtype=dtype or full.dtype, copy=True)
-            bucket[name] = cpu
+            bucket[name] = full.to("cpu", dtype=dtype or full.dtype, copy=not gathered)
         del full
         size += nbytes
     if bucket or size:
