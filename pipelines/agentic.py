@@ -35,6 +35,7 @@ from rollart.data.evaluation import Evaluator
 from rollart.data.sampler import RoundSeeds
 from rollart.pipeline.checkpoints import Checkpoints
 from rollart.pipeline.interrupt import Interrupt
+from rollart.pipeline.progress import StepProgress
 from rollart.pipeline.records import MetricsFile, StepTimes, batch_statistics, step_record, task_record, write_ledger
 from rollart.pipeline.recovery import TrainerSupervisor
 from rollart.pipeline.rewards import RewardServices
@@ -528,11 +529,7 @@ class AgenticPipeline:
         tracker = self.metrics.tracker(cfg)
         await self.weights.start(self.controller)
         self.controller.start()
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=self.start_step, desc=cfg.name, unit="step")
+        bar = StepProgress(cfg.name, cfg.steps, self.start_step) if self.progress else None
         try:
             for step in range(self.start_step, cfg.steps):
                 self.interrupt.check()
@@ -544,8 +541,7 @@ class AgenticPipeline:
                     del history[: len(history) - cfg.history_keep]
                 tracker.log(record, record["step"])
                 if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=record["version"])
+                    bar.update(record)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     await self.checkpoints.save(step, self._checkpoint_extra(step), self.train, self.critic)
             await self._await_loading()  # the run ends with every worker serving the last version

@@ -35,7 +35,9 @@ def scalar_kinds(annotation: typing.Any) -> set[type]:
 
 
 def typed_fields() -> list[tuple[type[BaseModel], str, set[type]]]:
-    found = [(s.model, name, scalar_kinds(f.annotation)) for s in sections() for name, f in s.model.model_fields.items()]
+    found = [
+        (s.model, name, scalar_kinds(f.annotation)) for s in sections() for name, f in s.model.model_fields.items()
+    ]
     found += [(HardwareGroup, name, scalar_kinds(f.annotation)) for name, f in HardwareGroup.model_fields.items()]
     return [(m, n, k) for m, n, k in found if k]
 

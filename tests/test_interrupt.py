@@ -106,4 +106,8 @@ def test_ctrl_c_while_the_pipeline_starts_ends_the_command_with_130_and_says_not
     assert code == 130
     err = capsys.readouterr().err
     assert "stopped while starting, before the first step; nothing was trained" in err
-    assert "rollart run quickstart --overwrite" in err
+    # the same command starts it again: the folder holds no checkpoint, so it is reused as it is
+    assert f"start again with `rollart run quickstart --set output_dir={tmp_path / 'run'}`" in err
+    from rollart.cli.run_dir import run_dir_problem
+
+    assert run_dir_problem(tmp_path / "run", resume=False, overwrite=False, command="rollart run quickstart") is None
