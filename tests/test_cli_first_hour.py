@@ -121,28 +121,33 @@ def rollart(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.Comp
 def test_ctrl_c_resume_and_a_second_run_never_mix(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(CONFIG))
     run = tmp_path / "runs" / "ctrlc"
+    sets = ["--set", "train.lr=0.002", "--set", "checkpoint_every=1000"]  # no checkpoint before the Ctrl-C
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollart.cli", "run", "c.yaml", "--set", "train.lr=0.002"],
+        [sys.executable, "-m", "rollart.cli", "run", "c.yaml", *sets],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     deadline = time.monotonic() + 600
-    while not (run / "checkpoint" / "latest").exists():  # polling the run's files for its first checkpoint
+    metrics = run / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # polling the run's files
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.5)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "CancelledError" not in err, err[-3000:]
+    # the steps are cheap: the step in progress finished and was checkpointed, so nothing is redone
+    assert re.search(r"Ctrl-C: finishing step \d+ \(about [\d.]+ s\) and writing a checkpoint", err), err[-3000:]
     [line] = [x for x in err.splitlines() if x.startswith("rollart run: stopped")]
-    found = re.fullmatch(r"rollart run: stopped in step (\d+); last checkpoint (\S+); continue with: (.+)", line)
+    found = re.fullmatch(r"rollart run: stopped after step (\d+); last checkpoint (\S+); continue with: (.+)", line)
     assert found, line
     ckpt = Path(found.group(2))
-    assert ckpt.parent == (run / "checkpoint").resolve() and ckpt.name.startswith("step-") and ckpt.is_dir()
+    assert ckpt.parent == (run / "checkpoint").resolve() and ckpt.is_dir()
+    assert ckpt.name == f"step-{int(found.group(1)):08d}" == f"step-{len(metrics.read_text().splitlines()):08d}"
     command = shlex.split(found.group(3))
-    assert command == ["rollart", "run", "c.yaml", "--set", "train.lr=0.002", "--resume"]
+    assert command == ["rollart", "run", "c.yaml", *sets, "--resume"]
     assert (run / "ledger.json").is_file()  # the stopped run's account of its trajectories
 
     # a second run into the same folder without a flag is refused, naming both ways on

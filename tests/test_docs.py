@@ -80,6 +80,21 @@ def test_the_gpus_page_says_which_hardware_a_cpu_machine_declares_as_the_code_do
     assert manager.check_local_pools({"train": {"hardware": "GPU", "devices": 1}}, None) is True
 
 
+def test_the_agents_page_says_what_the_examples_first_run_spends_before_training():
+    """The calculator example warms its starting policy up for minutes before the first step: the page
+    says so where it gives the command, with the warm-up's steps as run.py's default has them."""
+    text = (DOCS / "agents.md").read_text()
+    after = text.split("cd examples/calculator_agent && python run.py --out runs\n```", 1)[1].split("\n\n")[1]
+    default = re.search(
+        r'"--warmup-steps", type=int, default=(\d+)', (ROOT / "examples/calculator_agent/run.py").read_text()
+    )
+    assert re.search(r"about \d+ minutes", after) and f"warm-up of {default.group(1)} steps" in after, after
+    assert (
+        "building the starting policy" in after
+        and "building the starting policy" in (ROOT / "examples/calculator_agent/warmup.py").read_text()
+    )
+
+
 def test_every_config_field_has_a_description():
     assert undocumented() == []
 

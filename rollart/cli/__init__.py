@@ -1,5 +1,5 @@
 """The ``rollart`` command: ``--version``, ``status``, ``run``, ``submit``/``jobs``/``logs``/``stop``, ``scale``, ``serve``,
-``bench``, ``export``, ``advise``.
+``bench``, ``export``, ``plot``, ``advise``.
 
 One module of this package per command; this one only mounts them. Every command module imports only
 the standard library when it loads (its work imports the rest when it runs), so ``rollart --version``
@@ -16,9 +16,11 @@ from typing import Any
 import rollart
 from rollart.cli.advise import add_advise_parser
 from rollart.cli.bench import add_bench_parser
+from rollart.cli.clock import STARTED  # noqa: F401 - the command's start, as early as it can be taken
 from rollart.cli.export import add_export_parser
 from rollart.cli.jobs import add_job_parsers
 from rollart.cli.output import setup_console
+from rollart.cli.plot import add_plot_parser
 from rollart.cli.run import add_run_parser
 from rollart.cli.scale import add_scale_parser
 from rollart.cli.serve import add_serve_parser
@@ -69,6 +71,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         add_run_parser,
         add_serve_parser,
         add_export_parser,
+        add_plot_parser,
         add_job_parsers,
         add_scale_parser,
         add_advise_parser,

@@ -64,7 +64,10 @@ def _interrupted(pipe: Any, args: argparse.Namespace) -> str:
     from rollart.training.checkpoint_io import latest_checkpoint
 
     step = getattr(pipe, "step_in_progress", None)  # 0-based; metrics.jsonl and checkpoints count from 1
-    where = f" in step {step + 1}" if isinstance(step, int) else ""
+    after = getattr(pipe, "stopped_after", None)  # a Ctrl-C let the step finish (and checkpointed it)
+    where = (
+        f" after step {after}" if isinstance(after, int) else f" in step {step + 1}" if isinstance(step, int) else ""
+    )
     root = getattr(pipe, "checkpoint_root", None)
     ckpt = latest_checkpoint(root) if root is not None and Path(root).exists() else None
     if ckpt is None:
@@ -141,8 +144,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_local_pools(cfg.pools, cfg.cluster.local_resources)
     except ResourceSpecError as err:
         return _refuse(err)
+    from rollart.cli.clock import STARTED
     from rollart.cli.output import stop_logging_to
+    from rollart.pipeline.startup import set_command_started
 
+    set_command_started(STARTED)  # the start-up line counts from the command's start, not the process's
     lock, run_log = _prepare_run_dir(args, out_dir)
     try:
         return _train(args, cfg, out_dir)
