@@ -405,7 +405,7 @@ def test_jobs_at_80_columns_shows_each_job_on_one_line(capsys, monkeypatch):
 
     rows = [
         {
-            "job": "alice-long-training-run-1",
+            "job": "alice-run-1",
             "state": "running",
             "ray_status": "RUNNING",
             "priority": 10,
@@ -415,7 +415,7 @@ def test_jobs_at_80_columns_shows_each_job_on_one_line(capsys, monkeypatch):
             "submitted_at": 1764200000.0,
             "admitted_at": 1764200005.0,
             "ended_at": None,
-            "output_dir": "/home/alice/rollart-jobs/alice-long-training-run-1/runs/quickstart",
+            "output_dir": "/home/alice/rollart-jobs/alice-run-1/runs/quickstart",
             "driver_ip": "10.0.0.12",
             "message": "Job is currently running. " * 10,
         },
@@ -442,12 +442,12 @@ def test_jobs_at_80_columns_shows_each_job_on_one_line(capsys, monkeypatch):
     assert_one_line_per_row(
         out,
         {
-            "alice-long-training-run-1": ["running", "10", "H800:2", "10.0.0.12:"],  # the long cells cut
+            "alice-run-1": ["running", "10", "H800:2", "rollout 3/8", "10.0.0.12:"],  # long cells cut
             "bob-2": ["queued", "H20:2", "(not start"],
         },
     )
     monkeypatch.setenv("COLUMNS", "400")
     assert main(["jobs", "--wide"]) == 0
     wide = capsys.readouterr().out
-    assert "10.0.0.12:/home/alice/rollart-jobs/alice-long-training-run-1/runs/quickstart" in wide
+    assert "10.0.0.12:/home/alice/rollart-jobs/alice-run-1/runs/quickstart" in wide
     assert "rollout 3/8 +1 joining" in wide and "Job is currently running. " * 3 in wide

@@ -253,9 +253,11 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         Column("submitted", col("submitted_at", short_time)),
         Column("output", lambda r: output_location(r, short=True), flex=True),
     ]
+    if any(r.get("pools") for r in rows):  # elastic pools: their size now, of their maximum
+        short.insert(4, Column("pools", pool_sizes, flex=True))
     wide = [
         Column("quota", col("quota", _amounts)),
-        Column("pools", pool_sizes),
+        *([] if any(r.get("pools") for r in rows) else [Column("pools", pool_sizes)]),
         Column("ended", col("ended_at", full_time)),
         Column("ray_status", col("ray_status")),
         Column("output_dir", output_location),

@@ -118,7 +118,7 @@ def print_table(
         return
     cells = [[" ".join(c.cell(row).split()) for c in short] for row in rows]  # one line per cell
     natural = [max([len(c.header)] + [len(r[i]) for r in cells]) for i, c in enumerate(short)]
-    minimum = [min(n, max(len(c.header), 8)) for n, c in zip(natural, short)]
+    minimum = [min(n, max(len(c.header), 5)) for n, c in zip(natural, short)]
     widths = fit_widths(natural, minimum, [c.flex for c in short], width or terminal_width())
     lines = [title, "  ".join(c.header.ljust(w) for c, w in zip(short, widths)).rstrip()]
     lines += ["  ".join(_cut(x, w).ljust(w) for x, w in zip(r, widths)).rstrip() for r in cells]
