@@ -84,7 +84,7 @@ def test_the_agents_page_says_what_the_examples_first_run_spends_before_training
     """The calculator example warms its starting policy up for minutes before the first step: the page
     says so where it gives the command, with the warm-up's steps as run.py's default has them."""
     text = (DOCS / "agents.md").read_text()
-    after = text.split("cd examples/calculator_agent && python run.py --out runs\n```", 1)[1].split("\n\n")[1]
+    after = text.split("cd examples/calculator_agent && python run.py --out runs\n```", 1)[1].split("\n\n")[2]
     default = re.search(
         r'"--warmup-steps", type=int, default=(\d+)', (ROOT / "examples/calculator_agent/run.py").read_text()
     )
