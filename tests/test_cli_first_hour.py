@@ -256,7 +256,7 @@ def test_a_joined_cluster_is_checked_against_what_ray_reports_not_before(monkeyp
     from rollart.resource_manager.manager import check_local_pools
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing listens: the check must not connect either
-    assert check_local_pools({"train": {"hardware": "H800", "devices": 64}}, None) is False
+    assert check_local_pools({"train": {"hardware": "H800", "devices": 64}}, None) is None
 
 
 def test_a_resource_error_after_ray_started_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
@@ -292,7 +292,7 @@ class FakePipeline:
 
     seen: list = []
 
-    def __init__(self, cfg, resume=False):
+    def __init__(self, cfg, resume=False, **kwargs):
         self.out_dir = cfg.out_dir
         FakePipeline.seen = sorted(p.name for p in cfg.out_dir.iterdir())
 

@@ -77,7 +77,8 @@ def test_the_gpus_page_says_which_hardware_a_cpu_machine_declares_as_the_code_do
     quoted = re.search(r"\(`(pools\.train\.hardware: 'GPU' is not in the local Ray[^`]*?); \.\.\.\)`", text)
     assert quoted and str(err.value).startswith(quoted.group(1)), (quoted, str(err.value))
     # without local_resources the pools' own types are declared as logical devices
-    assert manager.check_local_pools({"train": {"hardware": "GPU", "devices": 1}}, None) is True
+    plan = manager.check_local_pools({"train": {"hardware": "GPU", "devices": 1}}, None)
+    assert plan is not None and plan.logical == {"GPU": 1.0}
 
 
 def test_the_agents_page_says_what_the_examples_first_run_spends_before_training():

@@ -24,15 +24,20 @@ def list_configs() -> str:
     return "\n".join(lines)
 
 
-def build_pipeline(cfg: Any, **kwargs: Any) -> Any:
-    """The config's pipeline (``pipeline:``, checked when the config loaded), else ``AgenticPipeline``."""
+def build_pipeline(cfg: Any, *, gpus: Any = None, **kwargs: Any) -> Any:
+    """The config's pipeline (``pipeline:``, checked when the config loaded), else ``AgenticPipeline``.
+    ``gpus``: the machine's GPUs, detected already (when the pools were checked)."""
     pipeline_cls = cfg.pipeline_class()
     if pipeline_cls is None:
         from rollart.pipeline.startup import start_ray_while_importing
 
         # Ray starts while torch, transformers and the pipeline import (the two take seconds each)
         start_ray_while_importing(
-            cfg, bool(kwargs.get("resume")), "rollart.pipelines.agentic", "transformers.models.auto.tokenization_auto"
+            cfg,
+            bool(kwargs.get("resume")),
+            "rollart.pipelines.agentic",
+            "transformers.models.auto.tokenization_auto",
+            gpus=gpus,
         )
         from rollart.pipelines.agentic import AgenticPipeline
 
@@ -132,16 +137,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _refuse(err)
     out_dir = cfg.out_dir
-    problem = run_dir_problem(
-        out_dir, resume=args.resume, overwrite=args.overwrite, command=shlex.join(["rollart", "run", args.config])
-    )
+    problem = run_dir_problem(out_dir, resume=args.resume, overwrite=args.overwrite, command=_command(args))
     if problem is not None:
         return _refuse(problem)
     from rollart.resource_manager.manager import check_local_pools
     from rollart.resource_manager.specs import ResourceSpecError
 
     try:  # the pools against the local Ray about to start: known before it starts
-        check_local_pools(cfg.pools, cfg.cluster.local_resources)
+        plan = check_local_pools(cfg.pools, cfg.cluster.local_resources)
     except ResourceSpecError as err:
         return _refuse(err)
     from rollart.cli.clock import STARTED
@@ -149,21 +152,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rollart.pipeline.startup import set_command_started
 
     set_command_started(STARTED)  # the start-up line counts from the command's start, not the process's
-    lock, run_log = _prepare_run_dir(args, out_dir)
     try:
-        return _train(args, cfg, out_dir)
+        lock, run_log = _prepare_run_dir(args, out_dir)
+    except OSError as err:  # another run took the folder meanwhile, or it cannot be written
+        return _refuse(
+            f"the output folder {out_dir} cannot be used: {err}; give this run its own folder "
+            "(--set output_dir=runs/NEW)"
+        )
+    try:
+        return _train(args, cfg, out_dir, gpus=plan.gpus if plan is not None else None)
     finally:
         stop_logging_to(run_log)
         if lock is not None:  # the folder is free for the next run
             lock.close()
 
 
-def _train(args: argparse.Namespace, cfg: Any, out_dir: Path) -> int:
+def _train(args: argparse.Namespace, cfg: Any, out_dir: Path, gpus: Any = None) -> int:
     """Build the pipeline and run it; the summary at the end (the folder is checked and held)."""
     from rollart.cli.run_dir import SUMMARY
 
     try:
-        pipe = build_pipeline(cfg, resume=args.resume)
+        pipe = build_pipeline(cfg, resume=args.resume, gpus=gpus)
     except KeyboardInterrupt:  # Ctrl-C, or `rollart stop`, while the workers were starting: nothing trained
         sys.stderr.write(
             "rollart run: stopped while starting, before the first step; nothing was trained: start again "

@@ -155,11 +155,12 @@ def run_job_id(config: PipelineConfig, resume: bool) -> str | None:
     return config.cluster.job_id or (job_file.read_text().strip() if resume and job_file.exists() else None)
 
 
-def start_ray_while_importing(config: PipelineConfig, resume: bool, *modules: str) -> None:
+def start_ray_while_importing(config: PipelineConfig, resume: bool, *modules: str, gpus: Any = None) -> None:
     """Start (or join) the run's Ray while ``modules`` (the pipeline's, with torch and transformers, and
     the tokenizer's, which the pipeline uses once its workers are up) are imported in a thread beside it:
     starting Ray is mostly waiting for its processes, and the imports fill that wait. The pipeline's ResourceManager then finds Ray up, for the job id it asks for
-    (:func:`run_job_id`), with the resources its pools ask for. An import error is raised here."""
+    (:func:`run_job_id`), with the resources its pools ask for. An import error is raised here. ``gpus``:
+    the machine's GPUs when the caller detected them already (``rollart run`` did, to check the pools)."""
     from rollart.resource_manager.launcher import ensure_ray
     from rollart.resource_manager.manager import resources_asked
     from rollart.resource_manager.specs import parse_pools
@@ -177,7 +178,7 @@ def start_ray_while_importing(config: PipelineConfig, resume: bool, *modules: st
     loader.start()
     try:
         asked = resources_asked(parse_pools(config.pools))
-        ensure_ray(config.cluster.local_resources, run_job_id(config, resume), asked=asked)
+        ensure_ray(config.cluster.local_resources, run_job_id(config, resume), asked=asked, gpus=gpus)
     finally:
         loader.join()
     if failed:

@@ -193,12 +193,14 @@ def ensure_ray(
     job_id: str | None = None,
     *,
     asked: Mapping[str, float] | None = None,
+    gpus: DetectedGpus | None = None,
 ) -> str:
     """Make sure Ray is up; return the job id (the Ray namespace).
 
     ``local_resources`` (``{"H800": 4, "H20": 4, "CPU": 16}``) is what a locally started Ray declares
     besides the GPUs it detects; when it is None, ``asked`` (what the pools ask for) is declared as
-    logical hardware on a machine without GPUs, and only its CPUs on a machine with GPUs.
+    logical hardware on a machine without GPUs, and only its CPUs on a machine with GPUs. ``gpus``: this
+    machine's GPUs when the caller detected them already (:func:`detect_gpus` otherwise).
     """
     if ray.is_initialized():
         return ray.get_runtime_context().namespace or job_id or new_job_id()
@@ -222,7 +224,7 @@ def ensure_ray(
         return job_id
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     _bind_to_loopback()
-    plan = plan_local_ray(local_resources, asked)
+    plan = plan_local_ray(local_resources, asked, gpus=gpus)
     num_cpus, gpus, custom, logical = plan.num_cpus, plan.gpus, plan.custom, plan.logical
     log.info(
         "starting a local Ray on 127.0.0.1 as job %s: CPU=%d, GPUs detected: %s, logical devices: %s",
@@ -287,14 +289,18 @@ class LocalRayPlan:
 
 
 def plan_local_ray(
-    local_resources: Mapping[str, float] | None = None, asked: Mapping[str, float] | None = None
+    local_resources: Mapping[str, float] | None = None,
+    asked: Mapping[str, float] | None = None,
+    *,
+    gpus: DetectedGpus | None = None,
 ) -> LocalRayPlan:
     """What :func:`ensure_ray` declares when it starts a local Ray for ``local_resources`` (else ``asked``,
-    what the pools ask for) on this machine: known before Ray starts, so the pools can be checked first."""
+    what the pools ask for) on this machine (its ``gpus``, detected when not given): known before Ray
+    starts, so the pools can be checked first."""
     resources = dict(local_resources if local_resources is not None else asked or {})
     cpus = resources.pop(CPU, None)
     num_cpus = int(max(cpus or 0, os.cpu_count() or 1, 2))
-    gpus = detect_gpus()
+    gpus = detect_gpus() if gpus is None else gpus
     custom, logical = local_ray_resources(resources, gpus, declare_logical=local_resources is not None)
     absent = sorted(hw for hw, n in resources.items() if n > 0 and hw not in logical and hw not in gpus.types())
     return LocalRayPlan(num_cpus, gpus, custom, logical, absent)

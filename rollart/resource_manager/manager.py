@@ -127,14 +127,17 @@ def check_capacity(
         )
 
 
-def check_local_pools(pools: Mapping[str, Any], local_resources: Mapping[str, float] | None = None) -> bool:
+def check_local_pools(
+    pools: Mapping[str, Any], local_resources: Mapping[str, float] | None = None
+) -> LocalRayPlan | None:
     """Before Ray starts: the checks of :meth:`ResourceManager.__init__` against the local Ray that
     :func:`~rollart.resource_manager.launcher.ensure_ray` will start for ``local_resources``
     (``cluster.local_resources``) on this machine, whose CPUs, GPUs and logical devices are known in
-    advance. False (nothing checked) when no local Ray would be started: a Ray already up in this
-    process, or a cluster joined with ``RAY_ADDRESS``, is checked against what Ray reports."""
+    advance: the plan of that Ray (its ``gpus`` can be handed to ``ensure_ray``, which then need not
+    detect them again). None (nothing checked) when no local Ray would be started: a Ray already up in
+    this process, or a cluster joined with ``RAY_ADDRESS``, is checked against what Ray reports."""
     if not starts_local_ray():
-        return False
+        return None
     specs = parse_pools(pools)
     plan = plan_local_ray(local_resources, resources_asked(specs))
     res = plan.node_resources()
@@ -143,7 +146,7 @@ def check_local_pools(pools: Mapping[str, Any], local_resources: Mapping[str, fl
         for hw, (mode, total, free) in node_devices(res, res).items()
     }
     check_capacity(specs, capacity, local=plan, local_resources=local_resources)
-    return True
+    return plan
 
 
 def _yaml_map(values: Mapping[str, float]) -> str:
