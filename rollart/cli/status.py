@@ -83,6 +83,11 @@ def _ids(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _node(row: dict[str, Any]) -> str:
+    """A worker's node: its IP (the cluster registry has it), else the start of its Ray node id."""
+    return str(row.get("node_ip") or (row.get("node_id") or "")[:8])
+
+
 def _size(row: dict[str, Any]) -> str:
     """A pool group's size: ``4 CPUs``, ``2`` devices, or ``2/8`` (elastic: now / at most)."""
     if row.get("devices") is None:
@@ -149,7 +154,7 @@ def _print_tables(state: dict[str, Any], where: str, wide: bool = False) -> None
                 Column("cluster", col("cluster"), flex=True),
                 Column("rank", col("rank")),
                 Column("hardware", col("hardware")),
-                Column("node", col("node_ip"), flex=True),
+                Column("node", _node, flex=True),
                 Column("gpus", col("device_ids", _ids)),
                 Column("state", col("state")),
             ],
