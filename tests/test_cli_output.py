@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 
 import pytest
 
@@ -74,7 +75,7 @@ def test_verbose_keeps_ray_s_printer_and_every_line(tmp_path, monkeypatch):
     handler = log_run_to(tmp_path, verbose=True)
     try:
         assert launcher._worker_output is None  # Ray prints the workers' lines itself, progress bars too
-        assert "HF_HUB_DISABLE_PROGRESS_BARS" not in __import__("os").environ
+        assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
     finally:
         stop_logging_to(handler)
     root = logging.getLogger()
@@ -83,9 +84,11 @@ def test_verbose_keeps_ray_s_printer_and_every_line(tmp_path, monkeypatch):
         setup_console(verbose=True)
         [console] = [h for h in root.handlers if isinstance(h, ConsoleHandler)]
         assert not console.filters and root.level == logging.DEBUG
+        assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ  # transformers' bars show
         setup_console(verbose=False)  # called again: one console handler, now quiet
         [console] = [h for h in root.handlers if isinstance(h, ConsoleHandler)]
         assert any(isinstance(f, QuietConsole) for f in console.filters)
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"  # rollart export, serve policy: no bars
     finally:
         root.handlers[:] = before
 

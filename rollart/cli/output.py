@@ -77,6 +77,9 @@ def setup_console(verbose: bool) -> None:
     handler.setFormatter(logging.Formatter(FORMAT))
     if not verbose:
         handler.addFilter(QuietConsole())
+        # the model loading and writing bars of transformers (rollart export, serve policy; the workers of
+        # a local Ray inherit it), read when transformers is imported
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     root.addHandler(handler)
 
 
@@ -101,7 +104,7 @@ def log_run_to(run_dir: Path, verbose: bool) -> logging.Handler:
     for h in ray_logger.handlers:  # Ray's own (a test runner may have put its handlers there too)
         if not isinstance(h, _Forward) and h not in root_handlers:
             h.addFilter(QUIET_RAY)
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # here and in the local Ray's workers
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # here and in the local Ray's workers (a program's run)
     from rollart.resource_manager.launcher import set_worker_output
 
     set_worker_output(WorkerOutput())
