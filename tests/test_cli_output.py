@@ -116,3 +116,31 @@ def test_a_resumed_run_counts_its_remaining_steps(initial):
         progress.update({"reward_mean": 1.0, "version": 1})
     assert out.getvalue().splitlines()[-1].startswith("q: step 600/600 (100%)")
     assert len(out.getvalue().splitlines()) <= 10
+
+
+def test_the_token_notice_of_a_local_ray_is_a_debug_line(caplog):
+    """Every command that starts a local Ray (run, serve policy, the API): Ray's notice that it enabled
+    token authentication is rollart's DEBUG line (-v), not a warning on the console."""
+    ray_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+
+    class Console(logging.Handler):  # stands for Ray's console handler
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    console = Console()
+    logging.getLogger("ray").addHandler(console)
+    caplog.set_level(logging.DEBUG, logger=launcher.__name__)
+    notice = "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out."
+    try:
+        with launcher._token_notice_at_debug():
+            ray_logger.warning(notice)
+            ray_logger.warning("the object store is full")
+        ray_logger.warning(notice)  # outside a local start: as Ray logs it
+    finally:
+        logging.getLogger("ray").removeHandler(console)
+    assert console.lines == ["the object store is full", notice]
+    assert [r.getMessage() for r in caplog.records if r.name == launcher.__name__] == [f"ray: {notice}"]

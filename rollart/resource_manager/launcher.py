@@ -151,6 +151,37 @@ def _route_worker_output() -> None:
     dispatcher.add_handler("ray_print_logs", _worker_output)
 
 
+TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _TokenNoticeAtDebug(logging.Filter):
+    """Ray's warning that the local Ray it starts enabled token authentication says nothing a user of
+    rollart's local Ray (on 127.0.0.1) must act on: it is logged at DEBUG instead (``rollart -v``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.getMessage()).startswith(TOKEN_NOTICE):
+            return True
+        if not getattr(record, "rollart_at_debug", False):  # once, whatever the number of Ray's handlers
+            record.rollart_at_debug = True
+            log.debug("ray: %s", record.getMessage())
+        return False
+
+
+@contextmanager
+def _token_notice_at_debug() -> Iterator[None]:
+    """While the local Ray starts: :class:`_TokenNoticeAtDebug` on the handlers of Ray's logger (set up
+    when ``ray`` was imported)."""
+    handlers = list(logging.getLogger("ray").handlers)
+    quiet = _TokenNoticeAtDebug()
+    for h in handlers:
+        h.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(quiet)
+
+
 def take_ray_start() -> RayStart | None:
     """How and when :func:`ensure_ray` last brought this process to Ray, told once: the first caller
     after that start (its ResourceManager) gets it, later ones None (Ray was up before them)."""
@@ -250,7 +281,7 @@ def ensure_ray(
         # Actors without GPUs hide them with a runtime env of their own, which never takes an idle worker
         # started ahead; each such worker importing Ray would only compete for the CPUs with the actors.
         node_env, job_env, prestart = {}, {"env_vars": worker_env}, False
-    with _environ(node_env):  # what Ray's processes inherit; the driver's own is put back
+    with _environ(node_env), _token_notice_at_debug():  # what Ray's processes inherit; the driver's own is put back
         ray.init(
             address="local",
             num_cpus=num_cpus,
