@@ -90,7 +90,9 @@ class AgenticPipeline:
         self.export_path: Path | None = None  # RUN_DIR/hf once the run finished (export.hf)
         self.checkpoints = Checkpoints(self.out_dir, config.checkpoint_keep)
         # trainer supervision (fault.train / reference / critic): one entry per recovery
-        self.supervisor = TrainerSupervisor(config.fault, self.train, self.ref, self.critic)
+        self.supervisor = TrainerSupervisor(
+            config.fault, self.train, self.ref, self.critic, ref_sharded=config.train.sharding == "fsdp"
+        )
         self.step_in_progress = 0
         self._data_state0 = self.data_tasks.state_dict() if self.data_tasks.samplers else None
         if resume:
@@ -137,6 +139,7 @@ class AgenticPipeline:
             local_resources=config.cluster.local_resources,
         )
         job_file.write_text(self.rm.job_id + "\n")
+        self._check_train_memory()
         self.startup.resources_ready(self.rm)
         pool_hw = [g.hardware for g in self.rm.specs[config.rollout_pool].groups]
         tags = {k: (v or pool_hw) for k, v in config.tags.items()}
@@ -190,6 +193,8 @@ class AgenticPipeline:
                 start_data_parallel(self.train)
                 if self.critic is not None:
                     start_data_parallel(self.critic)
+                if self.ref is not None and config.train.sharding == "fsdp":
+                    start_data_parallel(self.ref)
             except BaseException:
                 for c in reversed(clusters):
                     c.shutdown()
@@ -204,10 +209,55 @@ class AgenticPipeline:
             self.baseline = RunningMeanBaseline(config.running_mean.window, config.running_mean.scope)
         self.startup.clusters_ready(c for c in (self.infer, self.train, self.ref, self.critic) if c is not None)
 
+    def _check_train_memory(self) -> None:
+        """Before any actor starts: on a one-machine cluster whose train ranks run on its CPU, their weights,
+        gradients and optimizer states must fit the machine's memory (a GPU rank checks its device itself)."""
+        import psutil
+        import ray
+
+        from rollart.resource_manager.specs import ResourceSpecError
+        from rollart.training.memory import fit_problem, model_param_counts
+
+        cfg = self.config.train
+        groups = self.rm.specs[self.config.train_pool].groups
+        on_gpus = all(self.rm.capacity[g.hardware].mode == "gpu" for g in groups if g.hardware in self.rm.capacity)
+        if on_gpus or sum(1 for n in ray.nodes() if n.get("Alive")) != 1:
+            return
+        try:
+            total, split = model_param_counts(cfg.model or self.model_path)
+        except (KeyError, OSError, ValueError):  # not a Qwen2/Llama-style config: nothing to estimate
+            return
+        ranks = sum(g.devices or g.cpus or 0 for g in groups)
+        problem = fit_problem(
+            total,
+            split,
+            sharding=cfg.sharding,
+            ranks=ranks,
+            tensor_parallel=cfg.tensor_parallel,
+            offload=False,
+            budget=0.9 * psutil.virtual_memory().total,
+            where="this machine (90% of its memory)",
+        )
+        if problem is not None:
+            self.rm.shutdown()
+            raise ResourceSpecError(problem)
+
     def _beside_trainer(self, role: str, train_cfg: Any) -> Any:
         """The frozen initial policy (``reference``) or the value model (``critic``, with its own
         data-parallel group, formed by the caller): one rank colocated with each trainer rank, starting
         (``wait=False``) beside the trainer's."""
+        if role == "reference" and train_cfg.sharding == "fsdp":
+            # sharded like the trainer (its own process group, formed by the caller): a trainer that is never
+            # stepped holds no optimizer state, only its shards of the initial weights
+            return ra.Cluster(
+                role,
+                train_worker_class(train_cfg.strategy),
+                self.rm,
+                pool=self.config.train_pool,
+                colocate_with=self.train,
+                worker_kwargs={"config": train_cfg.model_dump()},
+                wait=False,
+            )
         if role == "reference":
             from rollart.training.reference import ReferenceWorker
 

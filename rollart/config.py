@@ -6,6 +6,7 @@ dicts ``ResourceManager`` takes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -260,7 +261,9 @@ class WeightsConfig(ConfigModel):
     chunk_mb: int = Field(default=16, ge=1)
     """Channel `mooncake`: the size of one stored chunk of a snapshot, in MB."""
     bucket_mb: int = Field(default=32, ge=1)
-    """Channel `dist`: the size of one broadcast bucket, in MB."""
+    """The weights leave the trainer a bucket of at most this many MB at a time (gathered from the shards of a
+    sharded trainer, copied to the CPU, sent); channel `dist` also broadcasts in buckets of this size.
+    """
     keep: int = Field(default=2, ge=1)
     """Channel `mooncake`: versions kept in the store (older ones are removed once no reader holds them)."""
     async_publish: bool = True
@@ -509,7 +512,12 @@ class PipelineConfig(ConfigModel):
                 },
                 "tasks": {t: {"ratio": c.ratio} for t, c in self.tasks.items()},
                 "model": self.model,
-                "train": {"model": self.train.model, "strategy": self.train.strategy},
+                "train": {
+                    "model": self.train.model,
+                    "strategy": self.train.strategy,
+                    "sharding": self.train.sharding,
+                    "tensor_parallel": self.train.tensor_parallel,
+                },
                 "engine": {"kind": self.engine.kind, "model": self.engine.model},
                 "weights": {"channel": self.weights.channel},
                 "fault": {"inference": None} if "inference" in self.fault.model_fields_set else {},
@@ -760,12 +768,73 @@ def _colocated_engine_problems(engine: Mapping[str, Any], strategy: Any, train_p
     return out
 
 
+def _attention_heads(model: Any) -> tuple[int, int] | None:
+    """(attention heads, KV heads) of a config's model (a folder, a cached model name, a ``{shape: ...}`` or
+    None for the built-in tiny model); None when they cannot be read without loading anything."""
+    import inspect
+    import json
+
+    if model is None:
+        from rollart.models.tiny import build_tiny
+
+        params = inspect.signature(build_tiny).parameters
+        return params["num_heads"].default, params["num_kv_heads"].default
+    if isinstance(model, Mapping):
+        from rollart.models.shapes import SHAPES
+
+        arch = SHAPES.get(str(model.get("shape")))
+        return (arch.heads, arch.kv_heads) if arch is not None else None
+    if not isinstance(model, str):
+        return None
+    from rollart.models.locate import cached_model
+
+    path = Path(model) / "config.json"
+    found = str(path) if path.is_file() else cached_model(model)
+    if found is None:
+        return None
+    cfg = json.loads(Path(found).read_text())
+    heads = cfg.get("num_attention_heads")
+    return (heads, cfg.get("num_key_value_heads", heads)) if isinstance(heads, int) else None
+
+
+def sharding_problems(raw: Mapping[str, Any]) -> list[str]:
+    """``train.sharding`` / ``train.tensor_parallel`` against the train pool and the model: the tensor-parallel
+    degree divides the pool's ranks and the model's attention and KV heads; colocated mode trains unsharded."""
+    train = raw.get("train")
+    if not isinstance(train, Mapping):
+        return []
+    tp, sharding = train.get("tensor_parallel", 1), train.get("sharding", "ddp")
+    out = []
+    if sharding == "fsdp" and colocated_pools(raw):
+        out.append(
+            "train.sharding: fsdp is not supported in colocated mode (each rank's engine would need the whole "
+            "model the rank holds a shard of); use train.sharding: ddp, or give the rollout devices of its own"
+        )
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 1:
+        return out
+    pools = raw.get("pools")
+    pool_name = raw.get("train_pool", PipelineConfig.model_fields["train_pool"].default)
+    units = _pool_units(pools.get(pool_name)) if isinstance(pools, Mapping) else None
+    if units is not None and units % tp:
+        out.append(
+            f"train.tensor_parallel: {tp} does not divide the {units} ranks of pools.{pool_name}; give the train pool "
+            f"a multiple of {tp} devices or change train.tensor_parallel"
+        )
+    heads = _attention_heads(train.get("model") or raw.get("model"))
+    if heads is not None and (heads[0] % tp or heads[1] % tp):
+        out.append(
+            f"train.tensor_parallel: {tp} must divide the model's {heads[0]} attention heads and {heads[1]} KV "
+            f"heads; use a divisor of {math.gcd(heads[0], heads[1])}"
+        )
+    return out
+
+
 def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
     """The checks that relate several sections (pool names, the critic of ``advantage: gae``, the task
     groups against ``rollout.num_env_groups``), on a config mapping — also one whose fields have errors
     of their own, so that :func:`validate_config` reports these with them, not after they are fixed.
     Values of the wrong type are skipped (their own field reports them)."""
-    out = model_problems(raw) + colocation_problems(raw)
+    out = model_problems(raw) + colocation_problems(raw) + sharding_problems(raw)
     pools = raw.get("pools")
     if isinstance(pools, dict):
         for field_name in ("train_pool", "rollout_pool"):

@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 missing=()
 ldconfig -p | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
 command -v bwrap >/dev/null || missing+=(bubblewrap)
+ldconfig -p | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)  # the sandbox's seccomp filter
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

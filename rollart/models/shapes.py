@@ -104,6 +104,32 @@ SHAPES: dict[str, Architecture] = {
         tied_embeddings=True,
         max_positions=32768,
     ),
+    # Qwen2.5-3B(-Instruct) config.json: 3 085 938 688 parameters
+    "qwen2.5-3b": Architecture(
+        "qwen2.5-3b",
+        layers=36,
+        hidden=2048,
+        heads=16,
+        kv_heads=2,
+        intermediate=11008,
+        vocab=151936,
+        rope_theta=1_000_000.0,
+        tied_embeddings=True,
+        max_positions=32768,
+    ),
+    # Qwen2.5-7B(-Instruct) config.json: 7 615 616 512 parameters
+    "qwen2.5-7b": Architecture(
+        "qwen2.5-7b",
+        layers=28,
+        hidden=3584,
+        heads=28,
+        kv_heads=4,
+        intermediate=18944,
+        vocab=152064,
+        rope_theta=1_000_000.0,
+        tied_embeddings=False,
+        max_positions=32768,
+    ),
 }
 
 

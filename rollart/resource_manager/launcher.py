@@ -24,18 +24,22 @@ declare their hardware themselves. Ray's token authentication is used when a tok
 (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``) and ``RAY_AUTH_MODE`` is unset.
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` is set only for the local Ray (set, even to 0, it makes
 ``ray start --address`` refuse to join, and processes started from a driver inherit it).
-A Ray the user already initialised is used as it is.
+A Ray the user already initialised is used as it is. Before a local Ray starts with token authentication,
+a missing ``~/.ray/auth_token`` is written readable by its owner only, and an existing one of this user
+that others can read is made so (Ray would write it readable by every user of the machine).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import ray
@@ -281,6 +285,7 @@ def ensure_ray(
         # Actors without GPUs hide them with a runtime env of their own, which never takes an idle worker
         # started ahead; each such worker importing Ray would only compete for the CPUs with the actors.
         node_env, job_env, prestart = {}, {"env_vars": worker_env}, False
+    _private_token_file()
     with _environ(node_env), _token_notice_at_debug():  # what Ray's processes inherit; the driver's own is put back
         ray.init(
             address="local",
@@ -374,6 +379,33 @@ def _bind_to_loopback() -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def _private_token_file() -> None:
+    """Before a local Ray starts with token authentication (Ray's default when ``RAY_AUTH_MODE`` is unset):
+    Ray writes a missing ``~/.ray/auth_token`` with the process's umask, readable by every user of the
+    machine (0644), and with it anyone on the machine could join the cluster and run code. rollart
+    writes the token itself first, readable by its owner only (0600, in a 0700 folder), and takes the
+    other users' read access away from an existing token file of its user."""
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token" or os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    given = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    path = Path(given) if given else Path.home() / ".ray" / "auth_token"
+    try:
+        if not given:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        st = path.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            path.chmod(0o600)
+            log.warning("%s was readable by other users of this machine; now only by its owner (0600)", path)
+        return
+    except OSError as err:  # a read-only home: Ray reports what it needs
+        log.info("cannot write a Ray token at %s (%s); Ray makes its own", path, err)
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # what Ray itself would write: 256 random bits in hex
 
 
 def _token_auth_for_joining() -> None:

@@ -41,6 +41,10 @@ class ServingConfig(ConfigModel):
     """The largest `n` a request may ask for."""
     max_body_bytes: int = Field(default=8 << 20, gt=0)
     """Larger request bodies are answered 413."""
+    max_connections: int = Field(default=2048, gt=0)
+    """Connections open at once; one more is answered 503 and closed at once."""
+    read_timeout_s: float = Field(default=30.0, gt=0)
+    """Seconds a client has to send a request's headers, and as long again for its body (408 past it)."""
 
     @field_validator("chat_template")
     @classmethod

@@ -43,18 +43,36 @@ class TrainConfig(ConfigModel):
 
     ``strategy`` picks the training worker: ``torch`` (``TorchTrainWorker``, the default) or
     ``megatron`` (``MegatronTrainWorker``: the same loop around a megatron-core ``GPTModel``, needs
-    ``pip install 'rollart[megatron]'``). Data parallelism is the train pool's size in both;
-    ``tensor_parallel`` / ``pipeline_parallel`` are megatron's model-parallel sizes and must be 1 in
-    this version (checked here, before any actor starts)."""
+    ``pip install 'rollart[megatron]'``). The train pool's size is the number of ranks in both.
+    ``sharding`` (torch strategy) says how the ranks hold the model: ``ddp`` (each rank a whole copy)
+    or ``fsdp`` (parameters, gradients and optimizer states split across the ranks, see
+    :mod:`rollart.training.sharding`); ``tensor_parallel`` splits each layer across that many ranks
+    (with ``fsdp`` over the rest); ``pipeline_parallel`` is not built (must be 1). Every combination
+    is checked here and against the pool, before any actor starts."""
 
     strategy: Literal["torch", "megatron"] = "torch"
     """The training worker: `torch` (the Hugging Face module) or `megatron` (a megatron-core GPTModel; extra
     `megatron`).
     """
+    sharding: Literal["ddp", "fsdp"] = "ddp"
+    """How the train ranks hold the model (torch strategy): `ddp`, a whole copy per rank (16 bytes per parameter
+    with AdamW, before activations); `fsdp`, parameters, gradients and optimizer states split across the ranks
+    (FSDP2, each decoder layer gathered in turn).
+    """
     tensor_parallel: int = Field(default=1, ge=1)
-    """Megatron tensor-parallel size; must be 1 in this version (data parallelism is the train pool's size)."""
+    """Ranks each decoder layer's linear layers are split across (torch strategy with `sharding: fsdp`; FSDP runs
+    over the remaining `ranks / tensor_parallel`); must divide the attention and KV heads.
+    """
     pipeline_parallel: int = Field(default=1, ge=1)
-    """Megatron pipeline-parallel size; must be 1 in this version."""
+    """Pipeline-parallel size; pipeline parallelism is not built, so it must be 1."""
+    offload: Literal["none", "cpu"] = "none"
+    """`cpu` keeps the sharded parameters, gradients and optimizer states in host memory and runs the optimizer
+    step there (`sharding: fsdp` on GPUs; no effect on CPU ranks).
+    """
+    reshard_after_forward: bool = True
+    """With `sharding: fsdp`, free each layer's gathered parameters after its forward pass and gather them again
+    for its backward (less memory, one more all-gather per layer).
+    """
     model: str | None = None
     """A Hugging Face model folder to train; default: the pipeline's `model` (else the built-in tiny model)."""
     lr: float = Field(default=1e-3, gt=0)
@@ -169,28 +187,41 @@ class TrainConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_strategy(self) -> TrainConfig:
-        for name in ("tensor_parallel", "pipeline_parallel"):
-            size = getattr(self, name)
-            if size > 1:
-                hint = (
-                    "model parallelism exists only in the megatron strategy, and " if self.strategy == "torch" else ""
-                )
-                raise ValueError(
-                    f"train.{name}={size}: {hint}sharding the weights across model-parallel ranks is not "
-                    f"implemented in this version; set train.{name}: 1 (data parallelism comes from the "
-                    "train pool's size)"
-                )
+        if self.pipeline_parallel > 1:
+            raise ValueError(
+                f"train.pipeline_parallel={self.pipeline_parallel}: pipeline parallelism is not built in this version; "
+                "set train.pipeline_parallel: 1 and split a large model with train.sharding: fsdp (and "
+                "train.tensor_parallel)"
+            )
         if self.strategy == "megatron":
             for name, value in (
                 ("dtype", self.dtype != "fp32"),
                 ("gradient_checkpointing", self.gradient_checkpointing),
                 ("lora", self.lora is not None),
+                ("sharding", self.sharding != "ddp"),
+                ("tensor_parallel", self.tensor_parallel > 1),
+                ("offload", self.offload != "none"),
             ):
                 if value:
                     raise ValueError(
-                        f"train.{name} is implemented for train.strategy: torch only in this version; "
-                        f"remove train.{name} or use strategy: torch"
+                        f"train.{name} is implemented for train.strategy: torch only in this version (the megatron "
+                        f"strategy trains data parallel); remove train.{name} or use strategy: torch"
                     )
+        if self.tensor_parallel > 1 and self.sharding != "fsdp":
+            raise ValueError(
+                f"train.tensor_parallel={self.tensor_parallel} runs with FSDP over the remaining ranks: set "
+                "train.sharding: fsdp (or train.tensor_parallel: 1)"
+            )
+        if self.offload != "none" and self.sharding != "fsdp":
+            raise ValueError(
+                f"train.offload: {self.offload} offloads the shards of sharded training: set train.sharding: fsdp, "
+                "or remove train.offload"
+            )
+        if self.sharding == "fsdp" and self.lora is not None:
+            raise ValueError(
+                "train.lora with train.sharding: fsdp is not supported in this version (adapters on a sharded base "
+                "are not built); remove train.lora or use train.sharding: ddp"
+            )
         if self.lora is not None and not _importable("peft"):
             raise ValueError("train.lora needs peft; install it with pip install 'rollart[lora]' or remove train.lora")
         if self.strategy == "megatron" and not _importable("megatron.core"):
