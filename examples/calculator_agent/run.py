@@ -53,11 +53,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from rollart.pipeline.startup import set_command_started
 
     set_command_started(time.time())  # the run's start-up line counts from here, not from the warm-up
-    pipeline = AgenticPipeline(cfg, progress=False)
     try:
-        history = pipeline.run()
+        pipeline = AgenticPipeline(cfg, progress=False)
+        try:
+            history = pipeline.run()
+        finally:
+            pipeline.shutdown()
     finally:
-        pipeline.shutdown()
+        set_command_started(None)
     for h in history:
         print(f"step {h['step']:3d}  reward {h['reward_mean']:.3f}")
     return history

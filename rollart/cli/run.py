@@ -163,6 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _train(args, cfg, out_dir, gpus=plan.gpus if plan is not None else None)
     finally:
         stop_logging_to(run_log)
+        set_command_started(None)  # a program that runs main() again, or builds a pipeline, starts anew
         if lock is not None:  # the folder is free for the next run
             lock.close()
 
