@@ -267,4 +267,4 @@ def test_the_start_up_clock_starts_with_the_command_not_with_a_shell_it_replaced
     assert out["code"] == 130, proc.stderr[-2000:]
     assert out["process"] <= out["now"] - 3  # the process is the shell's, which began before the sleep
     assert out["timeline"] >= out["process"] + 3  # the timeline began after it: with the command
-    assert out["after"] == out["process"]
+    assert abs(out["after"] - out["process"]) < 1  # the same start (computed twice from /proc)
