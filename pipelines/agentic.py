@@ -34,7 +34,8 @@ from rollart.config import PipelineConfig
 from rollart.data.evaluation import Evaluator
 from rollart.data.sampler import RoundSeeds
 from rollart.pipeline.checkpoints import Checkpoints
-from rollart.pipeline.interrupt import Interrupt
+from rollart.pipeline.interrupt import Interrupt, StopChoice
+from rollart.pipeline.progress import StepProgress
 from rollart.pipeline.records import MetricsFile, StepTimes, batch_statistics, step_record, task_record, write_ledger
 from rollart.pipeline.recovery import TrainerSupervisor
 from rollart.pipeline.rewards import RewardServices
@@ -61,12 +62,15 @@ __all__ = ["AgenticPipeline", "batch_statistics"]
 class AgenticPipeline:
     def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
         self.startup = StartupTimeline()  # the command to the first step, in phases: RUN_DIR/startup.json
-        self.interrupt = Interrupt()  # SIGINT stops the run at the next step boundary at the latest
+        # SIGINT stops the run at the next step boundary at the latest; when cheap, after a checkpoint there
+        self.interrupt = Interrupt(on_first=self._on_first_sigint)
         self.config = config
         self.out_dir = config.out_dir.resolve()  # absolute: Ray (a submitted job) may change the working directory
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         self.model_path = self._model_path()
+        self.stop_choice = StopChoice(self.model_path)  # what the first Ctrl-C does (its costs, measured)
+        self.stopped_after: int | None = None  # a Ctrl-C let the step finish: the run stopped after it
         # dataset tasks (data:) and eval sets (eval:) load first: a bad file, column, verifier or eval env
         # fails here, before any actor starts
         seeds = RoundSeeds(config.seed)  # round r of env group g plays seed seeds.seed(g, r)
@@ -96,6 +100,7 @@ class AgenticPipeline:
             self.metrics.drop_from(self.start_step)
         else:
             self.metrics.reset()
+        self._saved_through = self.start_step  # steps done when the last checkpoint was written
 
     # ------------------------------------------------------------------ wiring
     def _model_path(self) -> str:
@@ -461,6 +466,28 @@ class AgenticPipeline:
             extra["running_mean"] = self.baseline.state_dict()
         return extra
 
+    async def _save_checkpoint(self, step: int) -> None:
+        """The checkpoint after ``step`` (0-based), timed: what a Ctrl-C checkpoint costs."""
+        t0 = time.monotonic()
+        await self.checkpoints.save(step, self._checkpoint_extra(step), self.train, self.critic)
+        self.stop_choice.saved(time.monotonic() - t0)
+        self._saved_through = step + 1
+
+    def _on_first_sigint(self) -> bool:
+        """The first Ctrl-C (on the event loop): finish the step in progress and checkpoint when cheap."""
+        step = self.step_in_progress
+        latest = self.checkpoints.latest()
+        finish, message = self.stop_choice.decide(step + 1, step - self._saved_through, latest.name if latest else None)
+        log.info("%s", message)
+        return finish
+
+    async def _checkpoint_on_stop(self, step: int) -> None:
+        """Stopping at the boundary before ``step`` (0-based) after a Ctrl-C let the step before it finish:
+        its checkpoint, unless it has one."""
+        if step > self._saved_through:
+            await self._save_checkpoint(step - 1)
+        self.stopped_after = step
+
     def _resume(self) -> None:
         if not self.checkpoint_path.exists():
             raise FileNotFoundError(f"--resume: no checkpoint under {self.checkpoint_root}; run without --resume first")
@@ -578,15 +605,15 @@ class AgenticPipeline:
         tracker = self.metrics.tracker(cfg)
         await self.weights.start(self.controller)
         self.controller.start()
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=self.start_step, desc=cfg.name, unit="step")
+        bar = StepProgress(cfg.name, cfg.steps, self.start_step) if self.progress else None
         try:
             for step in range(self.start_step, cfg.steps):
+                if self.interrupt.finishing:  # a Ctrl-C let the last step finish: its checkpoint, then stop
+                    await self._checkpoint_on_stop(step)
                 self.interrupt.check()
+                t_step = time.monotonic()
                 record = await self._step(step)
+                self.stop_choice.step_done(time.monotonic() - t_step)
                 if self.startup.mark("first_step"):
                     self.startup.write(self.out_dir)
                 history.append(record)
@@ -594,10 +621,9 @@ class AgenticPipeline:
                     del history[: len(history) - cfg.history_keep]
                 tracker.log(record, record["step"])
                 if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=record["version"])
+                    bar.update(record)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                    await self.checkpoints.save(step, self._checkpoint_extra(step), self.train, self.critic)
+                    await self._save_checkpoint(step)
             await self._await_loading()  # the run ends with every worker serving the last version
             if cfg.export.hf and self.start_step < cfg.steps:
                 self.export_path = Path(

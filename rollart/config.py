@@ -15,7 +15,6 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -24,6 +23,7 @@ from pydantic import (
 )
 
 from rollart.cluster.config import FaultConfig
+from rollart.config_model import ConfigModel, load_yaml, type_problem
 from rollart.data.config import DataTask, EvalConfig
 from rollart.engines.base import SamplingParams
 from rollart.plugins import checked as _plain
@@ -51,10 +51,8 @@ def _import_plugin(module: str) -> str:
     return module
 
 
-class ClusterConfig(BaseModel):
+class ClusterConfig(ConfigModel):
     """``cluster:``: where Ray comes from (a local Ray, or the cluster ``RAY_ADDRESS`` names) and the job."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     local_resources: dict[str, float] | None = None
     """What a locally started Ray declares, e.g. `{H800: 4, H20: 4, CPU: 16}`; default: the hardware the pools
@@ -70,14 +68,12 @@ class ClusterConfig(BaseModel):
     """
 
 
-class EnvEntry(BaseModel):
+class EnvEntry(ConfigModel):
     """One task of the mix: an env from the ``envs`` registry or a user's ``MODULE:CLASS`` (a
     ``TextEnv`` subclass), how many env groups play it; ``kwargs`` are checked against its
     constructor here, before anything starts. Or an agent harness (``agent: MODULE:FUNCTION``, see
     :mod:`rollart.serving.agent`) played through the policy endpoint, its tasks from ``tasks``
     (``MODULE:FUNCTION`` of ``(seed, **kwargs)``, or a ``.jsonl`` file)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str | None = None
     """The env: a registry name (`reverse`, `addition`, `countdown`, `frozen_lake`, `sokoban`, `code_sandbox`) or
@@ -164,10 +160,8 @@ class EnvEntry(BaseModel):
         return kwargs
 
 
-class RewardConfig(BaseModel):
+class RewardConfig(ConfigModel):
     """Score trajectories with a reward service instead of the env's own reward."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     url: str
     """The reward service's endpoint, e.g. `http://127.0.0.1:8100/rewards/reverse`."""
@@ -187,11 +181,9 @@ class RewardConfig(BaseModel):
     """
 
 
-class TaskSampling(BaseModel):
+class TaskSampling(ConfigModel):
     """Generation settings of one task, over the pipeline's ``sampling:`` (unset fields keep it);
     ``max_new_tokens`` replaces the env's own budget, like ``envs[i].max_new_tokens``."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     temperature: float | None = Field(default=None, ge=0)
     """Sampling temperature of this task; null: `sampling.temperature`."""
@@ -209,12 +201,10 @@ class TaskSampling(BaseModel):
         return base.model_copy(update=self.model_dump(exclude_none=True))
 
 
-class TaskConfig(BaseModel):
+class TaskConfig(ConfigModel):
     """One task tag of a multi-task job (``tasks: {TAG: {...}}``): its share of every training batch
     (``ratio``; every tag gets one or none does), its reward service (else the pipeline's ``reward:``,
     else the env's own reward) and its generation settings."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     ratio: float | None = Field(default=None, gt=0)
     """The task's share of every training batch (`batch_groups * ratio / sum(ratios)` groups); every tag gets one
@@ -226,7 +216,7 @@ class TaskConfig(BaseModel):
     """The task's generation settings, over the pipeline's `sampling:`."""
 
 
-class WeightsConfig(BaseModel):
+class WeightsConfig(ConfigModel):
     """How new weights reach the inference workers.
 
     ``ray``: the trainer puts the snapshot in the Ray object store, rollout pauses while every worker
@@ -236,8 +226,6 @@ class WeightsConfig(BaseModel):
     (colocated mode, and only there): each rank's engine loads its trainer's weights in its own process.
     ``none`` (benchmarks only): no weights move, the policy version still advances — the baseline a weight
     channel's overhead is measured against."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     channel: Literal["ray", "mooncake", "dist", "inprocess", "none"] = "ray"
     """How new weights reach the inference workers: `ray` (object store), `mooncake` (a Mooncake store, in the
@@ -295,20 +283,16 @@ class WeightsConfig(BaseModel):
         return self
 
 
-class ExportConfig(BaseModel):
+class ExportConfig(ConfigModel):
     """What a finished run exports: ``hf: true`` writes ``RUN_DIR/hf``, a Hugging Face folder of the
     final policy (``rollart export RUN_DIR --hf OUT`` does the same from the latest checkpoint)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     hf: bool = True
     """Write `RUN_DIR/hf`, a Hugging Face folder of the final policy, when the run finishes."""
 
 
-class PipelineConfig(BaseModel):
+class PipelineConfig(ConfigModel):
     """A pipeline config: the YAML file ``rollart run`` takes."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     # declared first: fields are validated in order, so the names a plug-in module registers are known
     # to the fields below
@@ -966,7 +950,7 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
             raise SystemExit(f"--set {item!r}: use key=value, e.g. --set steps=5")
         key, value = item.split("=", 1)
         try:
-            out[key] = yaml.safe_load(value)
+            out[key] = load_yaml(value)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at column {mark.column + 1}" if mark is not None else ""
@@ -992,7 +976,7 @@ def yaml_error_line(err: yaml.YAMLError, source: str | Path) -> str:
 def read_yaml(path: Path) -> dict[str, Any]:
     """The mapping of a YAML config file; a ConfigError naming the file, line and column on a syntax error."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(yaml_error_line(err, path)) from None
     if raw is None:
@@ -1065,6 +1049,8 @@ def _problem(error: Any) -> str:
         msg = f"unknown key; {hint}remove it or fix its spelling"
     elif kind == "missing":
         msg = "required; add it"
+    elif type_problem(error) is not None:
+        msg = str(type_problem(error))
     elif kind != "value_error" and "input" in error and not isinstance(error["input"], (dict, list)):
         msg = f"{msg} (got {error['input']!r})"
     return f"{where}: {msg}"

@@ -10,8 +10,7 @@ the budget no longer fits is reported ``skipped``):
   starts and runs a model, and the compute processes by pid). Without a GPU: the CPU-pool half;
 - ``bench_engine``, ``bench_train_step``: ``rollart bench engine`` / ``train-step`` at the 0.5B shape;
 - ``quickstart_train_gpu``: the quickstart, train on the GPU, rollout on a CPU pool (separate pools);
-- ``quickstart_colocated``: ``pipelines/quickstart_colocated.yaml`` (train and rollout on the one GPU),
-  ``skipped: not built`` while that file does not exist;
+- ``quickstart_colocated``: ``pipelines/quickstart_colocated.yaml`` (train and rollout on the one GPU);
 - ``quickstart_bf16_lora``: train on the GPU with ``train.dtype: bf16``, gradient checkpointing and LoRA;
 - ``quickstart_megatron``: train on the GPU with ``train.strategy: megatron``;
 - ``quickstart_rollout_gpu``: rollout on the GPU, train on a CPU pool;
@@ -130,9 +129,7 @@ def _bench(name: str, full: list[str], quick: list[str]) -> Callable[[argparse.N
     return command
 
 
-def _colocated(args: argparse.Namespace) -> list[str] | str:
-    if not COLOCATED.exists():
-        return "not built"
+def _colocated(args: argparse.Namespace) -> list[str]:
     return _py(
         "-m",
         "rollart.cli",

@@ -61,11 +61,9 @@ def _script():
 def test_the_gpu_runs_it_would_start(tmp_path, monkeypatch):
     check = _script()
     args = argparse.Namespace(out=str(tmp_path), steps=5, quick=False)
-    monkeypatch.setattr(check, "COLOCATED", tmp_path / "quickstart_colocated.yaml")
-    assert check._colocated(args) == "not built"  # colocated mode's config is not there yet
-    (tmp_path / "quickstart_colocated.yaml").write_text("name: c\n")
+    assert check.COLOCATED.is_file()  # colocated mode's config ships with rollart
     colocated = check._colocated(args)
-    assert colocated[1:5] == ["-m", "rollart.cli", "run", str(tmp_path / "quickstart_colocated.yaml")]
+    assert colocated[1:5] == ["-m", "rollart.cli", "run", str(check.COLOCATED)]
     assert "steps=5" in colocated
     commands = {s.name: s.command(args) for s in check.STEPS}
     train = commands["quickstart_train_gpu"]

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from rollart.config_model import ConfigModel
 
 TRAINER_ROLES = ("train", "reference", "critic")
 
 
-class RestartPolicy(BaseModel):
+class RestartPolicy(ConfigModel):
     """How often a role's dead workers are restarted, and what happens when that is spent."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     max_restarts: int = Field(default=2, ge=0)
     """Restarts per worker (rank) within `window_s`."""
@@ -36,12 +36,10 @@ REMOVED_ROLES = {
 }
 
 
-class FaultConfig(BaseModel):
+class FaultConfig(ConfigModel):
     """``fault:`` — one restart policy per role that rollart restarts itself (``inference``, ``train``,
     ``reference``, ``critic``). ``env`` and ``reward`` are refused: rollart does not restart those
     processes, and a policy that does nothing would be a trap."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     inference: RestartPolicy = Field(default_factory=RestartPolicy)
     """Restart policy of the inference workers."""

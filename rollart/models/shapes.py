@@ -31,7 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
+
+from rollart.config_model import ConfigModel
 
 MARKER = "rollart_shape.json"
 """The file that marks a folder whose weights are built at random when it is loaded."""
@@ -136,10 +138,10 @@ def unknown_shape(name: str) -> str:
     return f"unknown shape {name!r}; the known shapes are {', '.join(sorted(SHAPES))}"
 
 
-class ShapeConfig(BaseModel):
+class ShapeConfig(ConfigModel):
     """``model: {shape: NAME}`` in a pipeline config (``layers`` and ``seed`` optional)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(frozen=True)
 
     shape: str
     """A name of :data:`SHAPES`, e.g. `qwen2.5-0.5b`."""

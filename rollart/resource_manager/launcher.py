@@ -36,11 +36,11 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import ray
 
@@ -105,6 +105,7 @@ class RayStart:
 
 
 _ray_start: RayStart | None = None
+_worker_output: Callable[[dict[str, Any]], None] | None = None  # prints the workers' lines (set_worker_output)
 _workers_see_no_gpu = False  # the local Ray this process started hides CUDA from every worker
 
 
@@ -130,6 +131,59 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def set_worker_output(handler: Callable[[dict[str, Any]], None] | None) -> None:
+    """From the next Ray :func:`ensure_ray` starts or joins on, ``handler(data)`` prints the lines Ray
+    forwards from the workers (``data``: Ray's batch, with ``lines``, ``pid``, ``actor_name``, ``is_err``)
+    instead of Ray's own printer (which prefixes, colours and deduplicates them); None: Ray's printer."""
+    global _worker_output
+    _worker_output = handler
+
+
+def _route_worker_output() -> None:
+    """Replace Ray's printer of the workers' lines by :data:`_worker_output` (Ray's handler keeps its name,
+    so ``ray.shutdown`` removes ours as it would its own)."""
+    if _worker_output is None:
+        return
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError as err:  # a Ray without it: its own printer stays
+        log.debug("worker output stays Ray's: %s", err)
+        return
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("ray_print_logs", _worker_output)
+
+
+TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _TokenNoticeAtDebug(logging.Filter):
+    """Ray's warning that the local Ray it starts enabled token authentication says nothing a user of
+    rollart's local Ray (on 127.0.0.1) must act on: it is logged at DEBUG instead (``rollart -v``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.getMessage()).startswith(TOKEN_NOTICE):
+            return True
+        if not getattr(record, "rollart_at_debug", False):  # once, whatever the number of Ray's handlers
+            record.rollart_at_debug = True
+            log.debug("ray: %s", record.getMessage())
+        return False
+
+
+@contextmanager
+def _token_notice_at_debug() -> Iterator[None]:
+    """While the local Ray starts: :class:`_TokenNoticeAtDebug` on the handlers of Ray's logger (set up
+    when ``ray`` was imported)."""
+    handlers = list(logging.getLogger("ray").handlers)
+    quiet = _TokenNoticeAtDebug()
+    for h in handlers:
+        h.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(quiet)
 
 
 def take_ray_start() -> RayStart | None:
@@ -174,12 +228,14 @@ def ensure_ray(
     job_id: str | None = None,
     *,
     asked: Mapping[str, float] | None = None,
+    gpus: DetectedGpus | None = None,
 ) -> str:
     """Make sure Ray is up; return the job id (the Ray namespace).
 
     ``local_resources`` (``{"H800": 4, "H20": 4, "CPU": 16}``) is what a locally started Ray declares
     besides the GPUs it detects; when it is None, ``asked`` (what the pools ask for) is declared as
-    logical hardware on a machine without GPUs, and only its CPUs on a machine with GPUs.
+    logical hardware on a machine without GPUs, and only its CPUs on a machine with GPUs. ``gpus``: this
+    machine's GPUs when the caller detected them already (:func:`detect_gpus` otherwise).
     """
     if ray.is_initialized():
         return ray.get_runtime_context().namespace or job_id or new_job_id()
@@ -198,15 +254,13 @@ def ensure_ray(
             os.environ.get("RAY_AUTH_MODE", "unset"),
         )
         ray.init(address=address, namespace=job_id, log_to_driver=True)
+        _route_worker_output()
         _ray_start = RayStart("joined", began, time.time())
         return job_id
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     _bind_to_loopback()
-    resources = dict(local_resources if local_resources is not None else asked or {})
-    cpus = resources.pop(CPU, None)
-    num_cpus = int(max(cpus or 0, os.cpu_count() or 1, 2))
-    gpus = detect_gpus()
-    custom, logical = local_ray_resources(resources, gpus, declare_logical=local_resources is not None)
+    plan = plan_local_ray(local_resources, asked, gpus=gpus)
+    num_cpus, gpus, custom, logical = plan.num_cpus, plan.gpus, plan.custom, plan.logical
     log.info(
         "starting a local Ray on 127.0.0.1 as job %s: CPU=%d, GPUs detected: %s, logical devices: %s",
         job_id,
@@ -214,7 +268,7 @@ def ensure_ray(
         gpus.describe(),
         logical or "none",
     )
-    absent = sorted(hw for hw, n in resources.items() if n > 0 and hw not in logical and hw not in gpus.types())
+    absent = plan.absent
     if absent:
         log.info(
             "not declared (this machine has no such GPU; cluster.local_resources declares logical ones): %s", absent
@@ -232,7 +286,7 @@ def ensure_ray(
         # started ahead; each such worker importing Ray would only compete for the CPUs with the actors.
         node_env, job_env, prestart = {}, {"env_vars": worker_env}, False
     _private_token_file()
-    with _environ(node_env):  # what Ray's processes inherit; the driver's own is put back
+    with _environ(node_env), _token_notice_at_debug():  # what Ray's processes inherit; the driver's own is put back
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -245,8 +299,52 @@ def ensure_ray(
             runtime_env=job_env,
             _system_config={"enable_worker_prestart": prestart, "prestart_worker_first_driver": False},
         )
+    _route_worker_output()
     _ray_start = RayStart("local", began, time.time())
     return job_id
+
+
+@dataclass(frozen=True)
+class LocalRayPlan:
+    """What a local Ray started by :func:`ensure_ray` declares: ``num_cpus`` CPUs, the detected ``gpus``,
+    the ``custom`` resources (markers and logical devices) and, of these, the ``logical`` devices by type;
+    ``absent``: the hardware types asked for that it does not declare."""
+
+    num_cpus: int
+    gpus: DetectedGpus
+    custom: dict[str, float]
+    logical: dict[str, float]
+    absent: list[str]
+
+    def node_resources(self) -> dict[str, float]:
+        """The node's resources as ``ray.nodes()`` will report them (``CPU``, ``GPU`` and the custom ones)."""
+        out = {CPU: float(self.num_cpus), **self.custom}
+        if self.gpus.count:
+            out["GPU"] = float(self.gpus.count)
+        return out
+
+
+def plan_local_ray(
+    local_resources: Mapping[str, float] | None = None,
+    asked: Mapping[str, float] | None = None,
+    *,
+    gpus: DetectedGpus | None = None,
+) -> LocalRayPlan:
+    """What :func:`ensure_ray` declares when it starts a local Ray for ``local_resources`` (else ``asked``,
+    what the pools ask for) on this machine (its ``gpus``, detected when not given): known before Ray
+    starts, so the pools can be checked first."""
+    resources = dict(local_resources if local_resources is not None else asked or {})
+    cpus = resources.pop(CPU, None)
+    num_cpus = int(max(cpus or 0, os.cpu_count() or 1, 2))
+    gpus = detect_gpus() if gpus is None else gpus
+    custom, logical = local_ray_resources(resources, gpus, declare_logical=local_resources is not None)
+    absent = sorted(hw for hw, n in resources.items() if n > 0 and hw not in logical and hw not in gpus.types())
+    return LocalRayPlan(num_cpus, gpus, custom, logical, absent)
+
+
+def starts_local_ray() -> bool:
+    """Whether :func:`ensure_ray` would start a local Ray here (no Ray in this process, no ``RAY_ADDRESS``)."""
+    return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
 
 
 def local_ray_resources(

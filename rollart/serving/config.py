@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
+from rollart.config_model import ConfigModel
 from rollart.rollout.chat import check_template_setting
 
 
-class ServingConfig(BaseModel):
+class ServingConfig(ConfigModel):
     """The OpenAI-compatible endpoint in front of the LLMProxy (`agent` envs play through it)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     host: str = "127.0.0.1"
     """The address it listens on: `127.0.0.1` for agents in the driver; `0.0.0.0` or this node's IP for agents

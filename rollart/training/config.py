@@ -6,8 +6,9 @@ import importlib.util
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, StrictFloat, ValidationInfo, field_validator, model_validator
 
+from rollart.config_model import ConfigModel
 from rollart.plugins import checked as _plain
 
 
@@ -18,13 +19,11 @@ def _importable(module: str) -> bool:
         return False
 
 
-class LoraSettings(BaseModel):
+class LoraSettings(ConfigModel):
     """``train.lora``: train low-rank adapters (``peft``) instead of the full weights. ``r`` is the rank,
     ``alpha`` the scale numerator (updates are scaled by ``alpha / r``), ``target_modules`` the linear
     layers that get an adapter (names as in the Hugging Face model). The inference engines and exports
     always get the merged full weights."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     r: int = Field(default=8, ge=1)
     """Rank of the low-rank adapters."""
@@ -36,7 +35,7 @@ class LoraSettings(BaseModel):
     """Dropout on the adapters' input."""
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(ConfigModel):
     """How the actor is trained. ``model`` is a Hugging Face folder (default: the built-in tiny
     model); ``loss`` names a policy loss of ``rollart.algorithms`` (or a user's: a name registered with
     ``@register_loss``, or ``MODULE:FUNC``) with ``loss_params`` (checked against its signature);
@@ -50,8 +49,6 @@ class TrainConfig(BaseModel):
     :mod:`rollart.training.sharding`); ``tensor_parallel`` splits each layer across that many ranks
     (with ``fsdp`` over the rest); ``pipeline_parallel`` is not built (must be 1). Every combination
     is checked here and against the pool, before any actor starts."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     strategy: Literal["torch", "megatron"] = "torch"
     """The training worker: `torch` (the Hugging Face module) or `megatron` (a megatron-core GPTModel; extra
@@ -82,7 +79,7 @@ class TrainConfig(BaseModel):
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[StrictFloat, StrictFloat] = Field(default=(0.9, 0.999), strict=False)  # a YAML list
     """AdamW betas."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear learning-rate warm-up, in optimizer steps."""
@@ -235,13 +232,11 @@ class TrainConfig(BaseModel):
         return self
 
 
-class RunningMeanConfig(BaseModel):
+class RunningMeanConfig(ConfigModel):
     """``advantage: running_mean`` (the critic-free single-rollout baseline of SAO, see
     :class:`rollart.algorithms.RunningMeanBaseline`): ``A = r - mean(window)`` over the ``window`` most
     recent rewards of the same prompt (``scope: prompt``, the paper's ablation: 8) or of all prompts
     (``scope: global``, the paper's online setting: 128)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     window: int = Field(default=8, ge=1)
     """How many of the most recent rewards the baseline averages."""
@@ -262,7 +257,7 @@ SAO_PRESET: dict[str, Any] = {
 paper's critic learning rate (5e-6, for a 30B model) is not part of it: set ``lr`` for your model."""
 
 
-class CriticConfig(BaseModel):
+class CriticConfig(ConfigModel):
     """How the critic trains and how its values become advantages. ``model`` is a Hugging Face causal-LM
     folder (default: the built-in tiny model); ``epochs`` is K, the value updates per actor step.
 
@@ -270,8 +265,6 @@ class CriticConfig(BaseModel):
     ``1 - 1 / (lambda_alpha * l)`` per trajectory of ``l`` action tokens; ``critic_lambda`` is the lambda of
     the critic's regression targets (the returns), ``None`` for the policy's. ``preset: sao`` fills in
     :data:`SAO_PRESET` for every field the config does not give."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     preset: Literal["sao"] | None = None
     """`sao` fills in the SAO recipe for every field not given."""
