@@ -280,8 +280,8 @@ class MetricsFile:
             import matplotlib
         except ImportError:
             log.info(
-                "metrics.png skipped: matplotlib is not installed; the metrics are in %s (install the plot extra, "
-                "then `rollart plot %s` draws it)",
+                "metrics.png skipped: matplotlib is not installed; the metrics are in %s "
+                "(pip install 'rollart[plot]', then `rollart plot %s` draws it)",
                 self.path,
                 self.out_dir,
             )
