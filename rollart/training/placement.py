@@ -77,6 +77,8 @@ def init_process_group(backend: str, *, rank: int, world_size: int, master_addr:
     """Join the default process group at ``tcp://master_addr:master_port`` over this node's interface."""
     iface = set_socket_interface(node_ip())
     log.info("rank %d/%d joins %s at %s:%d (interface %s)", rank, world_size, backend, master_addr, master_port, iface)
+    if backend == "nccl":  # the step's sums and the gathered objects are CPU tensors: gloo carries those
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size)
 
 

@@ -250,7 +250,7 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
     def _build_sharded(self) -> torch.nn.Module:
         """The model with its parameters sharded (built on ``meta``, filled one tensor at a time)."""
         from rollart.models.streaming import empty_causal_lm, iter_weights
-        from rollart.training.sharding import load_full_weights, materialize, shard_model
+        from rollart.training.sharding import load_full_weights, materialize, shard_model, sparse_tied_embedding
 
         cfg = self.config
         path = model_path(cfg.model)
@@ -272,6 +272,8 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         )
         materialize(model, self.device, offload)
         load_full_weights(model, iter_weights(path))
+        if self.device.type == "cpu" and sparse_tied_embedding(model):
+            self.logger.debug("the tied input embedding's gradient is sparse (one vocab-sized tensor less)")
         model.train()
         return model
 
