@@ -1,0 +1,205 @@
+"""A decoder forward over a static KV cache, built from a Hugging Face causal LM's own modules.
+
+The torch engine's fast path. :class:`StaticDecoder` runs the layers of a Llama-family model (Llama,
+Qwen2, Qwen3, Mistral without a sliding window: pre-norm blocks of rotary self-attention and an MLP)
+calling the model's own embedding, norms, projections and MLPs, so the weights stay the model's (a
+weight update, sleep and wake-up act on the model as before). Only the attention is its own: keys and
+values are written into a :class:`~rollart.models.kv_cache.StaticKVCache` at each row's own position,
+and a query attends to its row's cached positions, so rows of different lengths run together without
+padding or copies.
+
+- :meth:`StaticDecoder.decode` (then :meth:`StaticDecoder.head`): one token for each of the slots ``0 .. B-1`` (a free slot in that
+  range computes a throw-away row), attention over the first ``columns`` positions with a per-row
+  length mask. Its shapes depend only on ``(B, columns)`` and it never synchronises with the host, so
+  a CUDA graph can capture it.
+- :meth:`StaticDecoder.prefill`: the new tokens of several sequences packed into one stream (no
+  padding); each sequence may continue a prefix already in its slot (``start > 0``).
+
+:func:`static_decoder_unsupported` says why a model cannot take this path (the engine then keeps the
+Hugging Face forward over a dynamic cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rollart.models.kv_cache import StaticKVCache
+
+__all__ = ["StaticDecoder", "static_config_unsupported", "static_decoder_unsupported"]
+
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+"""Model types whose layers :class:`StaticDecoder` runs (all full attention, rotary positions)."""
+
+
+def _rope_type(config: Any) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default")
+
+
+def static_config_unsupported(config: Any) -> str | None:
+    """Why a model of this config cannot run on :class:`StaticDecoder` (from its ``config.json`` alone),
+    or None when it can."""
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_TYPES:
+        return f"model type {kind!r} (the static-cache path runs {', '.join(SUPPORTED_TYPES)})"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return "layers with sliding-window attention"
+    if kind == "mistral" and getattr(config, "sliding_window", None):
+        return "Mistral's sliding window"
+    rope = _rope_type(config)
+    if "dynamic" in rope or rope == "longrope":
+        return f"rope type {rope!r} (its frequencies depend on the sequence length)"
+    return None
+
+
+def static_decoder_unsupported(model: Any) -> str | None:
+    """Why ``model`` cannot run on :class:`StaticDecoder`, or None when it can."""
+    reason = static_config_unsupported(getattr(model, "config", None))
+    if reason is not None:
+        return reason
+    inner = getattr(model, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(inner, name):
+            return f"the model has no model.{name}"
+    if not hasattr(model, "lm_head"):
+        return "the model has no lm_head"
+    if not hasattr(inner.rotary_emb, "inv_freq"):
+        return "the rotary embedding has no inv_freq"
+    for layer in inner.layers:
+        attn = getattr(layer, "self_attn", None)
+        if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "a layer without q/k/v/o projections"
+        if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")):
+            return "a layer without the pre-norm block layout"
+    return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class StaticDecoder:
+    """The layers of ``model`` over ``cache`` (see the module docstring)."""
+
+    def __init__(self, model: Any, cache: StaticKVCache):
+        reason = static_decoder_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the static-cache decoder cannot run this model: {reason}")
+        self.model = model
+        self.cache = cache
+        inner = model.model
+        config = model.config
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.group = self.heads // self.kv_heads
+        attn = self.layers[0].self_attn
+        self.scaling = float(getattr(attn, "scaling", self.head_dim**-0.5))
+        self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+
+    # ------------------------------------------------------------------ pieces
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[N, head_dim]`` of these positions (as the model's rotary module computes them)."""
+        inv_freq = self.rotary.inv_freq.to(device=positions.device, dtype=torch.float)
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = float(getattr(self.rotary, "attention_scaling", 1.0))
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+    def _qkv(
+        self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[N, H, D]``, keys and values ``[N, KVH, D]`` of the tokens ``x [N, hidden]``, rotated."""
+        attn = layer.self_attn
+        n = x.shape[0]
+        q = attn.q_proj(x).view(n, self.heads, self.head_dim)
+        k = attn.k_proj(x).view(n, self.kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        c, s = cos[:, None, :], sin[:, None, :]
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+
+    def _block_tail(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        h = h + layer.self_attn.o_proj(attn_out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, columns: int) -> torch.Tensor:
+        """Final hidden states ``[B, hidden]`` (:meth:`head` makes them logits) of one token per slot
+        ``0 .. B-1``: ``ids [B]`` at ``positions [B]`` (its key and value are written there), attending to
+        the positions ``<=`` its own among the first ``columns``."""
+        b = ids.shape[0]
+        h = self.embed(ids)
+        cos, sin = self._rope(positions, h.dtype)
+        col = torch.arange(columns, device=ids.device)
+        mask = (col[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, columns]
+        rows = torch.arange(b, device=ids.device)
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(layer, x, cos, sin)
+            keys, values = self.cache.layer(i)
+            keys[rows, :, positions] = k
+            values[rows, :, positions] = v
+            # the query heads of one KV head are that head's "query positions": no repeated keys
+            qg = q.view(b, self.kv_heads, self.group, self.head_dim)
+            o = F.scaled_dot_product_attention(
+                qg, keys[:b, :, :columns], values[:b, :, :columns], attn_mask=mask, scale=self.scaling
+            )
+            h = self._block_tail(layer, h, o.reshape(b, self.heads * self.head_dim))
+        return self.norm(h)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of final hidden states."""
+        return self.lm_head(hidden)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, slots: Sequence[int], starts: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Run ``tokens[j]`` at positions ``starts[j] ..`` of slot ``slots[j]`` (positions before ``starts[j]``
+        already hold that sequence's keys and values), all sequences in one packed forward. Logits
+        ``[J, V]`` of each sequence's last token."""
+        dev = self.cache.device
+        lens = [len(t) for t in tokens]
+        ids = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(dev)
+        tok_slot = torch.tensor([s for s, n in zip(slots, lens) for _ in range(n)], dtype=torch.long, device=dev)
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        masks = [  # a continued sequence sees its prefix and its own earlier tokens
+            None
+            if start == 0
+            else torch.arange(start + n, device=dev)[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
+            for start, n in zip(starts, lens)
+        ]
+        h = self.embed(ids)
+        cos, sin = self._rope(pos, h.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(layer, x, cos, sin)
+            keys, values = self.cache.layer(i)
+            keys[tok_slot, :, pos] = k
+            values[tok_slot, :, pos] = v
+            outs = []
+            for j, (slot, start, n) in enumerate(zip(slots, starts, lens)):
+                qj = q[offsets[j] : offsets[j + 1]].transpose(0, 1)[None]  # [1, H, n, D]
+                kj = keys[slot : slot + 1, :, : start + n]
+                vj = values[slot : slot + 1, :, : start + n]
+                oj = F.scaled_dot_product_attention(
+                    qj, kj, vj, attn_mask=masks[j], is_causal=masks[j] is None, scale=self.scaling, enable_gqa=True
+                )
+                outs.append(oj[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
+            h = self._block_tail(layer, h, outs[0] if len(outs) == 1 else torch.cat(outs))
+        last = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=dev)
+        return self.lm_head(self.norm(h.index_select(0, last)))
