@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=None, help="also time HF generate")
     p.add_argument("--kv-cache", choices=["static", "dynamic"], default="static", help="the engine (default static)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help="on a GPU (static)")
+    p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=True, help="with CUDA graphs")
     p.add_argument("--compare", action="store_true", help="also time the dynamic-cache engine: the speed-up")
     p.add_argument("--session", type=int, default=None, help="N: time N-turn chat sessions with/without prefix reuse")
     p.add_argument("--user-tokens", type=int, default=24, help="with --session: new tokens of each user turn")
@@ -104,6 +105,7 @@ def _engine(path: str, device: torch.device, dtype: torch.dtype, args: argparse.
         kv_cache="static",
         prefix_cache_tokens=0,
         cuda_graphs=args.cuda_graphs,
+        torch_compile=args.torch_compile,
     )
 
 
@@ -169,7 +171,12 @@ def run_session(
     from rollart.engines.torch_engine import TorchEngine
 
     engine = TorchEngine(
-        path, device=str(device), dtype=dtype, max_batch_size=max(args.batch, 1), cuda_graphs=args.cuda_graphs
+        path,
+        device=str(device),
+        dtype=dtype,
+        max_batch_size=max(args.batch, 1),
+        cuda_graphs=args.cuda_graphs,
+        torch_compile=args.torch_compile,
     )
     vocab = engine.model.config.vocab_size
     _session_turns(engine, argparse.Namespace(**{**vars(args), "session": 2}), device, vocab)  # warm-up
@@ -260,6 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "engine": type(engine).__name__,
         "kv_cache": args.kv_cache,
         "cuda_graphs": bool(getattr(engine, "graphs", None)),
+        "torch_compile": bool(getattr(getattr(engine, "decoder", None), "ops", None) and engine.decoder.ops.compiled),
         "decode_tokens_per_s": args.batch * steps / best,
         "decode_step_ms": 1e3 * best / steps,
         "torch_engine_tokens_per_s": args.batch * args.new_tokens / timed["total_s"],  # prefill included

@@ -28,6 +28,7 @@ def test_graph_replayed_decode_equals_eager_decode_and_the_dynamic_engine(lively
     dynamic = TorchEngine(lively, device="cuda", kv_cache="dynamic")
     got, want, ref = run_mixed(graphs, state), run_mixed(eager, state), run_mixed(dynamic, state)
     assert graphs.graphs is not None and eager.graphs is None
+    assert graphs.decoder.ops.compiled and not eager.decoder.ops.compiled  # the fused steps were captured
     assert graphs.stats["graph_captures"] > 0 and graphs.stats["graph_replays"] > graphs.stats["graph_captures"]
     assert_same(got, want, COMPARED)
     assert_same(got, ref, COMPARED, tol=1e-4)  # other kernels (HF's attention over left-padded rows)
@@ -50,10 +51,15 @@ def test_a_sleep_drops_the_graphs_and_the_woken_engine_captures_them_again(livel
 
 
 def test_bf16_graphs_decode_as_the_eager_step_does(lively):
+    """In bf16 the plain steps replayed from graphs equal the eager step (the fused torch.compile'd steps keep
+    float32 inside a kernel and round differently in bf16: compared in float32 above)."""
     outs = []
     for graphs in (True, False):
-        engine = TorchEngine(lively, device="cuda", dtype="bfloat16", cuda_graphs=graphs, prefix_cache_tokens=0)
+        engine = TorchEngine(
+            lively, device="cuda", dtype="bfloat16", cuda_graphs=graphs, torch_compile=False, prefix_cache_tokens=0
+        )
         for i in range(24):
             engine.add_request(EngineRequest(f"r{i}", [3 + i, 7, 11 + i % 5] * (1 + i % 4), greedy(6 + i % 9)))
         outs.append(drive(engine, [[]])[0])
-    assert_same(outs[0], outs[1], [f"r{i}" for i in range(24)], tol=5e-2)  # bf16; other GEMM shapes (buckets)
+        assert (engine.stats["graph_captures"] > 0) == graphs
+    assert_same(outs[0], outs[1], [f"r{i}" for i in range(24)], tol=1e-3)

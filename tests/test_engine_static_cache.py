@@ -50,13 +50,13 @@ def test_requests_keep_their_slot_from_join_to_leave_and_the_cache_is_not_reallo
     engine = TorchEngine(lively, max_batch_size=8)
     drive(engine, [[("add", f"w{i}", [1] * (60 if i == 0 else 2), greedy(3)) for i in range(8)]])
     assert (engine.cache.slots, engine.cache.capacity) == (8, 64)  # sized by the warm-up
-    generation, keys = engine.cache.generation, engine.cache.keys
+    generation, keys = engine.cache.generation, list(engine.cache.keys)
     script = [[("add", f"r{i}", [5 + i] * (1 + 3 * i), greedy(4 + 2 * i)) for i in range(4)]]
     script += [[("abort", "r1"), ("add", "r4", [9, 8], greedy(5))], [("add", "r5", [7], greedy(3))]]
     _, slots = drive(engine, script)
     assert all(len(held) == 1 for held in slots.values()), slots
     assert slots["r4"] == {1}  # joined into the slot r1 left
-    assert engine.cache.generation == generation and engine.cache.keys is keys
+    assert engine.cache.generation == generation and all(a is b for a, b in zip(engine.cache.keys, keys))
 
 
 def test_prefill_is_batched_by_the_token_budget(lively):
@@ -125,8 +125,8 @@ def test_the_prefix_cache_stays_in_its_budget_and_evicts_the_least_recently_used
     cache = StaticKVCache(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", max_slots=2)
     cache.reserve(2, 64)
     gen = torch.Generator().manual_seed(0)
-    cache.keys.copy_(torch.randn(cache.keys.shape, generator=gen))
-    cache.values.copy_(torch.randn(cache.values.shape, generator=gen))
+    for t in (*cache.keys, *cache.values):
+        t.copy_(torch.randn(t.shape, generator=gen))
     pc = PrefixCache(budget=24)
     a, b = list(range(10)), list(range(5)) + [99] * 5  # b shares a's first 5 tokens
     assert pc.store(a, cache, slot=0) == 10
@@ -135,8 +135,8 @@ def test_the_prefix_cache_stays_in_its_budget_and_evicts_the_least_recently_used
     found, rows = pc.match(a + [7, 7])
     assert found == 10
     pc.load(rows, cache, slot=1)  # a's keys and values, copied into slot 1
-    assert torch.equal(cache.keys[:, 1, :, :10], cache.keys[:, 0, :, :10])
-    assert torch.equal(cache.values[:, 1, :, :10], cache.values[:, 0, :, :10])
+    for t in (*cache.keys, *cache.values):
+        assert torch.equal(t[1, :, :10], t[0, :, :10])
     assert pc.match(b)[0] == 10
     pc.match(a)  # a used after b: b's tail is the least recently used leaf
     c = [50 + i for i in range(12)]
@@ -198,3 +198,44 @@ def test_an_architecture_outside_the_static_path_runs_on_the_dynamic_cache(tmp_p
     assert len(drive(engine, [[]])[0]["g"][0]) == 4
     with pytest.raises(ValueError, match="model type 'gpt2'"):
         TorchEngine(str(tmp_path / "gpt2"), kv_cache="static")
+
+
+def test_torch_engine_options_are_checked_with_the_config_and_match_the_engines_defaults():
+    import inspect
+
+    from rollart.engines.torch_options import TorchEngineOptions
+    from rollart.rollout.config import EngineConfig
+
+    with pytest.raises(ValueError) as err:
+        EngineConfig(kind="torch", options={"max_batch_size": 0, "prefix_cache_tokns": 10})
+    assert "engine.options.max_batch_size: Input should be greater than or equal to 1" in str(err.value)
+    assert "engine.options.prefix_cache_tokns: not an option of the torch engine" in str(err.value)
+    with pytest.raises(ValueError, match=r"\['max_prefill_tokens'\]: options of the static-cache torch engine"):
+        EngineConfig(kind="torch", options={"kv_cache": "dynamic", "max_prefill_tokens": 64})
+    EngineConfig(kind="vllm", options={"max_prefill_tokens": 64})  # other engines' options are theirs
+    defaults = {k: p.default for k, p in inspect.signature(TorchEngine.__init__).parameters.items() if k != "self"}
+    for name, field in TorchEngineOptions.model_fields.items():
+        if name not in ("device", "dtype"):  # the worker's device; dtype given by name in a config
+            assert defaults[name] == field.default, name
+    assert set(defaults) - {"model_path"} == set(TorchEngineOptions.model_fields)
+
+
+async def test_the_inference_workers_metrics_count_prefilled_tokens_and_prefix_cache_hits(lively):
+    import logging
+
+    from rollart.rollout.inference_worker import InferenceWorker
+    from rollart.rollout.types import GenerateRequest
+
+    worker = InferenceWorker({"kind": "torch", "model": lively, "options": {"device": "cpu"}})
+    worker.rank, worker.hardware = 0, "CPU"
+    worker.logger = logging.LoggerAdapter(logging.getLogger("test.engine"), {})
+    prompt = list(range(10, 40))
+    for turn in range(2):
+        out = await worker.generate(
+            GenerateRequest(request_id=f"t{turn}", prompt_token_ids=prompt, sampling=greedy(5)), "*"
+        )
+        prompt = prompt + out.output_token_ids + [3, 4, 5]
+    stats = (await worker.metrics())["engine_stats"]
+    assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_hit_tokens"] == 30 + 5 - 1
+    # turn 1 prefilled its last answer token (never fed back in turn 0) and the 3 new ones
+    assert stats["prefill_tokens"] == 30 + (1 + 3) and stats["decode_tokens"] == 2 * 4

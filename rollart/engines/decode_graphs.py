@@ -4,7 +4,10 @@ A decode step of a small model on a GPU is bound by kernel launches, not by the 
 small kernels, each launched from Python. :class:`DecodeGraphs` captures
 :meth:`~rollart.models.decoder.StaticDecoder.decode` once per shape and replays it: the step's token
 ids and positions are copied into static input buffers (one host-to-device copy), the graph runs every
-layer's kernels at once, and its output (the final hidden states) is projected to logits outside it.
+layer's kernels at once, and its output (the final hidden states) is projected to logits outside it. With ``compile`` the
+decoder's elementwise steps are fused by ``torch.compile`` first (a norm, the rotary embedding, the SiLU
+gate: one kernel each instead of several), which a capture then records; should that fail, the plain
+steps are captured instead.
 
 Shapes are bucketed so that few graphs serve every batch: the rows are the cache slots
 ``0 .. B-1`` with ``B`` the next power of two above the highest running slot (free slots in that range
@@ -77,7 +80,20 @@ class DecodeGraphs:
         key = (rows, columns)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(rows, columns)
+            try:
+                entry = self._capture(rows, columns)
+            except Exception:
+                if not self.decoder.ops.compiled:
+                    raise
+                # the fused kernels failed to compile or to be captured: the plain ones serve from now on
+                log.warning(
+                    "decode graphs: capturing the torch.compile'd steps failed; capturing the plain ones", exc_info=True
+                )
+                self.decoder.ops = type(self.decoder.ops)()
+                self.reset()
+                self._generation = cache.generation
+                entry = self._capture(rows, columns)
+            self._graphs[key] = entry
         else:
             entry[0].replay()
             self.replays += 1

@@ -51,6 +51,7 @@ from rollart.engines.decode_graphs import DecodeGraphs
 from rollart.engines.prefix_cache import PrefixCache
 from rollart.engines.sampling import RowSampling, process_logits, sample_rows, uniform_draws
 from rollart.engines.torch_dynamic import DynamicCacheTorchEngine
+from rollart.engines.torch_options import STATIC_ONLY
 from rollart.models.decoder import StaticDecoder, static_config_unsupported
 from rollart.models.kv_cache import StaticKVCache
 
@@ -99,7 +100,8 @@ class TorchEngine(InferenceEngine):
     ``prefix_sharing``, ``kv_cache`` (:data:`KV_CACHE_KINDS`), ``max_model_len`` (positions per sequence;
     None: as many as a sequence needs, the cache growing by doubling), ``max_prefill_tokens`` (the
     tokens one step prefills; a longer prompt alone still joins), ``prefix_cache_tokens`` (the prefix
-    cache's budget in tokens; 0 turns it off), ``cuda_graphs`` (capture the decode step on a GPU).
+    cache's budget in tokens; 0 turns it off), ``cuda_graphs`` (capture the decode step on a GPU),
+    ``torch_compile`` (with CUDA graphs: fuse the decoder's elementwise steps with ``torch.compile``).
 
     ``stats`` counts the work done: ``prefill_forwards`` / ``prefill_tokens`` (positions run through the
     model to build cache rows), ``decode_forwards`` / ``decode_tokens``, ``shared_prefill_rows`` (rows
@@ -115,14 +117,16 @@ class TorchEngine(InferenceEngine):
         if cls is TorchEngine and kv_cache != "static":
             reason = "kv_cache: dynamic" if kv_cache == "dynamic" else _static_unsupported(model_path)
             if reason is not None:
-                static_only = sorted(k for k in kwargs if k not in _DYNAMIC_OPTIONS)
+                static_only = sorted(k for k in kwargs if k in STATIC_ONLY)
                 if static_only and kv_cache == "dynamic":
                     raise ValueError(
                         f"engine.options {static_only}: options of the static-cache torch engine; "
                         "kv_cache: dynamic takes device, dtype, max_batch_size and prefix_sharing"
                     )
                 log.info("torch engine: the Hugging Face forward over a dynamic cache (%s)", reason)
-                known = {k: v for k, v in kwargs.items() if k in _DYNAMIC_OPTIONS}
+                if static_only:
+                    log.warning("torch engine: %s do not apply to the dynamic-cache engine (%s)", static_only, reason)
+                known = {k: v for k, v in kwargs.items() if k not in STATIC_ONLY}
                 return DynamicCacheTorchEngine(model_path, *args, **known)
         return super().__new__(cls)
 
@@ -139,6 +143,7 @@ class TorchEngine(InferenceEngine):
         max_prefill_tokens: int = 8192,
         prefix_cache_tokens: int = 32768,
         cuda_graphs: bool = True,
+        torch_compile: bool = True,
     ):
         from rollart.models.shapes import load_causal_lm
 
@@ -173,6 +178,8 @@ class TorchEngine(InferenceEngine):
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
+            if torch_compile:
+                self.decoder.ops.compile()
             self.graphs = DecodeGraphs(self.decoder, max_batch_size)
         self._waiting: deque[str] = deque()
         self._requests: OrderedDict[str, _Request] = OrderedDict()
@@ -485,6 +492,3 @@ class TorchEngine(InferenceEngine):
             frees_memory=True,
             freed_bytes=self._freed,
         )
-
-
-_DYNAMIC_OPTIONS = ("device", "dtype", "max_batch_size", "prefix_sharing")

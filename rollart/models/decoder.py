@@ -84,6 +84,49 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama-family RMSNorm, as its module computes it (in float32, then scaled in the input's dtype)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual ``h + delta`` and its RMSNorm."""
+    h = h + delta
+    return h, rms_norm(h, weight, eps)
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary positions applied to queries ``[N, H, D]`` and keys ``[N, KVH, D]`` (``cos``, ``sin``: ``[N, D]``)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class _Pointwise:
+    """The decoder's elementwise steps; :meth:`compile` fuses each into one kernel (torch.compile) on a GPU,
+    where a decode step of a small model is bound by how many kernels it launches."""
+
+    def __init__(self) -> None:
+        self.rms_norm: Any = rms_norm
+        self.add_rms_norm: Any = add_rms_norm
+        self.rotate: Any = rotate
+        self.silu_mul: Any = silu_mul
+        self.compiled = False
+
+    def compile(self) -> None:
+        for name in ("rms_norm", "add_rms_norm", "rotate", "silu_mul"):
+            setattr(self, name, torch.compile(globals()[name], dynamic=True))
+        self.compiled = True
+
+
 class StaticDecoder:
     """The layers of ``model`` over ``cache`` (see the module docstring)."""
 
@@ -107,6 +150,15 @@ class StaticDecoder:
         attn = self.layers[0].self_attn
         self.scaling = float(getattr(attn, "scaling", self.head_dim**-0.5))
         self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+        first = self.layers[0]
+        self.own_norms = all(
+            hasattr(m, "variance_epsilon") and hasattr(m, "weight") for m in (first.input_layernorm, self.norm)
+        )
+        mlp = first.mlp
+        self.own_mlp = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) and isinstance(
+            getattr(mlp, "act_fn", None), torch.nn.SiLU
+        )
+        self.ops = _Pointwise()
 
     # ------------------------------------------------------------------ pieces
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +168,18 @@ class StaticDecoder:
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = float(getattr(self.rotary, "attention_scaling", 1.0))
         return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+    def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, module.weight, module.variance_epsilon) if self.own_norms else module(x)
+
+    def _add_norm(self, module: Any, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.own_norms:
+            out: tuple[torch.Tensor, torch.Tensor] = self.ops.add_rms_norm(
+                h, delta, module.weight, module.variance_epsilon
+            )
+            return out
+        h = h + delta
+        return h, module(h)
 
     def _qkv(
         self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -127,13 +191,46 @@ class StaticDecoder:
         k = attn.k_proj(x).view(n, self.kv_heads, self.head_dim)
         v = attn.v_proj(x).view(n, self.kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        c, s = cos[:, None, :], sin[:, None, :]
-        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+        q, k = self.ops.rotate(q, k, cos, sin)
+        return q, k, v
 
-    def _block_tail(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        h = h + layer.self_attn.o_proj(attn_out)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+    def _mlp(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        mlp = layer.mlp
+        if not self.own_mlp:
+            return mlp(x)  # type: ignore[no-any-return]
+        return mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))  # type: ignore[no-any-return]
+
+    def _write_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's keys viewed as ``[slots · kv_heads · capacity, head_dim]`` that the tokens at
+        ``slots``, ``positions`` write (``[N · kv_heads]``, token-major)."""
+        heads = torch.arange(self.kv_heads, device=slots.device)
+        return ((slots[:, None] * self.kv_heads + heads[None, :]) * self.cache.capacity + positions[:, None]).reshape(
+            -1
+        )
+
+    def _write(self, i: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        keys, values = self.cache.layer(i)
+        keys.view(-1, self.head_dim).index_copy_(0, index, k.reshape(-1, self.head_dim))
+        values.view(-1, self.head_dim).index_copy_(0, index, v.reshape(-1, self.head_dim))
+
+    def _layers(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: torch.Tensor, attend: Any
+    ) -> torch.Tensor:
+        """Every layer over hidden states ``h``; ``attend(i, q)`` is layer ``i``'s attention output
+        ``[N, heads · head_dim]``. Returns the final normed hidden states."""
+        delta = None
+        for i, layer in enumerate(self.layers):
+            if delta is None:
+                x = self._norm(layer.input_layernorm, h)
+            else:
+                h, x = self._add_norm(layer.input_layernorm, h, delta)
+            q, k, v = self._qkv(layer, x, cos, sin)
+            self._write(i, index, k, v)
+            h, x = self._add_norm(layer.post_attention_layernorm, h, layer.self_attn.o_proj(attend(i, q)))
+            delta = self._mlp(layer, x)
+        assert delta is not None
+        return self._add_norm(self.norm, h, delta)[1]
 
     # ------------------------------------------------------------------ decode
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, columns: int) -> torch.Tensor:
@@ -144,25 +241,24 @@ class StaticDecoder:
         h = self.embed(ids)
         cos, sin = self._rope(positions, h.dtype)
         col = torch.arange(columns, device=ids.device)
-        mask = (col[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, columns]
-        rows = torch.arange(b, device=ids.device)
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
-            q, k, v = self._qkv(layer, x, cos, sin)
+        bias = torch.zeros((b, 1, 1, columns), dtype=h.dtype, device=ids.device)
+        bias = bias.masked_fill((col[None, :] > positions[:, None])[:, None, None, :], float("-inf"))
+        index = self._write_index(torch.arange(b, device=ids.device), positions)
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             keys, values = self.cache.layer(i)
-            keys[rows, :, positions] = k
-            values[rows, :, positions] = v
             # the query heads of one KV head are that head's "query positions": no repeated keys
             qg = q.view(b, self.kv_heads, self.group, self.head_dim)
             o = F.scaled_dot_product_attention(
-                qg, keys[:b, :, :columns], values[:b, :, :columns], attn_mask=mask, scale=self.scaling
+                qg, keys[:b, :, :columns], values[:b, :, :columns], attn_mask=bias, scale=self.scaling
             )
-            h = self._block_tail(layer, h, o.reshape(b, self.heads * self.head_dim))
-        return self.norm(h)
+            return o.reshape(b, self.heads * self.head_dim)
+
+        return self._layers(h, cos, sin, index, attend)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits of final hidden states."""
-        return self.lm_head(hidden)
+        return self.lm_head(hidden)  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, slots: Sequence[int], starts: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -183,14 +279,9 @@ class StaticDecoder:
             else torch.arange(start + n, device=dev)[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
             for start, n in zip(starts, lens)
         ]
-        h = self.embed(ids)
-        cos, sin = self._rope(pos, h.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
-            q, k, v = self._qkv(layer, x, cos, sin)
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             keys, values = self.cache.layer(i)
-            keys[tok_slot, :, pos] = k
-            values[tok_slot, :, pos] = v
             outs = []
             for j, (slot, start, n) in enumerate(zip(slots, starts, lens)):
                 qj = q[offsets[j] : offsets[j + 1]].transpose(0, 1)[None]  # [1, H, n, D]
@@ -200,6 +291,10 @@ class StaticDecoder:
                     qj, kj, vj, attn_mask=masks[j], is_causal=masks[j] is None, scale=self.scaling, enable_gqa=True
                 )
                 outs.append(oj[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
-            h = self._block_tail(layer, h, outs[0] if len(outs) == 1 else torch.cat(outs))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        h = self.embed(ids)
+        cos, sin = self._rope(pos, h.dtype)
+        hidden = self._layers(h, cos, sin, self._write_index(tok_slot, pos), attend)
         last = torch.tensor([o - 1 for o in offsets[1:]], dtype=torch.long, device=dev)
-        return self.lm_head(self.norm(h.index_select(0, last)))
+        return self.head(hidden.index_select(0, last))

@@ -5,8 +5,8 @@ transformers 5.x names the argument and the output field ``cache``; ``past_key_v
 there with a deprecation warning and goes away in 5.40. Older versions know only ``past_key_values``.
 :func:`cache_kwargs` and :func:`output_cache` pick the name the installed version uses.
 
-:class:`StaticKVCache` holds the keys and values of up to ``max_slots`` sequences in two preallocated
-tensors ``[layers, slots, kv_heads, capacity, head_dim]``: a sequence owns one slot and writes its
+:class:`StaticKVCache` holds the keys and values of up to ``max_slots`` sequences in preallocated
+tensors per layer, ``[slots, kv_heads, capacity, head_dim]``: a sequence owns one slot and writes its
 position ``p`` at column ``p``, so sequences join and leave without moving the others. It is sized on
 demand: ``reserve`` grows the slot count and the capacity to the next power of two that holds what is
 asked (at most ``max_slots`` and ``max_len``), copying the old contents once per growth; ``generation``
@@ -72,23 +72,21 @@ class StaticKVCache:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.max_slots, self.max_len = max_slots, max_len
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.keys: list[torch.Tensor] = []  # per layer, [slots, kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor] = []
         self.generation = 0
 
     @property
     def slots(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[1]
+        return self.keys[0].shape[0] if self.keys else 0
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[3]
+        return self.keys[0].shape[2] if self.keys else 0
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None or self.values is None:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
@@ -105,43 +103,43 @@ class StaticKVCache:
         new_cap = _pow2_at_least(max(length, self.capacity), self.MIN_CAPACITY)
         if self.max_len is not None:
             new_cap = min(new_cap, self.max_len)
-        shape = (self.layers, new_slots, self.kv_heads, new_cap, self.head_dim)
-        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self.keys is not None and self.values is not None:
-            s, c = self.slots, self.capacity
-            keys[:, :s, :, :c] = self.keys
-            values[:, :s, :, :c] = self.values
-        self.keys, self.values = keys, values
+        shape = (new_slots, self.kv_heads, new_cap, self.head_dim)
+        s, c = self.slots, self.capacity
+        for tensors in (self.keys, self.values):
+            for i in range(self.layers):  # one layer at a time: at most one old layer more is held
+                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if i < len(tensors):
+                    new[:s, :, :c] = tensors[i]
+                    tensors[i] = new
+                else:
+                    tensors.append(new)
         self.generation += 1
         return True
 
     def release(self) -> None:
         """Drop the tensors (the next ``reserve`` allocates them again)."""
-        self.keys = self.values = None
+        self.keys, self.values = [], []
         self.generation += 1
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s keys and values, ``[slots, kv_heads, capacity, head_dim]`` each."""
-        assert self.keys is not None and self.values is not None, "the cache holds nothing: reserve first"
         return self.keys[i], self.values[i]
 
     def read(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``start .. end-1`` of ``slot``, ``[end-start, layers, kv_heads, head_dim]``."""
-        assert self.keys is not None and self.values is not None
-        return self.keys[:, slot, :, start:end].permute(2, 0, 1, 3), self.values[:, slot, :, start:end].permute(
-            2, 0, 1, 3
-        )
+        keys = torch.stack([k[slot, :, start:end] for k in self.keys]).permute(2, 0, 1, 3)
+        values = torch.stack([v[slot, :, start:end] for v in self.values]).permute(2, 0, 1, 3)
+        return keys, values
 
     def write(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``[n, layers, kv_heads, head_dim]`` keys and values at positions ``start .. start+n-1`` of ``slot``."""
-        assert self.keys is not None and self.values is not None
         n = keys.shape[0]
-        self.keys[:, slot, :, start : start + n] = keys.permute(1, 2, 0, 3)
-        self.values[:, slot, :, start : start + n] = values.permute(1, 2, 0, 3)
+        for i in range(self.layers):
+            self.keys[i][slot, :, start : start + n] = keys[:, i].transpose(0, 1)
+            self.values[i][slot, :, start : start + n] = values[:, i].transpose(0, 1)
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
-        assert self.keys is not None and self.values is not None
-        self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
-        self.values[:, dst, :, :length] = self.values[:, src, :, :length]
+        for tensors in (self.keys, self.values):
+            for t in tensors:
+                t[dst, :, :length] = t[src, :, :length]
