@@ -198,8 +198,8 @@ class StaticDecoder:
     def _mlp(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         mlp = layer.mlp
         if not self.own_mlp:
-            return mlp(x)  # type: ignore[no-any-return]
-        return mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))  # type: ignore[no-any-return]
+            return mlp(x)
+        return mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
 
     def _write_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows of a layer's keys viewed as ``[slots · kv_heads · capacity, head_dim]`` that the tokens at
@@ -258,7 +258,7 @@ class StaticDecoder:
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits of final hidden states."""
-        return self.lm_head(hidden)  # type: ignore[no-any-return]
+        return self.lm_head(hidden)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, slots: Sequence[int], starts: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
