@@ -239,3 +239,17 @@ async def test_the_inference_workers_metrics_count_prefilled_tokens_and_prefix_c
     assert stats["prefix_cache_hits"] == 1 and stats["prefix_cache_hit_tokens"] == 30 + 5 - 1
     # turn 1 prefilled its last answer token (never fed back in turn 0) and the 3 new ones
     assert stats["prefill_tokens"] == 30 + (1 + 3) and stats["decode_tokens"] == 2 * 4
+
+
+def test_a_fused_step_that_fails_to_compile_runs_unfused(caplog):
+    from rollart.models.decoder import _Pointwise, silu_mul
+
+    def no_compiler(*args):
+        raise RuntimeError("no C compiler")
+
+    ops = _Pointwise()
+    ops.silu_mul = ops._guarded("silu_mul", no_compiler, silu_mul)
+    x = torch.linspace(-2, 2, 8)
+    assert torch.equal(ops.silu_mul(x, x), silu_mul(x, x))
+    assert ops.silu_mul is silu_mul  # from then on the plain step, without trying again
+    assert "torch.compile of the decoder's silu_mul failed" in caplog.text

@@ -356,16 +356,19 @@ class TorchEngine(InferenceEngine):
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_tokens"] += sum(len(j.seq) - j.reused for j in first)
         row_of = {id(j): i for i, j in enumerate(first)}
-        select = []
+        select, copy_from, copy_to = [], [], []
         for j in joins:
             j.run.length = len(j.seq)
             if j.twin is not None:
                 source = joins[j.twin]
-                self.cache.copy_slot(source.run.slot, j.run.slot, len(j.seq))
-                self.stats["shared_prefill_rows"] += 1
+                copy_from.append(source.run.slot)
+                copy_to.append(j.run.slot)
                 select.append(row_of[id(source)])
             else:
                 select.append(row_of[id(j)])
+        if copy_to:  # the twins' slots: their first's keys and values
+            self.cache.copy_slots(copy_from, copy_to, max(len(j.seq) for j in joins if j.twin is not None))
+            self.stats["shared_prefill_rows"] += len(copy_to)
         if len(first) < len(joins):
             logits = logits.index_select(0, torch.tensor(select, device=logits.device))
         return logits

@@ -21,13 +21,16 @@ Hugging Face forward over a dynamic cache).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from rollart.models.kv_cache import StaticKVCache
+
+log = logging.getLogger(__name__)
 
 __all__ = ["StaticDecoder", "static_config_unsupported", "static_decoder_unsupported"]
 
@@ -122,9 +125,71 @@ class _Pointwise:
         self.compiled = False
 
     def compile(self) -> None:
+        """Compile each step (at its first call); a step that fails to compile runs unfused from then on."""
         for name in ("rms_norm", "add_rms_norm", "rotate", "silu_mul"):
-            setattr(self, name, torch.compile(globals()[name], dynamic=True))
+            setattr(self, name, self._guarded(name, torch.compile(globals()[name], dynamic=True), globals()[name]))
         self.compiled = True
+
+    def _guarded(self, name: str, fused: Callable[..., Any], plain: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            try:
+                return fused(*args)
+            except Exception:
+                log.warning("torch.compile of the decoder's %s failed: it runs unfused", name, exc_info=True)
+                setattr(self, name, plain)
+                return plain(*args)
+
+        return call
+
+
+def _fresh_groups(starts: Sequence[int], lens: Sequence[int]) -> list[list[int]]:
+    """Sequences without a cached prefix, in groups of similar lengths (padded to the longest of a group,
+    at most as many padding positions as real ones); groups of one are left out."""
+    fresh = sorted((j for j, s in enumerate(starts) if s == 0), key=lambda j: lens[j])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for j in fresh:
+        if current and lens[j] * (len(current) + 1) > 2 * (real + lens[j]):
+            groups.append(current)
+            current, real = [], 0
+        current.append(j)
+        real += lens[j]
+    groups.append(current)
+    return [g for g in groups if len(g) > 1]
+
+
+class _PaddedGroup:
+    """Sequences prefilled from position 0, attended in one call: queries gathered into ``[G, H, L, D]``,
+    keys and values read from their cache slots, a causal mask that also hides each row's padding."""
+
+    def __init__(self, members: list[int], slots: Sequence[int], lens: Sequence[int], offsets: list[int], dev: Any):
+        self.members = set(members)
+        width = max(lens[j] for j in members)
+        src, valid, dst = [], [], []
+        for row, j in enumerate(members):
+            n = lens[j]
+            src += [offsets[j] + min(t, n - 1) for t in range(width)]
+            valid += [row * width + t for t in range(n)]
+            dst += [offsets[j] + t for t in range(n)]
+        self.width, self.count = width, len(members)
+        self.slots = torch.tensor([slots[j] for j in members], dtype=torch.long, device=dev)
+        self.src = torch.tensor(src, dtype=torch.long, device=dev)
+        self.valid = torch.tensor(valid, dtype=torch.long, device=dev)
+        self.dst = torch.tensor(dst, dtype=torch.long, device=dev)
+        col = torch.arange(width, device=dev)
+        n = torch.tensor([lens[j] for j in members], device=dev)
+        causal = col[None, :] <= col[:, None]
+        self.mask = (causal[None] & (col[None, None, :] < n[:, None, None]))[:, None]  # [G, 1, L, L]
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention outputs ``[Σ n, heads · head_dim]`` of the group's real tokens, in ``dst`` order."""
+        heads, dim = q.shape[1], q.shape[2]
+        qg = q.index_select(0, self.src).view(self.count, self.width, heads, dim).transpose(1, 2)
+        kg = keys[:, :, : self.width].index_select(0, self.slots)
+        vg = values[:, :, : self.width].index_select(0, self.slots)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=self.mask, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(self.count * self.width, heads * dim).index_select(0, self.valid)
 
 
 class StaticDecoder:
@@ -279,19 +344,24 @@ class StaticDecoder:
             else torch.arange(start + n, device=dev)[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
             for start, n in zip(starts, lens)
         ]
+        groups = [_PaddedGroup(g, slots, lens, offsets, dev) for g in _fresh_groups(starts, lens)]
+        alone = [j for j in range(len(lens)) if not any(j in g.members for g in groups)]
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             keys, values = self.cache.layer(i)
-            outs = []
-            for j, (slot, start, n) in enumerate(zip(slots, starts, lens)):
+            out = q.new_empty((q.shape[0], self.heads * self.head_dim))
+            for g in groups:  # sequences of similar lengths without a cached prefix: one padded call
+                out.index_copy_(0, g.dst, g.attend(q, keys, values, self.scaling))
+            for j in alone:
+                slot, start, n = slots[j], starts[j], lens[j]
                 qj = q[offsets[j] : offsets[j + 1]].transpose(0, 1)[None]  # [1, H, n, D]
                 kj = keys[slot : slot + 1, :, : start + n]
                 vj = values[slot : slot + 1, :, : start + n]
                 oj = F.scaled_dot_product_attention(
                     qj, kj, vj, attn_mask=masks[j], is_causal=masks[j] is None, scale=self.scaling, enable_gqa=True
                 )
-                outs.append(oj[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
+                out[offsets[j] : offsets[j + 1]] = oj[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
+            return out
 
         h = self.embed(ids)
         cos, sin = self._rope(pos, h.dtype)

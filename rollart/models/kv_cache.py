@@ -138,8 +138,12 @@ class StaticKVCache:
             self.keys[i][slot, :, start : start + n] = keys[:, i].transpose(0, 1)
             self.values[i][slot, :, start : start + n] = values[:, i].transpose(0, 1)
 
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
+    def copy_slots(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy the first ``length`` positions of each slot of ``src`` into the slot of ``dst`` at its index."""
+        if not src:
+            return
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
         for tensors in (self.keys, self.values):
             for t in tensors:
-                t[dst, :, :length] = t[src, :, :length]
+                t[:, :, :length].index_copy_(0, dst_t, t[:, :, :length].index_select(0, src_t))
