@@ -37,6 +37,10 @@ BENCHES: dict[str, BenchEntry] = {
     "train-step": BenchEntry(
         "train_step", "the training step's tokens/s and MFU of the torch strategy, at the tiny model or a real shape"
     ),
+    "train-memory": BenchEntry(
+        "train_memory",
+        "per-rank memory and tokens/s of DDP, FSDP, FSDP with CPU offload and tensor parallelism at 1, 2, 4 ranks",
+    ),
     "env-async": BenchEntry("env_async", "trajectory-level against batch-level environment interaction"),
     "redundant-env": BenchEntry(
         "redundant_env", "more env groups and bigger groups than the batch needs, under failing envs"

@@ -11,6 +11,14 @@ ends): p50/p99/max latency of the cheap requests in both phases. ``--compare-src
 measurement against the rollart source in ``DIR`` (e.g. ``git archive <rev> | tar -x -C DIR``) in the
 same run, one server after the other, so two versions are compared on the same machine and load.
 
+``--part tenants``: two tenants of one server (a token each, ``--tenants``) and one function,
+``code_tests``. Tenant ``b`` sends cheap requests (one trajectory: a solution that prints its answer),
+one at a time, back to back; first alone, then while tenant ``a`` floods the same function with
+``--flood`` requests of ``--flood-trajectories`` slow trajectories each (a solution that sleeps
+``--slow-s`` seconds, or spins with ``--flood-code spin``), re-sent as soon as each ends. Reported:
+p50/p99/max latency of ``b``'s requests in both phases and how many of them were not scored 1.0.
+``--compare-src DIR`` measures another version in the same run, as above.
+
 Sharing one service across jobs (RollArt paper §7.5) is ``rollart bench shared-reward``: three real jobs.
 """
 
@@ -32,12 +40,15 @@ from rollart.benchmarks.common import add_common_arguments, write_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--part", choices=["throughput", "slow-neighbours"], default="throughput")
+    p.add_argument("--part", choices=["throughput", "slow-neighbours", "tenants"], default="throughput")
     p.add_argument("--requests", type=int, default=300, help="requests per concurrency level (throughput)")
     p.add_argument("--slow", type=int, default=6, help="slow code requests in flight (slow-neighbours)")
     p.add_argument("--slow-s", type=float, default=10.0, help="seconds each slow request computes")
     p.add_argument("--phase-s", type=float, default=20.0, help="seconds of cheap requests per phase")
     p.add_argument("--compare-src", default=None, help="another rollart source folder, measured in the same run")
+    p.add_argument("--flood", type=int, default=2, help="tenant a's requests in flight (tenants)")
+    p.add_argument("--flood-trajectories", type=int, default=16, help="trajectories per flood request (tenants)")
+    p.add_argument("--flood-code", choices=["sleep", "spin"], default="sleep", help="what a flood solution does")
     add_common_arguments(p, "runs/bench/reward-service", time_scale=0.01)
 
 
@@ -219,9 +230,97 @@ def _slow_neighbours(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _code(code: str, timeout_s: float) -> dict[str, Any]:
+    return {"response": code, "ground_truth": {"tests": [{"input": "", "output": "x"}], "timeout_s": timeout_s}}
+
+
+async def _two_tenants(url: str, tokens: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    wait = f"import time\ntime.sleep({args.slow_s:g})\nprint('x')\n"
+    spin = f"import time\nend = time.time() + {args.slow_s:g}\nwhile time.time() < end:\n    pass\nprint('x')\n"
+    slow = _code(wait if args.flood_code == "sleep" else spin, args.slow_s + 5)
+    cheap = {"trajectories": [_code("print('x')", 10)]}
+    heads = {t: {"Authorization": f"Bearer {tok}"} for t, tok in tokens.items()}
+    statuses: dict[str, int] = {}
+    async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=args.flood + 4)) as http:
+
+        async def stream(seconds: float) -> tuple[list[float], int]:
+            lat, wrong = [], 0
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                r = await http.post(url + "/rewards/code_tests", json=cheap, headers=heads["b"])
+                lat.append(time.perf_counter() - t0)
+                wrong += r.status_code != 200 or r.json()["result"] != [1.0]
+            return lat, wrong
+
+        alone, wrong_alone = await stream(args.phase_s)
+        stop = asyncio.Event()
+
+        async def keep_flooding() -> None:
+            body = {"trajectories": [slow] * args.flood_trajectories}
+            while not stop.is_set():
+                r = await http.post(url + "/rewards/code_tests", json=body, headers=heads["a"])
+                statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
+
+        flood = [asyncio.ensure_future(keep_flooding()) for _ in range(args.flood)]
+        while (await http.get(url + "/healthz")).json()["running"].get("code_tests", 0) < 2:
+            await asyncio.sleep(0.05)
+        flooded, wrong_flooded = await stream(args.phase_s)
+        stop.set()
+        for t in flood:
+            t.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+    return {
+        "alone": {**_quantiles(alone), "not_1.0": wrong_alone},
+        "flooded": {**_quantiles(flooded), "not_1.0": wrong_flooded},
+        "flood_statuses": statuses,
+    }
+
+
+def _tenants(args: argparse.Namespace) -> dict[str, Any]:
+    import secrets
+    import tempfile
+
+    tokens = {"a": secrets.token_urlsafe(24), "b": secrets.token_urlsafe(24)}
+    os.environ.update({"BENCH_TENANT_A": tokens["a"], "BENCH_TENANT_B": tokens["b"]})
+    folder = tempfile.mkdtemp(prefix="rollart-bench-tenants-")
+    tenants = os.path.join(folder, "tenants.yaml")
+    with open(tenants, "w") as f:
+        f.write("tenants:\n  a: {token_env: BENCH_TENANT_A}\n  b: {token_env: BENCH_TENANT_B}\n")
+    flags = ["rollart.reward.builtin:code_tests", "--tenants", tenants, "--timeout-s", "600",
+             "--sandbox-timeout-s", str(args.slow_s + 5)]  # fmt: skip
+    versions: list[tuple[str, str | None]] = [("compare", args.compare_src)] if args.compare_src else []
+    versions.append(("this", None))
+    out: dict[str, Any] = {}
+    for name, src in versions:
+        proc, url = _serve(flags, src=src)
+        try:
+            out[name] = asyncio.run(_two_tenants(url, tokens, args))
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    result = {
+        "bench": "reward-service",
+        "part": "tenants",
+        "flood": args.flood,
+        "flood_trajectories": args.flood_trajectories,
+        "flood_code": args.flood_code,
+        "slow_s": args.slow_s,
+        "phase_s": args.phase_s,
+        "compare_src": args.compare_src,
+        **out,
+    }
+    bars = {f"{n} {phase}": v[phase].get("p99_ms", 0.0) for n, v in out.items() for phase in ("alone", "flooded")}
+    return write_report(
+        args.out, "reward-service-tenants", result, bars, "tenant b's p99 (ms)", "a cheap tenant next to a flood"
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.part == "slow-neighbours":
         return _slow_neighbours(args)
+    if args.part == "tenants":
+        return _tenants(args)
     proc, url = _serve(["rollart.reward.builtin:exact_match"])
     try:
         service = {c: asyncio.run(_load(url + "/rewards/exact_match", c, args.requests)) for c in (1, 16, 64)}

@@ -22,6 +22,7 @@ _INT = re.compile(r"[+-]?[0-9]+")
 class AdditionTask(VerifiableTask):
     tag: ClassVar[str] = "addition"
     inline_methods = frozenset({"reset", "step"})  # quick pure Python
+    kwarg_limits: ClassVar[dict[str, tuple[float, float]]] = {"digits": (1, 1000)}
     instructions: ClassVar[str] = "Add the two numbers and write the sum after '=', e.g. 12+34=46."
 
     def __init__(self, digits: int = 2, with_instructions: bool = False):

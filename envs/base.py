@@ -48,6 +48,12 @@ class TextEnv(ABC):
     class, or from the instance's own ``__dict__`` (a wrapper that forwards attributes never passes on its
     inner env's)."""
 
+    kwarg_limits: ClassVar[dict[str, tuple[float, float]]] = {}
+    """The range ``(low, high)`` each numeric constructor argument named here may take when the env is
+    served to clients (``rollart serve env``): the env server refuses a session whose kwargs fall outside
+    it (422) before building anything, so a client cannot make it build a huge env. Configs run locally
+    are not bound by it."""
+
     @abstractmethod
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         """Start an episode; the same seed gives the same episode. Returns ``(observation, info)``."""

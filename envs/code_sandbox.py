@@ -12,14 +12,23 @@ own loopback, no view of the server's files or processes), a uid of its own, CPU
 process limits and a wall-clock timeout. ``timeout_s`` and ``memory_mb`` may only lower the server's
 sandbox limits. Without an isolation layer the env refuses to start unless the operator opted in
 (``--unsafe-no-sandbox``). A solution that loops forever, allocates without end or opens a socket
-fails its tests; it never takes the env server down. The test report is a line carrying a secret of the
-run and the names of the tests of ``test_solution.py``: a solution that prints a report of its own
-gets no reward for it.
+fails its tests; it never takes the env server down.
+
+Verdicts are computed here, where the solution cannot reach: each test of ``test_solution.py`` is a
+call of the task's function and the value it must return (:class:`CodeCase`). The sandbox only
+imports ``solution.py``, makes the calls and sends back what they returned, as JSON (and, for a call
+that raised, the error); it never holds an expected value, and no secret. The env compares the values
+with the expected ones. Whatever the solution does in the sandbox -- print a report of its own, walk up
+to the runner's frames, patch ``json`` or builtins, return objects that claim to equal anything, exit
+early -- it can at most make its calls appear to return some values, which is what a solution does
+anyway; a report that does not name exactly the task's tests counts as no report.
 
 Rewards: a step that runs the tests earns the fraction of tests that pass (1.0 when all do, which ends
 the episode, *terminated*); a step that only writes earns 0; an action with neither tag, or a write to
 another file, costs ``-format_penalty`` and the observation says "invalid action". The observation
-after a run is the test report (names of failing tests and their first error line).
+after a run is the test report (names of failing tests and why). When the machine kept the tests
+waiting for a CPU until their wall clock ran out, the step raises
+:class:`~rollart.reward.sandbox.SandboxContended` (a failed step, not a reward of 0).
 """
 
 from __future__ import annotations
@@ -29,7 +38,6 @@ import json
 import math
 import random
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -41,70 +49,100 @@ TESTS = "test_solution.py"
 
 
 @dataclass(frozen=True)
-class CodeTask:
-    """A buggy ``solution.py``, its fixed version (for tests and demos) and ``test_solution.py``."""
+class CodeCase:
+    """One test: ``function(*args)`` must return ``expected`` (JSON values)."""
 
     name: str
+    args: tuple[Any, ...]
+    expected: Any
+
+
+@dataclass(frozen=True)
+class CodeTask:
+    """A buggy ``solution.py`` defining ``function``, its fixed version (for tests and demos) and the
+    tests (:class:`CodeCase`); :attr:`tests` is ``test_solution.py`` as the agent sees it."""
+
+    name: str
+    function: str
     buggy: str
     fixed: str
-    tests: str
+    cases: tuple[CodeCase, ...]
+
+    @property
+    def tests(self) -> str:
+        calls = "\n\n".join(
+            f"def {c.name}():\n    assert {self.function}({', '.join(map(repr, c.args))}) == {c.expected!r}"
+            for c in self.cases
+        )
+        return f"from solution import {self.function}\n\n{calls}\n"
 
 
 TASKS: tuple[CodeTask, ...] = (
     CodeTask(
         "clamp",
+        "clamp",
         "def clamp(x, lo, hi):\n    return max(lo, min(x, lo))\n",
         "def clamp(x, lo, hi):\n    return max(lo, min(x, hi))\n",
-        "from solution import clamp\n\n"
-        "def test_inside():\n    assert clamp(5, 0, 10) == 5\n\n"
-        "def test_above():\n    assert clamp(15, 0, 10) == 10\n\n"
-        "def test_below():\n    assert clamp(-3, 0, 10) == 0\n",
+        (
+            CodeCase("test_inside", (5, 0, 10), 5),
+            CodeCase("test_above", (15, 0, 10), 10),
+            CodeCase("test_below", (-3, 0, 10), 0),
+        ),
     ),
     CodeTask(
         "mean",
+        "mean",
         "def mean(xs):\n    return sum(xs) / (len(xs) + 1)\n",
         "def mean(xs):\n    return sum(xs) / len(xs)\n",
-        "from solution import mean\n\n"
-        "def test_one():\n    assert mean([4]) == 4\n\n"
-        "def test_many():\n    assert mean([1, 2, 3, 4]) == 2.5\n\n"
-        "def test_negative():\n    assert mean([-2, 2]) == 0\n",
+        (
+            CodeCase("test_one", ([4],), 4),
+            CodeCase("test_many", ([1, 2, 3, 4],), 2.5),
+            CodeCase("test_negative", ([-2, 2],), 0),
+        ),
     ),
     CodeTask(
         "count_vowels",
+        "count_vowels",
         "def count_vowels(s):\n    return sum(1 for c in s if c in 'aeiou')\n",
         "def count_vowels(s):\n    return sum(1 for c in s.lower() if c in 'aeiou')\n",
-        "from solution import count_vowels\n\n"
-        "def test_lower():\n    assert count_vowels('banana') == 3\n\n"
-        "def test_upper():\n    assert count_vowels('AEIOU') == 5\n\n"
-        "def test_none():\n    assert count_vowels('xyz') == 0\n",
+        (
+            CodeCase("test_lower", ("banana",), 3),
+            CodeCase("test_upper", ("AEIOU",), 5),
+            CodeCase("test_none", ("xyz",), 0),
+        ),
     ),
 )
 
-# Runs in the sandbox: reads the run's secret from stdin (first, before anything of the workspace runs),
-# writes the workspace into its working directory, imports the tests, calls every ``test_*`` function and
-# prints one line ``RESULTS <secret> <json>``. A solution that prints a results line of its own does not
-# know the secret; the env also checks that the results name exactly the tests of ``test_solution.py``.
+# Runs in the sandbox: keeps the original stdout as the report's channel and sends the solution's own
+# output to stderr, writes solution.py into its working directory, imports it and makes the calls, then
+# writes one JSON report: {"results": {test: {"value": ...} | {"error": "..."}}} or {"error": "..."}.
+# It holds no expected value and no secret: the env judges the values.
 _RUNNER = r"""
-import json, sys
-nonce = sys.stdin.readline().strip()
-files = json.loads(%(files)r)
-for name, text in files.items():
-    with open(name, "w") as f:
-        f.write(text)
+import json, os, sys
+report = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+with open("solution.py", "w") as f:
+    f.write(%(solution)r)
+calls = json.loads(%(calls)r)
 sys.path.insert(0, ".")
-results = {}
 try:
-    import test_solution as t
+    import solution
+    fn = getattr(solution, %(function)r)
 except BaseException as e:
-    print("RESULTS " + nonce + " " + json.dumps({"error": "cannot import the tests: " + repr(e)[:300]}))
+    report.write(json.dumps({"error": "cannot import the solution: " + repr(e)[:300]}))
+    report.flush()
     raise SystemExit(0)
-for name in sorted(n for n in dir(t) if n.startswith("test_") and callable(getattr(t, n))):
+results = {}
+for name, args in calls:
     try:
-        getattr(t, name)()
-        results[name] = None
+        value = fn(*args)
+        json.dumps(value)
+        results[name] = {"value": value}
     except BaseException as e:
-        results[name] = (type(e).__name__ + ": " + str(e))[:200]
-print("RESULTS " + nonce + " " + json.dumps({"results": results}))
+        results[name] = {"error": (type(e).__name__ + ": " + str(e))[:200]}
+report.write(json.dumps({"results": results}))
+report.flush()
 """
 
 
@@ -115,6 +153,50 @@ def expected_tests(tests: str) -> set[str]:
         for node in ast.parse(tests).body
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")
     }
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` as the JSON the sandbox's report carries it (tuples are lists)."""
+    return json.loads(json.dumps(value))
+
+
+def judge(task: CodeTask, report: str) -> tuple[int, int, list[str]]:
+    """Compare the sandbox's ``report`` with the task's expected values: ``(passed, total, lines)``.
+    A report that is not one JSON object naming exactly the task's tests passes nothing."""
+    total = len(task.cases)
+    try:
+        data = json.loads(report)
+    except (ValueError, RecursionError):
+        return 0, total, ["tests: no readable report (the solution ended the run or wrote over the report)"]
+    if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
+        error = data.get("error") if isinstance(data, dict) else None
+        return 0, total, [str(error)[:300] if isinstance(error, str) else "tests: no report"]
+    results = data["results"]
+    if set(results) != {c.name for c in task.cases}:
+        return 0, total, [f"tests: the report does not name the tests of {TESTS}"]
+    passed, lines = 0, []
+    for case in task.cases:
+        got = results[case.name]
+        call = f"{task.function}({', '.join(map(repr, case.args))})"
+        if not isinstance(got, dict) or set(got) not in ({"value"}, {"error"}):
+            lines.append(f"{case.name}: FAIL no result")
+        elif "error" in got:
+            lines.append(f"{case.name}: FAIL {call} raised {str(got['error'])[:200]}")
+        elif type(got["value"]) is type(_json_value(case.expected)) and got["value"] == _json_value(case.expected):
+            passed += 1
+            lines.append(f"{case.name}: ok")
+        elif (
+            isinstance(got["value"], (int, float))
+            and not isinstance(got["value"], bool)
+            and got["value"] == case.expected
+        ):
+            passed += 1  # 4.0 for 4: equal numbers, as the test's == says
+            lines.append(f"{case.name}: ok")
+        else:
+            lines.append(
+                f"{case.name}: FAIL {call} returned {json.dumps(got['value'])[:100]}, expected {case.expected!r}"
+            )
+    return passed, total, lines
 
 
 _WRITE = re.compile(r"<write\s+file=\"([^\"]+)\"\s*>\n?(.*?)</write>", re.S)
@@ -169,30 +251,21 @@ class CodeSandboxEnv(TextEnv):
         return f"{head}\n{body}"
 
     def run_tests(self) -> tuple[int, int, str]:
-        """Run the workspace's tests in the sandbox: ``(passed, total, report)``."""
-        code = _RUNNER % {"files": json.dumps(self.files)}
-        nonce = secrets.token_hex(16)
-        res = run_python(
-            code, nonce + "\n", timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_output_bytes=100_000
-        )
-        mark = f"RESULTS {nonce} "
-        line = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith(mark)), None)
-        if res.timed_out or line is None:
-            why = "timed out" if res.timed_out else f"exited with {res.returncode} ({res.killed_by or 'no result'})"
-            return 0, 1, f"tests {why}\n{res.stderr[-500:]}"
-        try:
-            data = json.loads(line[len(mark) :])
-        except ValueError:
-            return 0, 1, "tests: unreadable results"
-        if not isinstance(data, dict) or "error" in data:
-            return 0, 1, str(data.get("error") if isinstance(data, dict) else data)
-        results = data.get("results")
-        expected = expected_tests(self.files[TESTS])
-        if not isinstance(results, dict) or set(results) != expected:
-            return 0, max(1, len(expected)), f"tests: the results do not name the tests of {TESTS}"
-        passed = sum(err is None for err in results.values())
-        lines = [f"{name}: {'ok' if err is None else 'FAIL ' + str(err)}" for name, err in results.items()]
-        return passed, max(1, len(results)), f"{passed}/{len(results)} tests passed\n" + "\n".join(lines)
+        """Run the workspace's tests in the sandbox and judge them here: ``(passed, total, report)``.
+        Raises :class:`~rollart.reward.sandbox.SandboxContended` when the machine kept them waiting for a
+        CPU until their wall clock ran out (no verdict)."""
+        assert self.task is not None
+        calls = json.dumps([[c.name, list(c.args)] for c in self.task.cases])
+        code = _RUNNER % {"solution": self.files[EDITABLE], "calls": calls, "function": self.task.function}
+        res = run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_output_bytes=100_000)
+        total = len(self.task.cases)
+        if res.out_of_time:
+            return 0, total, f"tests timed out (their CPU time or wall clock ran out)\n{res.stderr[-500:]}"
+        passed, _, lines = judge(self.task, res.stdout)
+        if not res.stdout.strip() and (res.returncode or res.killed_by):
+            lines = [f"tests exited with {res.returncode} ({res.killed_by or 'no report'})"]
+        text = f"{passed}/{total} tests passed\n" + "\n".join(lines)
+        return passed, total, text + (f"\n{res.stderr[-500:]}" if passed < total and res.stderr.strip() else "")
 
     def step(self, action: str) -> StepResult:
         if self.task is None:

@@ -48,6 +48,7 @@ def evaluate(node: ast.AST, used: list[int]) -> Fraction:
 class CountdownTask(VerifiableTask):
     tag: ClassVar[str] = "countdown"
     inline_methods = frozenset({"reset", "step"})  # quick pure Python
+    kwarg_limits: ClassVar[dict[str, tuple[float, float]]] = {"count": (2, 12), "max_number": (1, 10**6)}
     instructions: ClassVar[str] = (
         "Use the numbers before '->', each at most once, with + - * / and parentheses "
         "to make the number after it; answer with the expression, e.g. 3 4 5->12:3*4."

@@ -75,6 +75,11 @@ class FrozenLake(DirectionGame):
     prompt: ClassVar[str] = "move:"
     tag: ClassVar[str] = "FrozenLake"
     inline_methods = frozenset({"reset", "step"})  # quick pure Python
+    kwarg_limits: ClassVar[dict[str, tuple[float, float]]] = {
+        "size": (2, 64),
+        "max_steps": (1, 10_000),
+        "max_new_tokens": (1, 4096),
+    }
     instructions: ClassVar[str] = (
         "FrozenLake: you are P on a grid. Reach G; a hole H ends the game; F is safe ice. "
         "Answer with one move: Left, Down, Right or Up (L, D, R, U)."

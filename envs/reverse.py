@@ -23,6 +23,7 @@ from rollart.envs.single_turn import VerifiableTask
 class ReverseTask(VerifiableTask):
     tag: ClassVar[str] = "reverse"
     inline_methods = frozenset({"reset", "step"})  # quick pure Python
+    kwarg_limits: ClassVar[dict[str, tuple[float, float]]] = {"length": (1, 4096)}
     instructions: ClassVar[str] = "Reverse the letters before '=' and write them after it, e.g. abc=cba."
 
     def __init__(

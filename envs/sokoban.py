@@ -93,6 +93,14 @@ class Sokoban(DirectionGame):
     prompt: ClassVar[str] = "push:"
     tag: ClassVar[str] = "Sokoban"
     inline_methods = frozenset({"reset", "step"})  # quick pure Python
+    kwarg_limits: ClassVar[dict[str, tuple[float, float]]] = {
+        "size": (3, 32),
+        "boxes": (1, 8),
+        "pulls": (1, 10_000),
+        "max_steps": (1, 10_000),
+        "max_new_tokens": (1, 4096),
+        "max_solution_steps": (1, 200),
+    }
     instructions: ClassVar[str] = (
         "Sokoban: you are P. Push every box X onto a target O (a box on a target is √); # is a wall, _ is "
         "floor. Boxes can only be pushed. Answer with one move: Up, Down, Left or Right (U, D, L, R)."

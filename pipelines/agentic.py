@@ -34,7 +34,8 @@ from rollart.config import PipelineConfig
 from rollart.data.evaluation import Evaluator
 from rollart.data.sampler import RoundSeeds
 from rollart.pipeline.checkpoints import Checkpoints
-from rollart.pipeline.interrupt import Interrupt
+from rollart.pipeline.interrupt import Interrupt, StopChoice
+from rollart.pipeline.progress import StepProgress
 from rollart.pipeline.records import MetricsFile, StepTimes, batch_statistics, step_record, task_record, write_ledger
 from rollart.pipeline.recovery import TrainerSupervisor
 from rollart.pipeline.rewards import RewardServices
@@ -61,12 +62,15 @@ __all__ = ["AgenticPipeline", "batch_statistics"]
 class AgenticPipeline:
     def __init__(self, config: PipelineConfig, *, resume: bool = False, progress: bool = True):
         self.startup = StartupTimeline()  # the command to the first step, in phases: RUN_DIR/startup.json
-        self.interrupt = Interrupt()  # SIGINT stops the run at the next step boundary at the latest
+        # SIGINT stops the run at the next step boundary at the latest; when cheap, after a checkpoint there
+        self.interrupt = Interrupt(on_first=self._on_first_sigint)
         self.config = config
         self.out_dir = config.out_dir.resolve()  # absolute: Ray (a submitted job) may change the working directory
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         self.model_path = self._model_path()
+        self.stop_choice = StopChoice(self.model_path)  # what the first Ctrl-C does (its costs, measured)
+        self.stopped_after: int | None = None  # a Ctrl-C let the step finish: the run stopped after it
         # dataset tasks (data:) and eval sets (eval:) load first: a bad file, column, verifier or eval env
         # fails here, before any actor starts
         seeds = RoundSeeds(config.seed)  # round r of env group g plays seed seeds.seed(g, r)
@@ -86,7 +90,9 @@ class AgenticPipeline:
         self.export_path: Path | None = None  # RUN_DIR/hf once the run finished (export.hf)
         self.checkpoints = Checkpoints(self.out_dir, config.checkpoint_keep)
         # trainer supervision (fault.train / reference / critic): one entry per recovery
-        self.supervisor = TrainerSupervisor(config.fault, self.train, self.ref, self.critic)
+        self.supervisor = TrainerSupervisor(
+            config.fault, self.train, self.ref, self.critic, ref_sharded=config.train.sharding == "fsdp"
+        )
         self.step_in_progress = 0
         self._data_state0 = self.data_tasks.state_dict() if self.data_tasks.samplers else None
         if resume:
@@ -94,6 +100,7 @@ class AgenticPipeline:
             self.metrics.drop_from(self.start_step)
         else:
             self.metrics.reset()
+        self._saved_through = self.start_step  # steps done when the last checkpoint was written
 
     # ------------------------------------------------------------------ wiring
     def _model_path(self) -> str:
@@ -132,6 +139,7 @@ class AgenticPipeline:
             local_resources=config.cluster.local_resources,
         )
         job_file.write_text(self.rm.job_id + "\n")
+        self._check_train_memory()
         self.startup.resources_ready(self.rm)
         pool_hw = [g.hardware for g in self.rm.specs[config.rollout_pool].groups]
         tags = {k: (v or pool_hw) for k, v in config.tags.items()}
@@ -185,6 +193,8 @@ class AgenticPipeline:
                 start_data_parallel(self.train)
                 if self.critic is not None:
                     start_data_parallel(self.critic)
+                if self.ref is not None and config.train.sharding == "fsdp":
+                    start_data_parallel(self.ref)
             except BaseException:
                 for c in reversed(clusters):
                     c.shutdown()
@@ -199,10 +209,55 @@ class AgenticPipeline:
             self.baseline = RunningMeanBaseline(config.running_mean.window, config.running_mean.scope)
         self.startup.clusters_ready(c for c in (self.infer, self.train, self.ref, self.critic) if c is not None)
 
+    def _check_train_memory(self) -> None:
+        """Before any actor starts: on a one-machine cluster whose train ranks run on its CPU, their weights,
+        gradients and optimizer states must fit the machine's memory (a GPU rank checks its device itself)."""
+        import psutil
+        import ray
+
+        from rollart.resource_manager.specs import ResourceSpecError
+        from rollart.training.memory import fit_problem, model_param_counts
+
+        cfg = self.config.train
+        groups = self.rm.specs[self.config.train_pool].groups
+        on_gpus = all(self.rm.capacity[g.hardware].mode == "gpu" for g in groups if g.hardware in self.rm.capacity)
+        if on_gpus or sum(1 for n in ray.nodes() if n.get("Alive")) != 1:
+            return
+        try:
+            total, split = model_param_counts(cfg.model or self.model_path)
+        except (KeyError, OSError, ValueError):  # not a Qwen2/Llama-style config: nothing to estimate
+            return
+        ranks = sum(g.devices or g.cpus or 0 for g in groups)
+        problem = fit_problem(
+            total,
+            split,
+            sharding=cfg.sharding,
+            ranks=ranks,
+            tensor_parallel=cfg.tensor_parallel,
+            offload=False,
+            budget=0.9 * psutil.virtual_memory().total,
+            where="this machine (90% of its memory)",
+        )
+        if problem is not None:
+            self.rm.shutdown()
+            raise ResourceSpecError(problem)
+
     def _beside_trainer(self, role: str, train_cfg: Any) -> Any:
         """The frozen initial policy (``reference``) or the value model (``critic``, with its own
         data-parallel group, formed by the caller): one rank colocated with each trainer rank, starting
         (``wait=False``) beside the trainer's."""
+        if role == "reference" and train_cfg.sharding == "fsdp":
+            # sharded like the trainer (its own process group, formed by the caller): a trainer that is never
+            # stepped holds no optimizer state, only its shards of the initial weights
+            return ra.Cluster(
+                role,
+                train_worker_class(train_cfg.strategy),
+                self.rm,
+                pool=self.config.train_pool,
+                colocate_with=self.train,
+                worker_kwargs={"config": train_cfg.model_dump()},
+                wait=False,
+            )
         if role == "reference":
             from rollart.training.reference import ReferenceWorker
 
@@ -411,6 +466,28 @@ class AgenticPipeline:
             extra["running_mean"] = self.baseline.state_dict()
         return extra
 
+    async def _save_checkpoint(self, step: int) -> None:
+        """The checkpoint after ``step`` (0-based), timed: what a Ctrl-C checkpoint costs."""
+        t0 = time.monotonic()
+        await self.checkpoints.save(step, self._checkpoint_extra(step), self.train, self.critic)
+        self.stop_choice.saved(time.monotonic() - t0)
+        self._saved_through = step + 1
+
+    def _on_first_sigint(self) -> bool:
+        """The first Ctrl-C (on the event loop): finish the step in progress and checkpoint when cheap."""
+        step = self.step_in_progress
+        latest = self.checkpoints.latest()
+        finish, message = self.stop_choice.decide(step + 1, step - self._saved_through, latest.name if latest else None)
+        log.info("%s", message)
+        return finish
+
+    async def _checkpoint_on_stop(self, step: int) -> None:
+        """Stopping at the boundary before ``step`` (0-based) after a Ctrl-C let the step before it finish:
+        its checkpoint, unless it has one."""
+        if step > self._saved_through:
+            await self._save_checkpoint(step - 1)
+        self.stopped_after = step
+
     def _resume(self) -> None:
         if not self.checkpoint_path.exists():
             raise FileNotFoundError(f"--resume: no checkpoint under {self.checkpoint_root}; run without --resume first")
@@ -528,15 +605,15 @@ class AgenticPipeline:
         tracker = self.metrics.tracker(cfg)
         await self.weights.start(self.controller)
         self.controller.start()
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=self.start_step, desc=cfg.name, unit="step")
+        bar = StepProgress(cfg.name, cfg.steps, self.start_step) if self.progress else None
         try:
             for step in range(self.start_step, cfg.steps):
+                if self.interrupt.finishing:  # a Ctrl-C let the last step finish: its checkpoint, then stop
+                    await self._checkpoint_on_stop(step)
                 self.interrupt.check()
+                t_step = time.monotonic()
                 record = await self._step(step)
+                self.stop_choice.step_done(time.monotonic() - t_step)
                 if self.startup.mark("first_step"):
                     self.startup.write(self.out_dir)
                 history.append(record)
@@ -544,10 +621,9 @@ class AgenticPipeline:
                     del history[: len(history) - cfg.history_keep]
                 tracker.log(record, record["step"])
                 if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", v=record["version"])
+                    bar.update(record)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                    await self.checkpoints.save(step, self._checkpoint_extra(step), self.train, self.critic)
+                    await self._save_checkpoint(step)
             await self._await_loading()  # the run ends with every worker serving the last version
             if cfg.export.hf and self.start_step < cfg.steps:
                 self.export_path = Path(

@@ -6,6 +6,7 @@ dicts ``ResourceManager`` takes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -14,7 +15,6 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from rollart.cluster.config import FaultConfig
+from rollart.config_model import ConfigModel, load_yaml, type_problem
 from rollart.data.config import DataTask, EvalConfig
 from rollart.engines.base import SamplingParams
 from rollart.plugins import checked as _plain
@@ -50,10 +51,8 @@ def _import_plugin(module: str) -> str:
     return module
 
 
-class ClusterConfig(BaseModel):
+class ClusterConfig(ConfigModel):
     """``cluster:``: where Ray comes from (a local Ray, or the cluster ``RAY_ADDRESS`` names) and the job."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     local_resources: dict[str, float] | None = None
     """What a locally started Ray declares, e.g. `{H800: 4, H20: 4, CPU: 16}`; default: the hardware the pools
@@ -69,14 +68,12 @@ class ClusterConfig(BaseModel):
     """
 
 
-class EnvEntry(BaseModel):
+class EnvEntry(ConfigModel):
     """One task of the mix: an env from the ``envs`` registry or a user's ``MODULE:CLASS`` (a
     ``TextEnv`` subclass), how many env groups play it; ``kwargs`` are checked against its
     constructor here, before anything starts. Or an agent harness (``agent: MODULE:FUNCTION``, see
     :mod:`rollart.serving.agent`) played through the policy endpoint, its tasks from ``tasks``
     (``MODULE:FUNCTION`` of ``(seed, **kwargs)``, or a ``.jsonl`` file)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str | None = None
     """The env: a registry name (`reverse`, `addition`, `countdown`, `frozen_lake`, `sokoban`, `code_sandbox`) or
@@ -163,10 +160,8 @@ class EnvEntry(BaseModel):
         return kwargs
 
 
-class RewardConfig(BaseModel):
+class RewardConfig(ConfigModel):
     """Score trajectories with a reward service instead of the env's own reward."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     url: str
     """The reward service's endpoint, e.g. `http://127.0.0.1:8100/rewards/reverse`."""
@@ -186,11 +181,9 @@ class RewardConfig(BaseModel):
     """
 
 
-class TaskSampling(BaseModel):
+class TaskSampling(ConfigModel):
     """Generation settings of one task, over the pipeline's ``sampling:`` (unset fields keep it);
     ``max_new_tokens`` replaces the env's own budget, like ``envs[i].max_new_tokens``."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     temperature: float | None = Field(default=None, ge=0)
     """Sampling temperature of this task; null: `sampling.temperature`."""
@@ -208,12 +201,10 @@ class TaskSampling(BaseModel):
         return base.model_copy(update=self.model_dump(exclude_none=True))
 
 
-class TaskConfig(BaseModel):
+class TaskConfig(ConfigModel):
     """One task tag of a multi-task job (``tasks: {TAG: {...}}``): its share of every training batch
     (``ratio``; every tag gets one or none does), its reward service (else the pipeline's ``reward:``,
     else the env's own reward) and its generation settings."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     ratio: float | None = Field(default=None, gt=0)
     """The task's share of every training batch (`batch_groups * ratio / sum(ratios)` groups); every tag gets one
@@ -225,7 +216,7 @@ class TaskConfig(BaseModel):
     """The task's generation settings, over the pipeline's `sampling:`."""
 
 
-class WeightsConfig(BaseModel):
+class WeightsConfig(ConfigModel):
     """How new weights reach the inference workers.
 
     ``ray``: the trainer puts the snapshot in the Ray object store, rollout pauses while every worker
@@ -235,8 +226,6 @@ class WeightsConfig(BaseModel):
     (colocated mode, and only there): each rank's engine loads its trainer's weights in its own process.
     ``none`` (benchmarks only): no weights move, the policy version still advances — the baseline a weight
     channel's overhead is measured against."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     channel: Literal["ray", "mooncake", "dist", "inprocess", "none"] = "ray"
     """How new weights reach the inference workers: `ray` (object store), `mooncake` (a Mooncake store, in the
@@ -272,7 +261,9 @@ class WeightsConfig(BaseModel):
     chunk_mb: int = Field(default=16, ge=1)
     """Channel `mooncake`: the size of one stored chunk of a snapshot, in MB."""
     bucket_mb: int = Field(default=32, ge=1)
-    """Channel `dist`: the size of one broadcast bucket, in MB."""
+    """The weights leave the trainer a bucket of at most this many MB at a time (gathered from the shards of a
+    sharded trainer, copied to the CPU, sent); channel `dist` also broadcasts in buckets of this size.
+    """
     keep: int = Field(default=2, ge=1)
     """Channel `mooncake`: versions kept in the store (older ones are removed once no reader holds them)."""
     async_publish: bool = True
@@ -292,20 +283,16 @@ class WeightsConfig(BaseModel):
         return self
 
 
-class ExportConfig(BaseModel):
+class ExportConfig(ConfigModel):
     """What a finished run exports: ``hf: true`` writes ``RUN_DIR/hf``, a Hugging Face folder of the
     final policy (``rollart export RUN_DIR --hf OUT`` does the same from the latest checkpoint)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     hf: bool = True
     """Write `RUN_DIR/hf`, a Hugging Face folder of the final policy, when the run finishes."""
 
 
-class PipelineConfig(BaseModel):
+class PipelineConfig(ConfigModel):
     """A pipeline config: the YAML file ``rollart run`` takes."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     # declared first: fields are validated in order, so the names a plug-in module registers are known
     # to the fields below
@@ -525,7 +512,12 @@ class PipelineConfig(BaseModel):
                 },
                 "tasks": {t: {"ratio": c.ratio} for t, c in self.tasks.items()},
                 "model": self.model,
-                "train": {"model": self.train.model, "strategy": self.train.strategy},
+                "train": {
+                    "model": self.train.model,
+                    "strategy": self.train.strategy,
+                    "sharding": self.train.sharding,
+                    "tensor_parallel": self.train.tensor_parallel,
+                },
                 "engine": {"kind": self.engine.kind, "model": self.engine.model},
                 "weights": {"channel": self.weights.channel},
                 "fault": {"inference": None} if "inference" in self.fault.model_fields_set else {},
@@ -776,12 +768,73 @@ def _colocated_engine_problems(engine: Mapping[str, Any], strategy: Any, train_p
     return out
 
 
+def _attention_heads(model: Any) -> tuple[int, int] | None:
+    """(attention heads, KV heads) of a config's model (a folder, a cached model name, a ``{shape: ...}`` or
+    None for the built-in tiny model); None when they cannot be read without loading anything."""
+    import inspect
+    import json
+
+    if model is None:
+        from rollart.models.tiny import build_tiny
+
+        params = inspect.signature(build_tiny).parameters
+        return params["num_heads"].default, params["num_kv_heads"].default
+    if isinstance(model, Mapping):
+        from rollart.models.shapes import SHAPES
+
+        arch = SHAPES.get(str(model.get("shape")))
+        return (arch.heads, arch.kv_heads) if arch is not None else None
+    if not isinstance(model, str):
+        return None
+    from rollart.models.locate import cached_model
+
+    path = Path(model) / "config.json"
+    found = str(path) if path.is_file() else cached_model(model)
+    if found is None:
+        return None
+    cfg = json.loads(Path(found).read_text())
+    heads = cfg.get("num_attention_heads")
+    return (heads, cfg.get("num_key_value_heads", heads)) if isinstance(heads, int) else None
+
+
+def sharding_problems(raw: Mapping[str, Any]) -> list[str]:
+    """``train.sharding`` / ``train.tensor_parallel`` against the train pool and the model: the tensor-parallel
+    degree divides the pool's ranks and the model's attention and KV heads; colocated mode trains unsharded."""
+    train = raw.get("train")
+    if not isinstance(train, Mapping):
+        return []
+    tp, sharding = train.get("tensor_parallel", 1), train.get("sharding", "ddp")
+    out = []
+    if sharding == "fsdp" and colocated_pools(raw):
+        out.append(
+            "train.sharding: fsdp is not supported in colocated mode (each rank's engine would need the whole "
+            "model the rank holds a shard of); use train.sharding: ddp, or give the rollout devices of its own"
+        )
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 1:
+        return out
+    pools = raw.get("pools")
+    pool_name = raw.get("train_pool", PipelineConfig.model_fields["train_pool"].default)
+    units = _pool_units(pools.get(pool_name)) if isinstance(pools, Mapping) else None
+    if units is not None and units % tp:
+        out.append(
+            f"train.tensor_parallel: {tp} does not divide the {units} ranks of pools.{pool_name}; give the train pool "
+            f"a multiple of {tp} devices or change train.tensor_parallel"
+        )
+    heads = _attention_heads(train.get("model") or raw.get("model"))
+    if heads is not None and (heads[0] % tp or heads[1] % tp):
+        out.append(
+            f"train.tensor_parallel: {tp} must divide the model's {heads[0]} attention heads and {heads[1]} KV "
+            f"heads; use a divisor of {math.gcd(heads[0], heads[1])}"
+        )
+    return out
+
+
 def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
     """The checks that relate several sections (pool names, the critic of ``advantage: gae``, the task
     groups against ``rollout.num_env_groups``), on a config mapping — also one whose fields have errors
     of their own, so that :func:`validate_config` reports these with them, not after they are fixed.
     Values of the wrong type are skipped (their own field reports them)."""
-    out = model_problems(raw) + colocation_problems(raw)
+    out = model_problems(raw) + colocation_problems(raw) + sharding_problems(raw)
     pools = raw.get("pools")
     if isinstance(pools, dict):
         for field_name in ("train_pool", "rollout_pool"):
@@ -897,7 +950,7 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
             raise SystemExit(f"--set {item!r}: use key=value, e.g. --set steps=5")
         key, value = item.split("=", 1)
         try:
-            out[key] = yaml.safe_load(value)
+            out[key] = load_yaml(value)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at column {mark.column + 1}" if mark is not None else ""
@@ -923,7 +976,7 @@ def yaml_error_line(err: yaml.YAMLError, source: str | Path) -> str:
 def read_yaml(path: Path) -> dict[str, Any]:
     """The mapping of a YAML config file; a ConfigError naming the file, line and column on a syntax error."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(yaml_error_line(err, path)) from None
     if raw is None:
@@ -996,6 +1049,8 @@ def _problem(error: Any) -> str:
         msg = f"unknown key; {hint}remove it or fix its spelling"
     elif kind == "missing":
         msg = "required; add it"
+    elif type_problem(error) is not None:
+        msg = str(type_problem(error))
     elif kind != "value_error" and "input" in error and not isinstance(error["input"], (dict, list)):
         msg = f"{msg} (got {error['input']!r})"
     return f"{where}: {msg}"

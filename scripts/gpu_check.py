@@ -10,11 +10,14 @@ the budget no longer fits is reported ``skipped``):
   starts and runs a model, and the compute processes by pid). Without a GPU: the CPU-pool half;
 - ``bench_engine``, ``bench_train_step``: ``rollart bench engine`` / ``train-step`` at the 0.5B shape;
 - ``quickstart_train_gpu``: the quickstart, train on the GPU, rollout on a CPU pool (separate pools);
-- ``quickstart_colocated``: ``pipelines/quickstart_colocated.yaml`` (train and rollout on the one GPU),
-  ``skipped: not built`` while that file does not exist;
+- ``quickstart_colocated``: ``pipelines/quickstart_colocated.yaml`` (train and rollout on the one GPU);
 - ``quickstart_bf16_lora``: train on the GPU with ``train.dtype: bf16``, gradient checkpointing and LoRA;
 - ``quickstart_megatron``: train on the GPU with ``train.strategy: megatron``;
-- ``quickstart_rollout_gpu``: rollout on the GPU, train on a CPU pool.
+- ``quickstart_rollout_gpu``: rollout on the GPU, train on a CPU pool;
+- ``quickstart_fsdp_gpu``: train on the GPU with ``train.sharding: fsdp`` (one rank over NCCL);
+- ``train_memory_ddp_fsdp``: ``rollart bench train-memory`` at the 1.5B shape, DDP against FSDP on one GPU
+  (GPU peak memory, host peak RSS, tokens/s);
+- ``train_3b_fsdp_offload``: the 3B shape on one GPU with FSDP and CPU offload (its states in host memory).
 
 Without a GPU (or with ``--no-gpu``) the GPU steps are ``skipped`` and the rest run on the CPU;
 ``--quick`` runs the benches on the built-in tiny model with tiny batches (CI). Logs go to
@@ -114,6 +117,7 @@ ENGINE_FIELDS = (
     "bandwidth_source",
     "achieved_B_per_s",
 )
+MEMORY_FIELDS = ("model", "params", "device", "batch", "seq_len", "rows")
 TRAIN_FIELDS = ("model", "device_name", "dtype", "batch", "seq_len", "tokens_per_s", "mfu", "peak_flops_source")
 
 
@@ -125,9 +129,7 @@ def _bench(name: str, full: list[str], quick: list[str]) -> Callable[[argparse.N
     return command
 
 
-def _colocated(args: argparse.Namespace) -> list[str] | str:
-    if not COLOCATED.exists():
-        return "not built"
+def _colocated(args: argparse.Namespace) -> list[str]:
     return _py(
         "-m",
         "rollart.cli",
@@ -190,6 +192,34 @@ STEPS = [
         parse=_run_summary,
     ),
     Step("quickstart_megatron", _megatron, 150, parse=_run_summary),
+    Step(
+        "quickstart_fsdp_gpu",
+        _quickstart(f"pools.train={GPU_POOL}", f"pools.rollout={CPU_POOL}", "train.sharding=fsdp"),
+        150,
+        parse=_run_summary,
+    ),
+    Step(
+        "train_memory_ddp_fsdp",
+        _bench(
+            "train-memory",
+            ["--shape", "qwen2.5-1.5b", "--layouts", "ddp", "fsdp", "--ranks", "1", "--batch", "8", "--seq-len", "512"],
+            ["--layouts", "fsdp", "--ranks", "2", "--batch", "2", "--seq-len", "16", "--steps", "1"],
+        ),
+        240,
+        needs_gpu=False,
+        parse=_bench_fields(*MEMORY_FIELDS),
+    ),
+    Step(
+        "train_3b_fsdp_offload",
+        _bench(
+            "train-memory",
+            ["--shape", "qwen2.5-3b", "--layouts", "fsdp+offload", "--ranks", "1", "--batch", "4", "--seq-len", "512"],
+            ["--layouts", "fsdp+offload", "--ranks", "1", "--batch", "2", "--seq-len", "16", "--steps", "1"],
+        ),
+        300,
+        needs_gpu=False,
+        parse=_bench_fields(*MEMORY_FIELDS),
+    ),
     Step(
         "quickstart_rollout_gpu",
         _quickstart(f"pools.rollout={GPU_POOL}", f"pools.train={CPU_POOL}"),

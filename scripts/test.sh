@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 missing=()
 ldconfig -p | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
 command -v bwrap >/dev/null || missing+=(bubblewrap)
+ldconfig -p | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)  # the sandbox's seccomp filter
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
@@ -40,7 +41,7 @@ fi
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 # the documentation site, warnings as errors (broken links and anchors included); its config reference
-# is generated from the config models at build time (scripts/mkdocs_hooks.py)
+# (docs/config.md) is generated from the config models and checked by tests/test_docs.py
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir site
 # benchmark history: the fast benches at small sizes against the ratios recorded per commit in
 # asv_bench/results; a drop of more than the tolerance (20%) fails (docs/benchmarks.md, "Benchmark history")

@@ -82,3 +82,16 @@ def hosts3():
         pytest.skip(reason)
     with start_hosts(three_hosts()) as cluster:
         yield cluster
+
+
+@pytest.fixture(autouse=True)
+def _patient_sandbox():
+    """The code sandbox in this process allows 10x its CPU time on the wall clock (servers default to 3x): on
+    a test machine busy with other tests a sandbox is otherwise judged "contended" (no verdict, by design)
+    where a test asserts the code's own verdict."""
+    from rollart.reward import sandbox
+
+    before = sandbox.limits()
+    sandbox.configure(before.model_copy(update={"wall_factor": 10.0}))
+    yield
+    sandbox.configure(before)

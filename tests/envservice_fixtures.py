@@ -146,3 +146,25 @@ class SlowOpenEnv(CountingEnv):
         SlowOpenEnv.BUILT[key] += 1
         SlowOpenEnv.GATE.wait(60)
         super().__init__(key)
+
+
+class GatedResetEnv(CountingEnv):
+    """Its resets block until ``GATE`` opens (a runaway env call); ``RUNNING`` counts the resets in a
+    thread right now, ``STARTED`` every reset that began."""
+
+    tag = "gated_reset"
+    GATE = threading.Event()
+    LOCK = threading.Lock()
+    RUNNING = 0
+    STARTED = 0
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        with GatedResetEnv.LOCK:
+            GatedResetEnv.RUNNING += 1
+            GatedResetEnv.STARTED += 1
+        try:
+            GatedResetEnv.GATE.wait(120)
+        finally:
+            with GatedResetEnv.LOCK:
+                GatedResetEnv.RUNNING -= 1
+        return super().reset(seed)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rollart.config_reference import markdown, sections, undocumented
+from rollart.config_reference import markdown, page, sections, undocumented
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -52,6 +52,50 @@ def test_every_docs_page_is_in_the_site_nav():
     assert {p.name for p in DOCS.glob("*.md")} == set(re.findall(r":\s+(\S+\.md)\s*$", nav, flags=re.M))
 
 
+def test_the_home_page_links_every_page():
+    text = (DOCS / "index.md").read_text()
+    linked = set(re.findall(r"\]\(([\w-]+\.md)(?:#[^)]*)?\)", text))
+    assert {p.name for p in DOCS.glob("*.md")} - {"index.md"} <= linked
+
+
+def test_the_gpus_page_says_which_hardware_a_cpu_machine_declares_as_the_code_does(monkeypatch):
+    """A machine without GPUs declares the types of cluster.local_resources when it is set (every shipped
+    config sets it but those the page names), and refuses a pool naming another type before Ray starts."""
+    from rollart.config import load_config, shipped_configs
+    from rollart.resource_manager import launcher, manager
+    from rollart.resource_manager.specs import ResourceSpecError
+
+    text = (DOCS / "gpus.md").read_text()
+    bullet = re.search(r"- `cluster.local_resources` set \(as in every shipped config but ([^,]+), e.g.", text)
+    unset = sorted(re.findall(r"`(\w+)`", bullet.group(1)))
+    assert unset == sorted(n for n in shipped_configs() if load_config(n).cluster.local_resources is None)
+    assert "skipped: not built" not in text  # quickstart_colocated ships
+    monkeypatch.setattr(manager, "starts_local_ray", lambda: True)
+    monkeypatch.setattr(launcher, "detect_gpus", lambda: launcher.DetectedGpus())
+    with pytest.raises(ResourceSpecError) as err:
+        manager.check_local_pools({"train": {"hardware": "GPU", "devices": 1}}, {"CPU": 4})
+    quoted = re.search(r"\(`(pools\.train\.hardware: 'GPU' is not in the local Ray[^`]*?); \.\.\.\)`", text)
+    assert quoted and str(err.value).startswith(quoted.group(1)), (quoted, str(err.value))
+    # without local_resources the pools' own types are declared as logical devices
+    plan = manager.check_local_pools({"train": {"hardware": "GPU", "devices": 1}}, None)
+    assert plan is not None and plan.logical == {"GPU": 1.0}
+
+
+def test_the_agents_page_says_what_the_examples_first_run_spends_before_training():
+    """The calculator example warms its starting policy up for minutes before the first step: the page
+    says so where it gives the command, with the warm-up's steps as run.py's default has them."""
+    text = (DOCS / "agents.md").read_text()
+    after = text.split("cd examples/calculator_agent && python run.py --out runs\n```", 1)[1].split("\n\n")[2]
+    default = re.search(
+        r'"--warmup-steps", type=int, default=(\d+)', (ROOT / "examples/calculator_agent/run.py").read_text()
+    )
+    assert re.search(r"about \d+ minutes", after) and f"warm-up of {default.group(1)} steps" in after, after
+    assert (
+        "building the starting policy" in after
+        and "building the starting policy" in (ROOT / "examples/calculator_agent/warmup.py").read_text()
+    )
+
+
 def test_every_config_field_has_a_description():
     assert undocumented() == []
 
@@ -69,6 +113,29 @@ def test_the_config_reference_lists_every_key_of_every_section():
         text,
     )
     assert re.search(r"\| `pools` \| mapping of string to any \| required \| \S", text)
+
+
+def test_the_committed_config_reference_is_the_one_the_models_generate():
+    """docs/config.md holds the generated reference (it reads whole as Markdown, without the site)."""
+    text = (DOCS / "config.md").read_text()
+    assert text == page(text), "docs/config.md is stale: python -m rollart.config_reference --write docs/config.md"
+    assert markdown() in text and "| `alpha` | integer | `0` | The asynchronous bound" in text
+
+
+def test_the_architecture_page_names_every_layer_package_and_example():
+    import tomllib
+
+    text = (DOCS / "architecture.md").read_text()
+    layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    for layer in layers:
+        assert re.search(rf"^{re.escape(layer)}\s", block, flags=re.M), f"layer {layer!r} is not on the page"
+    layout = text.split("## Layout", 1)[1]
+    for package in sorted(p.name for p in (ROOT / "rollart").iterdir() if (p / "__init__.py").exists()):
+        assert f"rollart/{package} " in layout, f"rollart/{package} is not in the layout"
+    examples = layout.split("examples/", 1)[1].split("\ndocs/", 1)[0]
+    for example in sorted(p.name for p in (ROOT / "examples").iterdir() if not p.name.startswith((".", "_"))):
+        assert example in examples, f"examples/{example} is not in the layout"
 
 
 def test_code_cites_papers_by_title_and_no_file_outside_the_repository():

@@ -83,6 +83,20 @@ def test_restart_policy_defaults_and_errors(tmp_path):
     assert load_config(cfg).fault.inference.max_restarts == 3
 
 
+@pytest.mark.parametrize(("role", "instead"), [("env", "env_manager.reset_retries"), ("reward", "reward.retries")])
+def test_restart_policies_rollart_would_not_enforce_are_refused(tmp_path, role, instead):
+    """``fault.env`` and ``fault.reward`` would restart nothing (rollart starts no such processes to
+    restart): a config that sets one is refused, naming the field and what handles those faults."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "pools: {train: {hardware: CPU, cpus: 1}, rollout: {hardware: CPU, cpus: 1}}\n"
+        f"envs: [{{name: reverse, groups: 8}}]\nfault: {{{role}: {{max_restarts: 5}}}}\n"
+    )
+    with pytest.raises(ConfigError, match=rf"fault.{role}: .*remove fault.{role} .*{instead}"):
+        load_config(cfg)
+    assert not {"env", "reward"} & set(FaultConfig.model_fields)
+
+
 def test_restart_budget_counts_restarts_inside_the_window():
     now = [0.0]
     budget = RestartBudget(RestartPolicy(max_restarts=2, window_s=10, backoff_s=1), clock=lambda: now[0])

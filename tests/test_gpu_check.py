@@ -18,6 +18,7 @@ GPU_STEPS = {
     "quickstart_megatron",
     "quickstart_colocated",
     "quickstart_rollout_gpu",
+    "quickstart_fsdp_gpu",
 }
 
 
@@ -42,6 +43,9 @@ def test_without_a_gpu_the_gpu_steps_are_skipped_and_the_cpu_steps_pass(tmp_path
     assert steps["bench_engine"]["result"]["decode_tokens_per_s"] > 0
     assert steps["bench_engine"]["result"]["roofline_fraction"] > 0
     assert steps["bench_train_step"]["result"]["tokens_per_s"] > 0 and steps["bench_train_step"]["result"]["mfu"] > 0
+    for name in ("train_memory_ddp_fsdp", "train_3b_fsdp_offload"):  # the sharded layouts' CPU-safe part
+        rows = steps[name]["result"]["rows"]
+        assert rows and all(r["states_gib"] == pytest.approx(r["theory_gib"]) for r in rows), rows
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == summary
     assert "===== cpu_pool" in (tmp_path / "gpu_check.log").read_text()
 
@@ -57,11 +61,9 @@ def _script():
 def test_the_gpu_runs_it_would_start(tmp_path, monkeypatch):
     check = _script()
     args = argparse.Namespace(out=str(tmp_path), steps=5, quick=False)
-    monkeypatch.setattr(check, "COLOCATED", tmp_path / "quickstart_colocated.yaml")
-    assert check._colocated(args) == "not built"  # colocated mode's config is not there yet
-    (tmp_path / "quickstart_colocated.yaml").write_text("name: c\n")
+    assert check.COLOCATED.is_file()  # colocated mode's config ships with rollart
     colocated = check._colocated(args)
-    assert colocated[1:5] == ["-m", "rollart.cli", "run", str(tmp_path / "quickstart_colocated.yaml")]
+    assert colocated[1:5] == ["-m", "rollart.cli", "run", str(check.COLOCATED)]
     assert "steps=5" in colocated
     commands = {s.name: s.command(args) for s in check.STEPS}
     train = commands["quickstart_train_gpu"]
@@ -71,3 +73,6 @@ def test_the_gpu_runs_it_would_start(tmp_path, monkeypatch):
     assert {"train.dtype=bf16", "train.gradient_checkpointing=true", "train.lora={r: 8}"} <= set(lora)
     assert commands["bench_engine"][-2:] == ["--shape", "qwen2.5-0.5b"]
     assert commands["bench_train_step"][-2:] == ["--shape", "qwen2.5-0.5b"]
+    assert "train.sharding=fsdp" in commands["quickstart_fsdp_gpu"]
+    offload = commands["train_3b_fsdp_offload"]
+    assert offload[offload.index("--shape") + 1] == "qwen2.5-3b" and "fsdp+offload" in offload

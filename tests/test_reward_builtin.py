@@ -49,13 +49,13 @@ def _processes_of_uid(uid: int) -> list[int]:
 
 def test_sandbox_kills_an_infinite_loop_and_a_memory_hog_and_keeps_results_correct():
     loop = run_python("while True:\n    pass\n", timeout_s=1.0)
-    assert loop.timed_out and not loop.ok and loop.killed_by == "SIGKILL"
+    assert loop.out_of_time and not loop.ok  # its CPU time used: SIGXCPU, or killed at the wall clock
     hog = run_python("x = bytearray(2 * 1024**3)\nprint('allocated')", timeout_s=5, memory_mb=128)
     assert not hog.ok and "allocated" not in hog.stdout and "MemoryError" in hog.stderr
     ok = run_python("import heapq, json\nprint(sum(int(x) for x in input().split()))", "2 3", timeout_s=5)
     assert ok.ok and ok.stdout.strip() == "5", ok.stderr
     flood = run_python("while True:\n    print('x' * 1000)", timeout_s=2, max_output_bytes=10_000)
-    assert not flood.ok and len(flood.stdout) == 10_000  # bounded by RLIMIT_FSIZE, read up to the cap
+    assert not flood.ok and len(flood.stdout) == 10_000 and flood.output_truncated  # a pipe, closed at the cap
 
 
 @needs_bwrap

@@ -50,7 +50,8 @@ def test_every_endpoint_but_healthz_needs_the_token_and_big_bodies_are_413(monke
         assert httpx.get(srv.url + "/metrics").status_code == 401
         assert httpx.get(srv.url + "/openapi.json").status_code == 401
         assert httpx.get(srv.url + "/openapi.json", headers=bearer(TOKEN_A)).status_code == 200
-        assert httpx.get(srv.url + "/docs").status_code == 404
+        assert httpx.get(srv.url + "/docs").status_code == 401  # no page, and nothing said without the token
+        assert httpx.get(srv.url + "/docs", headers=bearer(TOKEN_A)).status_code == 404
         assert httpx.get(srv.url + "/healthz").status_code == 200  # readiness probes need no token
         assert httpx.post(srv.url + "/sessions", json=open_body(s), headers=bearer(TOKEN_A)).status_code == 200
         step = {"seq": 1, "action": "x" * 10_000}

@@ -19,6 +19,7 @@ import reward_fixtures as rf
 from reward_fixtures import ThreadServer, free_port, start_reward_server
 from security_fixtures import descendants, wait_until
 
+from rollart.reward import isolation
 from rollart.reward.builtin import code_tests, llm_judge, math_answer
 from rollart.reward.server import ServerSettings, build_app, load_tenants
 
@@ -56,6 +57,12 @@ def test_serve_rewards_refuses_code_functions_without_isolation_unless_opted_in(
     # cheap functions need no sandbox: they are served without one
     proc = start_reward_server(["rollart.reward.builtin:math_answer"], free_port(), env=env)
     stop(proc)
+    if os.geteuid() == 0 and not isolation.world_readable_python():
+        # a root server runs unsafe code as a uid of its own, which could not run this Python: refused
+        done = subprocess.run([*cmd, "--unsafe-no-sandbox", "--port", str(free_port())], env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2 and "Python every user can run" in done.stderr, done.stderr[-2000:]
+        return
     proc = start_reward_server(["rollart.reward.builtin:code_tests", "--unsafe-no-sandbox"], free_port(), env=env)
     assert "UNSAFE, NO ISOLATION" in stop(proc)  # said loudly at start-up
 
@@ -138,7 +145,9 @@ def test_metrics_schema_and_docs_need_the_token(monkeypatch: pytest.MonkeyPatch)
         for path in ("/metrics", "/openapi.json"):
             assert httpx.get(srv.url(path)).status_code == 401, path
             assert httpx.get(srv.url(path), headers=AUTH).status_code == 200, path
-        assert httpx.get(srv.url("/docs")).status_code == 404 and httpx.get(srv.url("/redoc")).status_code == 404
+        for page in ("/docs", "/redoc"):  # no page, and nothing said without the token
+            assert httpx.get(srv.url(page)).status_code == 401
+            assert httpx.get(srv.url(page), headers=AUTH).status_code == 404
         assert httpx.get(srv.url("/healthz")).status_code == 200  # probes need no token
 
 

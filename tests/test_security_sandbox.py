@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from security_fixtures import alive, no_bwrap, processes_of_uid
+from security_fixtures import alive, no_bwrap, processes_of_uid, run_python_as
 
 from rollart.envs.code_sandbox import CodeSandboxEnv, expected_tests
 from rollart.reward import isolation, sandbox
@@ -35,10 +35,10 @@ def test_without_bubblewrap_code_is_refused_unless_the_operator_opts_in(tmp_path
             code_tests({"response": shadow, "ground_truth": {"tests": [{"input": "", "output": "x"}]}})
         with pytest.raises(SandboxUnavailable):
             CodeSandboxEnv()
-    with no_bwrap(tmp_path, opt_in=True):  # the operator asked for it by name: runs, and says so
-        out = run_python("print('ran')")
-        assert out.ok and out.stdout.strip() == "ran" and out.isolation == "unsafe-no-sandbox"
-        assert "UNSAFE" in sandbox.describe()
+    # the operator asked for it by name: runs (with a Python the code's own uid can run), and says so
+    out = run_python_as("root", "print('ran')", unsafe=True)
+    assert out["returncode"] == 0 and out["stdout"].strip() == "ran" and out["isolation"] == "unsafe-no-sandbox"
+    assert "UNSAFE" in out["describe"]
 
 
 @needs_bwrap
@@ -191,7 +191,7 @@ def test_a_cancelled_deadline_kills_the_sandbox_and_every_process_it_started() -
         run_python("print(1)")
 
 
-def test_without_bubblewrap_a_double_forked_setsid_child_dies_with_its_sandbox(tmp_path: Path) -> None:
+def test_without_bubblewrap_a_double_forked_setsid_child_dies_with_its_sandbox() -> None:
     code = (
         "import os, time\n"
         "r, w = os.pipe()\n"
@@ -206,10 +206,9 @@ def test_without_bubblewrap_a_double_forked_setsid_child_dies_with_its_sandbox(t
         "print(os.read(r, 64).decode(), flush=True)\n"
         "time.sleep(60)\n"
     )
-    with no_bwrap(tmp_path, opt_in=True):
-        out = run_python(code, timeout_s=2)
-    grandchild = int(out.stdout.split()[0])
-    assert out.timed_out and out.isolation == "unsafe-no-sandbox"
+    out = run_python_as("nobody", code, unsafe=True, timeout_s=0.5)  # as the server's own uid
+    grandchild = int(out["stdout"].split()[0])
+    assert out["timed_out"] and out["isolation"] == "unsafe-no-sandbox"
     assert not alive(grandchild)  # out of the session and orphaned, still killed
 
 
@@ -228,27 +227,82 @@ def test_bubblewrap_is_run_from_where_it_was_found(tmp_path: Path) -> None:
     assert log.read_text().split() == ["started", "started"]  # the probe, then the run: the same bubblewrap
 
 
-FORGERIES = [
+# Each is appended to the task's buggy solution.py: whatever it does, the reward may not exceed the bug's.
+FORGERIES = {
     # the report line of the runner, printed by the solution itself, then an exit before the tests run
-    'import json, os\nprint("RESULTS " + json.dumps({"results": dict.fromkeys(NAMES)}), flush=True)\nos._exit(0)\n',
-    # a guess at a secret
-    'import json, os\nprint("RESULTS " + "ab" * 16 + " " + json.dumps({"results": dict.fromkeys(NAMES)}), flush=True)\n'
+    "runner-line": 'import json, os\nprint("RESULTS " + json.dumps({"results": dict.fromkeys(NAMES)}), flush=True)\n'
     "os._exit(0)\n",
-    # read the run's secret from stdin before the tests run
-    'import json, os, sys\nprint("RESULTS " + sys.stdin.read().strip() + " " + json.dumps({"results": '
+    # a guess at a secret
+    "guessed-secret": 'import json, os\nprint("RESULTS " + "ab" * 16 + " " + json.dumps({"results": '
     "dict.fromkeys(NAMES)}), flush=True)\nos._exit(0)\n",
-]
+    # read the run's secret from stdin before the tests run
+    "stdin": 'import json, os, sys\nprint("RESULTS " + sys.stdin.read().strip() + " " + json.dumps({"results": '
+    "dict.fromkeys(NAMES)}), flush=True)\nos._exit(0)\n",
+    # walk up to the frames of whatever imports the solution, take every secret and every writable
+    # channel found there, report a full pass on each, and leave before anything else runs
+    "frame-walk": """
+import json, os, sys
+seen, f = {}, sys._getframe()
+while f is not None:
+    seen.update(f.f_globals)
+    seen.update(f.f_locals)
+    f = f.f_back
+passed = {"results": dict.fromkeys(NAMES)}
+for key in ("nonce", "secret", "token"):
+    if isinstance(seen.get(key), str):
+        print("RESULTS " + seen[key] + " " + json.dumps(passed), flush=True)
+for value in list(seen.values()):
+    if hasattr(value, "write") and hasattr(value, "flush") and value is not sys.stderr:
+        try:
+            value.write(json.dumps(passed) + "\\n")
+            value.flush()
+        except Exception:
+            pass
+os._exit(0)
+""",
+    # the runner reports through json.dumps: make every report a full pass
+    "patched-json": """
+import json
+_dumps = json.dumps
+json.dumps = lambda obj, *a, **k: _dumps({"results": dict.fromkeys(NAMES)} if isinstance(obj, dict) else obj)
+""",
+    # a function whose results compare equal to anything (by class, or as a subclass of int)
+    "always-equal": """
+class _Any:
+    def __eq__(self, other):
+        return True
+    __hash__ = object.__hash__
+class _Int(int):
+    def __eq__(self, other):
+        return True
+    __hash__ = int.__hash__
+def _wrap(fn):
+    return lambda *a, **k: _Int(0) if isinstance(fn(*a, **k), int) else _Any()
+for _name in [n for n in dir() if not n.startswith("_")]:
+    if callable(globals()[_name]):
+        globals()[_name] = _wrap(globals()[_name])
+""",
+    # exits with success from odd places: at import, from a finally of the tests' caller, at exit
+    "exit-zero": """
+import atexit, os, sys
+atexit.register(lambda: os._exit(0))
+sys.excepthook = lambda *a: os._exit(0)
+raise SystemExit(0)
+""",
+}
 
 
 @needs_bwrap
-@pytest.mark.parametrize("forged", FORGERIES, ids=["runner-line", "guessed-secret", "stdin"])
-def test_a_solution_cannot_forge_its_test_report(forged: str) -> None:
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+def test_a_solution_cannot_forge_its_test_report(forgery: str) -> None:
     env = CodeSandboxEnv()
     _, info = env.reset(0)
+    buggy = env.files["solution.py"]
+    _, unfixed, _, _, _ = env.step("<run/>")  # the bug's own reward
     names = sorted(expected_tests(env.files["test_solution.py"]))
-    forged = forged.replace("NAMES", repr(names))
+    forged = buggy + FORGERIES[forgery].replace("NAMES", repr(names))
     obs, reward, done, _, _ = env.step(f'<write file="solution.py">{forged}</write><run/>')
-    assert reward == 0.0 and not done, obs
+    assert reward <= unfixed < 1.0 and not done, obs
     obs, reward, done, _, _ = env.step(f'<write file="solution.py">{info["fixed"]}</write><run/>')
     assert (reward, done) == (1.0, True), obs  # the honest fix still scores
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from security_fixtures import descendants
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -54,6 +57,14 @@ def test_serve_policy_serves_a_model_folder(tmp_path):
     try:
         url = _first_line(proc, 420)
         assert url.startswith("http://127.0.0.1:")
+        # the token left the environment before Ray started: neither the server nor its raylet, GCS and
+        # inference workers hold it (what /proc/<pid>/environ shows)
+        ray_processes = descendants(proc.pid)
+        assert ray_processes, "no process below rollart serve policy: where is its Ray?"
+        for pid in [proc.pid, *ray_processes]:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                assert b"a-token-of-the-test-0123" not in environ, (pid, Path(f"/proc/{pid}/cmdline").read_bytes())
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="a-token-of-the-test-0123", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         r = client.chat.completions.create(

@@ -5,6 +5,10 @@ checks and result (fast, on recorded runs; no timing asserted)."""
 
 import argparse
 import json
+import os
+import shlex
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -230,3 +234,37 @@ def test_a_lazy_module_imports_at_first_use_and_then_is_the_module_itself():
     import json as real
 
     assert namespace["json"] is real
+
+
+CLOCK_PROBE = """
+import json, sys, time
+from rollart.cli import main
+from rollart.cli import run as run_cli
+from rollart.cluster.worker import process_start_time
+seen = {}
+def started(cfg, **kwargs):
+    from rollart.pipeline.startup import StartupTimeline
+    seen["timeline"] = StartupTimeline().marks["process_started"]
+    raise KeyboardInterrupt
+run_cli.build_pipeline = started
+code = main(["run", "quickstart", "--set", "output_dir=" + sys.argv[1]])
+from rollart.pipeline.startup import StartupTimeline
+after = StartupTimeline().marks["process_started"]  # the command is over: a pipeline built now counts as before
+print(json.dumps({"code": code, "timeline": seen["timeline"], "process": process_start_time(), "now": time.time(),
+                  "after": after}))
+"""
+
+
+def test_the_start_up_clock_starts_with_the_command_not_with_a_shell_it_replaced(tmp_path):
+    """`bash -c '... && rollart run ...'` runs the last command in the shell's own process (exec): the
+    process began before the work before it did. The timeline counts from the rollart command's start."""
+    probe = f"exec {shlex.quote(sys.executable)} -c {shlex.quote(CLOCK_PROBE)} {shlex.quote(str(tmp_path / 'run'))}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        ["bash", "-c", f"sleep 3 && {probe}"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["code"] == 130, proc.stderr[-2000:]
+    assert out["process"] <= out["now"] - 3  # the process is the shell's, which began before the sleep
+    assert out["timeline"] >= out["process"] + 3  # the timeline began after it: with the command
+    assert abs(out["after"] - out["process"]) < 1  # the same start (computed twice from /proc)

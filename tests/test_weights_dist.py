@@ -4,8 +4,6 @@ versions, a tampered checksum refused, and a version nobody publishes timing out
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import pytest
 import ray
 import torch
@@ -49,10 +47,10 @@ class Receiver:
 
 
 class TamperedChannel(TorchBroadcastChannel):
-    """Announces a checksum that does not match what it sends."""
+    """Sends a digest that does not match what it sends."""
 
-    def _checksum(self, state: Mapping[str, torch.Tensor]) -> str:
-        return "0" * 32
+    def _seal(self, digest: bytes) -> bytes:
+        return bytes(16)
 
 
 def sample_state(step: int) -> dict[str, torch.Tensor]:

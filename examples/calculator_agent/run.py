@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in ("httpx", "httpx2"):  # the openai client logs every call
         logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars, here and in the workers
     sys.path.insert(0, str(HERE))
     from warmup import build_policy
 
@@ -48,11 +50,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.steps is not None:
         overrides["steps"] = args.steps
     cfg = load_config(HERE / "config.yaml", overrides)
-    pipeline = AgenticPipeline(cfg, progress=False)
+    from rollart.pipeline.startup import set_command_started
+
+    set_command_started(time.time())  # the run's start-up line counts from here, not from the warm-up
     try:
-        history = pipeline.run()
+        pipeline = AgenticPipeline(cfg, progress=False)
+        try:
+            history = pipeline.run()
+        finally:
+            pipeline.shutdown()
     finally:
-        pipeline.shutdown()
+        set_command_started(None)
     for h in history:
         print(f"step {h['step']:3d}  reward {h['reward_mean']:.3f}")
     return history

@@ -129,6 +129,12 @@ def build_policy(
     target = Path(root) / f"calculator-policy-{key}"
     if (target / "warmup.json").exists():
         return target
+    log.info(
+        "building the starting policy: %d supervised warm-up steps (about 3 minutes on an idle 2-core CPU; "
+        "once: later runs reuse %s)",
+        steps,
+        target,
+    )
     tmp = Path(root) / f"calculator-policy-{key}.building"
     shutil.rmtree(tmp, ignore_errors=True)
     rng = random.Random(seed)

@@ -1,5 +1,5 @@
 """The ``rollart`` command: ``--version``, ``status``, ``run``, ``submit``/``jobs``/``logs``/``stop``, ``scale``, ``serve``,
-``bench``, ``export``, ``advise``.
+``bench``, ``export``, ``plot``, ``advise``.
 
 One module of this package per command; this one only mounts them. Every command module imports only
 the standard library when it loads (its work imports the rest when it runs), so ``rollart --version``
@@ -9,7 +9,6 @@ and ``rollart status`` stay fast; of the benches only the one named on the comma
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,8 +16,11 @@ from typing import Any
 import rollart
 from rollart.cli.advise import add_advise_parser
 from rollart.cli.bench import add_bench_parser
+from rollart.cli.clock import STARTED  # noqa: F401 - the command's start, as early as it can be taken
 from rollart.cli.export import add_export_parser
 from rollart.cli.jobs import add_job_parsers
+from rollart.cli.output import setup_console
+from rollart.cli.plot import add_plot_parser
 from rollart.cli.run import add_run_parser
 from rollart.cli.scale import add_scale_parser
 from rollart.cli.serve import add_serve_parser
@@ -57,13 +59,19 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The ``rollart`` parser; of the benches only the one named in ``argv`` is imported."""
     parser = Parser(prog="rollart", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"rollart {rollart.__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show everything: debug logging, Ray's and the workers' own output, their progress bars",
+    )
     sub = parser.add_subparsers(dest="command")
     add_status_parser(sub)
     for add in (
         add_run_parser,
         add_serve_parser,
         add_export_parser,
+        add_plot_parser,
         add_job_parsers,
         add_scale_parser,
         add_advise_parser,
@@ -76,10 +84,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_console(args.verbose)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

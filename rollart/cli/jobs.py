@@ -242,22 +242,36 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(rows, default=str) + "\n")
         return 0
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="rollart jobs")
-    cols = ["job", "state", "priority", "quota", "asks", "pools", "submitted_at", "ended_at", "output"]
-    for c in cols:
-        table.add_column(c, overflow="fold")
-    for r in rows:
-        cells = []
-        for c in cols:
-            v = output_location(r) if c == "output" else pool_sizes(r) if c == "pools" else r[c]
-            if c.endswith("_at") and v:
-                v = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(v)))
-            cells.append("" if v is None else str(v))
-        table.add_row(*cells)
-    Console().print(table)
+    from rollart.cli.tables import Column, col, full_time, print_table, short_time
+
+    short = [
+        Column("job", col("job")),
+        Column("state", col("state")),
+        Column("prio", col("priority")),
+        Column("asks", col("asks", _amounts), flex=True),
+        Column("submitted", col("submitted_at", short_time)),
+        Column("output", lambda r: output_location(r, short=True), flex=True),
+    ]
+    if any(r.get("pools") for r in rows):  # elastic pools: their size now, of their maximum
+        short.insert(4, Column("pools", pool_sizes, flex=True))
+    wide = [
+        Column("quota", col("quota", _amounts)),
+        *([] if any(r.get("pools") for r in rows) else [Column("pools", pool_sizes)]),
+        Column("ended", col("ended_at", full_time)),
+        Column("ray_status", col("ray_status")),
+        Column("output_dir", output_location),
+        Column("message", col("message")),
+    ]
+    print_table(Console(), "rollart jobs", rows, short, wide, show_wide=args.wide)
     return 0
+
+
+def _amounts(value: Any) -> str:
+    """``{"H800": 2, "CPU": 4}`` as ``H800:2 CPU:4``."""
+    if not isinstance(value, dict):
+        return "" if value is None else str(value)
+    return " ".join(f"{k}:{v:g}" if isinstance(v, (int, float)) else f"{k}:{v}" for k, v in value.items())
 
 
 def pool_sizes(row: dict[str, Any]) -> str:
@@ -273,10 +287,13 @@ def pool_sizes(row: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def output_location(row: dict[str, Any]) -> str:
-    """``HOST:FOLDER`` of a job's outputs, as its driver recorded them; a note while it has not started."""
+def output_location(row: dict[str, Any], short: bool = False) -> str:
+    """``HOST:FOLDER`` of a job's outputs, as its driver recorded them; a note while it has not started
+    (``short``: just ``(not started)``)."""
     folder = row.get("output_dir")
     if not folder:
+        if short:
+            return "(not started)"
         return "(not started: under $ROLLART_JOBS_DIR or ~/rollart-jobs on the driver's host)"
     return f"{row['driver_ip']}:{folder}" if row.get("driver_ip") else str(folder)
 
@@ -347,7 +364,10 @@ def add_job_parsers(sub: Any) -> None:
 
     p = sub.add_parser("jobs", help="the shared cluster's rollart jobs and their states")
     p.add_argument("--address", default=None, help=address_help)
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print JSON (every field)")
+    p.add_argument(
+        "--wide", action="store_true", help="every column (long cells wrap); by default the short ones, one line each"
+    )
     p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("logs", help="a submitted job's driver output")

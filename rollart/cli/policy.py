@@ -5,7 +5,9 @@ the policy endpoint alone (no training), for evaluating or debugging an agent ag
 sections), a Hugging Face model folder, or a run folder whose final policy was exported (``RUN/hf``,
 ``export.hf``). The endpoint is the one agents train through (:mod:`rollart.serving.app`): ``/v1`` and
 session base URLs ``/sessions/{id}/v1`` (``POST /sessions`` opens one) that record the exact tokens.
-It prints its URL on the first line of standard output, then serves until SIGINT or SIGTERM.
+It prints its URL on the first line of standard output, then serves until SIGINT or SIGTERM. The token
+of ``--token-env`` is read and removed from the environment before Ray starts (its raylet and the
+inference workers do not inherit it).
 """
 
 from __future__ import annotations
@@ -52,13 +54,19 @@ def cmd_serve_policy(args: argparse.Namespace) -> int:
     except ImportError as err:
         log.error("rollart serve policy needs the 'serve' extra (%s): pip install 'rollart[serve]'", err)
         return 2
+    from rollart.reward.http_guard import forget_env_secrets
+    from rollart.serving.endpoint import job_token
+
     try:
         model, cfg = resolve_model(args.target)
         settings = _settings(args, cfg)
+        token = job_token(settings)
     except ValueError as err:
         log.error("%s", err)
         return 2
-    return asyncio.run(_serve(args, model, cfg, settings))
+    if settings.token_env:  # read: out of the environment before Ray starts (the raylet, the workers)
+        forget_env_secrets([settings.token_env])
+    return asyncio.run(_serve(args, model, cfg, settings, token))
 
 
 def _settings(args: argparse.Namespace, cfg: Any) -> Any:
@@ -75,7 +83,7 @@ def _settings(args: argparse.Namespace, cfg: Any) -> Any:
     return ServingConfig.model_validate(base)
 
 
-async def _serve(args: argparse.Namespace, model: str, cfg: Any, settings: Any) -> int:
+async def _serve(args: argparse.Namespace, model: str, cfg: Any, settings: Any, token: str) -> int:
     from rollart.cluster.cluster import Cluster
     from rollart.engines.base import SamplingParams
     from rollart.resource_manager.manager import ResourceManager
@@ -105,7 +113,7 @@ async def _serve(args: argparse.Namespace, model: str, cfg: Any, settings: Any) 
         max_context=model_context(model),
         version_fn=lambda: proxy.version,
     )
-    endpoint = PolicyEndpoint(service, settings)
+    endpoint = PolicyEndpoint(service, settings, token=token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import shlex
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,37 +24,25 @@ def list_configs() -> str:
     return "\n".join(lines)
 
 
-def build_pipeline(cfg: Any, **kwargs: Any) -> Any:
-    """The config's pipeline (``pipeline:``, checked when the config loaded), else ``AgenticPipeline``."""
+def build_pipeline(cfg: Any, *, gpus: Any = None, **kwargs: Any) -> Any:
+    """The config's pipeline (``pipeline:``, checked when the config loaded), else ``AgenticPipeline``.
+    ``gpus``: the machine's GPUs, detected already (when the pools were checked)."""
     pipeline_cls = cfg.pipeline_class()
     if pipeline_cls is None:
         from rollart.pipeline.startup import start_ray_while_importing
 
         # Ray starts while torch, transformers and the pipeline import (the two take seconds each)
         start_ray_while_importing(
-            cfg, bool(kwargs.get("resume")), "rollart.pipelines.agentic", "transformers.models.auto.tokenization_auto"
+            cfg,
+            bool(kwargs.get("resume")),
+            "rollart.pipelines.agentic",
+            "transformers.models.auto.tokenization_auto",
+            gpus=gpus,
         )
         from rollart.pipelines.agentic import AgenticPipeline
 
         pipeline_cls = AgenticPipeline
     return pipeline_cls(cfg, **kwargs)
-
-
-def run_dir_problem(out_dir: Path, *, resume: bool, overwrite: bool, command: str) -> str | None:
-    """A new run never writes into the folder of another: a folder that holds anything needs ``--resume``
-    (continue that run) or ``--overwrite`` (replace it). ``--resume`` needs a folder with a checkpoint."""
-    if resume and overwrite:
-        return "--resume and --overwrite exclude each other: continue the run in the folder, or replace it"
-    used = out_dir.is_dir() and any(out_dir.iterdir())
-    if resume:
-        return None if used else f"--resume: {out_dir} holds no run to continue; run without --resume"
-    if used and not overwrite:
-        return (
-            f"the output folder {out_dir} holds an earlier run; continue it with `{command} --resume`, "
-            f"replace it with `{command} --overwrite`, or give this run its own folder "
-            "(--set output_dir=runs/NEW)"
-        )
-    return None
 
 
 def submitted_output_dir(cfg: Any) -> Any:
@@ -68,9 +55,13 @@ def submitted_output_dir(cfg: Any) -> Any:
     return cfg if placed is None else cfg.model_copy(update={"output_dir": str(placed)})
 
 
+def _command(args: argparse.Namespace, *flags: str) -> str:
+    """The command line of this run again (its config and ``--set`` items), with ``flags``."""
+    return shlex.join(["rollart", "run", args.config, *[x for s in args.set for x in ("--set", s)], *flags])
+
+
 def _resume_command(args: argparse.Namespace) -> str:
-    parts = ["rollart", "run", args.config, *[x for s in args.set for x in ("--set", s)], "--resume"]
-    return shlex.join(parts)
+    return _command(args, "--resume")
 
 
 def _interrupted(pipe: Any, args: argparse.Namespace) -> str:
@@ -78,15 +69,53 @@ def _interrupted(pipe: Any, args: argparse.Namespace) -> str:
     from rollart.training.checkpoint_io import latest_checkpoint
 
     step = getattr(pipe, "step_in_progress", None)  # 0-based; metrics.jsonl and checkpoints count from 1
-    where = f" in step {step + 1}" if isinstance(step, int) else ""
+    after = getattr(pipe, "stopped_after", None)  # a Ctrl-C let the step finish (and checkpointed it)
+    where = (
+        f" after step {after}" if isinstance(after, int) else f" in step {step + 1}" if isinstance(step, int) else ""
+    )
     root = getattr(pipe, "checkpoint_root", None)
     ckpt = latest_checkpoint(root) if root is not None and Path(root).exists() else None
     if ckpt is None:
         return (
             f"rollart run: stopped{where}; no checkpoint was written yet (checkpoint_every), so nothing to "
-            f"resume: start again with `rollart run {shlex.quote(args.config)} --overwrite`"
+            f"resume: start again with `{_command(args)}` (the folder is reused)"
         )
     return f"rollart run: stopped{where}; last checkpoint {ckpt}; continue with: {_resume_command(args)}"
+
+
+def user_error(err: BaseException) -> bool:
+    """Whether ``err`` is a mistake in the config or the command (one line, no traceback), not a fault."""
+    from rollart.config import ConfigError
+    from rollart.plugins import PluginError
+    from rollart.resource_manager.specs import ResourceSpecError
+
+    if isinstance(err, (ConfigError, PluginError, ResourceSpecError)):
+        return True
+    return isinstance(err, (FileNotFoundError, ValueError)) and str(err).startswith("--resume")
+
+
+def _refuse(err: BaseException | str) -> int:
+    """Log a refusal of the run as one line (``-v`` shows the traceback of an exception); exit status 2."""
+    log.error("%s", err, exc_info=isinstance(err, BaseException) and log.isEnabledFor(logging.DEBUG))
+    return 2
+
+
+def _prepare_run_dir(args: argparse.Namespace, out_dir: Path) -> tuple[Any, logging.Handler]:
+    """Hold the run's folder (its lock, kept open while the run runs), empty it when the run replaces
+    another (``--overwrite``) or reuses a folder whose run stopped before its first checkpoint, and log
+    into ``rollart.log`` there: the lock and the log file's handler."""
+    from rollart.cli.output import log_run_to
+    from rollart.cli.run_dir import LOCK, clear, hold, stale_partial_run
+
+    stale = not args.resume and not args.overwrite and stale_partial_run(out_dir)
+    lock = hold(out_dir)
+    if args.overwrite and any(p.name != LOCK for p in out_dir.iterdir()):
+        log.info("--overwrite: removing the earlier run in %s", out_dir)
+        clear(out_dir)
+    elif stale:
+        log.info("%s holds a run that stopped before its first checkpoint (nothing to resume): reusing it", out_dir)
+        clear(out_dir)
+    return lock, log_run_to(out_dir, verbose=bool(getattr(args, "verbose", False)))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -100,35 +129,64 @@ def cmd_run(args: argparse.Namespace) -> int:
             "them), e.g. rollart run quickstart\n"
         )
         return 2
+    from rollart.cli.run_dir import run_dir_problem
     from rollart.config import ConfigError, load_config, parse_sets
 
     try:  # every check, plug-ins included, before anything starts
         cfg = submitted_output_dir(load_config(args.config, parse_sets(args.set)))
     except ConfigError as err:
-        log.error("%s", err)
-        return 2
+        return _refuse(err)
     out_dir = cfg.out_dir
-    problem = run_dir_problem(
-        out_dir, resume=args.resume, overwrite=args.overwrite, command=shlex.join(["rollart", "run", args.config])
-    )
+    problem = run_dir_problem(out_dir, resume=args.resume, overwrite=args.overwrite, command=_command(args))
     if problem is not None:
-        log.error("%s", problem)
-        return 2
-    if args.overwrite and out_dir.exists():
-        log.info("--overwrite: removing the earlier run in %s", out_dir)
-        shutil.rmtree(out_dir)
+        return _refuse(problem)
+    from rollart.resource_manager.manager import check_local_pools
+    from rollart.resource_manager.specs import ResourceSpecError
+
+    try:  # the pools against the local Ray about to start: known before it starts
+        plan = check_local_pools(cfg.pools, cfg.cluster.local_resources)
+    except ResourceSpecError as err:
+        return _refuse(err)
+    from rollart.cli.clock import STARTED
+    from rollart.cli.output import stop_logging_to
+    from rollart.pipeline.startup import set_command_started
+
+    set_command_started(STARTED)  # the start-up line counts from the command's start, not the process's
     try:
-        pipe = build_pipeline(cfg, resume=args.resume)
+        lock, run_log = _prepare_run_dir(args, out_dir)
+    except OSError as err:  # another run took the folder meanwhile, or it cannot be written
+        return _refuse(
+            f"the output folder {out_dir} cannot be used: {err}; give this run its own folder "
+            "(--set output_dir=runs/NEW)"
+        )
+    try:
+        return _train(args, cfg, out_dir, gpus=plan.gpus if plan is not None else None)
+    finally:
+        stop_logging_to(run_log)
+        set_command_started(None)  # a program that runs main() again, or builds a pipeline, starts anew
+        if lock is not None:  # the folder is free for the next run
+            lock.close()
+
+
+def _train(args: argparse.Namespace, cfg: Any, out_dir: Path, gpus: Any = None) -> int:
+    """Build the pipeline and run it; the summary at the end (the folder is checked and held)."""
+    from rollart.cli.run_dir import SUMMARY
+
+    try:
+        pipe = build_pipeline(cfg, resume=args.resume, gpus=gpus)
     except KeyboardInterrupt:  # Ctrl-C, or `rollart stop`, while the workers were starting: nothing trained
         sys.stderr.write(
             "rollart run: stopped while starting, before the first step; nothing was trained: start again "
-            f"with `rollart run {shlex.quote(args.config)} --overwrite`\n"
+            f"with `{_command(args, *(['--resume'] if args.resume else []))}`\n"
         )
         return 130
+    except Exception as err:
+        if user_error(err):
+            return _refuse(err)
+        raise
     rm = getattr(pipe, "rm", None)
-    registry = getattr(getattr(rm, "store", None), "registry", None)
-    if rm is not None and registry is not None:  # `rollart jobs` and `rollart logs` show where the outputs are
-        registry.update_job(rm.job_id, output_dir=str(out_dir.resolve()))
+    if rm is not None:  # `rollart status`, `rollart jobs` and `rollart logs` show the run's name and folder
+        rm.store.update_job(rm.job_id, name=cfg.name, output_dir=str(out_dir.resolve()))
     log.info("output folder: %s", out_dir.resolve())
     try:
         history = pipe.run()
@@ -142,6 +200,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if rm is not None:
             rm.store.end_run(rm.job_id, "failed", repr(err))
         pipe.shutdown()
+        if isinstance(err, Exception) and user_error(err):
+            return _refuse(err)
         raise
     pipe.shutdown()
     records = pipe.step_records() if hasattr(pipe, "step_records") else history  # every step, not just the kept
@@ -156,6 +216,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "plot": str(plot) if plot else None,
         "hf": str(getattr(pipe, "export_path", None) or "") or None,
     }
+    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")  # the run finished
     if args.json:  # the summary once, on stdout (the log lines go to stderr)
         sys.stdout.write(json.dumps(summary) + "\n")
     else:

@@ -64,18 +64,6 @@ def _local_state(store_path: str | None, job: str | None) -> tuple[dict[str, Any
     return state, f"metadata store: {store.path}"
 
 
-def _when(value: Any) -> str:
-    """An epoch time as local date and time; '' for none."""
-    import datetime
-
-    if value in (None, ""):
-        return ""
-    try:
-        return datetime.datetime.fromtimestamp(float(value)).strftime("%Y-%m-%d %H:%M:%S")
-    except (TypeError, ValueError, OverflowError):
-        return str(value)
-
-
 def _job_state(job: dict[str, Any]) -> str:
     """A job's state as a word: the recorded one, else running / ended from its times and driver."""
     if job.get("state"):
@@ -85,24 +73,36 @@ def _job_state(job: dict[str, Any]) -> str:
     return "running" if job.get("driver_alive") is not False else "driver gone"
 
 
-def _cell(column: str, row: dict[str, Any]) -> str:
-    value = _job_state(row) if column == "state" and "driver_pid" in row else row.get(column)
-    if column.endswith("_at"):
-        return _when(value)
-    if column == "node_id" and value:
-        return str(value)[:16]
-    if column == "driver_alive":
-        return "yes" if value is True else "no" if value is False else "unknown (another host)"
-    if column == "device_ids" and isinstance(value, list):
+def _alive(value: Any) -> str:
+    return "yes" if value is True else "no" if value is False else "unknown (another host)"
+
+
+def _ids(value: Any) -> str:
+    if isinstance(value, list):
         return ",".join(str(d) for d in value) or "-"
     return "" if value is None else str(value)
 
 
-def _print_tables(state: dict[str, Any], where: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _node(row: dict[str, Any]) -> str:
+    """A worker's node: its IP (the cluster registry has it), else the start of its Ray node id."""
+    return str(row.get("node_ip") or (row.get("node_id") or "")[:8])
 
-    console = Console()
+
+def _size(row: dict[str, Any]) -> str:
+    """A pool group's size: ``4 CPUs``, ``2`` devices, or ``2/8`` (elastic: now / at most)."""
+    if row.get("devices") is None:
+        cpus = row.get("cpus")
+        return "" if cpus is None else f"{float(cpus):g} CPU" + ("s" if float(cpus) != 1 else "")
+    return f"{row['devices']}/{row['max_devices']}" if row.get("max_devices") else str(row["devices"])
+
+
+def _print_tables(state: dict[str, Any], where: str, wide: bool = False) -> None:
+    """The state as tables of short columns (``wide``: every column), readable at 80 columns."""
+    from rich.console import Console
+
+    from rollart.cli.tables import Column, col, full_time, print_table, short_path, short_time
+
+    console = Console(soft_wrap=True)  # a long line is the terminal's to wrap; table rows fit (cli.tables)
     console.print(where)
     if "gpus" in state:
         console.print(f"GPUs on this machine (Ray's detection, declared by a local run): {state['gpus']['detected']}")
@@ -110,31 +110,83 @@ def _print_tables(state: dict[str, Any], where: str) -> None:
         gpu_types = f" ({', '.join(node['gpu_types'])})" if node["gpu_types"] else ""
         logical = ", ".join(f"{t} x{n:g}" for t, n in node["logical"].items()) or "none"
         console.print(f"node {node['node_ip']}: {node['gpus']:g} GPU{gpu_types}; logical devices: {logical}")
-    for title, rows, cols in (
-        ("jobs", state["jobs"], ["job_id", "state", "driver_pid", "driver_alive", "ray_address", "ended_at"]),
+    job = Column("job", col("job_id"))
+    tables = [
+        (
+            "jobs",
+            state["jobs"],
+            [
+                job,
+                Column("name", col("name"), flex=True),
+                Column("state", _job_state),
+                Column("started", col("started_at", short_time)),
+                Column("folder", col("output_dir", short_path), flex=True),
+            ],
+            [
+                Column("driver_pid", col("driver_pid")),
+                Column("driver_alive", col("driver_alive", _alive)),
+                Column("ray_address", col("ray_address")),
+                Column("ended", col("ended_at", full_time)),
+                Column("output_dir", col("output_dir")),
+            ],
+        ),
         (
             "pools",
             state["pools"],
-            ["job_id", "pool", "group_index", "hardware", "devices", "max_devices", "cpus", "state"],
+            [
+                job,
+                Column("pool", col("pool")),
+                Column("hardware", col("hardware")),
+                Column("size", _size),
+                Column("state", col("state")),
+            ],
+            [
+                Column("group", col("group_index")),
+                Column("devices", col("devices")),
+                Column("max_devices", col("max_devices")),
+            ],
         ),
         (
             "workers",
             state["bindings"],
-            ["job_id", "cluster", "rank", "pool", "hardware", "node_ip", "node_id", "slot_ids", "device_ids", "state"],
+            [
+                job,
+                Column("cluster", col("cluster"), flex=True),
+                Column("rank", col("rank")),
+                Column("hardware", col("hardware")),
+                Column("node", _node, flex=True),
+                Column("gpus", col("device_ids", _ids)),
+                Column("state", col("state")),
+            ],
+            [Column("pool", col("pool")), Column("node_id", col("node_id")), Column("slots", col("slot_ids", _ids))],
         ),
-        ("endpoints", state["endpoints"], ["job_id", "cluster", "method", "url", "timeout_s", "retries"]),
+        (
+            "endpoints",
+            state["endpoints"],
+            [
+                job,
+                Column("cluster", col("cluster"), flex=True),
+                Column("method", col("method")),
+                Column("url", col("url"), flex=True),
+            ],
+            [Column("timeout_s", col("timeout_s")), Column("retries", col("retries"))],
+        ),
         (
             "runs",
             state.get("runs", []),
-            ["job_id", "attempt", "driver_pid", "started_at", "ended_at", "status", "cause"],
+            [
+                job,
+                Column("#", col("attempt")),
+                Column("started", col("started_at", short_time)),
+                Column("ended", col("ended_at", short_time)),
+                Column("status", col("status")),
+                Column("cause", col("cause"), flex=True),
+            ],
+            [Column("driver_pid", col("driver_pid"))],
         ),
-    ):
-        table = Table(title=title)
-        for c in cols:
-            table.add_column(c, overflow="fold")
-        for r in rows:
-            table.add_row(*[_cell(c, r) for c in cols])
-        console.print(table)
+    ]
+    for title, rows, short, more in tables:
+        print_table(console, title, rows, short, more, show_wide=wide)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -149,20 +201,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(state, indent=2, default=str))
         return 0
-    _print_tables(state, where)
+    _print_tables(state, where, wide=args.wide)
     return 0
 
 
 def add_status_parser(sub: Any) -> None:
     status = sub.add_parser(
         "status",
-        help="jobs, pools, workers and endpoints (of the Ray cluster with RAY_ADDRESS, else this machine's)",
+        help="jobs (name, state, folder), pools, workers and endpoints (of the Ray cluster with RAY_ADDRESS, "
+        "else this machine's)",
     )
     status.add_argument(
         "--store", default=None, help="metadata store file (default $ROLLART_METADATA_DB or ~/.rollart/metadata.sqlite)"
     )
     status.add_argument("--job", default=None, help="only this job id (default: every job)")
-    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables (every field)")
+    status.add_argument(
+        "--wide", action="store_true", help="every column (long cells wrap); by default the short ones, one line each"
+    )
     status.add_argument(
         "--local", action="store_true", help="read the local metadata store even when RAY_ADDRESS names a cluster"
     )

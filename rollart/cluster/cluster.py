@@ -730,6 +730,7 @@ class Cluster:
         qual = f"{self.name}.{m.name}"
 
         skippable = spec.dispatch is Dispatch.ONE_TO_ALL and spec.dispatch_fn is None
+        streamed = inspect.isgeneratorfunction(m.fn)  # by_ref: each rank answers the refs of what it yielded
 
         def call(*args: Any, blocking: bool = True, **kwargs: Any) -> Any:
             self._check_fatal()
@@ -750,7 +751,10 @@ class Cluster:
                 if not slot.alive:
                     raise self._died(rank)
                 a, kw = plan[rank]  # type: ignore[misc]
-                if spec.by_ref:
+                if spec.by_ref and streamed:  # one object per yielded item, the list of their refs answers
+                    method = getattr(slot.actor, BY_REF_PREFIX + m.name).options(num_returns="streaming")
+                    calls.append((rank, method.remote(*a, **kw)))
+                elif spec.by_ref:
                     method = getattr(slot.actor, BY_REF_PREFIX + m.name).options(num_returns=2)
                     results[rank], done = method.remote(*a, **kw)
                     calls.append((rank, done))  # answers the rank once the result is stored
@@ -759,7 +763,7 @@ class Cluster:
             fut: ClusterFuture[Any] = ClusterFuture(
                 calls,
                 (lambda ranks: collect(spec, [results[r] for r in ranks]))
-                if spec.by_ref
+                if spec.by_ref and not streamed
                 else (lambda res: collect(spec, res)),
                 self._dead_skip if skip else self._dead,
             )

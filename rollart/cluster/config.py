@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from rollart.config_model import ConfigModel
 
 TRAINER_ROLES = ("train", "reference", "critic")
 
 
-class RestartPolicy(BaseModel):
+class RestartPolicy(ConfigModel):
     """How often a role's dead workers are restarted, and what happens when that is spent."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     max_restarts: int = Field(default=2, ge=0)
     """Restarts per worker (rank) within `window_s`."""
@@ -27,11 +27,19 @@ class RestartPolicy(BaseModel):
     """
 
 
-class FaultConfig(BaseModel):
-    """``fault:`` — one restart policy per role (``inference``, ``train``, ``reference`` and ``critic`` are
-    enforced; ``env`` and ``reward`` are parsed only)."""
+REMOVED_ROLES = {
+    "env": "env faults are handled by the EnvManager's retries and timeouts (env_manager.reset_retries, "
+    "step_retries, reset_timeout_s, step_timeout_s), and the env servers of backend: ray are restarted by Ray",
+    "reward": "the reward service is a server of its own (rollart serve rewards) that the pipeline does not start; "
+    "a failing request is retried by the reward client (reward.retries, reward.timeout_s) and a reward that "
+    "still fails is handled by reward.on_failure, never scored 0",
+}
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+class FaultConfig(ConfigModel):
+    """``fault:`` — one restart policy per role that rollart restarts itself (``inference``, ``train``,
+    ``reference``, ``critic``). ``env`` and ``reward`` are refused: rollart does not restart those
+    processes, and a policy that does nothing would be a trap."""
 
     inference: RestartPolicy = Field(default_factory=RestartPolicy)
     """Restart policy of the inference workers."""
@@ -41,16 +49,19 @@ class FaultConfig(BaseModel):
     """Restart policy of the reference ranks."""
     critic: RestartPolicy = Field(default_factory=lambda: RestartPolicy(max_restarts=0, on_exhausted="fail"))
     """Restart policy of the critic ranks."""
-    env: RestartPolicy = Field(default_factory=RestartPolicy)
-    """Restart policy of env workers (parsed, not enforced: the EnvManager's retries handle env faults)."""
-    reward: RestartPolicy = Field(default_factory=RestartPolicy)
-    """Restart policy of reward workers (parsed, not enforced: the reward client's retries handle reward faults)."""
 
     @model_validator(mode="before")
     @classmethod
     def _gang_roles_fail_by_default(cls, data: Any) -> Any:
-        """``train: {max_restarts: 1}`` keeps ``on_exhausted: fail`` (the only choice for those roles)."""
+        """``train: {max_restarts: 1}`` keeps ``on_exhausted: fail`` (the only choice for those roles);
+        ``env`` and ``reward`` are refused with what handles their faults instead."""
         if isinstance(data, dict):
+            for role, instead in REMOVED_ROLES.items():
+                if role in data:
+                    raise ValueError(
+                        f"fault.{role}: rollart does not restart {role} processes, so a restart policy for them "
+                        f"would do nothing; remove fault.{role} ({instead})"
+                    )
             data = dict(data)
             for role in TRAINER_ROLES:
                 given = data.get(role)

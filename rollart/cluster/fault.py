@@ -13,8 +13,9 @@
   and reloads the latest checkpoint, the rounds trained since it are played again, and the inference
   workers get the reloaded weights as a new version. Spent, the job fails with the rank, host and
   cause (``on_exhausted: remove`` is refused for them: a data-parallel group cannot lose a rank).
-- ``env``, ``reward``: parsed and validated only (env and reward faults are handled by
-  ``env_manager`` and ``reward`` retries, not by these policies).
+- ``env``, ``reward``: no policy (a config that sets one is refused): rollart does not restart those
+  processes. Env faults are handled by the EnvManager's retries and timeouts (and Ray restarts the env
+  servers of ``backend: ray``), reward faults by the reward client's retries and ``on_failure``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
 import ray
+from ray import ObjectRefGenerator
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 T = TypeVar("T")
@@ -27,6 +28,15 @@ class _Skipped:
 
 
 SKIPPED: Any = _Skipped()
+
+
+def _streamed(items: list[ray.ObjectRef], get: Callable[[ray.ObjectRef], Any]) -> list[ray.ObjectRef]:
+    """The item refs of a streamed call (see ``rollart.cluster.worker``): all but the last, which marks
+    its end; ``get`` of that last one raises what ended the call early."""
+    if not items:
+        raise RuntimeError("a streamed call ended without its end marker")
+    get(items[-1])
+    return items[:-1]
 
 
 class ClusterFuture(Generic[T]):
@@ -46,7 +56,8 @@ class ClusterFuture(Generic[T]):
 
     @property
     def refs(self) -> list[ray.ObjectRef]:
-        return [ref for _, ref in self._calls]
+        """One per call: its result's ref, or for a streamed call the ref that is ready when it ended."""
+        return [ref.completed() if isinstance(ref, ObjectRefGenerator) else ref for _, ref in self._calls]
 
     @property
     def ranks(self) -> list[int]:
@@ -56,9 +67,11 @@ class ClusterFuture(Generic[T]):
         ready, _ = ray.wait(self.refs, num_returns=len(self._calls), timeout=0)
         return len(ready) == len(self._calls)
 
-    def _get_one(self, rank: int, ref: ray.ObjectRef, timeout: float | None) -> Any:
+    def _get_one(self, rank: int, ref: Any, timeout: float | None) -> Any:
         while True:
             try:
+                if isinstance(ref, ObjectRefGenerator):
+                    return _streamed(list(ref), ray.get)
                 return ray.get(ref, timeout=timeout)
             except ACTOR_GONE as err:
                 nxt = self._retry(rank, err)
@@ -78,9 +91,14 @@ class ClusterFuture(Generic[T]):
     def result(self, timeout: float | None = None) -> T:
         return self._finish([self._get_one(rank, ref, timeout) for rank, ref in self._calls])
 
-    async def _await_one(self, rank: int, ref: ray.ObjectRef) -> Any:
+    async def _await_one(self, rank: int, ref: Any) -> Any:
         while True:
             try:
+                if isinstance(ref, ObjectRefGenerator):
+                    items = [item async for item in ref]
+                    if items:
+                        await items[-1]  # raises what ended the call early
+                    return _streamed(items, lambda r: None)
                 return await ref
             except ACTOR_GONE as err:
                 nxt = self._retry(rank, err)

@@ -11,6 +11,7 @@ its pool group: what rollart placed it on (logical devices on a CPU-only machine
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -211,8 +212,24 @@ def _by_ref_methods(worker_cls: type) -> dict[str, Callable[..., Any]]:
 
 
 def _two_returns(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.isgeneratorfunction(fn):  # streamed: each item an object of its own, then the rank
+        return _stream_returns(fn)
+
     @functools.wraps(fn, assigned=("__doc__", "__module__"), updated=())
     def call(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
         return fn(self, *args, **kwargs), self.rank
+
+    return call
+
+
+def _stream_returns(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A generator method called with ``num_returns="streaming"``: every item it yields becomes an object of
+    its own as it is yielded (owned by the caller, so the worker keeps no item once it is stored), then a
+    last one, the rank, tells the caller the method ran to its end."""
+
+    @functools.wraps(fn, assigned=("__doc__", "__module__"), updated=())
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        yield from fn(self, *args, **kwargs)
+        yield self.rank
 
     return call

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from rollart.config_model import ConfigModel
 
 
-class DataTask(BaseModel):
+class DataTask(ConfigModel):
     """One task trained from a prompt dataset: a JSONL file, a Parquet file or a folder written by
     ``datasets.Dataset.save_to_disk`` (a ``DatasetDict`` folder: its ``train`` split for ``train`` and
     its ``validation`` or ``test`` split for ``val``). Relative paths are relative to the config file."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     train: str = Field(min_length=1)
     """The training prompts: a JSONL or Parquet file or a `save_to_disk` folder, relative to the config file."""
@@ -60,10 +60,8 @@ class DataTask(BaseModel):
         return stem
 
 
-class EvalEnv(BaseModel):
+class EvalEnv(ConfigModel):
     """A procedural env to evaluate on (``envs`` registry name), on held-out reset seeds."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str = Field(min_length=1)
     """The env to evaluate on (a registry name or `MODULE:CLASS`)."""
@@ -79,12 +77,10 @@ class EvalEnv(BaseModel):
     """First reset seed of the eval episodes (far from the training seeds)."""
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(ConfigModel):
     """Held-out evaluation with the current policy, through the same inference workers, every ``every``
     steps and after the last step. The eval sets: ``data`` (a file read with the keys and verifier of
     the only data task), ``env`` (a procedural env), else the ``val`` split of every data task."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     every: int = Field(default=10, ge=1)
     """Evaluate every this many steps (and after the last step)."""

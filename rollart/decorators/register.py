@@ -33,7 +33,9 @@ def register(
     ``by_ref=True`` (plain ``def`` methods): the Cluster answers each rank's result as a ``ray.ObjectRef``
     that the caller owns instead of the value. A large result (a weight snapshot) then stays in the
     object store and can be passed on to other workers without the caller ever copying it; the call
-    still completes, and a dead worker still fails it, like any other.
+    still completes, and a dead worker still fails it, like any other. A generator method with ``by_ref``
+    is streamed: each item it yields becomes an object of its own as soon as it is yielded (the worker
+    holds one item at a time) and each rank answers the list of its items' refs.
     The decorator only attaches metadata; the method is returned unchanged.
     """
     dispatch_fn: DispatchFn | None = None

@@ -22,16 +22,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from rollart.config_model import ConfigModel
 
 if TYPE_CHECKING:  # annotations only: the config models that import this module load without torch
     import torch
 
 
-class SamplingParams(BaseModel):
+class SamplingParams(ConfigModel):
     """How to sample a continuation. ``temperature == 0`` is greedy; ``top_k <= 0`` disables top-k."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     temperature: float = Field(default=1.0, ge=0)
     """Sampling temperature; 0 is greedy."""

@@ -2,7 +2,8 @@
 [--max-body-bytes N] [--sandbox-timeout-s S ...] [--unsafe-no-sandbox]``: serve text envs over the env
 session protocol (:mod:`rollart.envservice.protocol`). ``ENV`` is a registry name (``reverse``), a
 user's ``MODULE:CLASS`` (a :class:`~rollart.envs.TextEnv` subclass, imported from the working directory
-or ``--plugin-path``), or ``alias=MODULE:CLASS``. It listens on 127.0.0.1 unless ``--host`` says
+or ``--plugin-path``, searched after the installed packages: a module there never shadows one the
+server needs), or ``alias=MODULE:CLASS``. It listens on 127.0.0.1 unless ``--host`` says
 otherwise; on any other address give it a token. Once the app is built the token variables are removed
 from the server's environment."""
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +36,18 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as err:
         log.error("rollart serve env needs the 'serve' extra (%s): pip install 'rollart[serve]'", err)
         return 2
     from rollart.envservice.server import EnvServerSettings, build_env_app
+    from rollart.plugins import add_search_path
     from rollart.reward.cli import sandbox_limits
-    from rollart.reward.http_guard import forget_env_secrets, tenant_token_envs
+    from rollart.reward.http_guard import beyond_loopback, forget_env_secrets, tenant_token_envs
     from rollart.reward.sandbox import SandboxUnavailable
 
-    for folder in [".", *args.plugin_path]:
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
+    # after the installed packages: a yaml.py or h11.py in the working directory never runs as the server
+    add_search_path([*args.plugin_path, "."])
     try:
         envs = parse_env_args(args.envs)
         settings = EnvServerSettings(
@@ -59,6 +59,12 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             sandbox=sandbox_limits(args),
             unsafe_no_sandbox=args.unsafe_no_sandbox,
+            max_connections=args.max_connections,
+            read_timeout_s=args.read_timeout_s,
+            tenant_max_sessions=args.tenant_max_sessions,
+            max_threads=args.max_threads,
+            tenant_threads=args.tenant_threads,
+            max_kwargs_bytes=args.max_kwargs_bytes,
         )
         app = build_env_app(envs, settings)
     except (ValueError, SandboxUnavailable) as err:  # an env that does not resolve, a bad token: fail now
@@ -66,7 +72,7 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
         return 2
     secrets = [args.token_env or ""] + (tenant_token_envs(settings.tenants_file) if settings.tenants_file else [])
     forget_env_secrets(secrets)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.token_env or args.tenants):
+    if beyond_loopback(args.host) and not (args.token_env or args.tenants):
         log.warning(
             "env server on %s without a token: anyone who reaches it can open sessions; give --token-env or --tenants",
             args.host,
@@ -74,7 +80,9 @@ def cmd_serve_env(args: argparse.Namespace) -> int:
     log.info(
         "serving envs %s on http://%s:%d (protocol: rollart.envservice.protocol)", sorted(envs), args.host, args.port
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    from rollart.reward.http_server import GuardedConfig, run_server
+
+    run_server(GuardedConfig(app, limits=settings.connection_limits(), host=args.host, port=args.port))
     return 0
 
 
@@ -87,6 +95,24 @@ def add_env_parser(what: Any) -> None:
     )
     p.add_argument("--port", type=int, default=8200, help="TCP port to listen on")
     p.add_argument("--max-sessions", type=int, default=1024, help="open sessions at most (429 past it)")
+    p.add_argument(
+        "--tenant-max-sessions",
+        type=int,
+        default=None,
+        help="sessions one tenant has open or opening (429 past it; default: --max-sessions shared evenly by the "
+        "tenants of --tenants)",
+    )
+    p.add_argument("--max-threads", type=int, default=32, help="threads running env calls (build, reset, step)")
+    p.add_argument(
+        "--tenant-threads",
+        type=int,
+        default=None,
+        help="threads one tenant's env calls hold at once, a timed-out call until it returns (default: "
+        "--max-threads shared evenly by the tenants of --tenants)",
+    )
+    p.add_argument(
+        "--max-kwargs-bytes", type=int, default=64 * 1024, help="a session's kwargs as JSON, at most (422 past it)"
+    )
     p.add_argument("--session-ttl-s", type=float, default=900.0, help="seconds after which an idle session is closed")
     p.add_argument(
         "--call-timeout-s",
@@ -103,7 +129,8 @@ def add_env_parser(what: Any) -> None:
         help="YAML/JSON 'tenants: {NAME: {token_env: VAR}}': a token per client; a session belongs to its tenant",
     )
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger requests get 413")
-    from rollart.reward.cli import add_sandbox_arguments
+    from rollart.reward.cli import add_connection_arguments, add_sandbox_arguments
 
+    add_connection_arguments(p)
     add_sandbox_arguments(p)
     p.set_defaults(func=cmd_serve_env)

@@ -32,9 +32,14 @@ Endpoints::
   busy with the call, its state unknown; the code sandboxes it started are killed): later calls
   answer ``410``.
 * Access: a server with a token (``--token-env``, or a token per tenant with ``--tenants``) answers
-  every endpoint but ``/healthz`` with ``401`` without it (``Authorization: Bearer <token>``); a
-  session belongs to the tenant that opened it, and is ``404`` to the others. A body over the
-  server's ``max_body_bytes`` is ``413``. Both are :class:`EnvServiceRequestError` on the client.
+  every endpoint but ``/healthz`` with ``401`` without it (``Authorization: Bearer <token>``), from
+  the headers alone; a session belongs to the tenant that opened it, and is ``404`` to the others. A
+  body over the server's ``max_body_bytes`` is ``413``, a request not sent within its
+  ``read_timeout_s`` ``408``. These are :class:`EnvServiceRequestError` on the client (a 408 is
+  retried like a connection error).
+* Limits per tenant: sessions open or opening (``tenant_max_sessions``: ``429 too_many_sessions``),
+  kwargs (``max_kwargs_bytes`` of JSON, the env's ``kwarg_limits``: ``422``); building an env (an
+  open, a ``/describe``) past ``call_timeout_s`` is ``504 env_timeout``.
 
 Errors are ``{"error": KIND, "detail": TEXT}``:
 

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import os
 import secrets
-import sys
 from typing import Any
 
 import ray
@@ -42,16 +41,17 @@ class EnvServerActor:
         token: str | None = None,
         client_ip: str | None = None,
     ):
-        for folder in plugin_paths:
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
+        from rollart.plugins import add_search_path
+
+        add_search_path(plugin_paths)  # after the installed packages: a user's file never shadows one
         from rollart.envservice.server import EnvServerSettings, ThreadedServer, build_env_app
 
         self.ip = str(ray.util.get_node_ip_address())
         self.restarts = int(ray.get_runtime_context().was_current_actor_reconstructed)
-        app = build_env_app(envs, EnvServerSettings.model_validate(settings), token=token)
+        config = EnvServerSettings.model_validate(settings)
+        app = build_env_app(envs, config, token=token)
         host = "127.0.0.1" if client_ip == self.ip else self.ip
-        self.server = ThreadedServer(app, host=host).start()
+        self.server = ThreadedServer(app, host=host, limits=config.connection_limits()).start()
         logging.getLogger(__name__).info("env server %s serves %s", self.server.url, sorted(envs))
 
     def info(self) -> dict[str, Any]:

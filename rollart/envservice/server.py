@@ -6,12 +6,23 @@ their ``seq``; sessions run concurrently (a sync env's calls in worker threads, 
 event loop). A call is applied by a task of its own, so a client that hangs up does not cancel it: its
 answer is kept for the repeat. Idle sessions are closed after ``session_ttl_s``.
 
-Guards (:mod:`rollart.reward.http_guard`, as the reward service has them): a body over ``max_body_bytes`` is
-413; with ``token_env`` (one shared token) or ``tenants_file`` (a token per tenant) every endpoint but
-``/healthz`` needs ``Authorization: Bearer <token>`` (401 before the body is read). A session belongs to
+Guards (:mod:`rollart.reward.http_guard`, :mod:`rollart.reward.http_server`, as the reward service has
+them): connections over ``max_connections`` are refused (503), headers or a body not sent within
+``read_timeout_s`` get 408; with ``token_env`` (one shared token) or ``tenants_file`` (a token per
+tenant) every endpoint but ``/healthz`` needs ``Authorization: Bearer <token>`` (401 from the headers
+alone, before any body byte is read); a body over ``max_body_bytes`` is 413. A session belongs to
 the tenant that opened it: another tenant's calls, repeats and closes of it answer 404 as for a session
 that does not exist. ``max_sessions`` counts the sessions being opened too, so concurrent opens cannot
-exceed it. A call's deadline kills: an env call past its ``timeout_s`` (504) has every code sandbox it
+exceed it.
+
+Tenants share the server fairly: a tenant has at most ``tenant_max_sessions`` sessions open or being
+opened (``/describe`` builds count too; default: ``max_sessions`` split evenly between the tenants of
+``tenants_file``), and its sync env calls (build, reset, step, close) hold at most ``tenant_threads``
+of the server's ``max_threads`` threads (:class:`~rollart.reward.fair.FairSlots`), a call that timed
+out until it really returns: a runaway call costs its own tenant, never another. A session's kwargs
+are at most ``max_kwargs_bytes`` of JSON and within the env's declared
+:attr:`~rollart.envs.TextEnv.kwarg_limits` (422 otherwise), and building an env (an open, a
+``/describe``) has ``call_timeout_s`` (504). A call's deadline kills: an env call past its ``timeout_s`` (504) has every code sandbox it
 started killed (:func:`rollart.reward.sandbox.deadline`).
 """
 
@@ -19,12 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
+import json
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +60,9 @@ from rollart.envservice.protocol import (
     StepRequest,
     StepResponse,
 )
-from rollart.reward.http_guard import BearerAuth, BodyLimit, check_token, load_tenants, read_token
+from rollart.reward.fair import FairSlots
+from rollart.reward.http_guard import BearerAuth, RequestGuard, check_token, load_tenants, read_token
+from rollart.reward.http_server import ConnectionLimits, ThreadedServer
 from rollart.reward.sandbox import SandboxCancelled, SandboxLimits, deadline
 
 log = logging.getLogger(__name__)
@@ -70,6 +85,19 @@ class EnvServerSettings(BaseModel):
     # the code sandbox of this process (rollart serve env --sandbox-*, --unsafe-no-sandbox); None: as is
     sandbox: SandboxLimits | None = None
     unsafe_no_sandbox: bool = False
+    max_connections: int = Field(default=512, gt=0)  # connections open at once (503 past it)
+    read_timeout_s: float = Field(default=30.0, gt=0)  # seconds to send the headers, and again the body (408)
+    # sessions one tenant has open or opening at once; None: max_sessions shared evenly by the tenants
+    # of tenants_file (all of them with one shared token)
+    tenant_max_sessions: int | None = Field(default=None, gt=0)
+    max_threads: int = Field(default=32, gt=0)  # threads running sync env calls (build, reset, step, close)
+    # threads one tenant's env calls hold at once (a call that timed out holds its thread until it
+    # returns); None: max_threads shared evenly by the tenants of tenants_file
+    tenant_threads: int | None = Field(default=None, gt=0)
+    max_kwargs_bytes: int = Field(default=64 * 1024, gt=0)  # a session's kwargs and overrides, as JSON
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(max_connections=self.max_connections, read_timeout_s=self.read_timeout_s)
 
 
 def _error(status: int, kind: str, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -103,10 +131,43 @@ def _describe(env: Any) -> EnvDescription:
     )
 
 
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    return await asyncio.to_thread(fn, *args)
+class _Threads:
+    """The threads sync env calls run in, shared fairly by tenants
+    (:class:`~rollart.reward.fair.FairSlots`): a tenant's calls hold at most ``per_tenant`` of them,
+    and a call's thread stays counted against its tenant until the call returns, also when its request
+    gave up waiting (a timeout)."""
+
+    def __init__(self, threads: int, per_tenant: int):
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env-call")
+        self.slots = FairSlots(threads, per_tenant)
+
+    async def call(self, tenant: str, fn: Callable[..., Any], *args: Any) -> Any:
+        if inspect.iscoroutinefunction(fn):  # an async env runs on the loop
+            return await fn(*args)
+        await self.slots.acquire(tenant)
+        try:
+            future = self.executor.submit(contextvars.copy_context().run, fn, *args)
+        except BaseException:
+            self.slots.release(tenant)
+            raise
+        future.add_done_callback(lambda _: self.slots.release_soon(tenant))
+        return await asyncio.wrap_future(future)
+
+
+def kwargs_problems(cls: Any, kwargs: dict[str, Any], overrides: EnvOverrides, max_bytes: int) -> list[str]:
+    """What the env server refuses in a session's constructor arguments before building anything: more
+    than ``max_bytes`` of JSON, and values outside the env's declared ``kwarg_limits``."""
+    size = len(json.dumps(kwargs, default=str)) + len(overrides.model_dump_json())
+    if size > max_bytes:
+        return [f"kwargs and overrides take {size} bytes of JSON; this server takes at most {max_bytes}"]
+    out = []
+    for name, (low, high) in (getattr(cls, "kwarg_limits", None) or {}).items():
+        value = kwargs.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not low <= value <= high:
+            out.append(f"kwargs.{name}={value!r} is outside what this env takes when served: [{low:g}, {high:g}]")
+    return out
 
 
 def build_env_app(
@@ -141,6 +202,10 @@ def build_env_app(
         log.info("%s (for %s)", sandbox.describe(), ", ".join(code))
     sessions: dict[str, _Session] = {}
     opening = {"n": 0}  # sessions being built: counted against max_sessions
+    building: dict[str, int] = {}  # per tenant: sessions being opened and envs being described
+    shares = max(1, len(tenant_tokens))  # the tenants max_sessions and max_threads are shared by
+    tenant_sessions = settings.tenant_max_sessions or max(1, settings.max_sessions // shares)
+    threads = _Threads(settings.max_threads, settings.tenant_threads or max(1, settings.max_threads // shares))
     ended: OrderedDict[str, tuple[str, str | None]] = OrderedDict()  # session id -> (why it ended, owner)
     registry = CollectorRegistry()
     calls = Counter("rollart_env_calls", "env protocol calls", ["op", "status"], registry=registry)
@@ -149,13 +214,58 @@ def build_env_app(
     open_sessions = Gauge("rollart_env_sessions", "open sessions", registry=registry)
     open_sessions.set_function(lambda: len(sessions))
 
-    def build(name: str, kwargs: dict[str, Any], overrides: EnvOverrides) -> Any:
+    def check(name: str, kwargs: dict[str, Any], overrides: EnvOverrides) -> None:
         from rollart.envs import env_kwargs_problems
 
-        problems = env_kwargs_problems(classes[name], kwargs)
+        problems = kwargs_problems(classes[name], kwargs, overrides, settings.max_kwargs_bytes)
+        problems = problems or env_kwargs_problems(classes[name], kwargs)
         if problems:
             raise ValueError(f"env {name!r}: " + "; ".join(problems))
+
+    def build(name: str, kwargs: dict[str, Any], overrides: EnvOverrides) -> Any:
         return make_env(EnvSpec(name=envs[name], kwargs=kwargs, **overrides.model_dump()))
+
+    def label(owner: str | None) -> str:
+        return owner or ""
+
+    def held(owner: str | None) -> int:
+        """Sessions ``owner`` has open or is opening (describes included)."""
+        return sum(1 for x in sessions.values() if x.owner == owner) + building.get(label(owner), 0)
+
+    def over_quota(owner: str | None) -> JSONResponse | None:
+        if len(sessions) + opening["n"] >= settings.max_sessions:
+            return _error(
+                429,
+                "too_many_sessions",
+                f"{len(sessions)} sessions open, {opening['n']} opening (max_sessions={settings.max_sessions})",
+                {"Retry-After": str(settings.retry_after_s)},
+            )
+        if held(owner) >= tenant_sessions:
+            return _error(
+                429,
+                "too_many_sessions",
+                f"this tenant has {held(owner)} sessions open or opening, its quota "
+                f"(tenant_max_sessions={tenant_sessions}); close some or retry later",
+                {"Retry-After": str(settings.retry_after_s)},
+            )
+        return None
+
+    async def built(name: str, kwargs: dict[str, Any], overrides: EnvOverrides, owner: str | None) -> Any:
+        """The env, built in the tenant's threads within ``call_timeout_s`` (``TimeoutError`` past it:
+        the build goes on in its thread, counted against the tenant until it ends, and its env is
+        closed then)."""
+        check(name, kwargs, overrides)
+        work = asyncio.ensure_future(threads.call(label(owner), build, name, kwargs, overrides))
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), settings.call_timeout_s)
+        except TimeoutError:
+
+            def close_late(done: asyncio.Future[Any]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    asyncio.ensure_future(threads.call(label(owner), done.result().close))
+
+            work.add_done_callback(close_late)
+            raise
 
     def end(session: _Session, why: str) -> None:
         """Mark ``session`` gone and close its env in the background (a hung env must not block)."""
@@ -168,7 +278,7 @@ def build_env_app(
 
         async def close() -> None:
             try:
-                await _call(session.env.close)
+                await threads.call(label(session.owner), session.env.close)
             except Exception as err:  # a failing close must not take the server down
                 log.warning("closing env of session %s failed: %s: %s", session.sid, type(err).__name__, err)
 
@@ -227,17 +337,29 @@ def build_env_app(
         return _error(422, "bad_request", f"env {name!r} is not served here; this server serves {sorted(envs)}")
 
     @app.post("/describe")
-    async def describe(body: DescribeRequest, _: str | None = caller) -> Any:
+    async def describe(body: DescribeRequest, owner: str | None = caller) -> Any:
+        """The env's description: built and closed under the limits of a session's open (kwargs,
+        the tenant's sessions and threads, call_timeout_s)."""
         if body.env not in envs:
             return unknown_env(body.env)
+        refused = over_quota(owner)
+        if refused is not None:
+            return refused
+        building[label(owner)] = building.get(label(owner), 0) + 1
         try:
-            env = await asyncio.to_thread(build, body.env, body.kwargs, body.overrides)
+            env = await built(body.env, body.kwargs, body.overrides, owner)
+        except TimeoutError:
+            return _error(
+                504, "env_timeout", f"building env {body.env!r} took longer than {settings.call_timeout_s:g}s"
+            )
         except Exception as err:
             return _error(422, "bad_request", f"{type(err).__name__}: {err}")
+        finally:
+            building[label(owner)] -= 1
         try:
             return _describe(env).model_dump()
         finally:
-            await _call(env.close)
+            await threads.call(label(owner), env.close)
 
     @app.post("/sessions")
     async def open_session(body: OpenRequest, owner: str | None = caller) -> Any:
@@ -265,25 +387,28 @@ def build_env_app(
         if body.env not in envs:
             calls.labels(op="open", status="422").inc()
             return unknown_env(body.env)
-        if len(sessions) + opening["n"] >= settings.max_sessions:
+        refused = over_quota(owner)
+        if refused is not None:
             calls.labels(op="open", status="429").inc()
-            return _error(
-                429,
-                "too_many_sessions",
-                f"{len(sessions)} sessions open, {opening['n']} opening (max_sessions={settings.max_sessions})",
-                {"Retry-After": str(settings.retry_after_s)},
-            )
+            return refused
         opening["n"] += 1  # held while the env is built: concurrent opens cannot pass max_sessions
+        building[label(owner)] = building.get(label(owner), 0) + 1  # nor the tenant's quota
         try:
             try:
-                env = await asyncio.to_thread(build, body.env, body.kwargs, body.overrides)
+                env = await built(body.env, body.kwargs, body.overrides, owner)
+            except TimeoutError:
+                calls.labels(op="open", status="504").inc()
+                return _error(
+                    504, "env_timeout", f"building env {body.env!r} took longer than {settings.call_timeout_s:g}s"
+                )
             except Exception as err:
                 calls.labels(op="open", status="422").inc()
                 return _error(422, "bad_request", f"{type(err).__name__}: {err}")
         finally:
             opening["n"] -= 1
+            building[label(owner)] -= 1
         if body.session_id in sessions:  # a repeat of this open finished first
-            await _call(env.close)
+            await threads.call(label(owner), env.close)
             return await opened(body, owner)
         sessions[body.session_id] = _Session(body.session_id, body.env, body.kwargs, env, body.seed, owner)
         calls.labels(op="open", status="200").inc()
@@ -355,7 +480,7 @@ def build_env_app(
     @app.post("/sessions/{sid}/reset")
     async def reset(sid: str, body: ResetRequest, owner: str | None = caller) -> Any:
         async def run(s: _Session) -> dict[str, Any]:
-            obs, info = await _call(s.env.reset, body.seed if body.seed is not None else s.seed)
+            obs, info = await threads.call(label(s.owner), s.env.reset, body.seed if body.seed is not None else s.seed)
             return ResetResponse(seq=body.seq, observation=obs, info=info or {}).model_dump()
 
         return await numbered(sid, owner, "reset", body.seq, body.timeout_s, run)
@@ -363,7 +488,7 @@ def build_env_app(
     @app.post("/sessions/{sid}/step")
     async def step(sid: str, body: StepRequest, owner: str | None = caller) -> Any:
         async def run(s: _Session) -> dict[str, Any]:
-            obs, reward, terminated, truncated, info = await _call(s.env.step, body.action)
+            obs, reward, terminated, truncated, info = await threads.call(label(s.owner), s.env.step, body.action)
             return StepResponse(
                 seq=body.seq,
                 observation=obs,
@@ -384,42 +509,21 @@ def build_env_app(
         end(s, "closed by the client")
         return {"closed": True}
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(
+        RequestGuard,
+        limit=settings.max_body_bytes,
+        auth=auth,
+        public=("/healthz",),
+        read_timeout_s=settings.read_timeout_s,
+        error=_guard_error,
+    )
     return app
 
 
-class ThreadedServer:
-    """Uvicorn serving ``app`` in a daemon thread on ``host:port`` (port 0: a free one). ``url`` is
-    ``http://host:port`` once :meth:`start` returned."""
+def _guard_error(status: int, detail: str) -> bytes:
+    """The env server's error body for the guard's answers (401, 408, 413)."""
+    kind = {401: "unauthorized", 408: "request_timeout", 413: "body_too_large"}.get(status, "bad_request")
+    return json.dumps({"error": kind, "detail": detail}).encode()
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
 
-        self.host = host
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, name=f"env-server-{host}:{port}", daemon=True)
-        self.port = port
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> ThreadedServer:
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:  # readiness of a server in another thread: nothing to wait on but the flag
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"env server on {self.host}:{self.port} did not start within {timeout_s:g}s")
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout_s)
-
-    def __enter__(self) -> ThreadedServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+__all__ = ["EnvServerSettings", "ThreadedServer", "build_env_app"]

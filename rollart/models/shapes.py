@@ -31,7 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
+
+from rollart.config_model import ConfigModel
 
 MARKER = "rollart_shape.json"
 """The file that marks a folder whose weights are built at random when it is loaded."""
@@ -102,6 +104,32 @@ SHAPES: dict[str, Architecture] = {
         tied_embeddings=True,
         max_positions=32768,
     ),
+    # Qwen2.5-3B(-Instruct) config.json: 3 085 938 688 parameters
+    "qwen2.5-3b": Architecture(
+        "qwen2.5-3b",
+        layers=36,
+        hidden=2048,
+        heads=16,
+        kv_heads=2,
+        intermediate=11008,
+        vocab=151936,
+        rope_theta=1_000_000.0,
+        tied_embeddings=True,
+        max_positions=32768,
+    ),
+    # Qwen2.5-7B(-Instruct) config.json: 7 615 616 512 parameters
+    "qwen2.5-7b": Architecture(
+        "qwen2.5-7b",
+        layers=28,
+        hidden=3584,
+        heads=28,
+        kv_heads=4,
+        intermediate=18944,
+        vocab=152064,
+        rope_theta=1_000_000.0,
+        tied_embeddings=False,
+        max_positions=32768,
+    ),
 }
 
 
@@ -110,10 +138,10 @@ def unknown_shape(name: str) -> str:
     return f"unknown shape {name!r}; the known shapes are {', '.join(sorted(SHAPES))}"
 
 
-class ShapeConfig(BaseModel):
+class ShapeConfig(ConfigModel):
     """``model: {shape: NAME}`` in a pipeline config (``layers`` and ``seed`` optional)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(frozen=True)
 
     shape: str
     """A name of :data:`SHAPES`, e.g. `qwen2.5-0.5b`."""

@@ -280,8 +280,10 @@ class MetricsFile:
             import matplotlib
         except ImportError:
             log.info(
-                "metrics.png skipped: matplotlib is not installed (pip install 'rollart[plot]'); the metrics are in %s",
+                "metrics.png skipped: matplotlib is not installed; the metrics are in %s "
+                "(pip install 'rollart[plot]', then `rollart plot %s` draws it)",
                 self.path,
+                self.out_dir,
             )
             return None
 

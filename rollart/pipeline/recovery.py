@@ -25,8 +25,9 @@ class TrainerSupervisor:
     """The trainer-side Clusters of a pipeline (``ref`` and ``critic`` may be None) under the restart
     policies of ``fault`` (a :class:`~rollart.cluster.config.FaultConfig`)."""
 
-    def __init__(self, fault: Any, train: Any, ref: Any = None, critic: Any = None):
+    def __init__(self, fault: Any, train: Any, ref: Any = None, critic: Any = None, *, ref_sharded: bool = False):
         self.train, self.ref, self.critic = train, ref, critic
+        self.ref_sharded = ref_sharded  # a sharded reference is a process group: rebuilt whole, like the trainer
         self.budgets = RoleBudgets(fault)
         self.recoveries: list[dict[str, Any]] = []  # one entry per recovery
 
@@ -116,13 +117,13 @@ class TrainerSupervisor:
     def _rebuild_ranks(self) -> None:
         """Every trainer and critic rank anew in its bundle (a DDP group cannot go on with one rank
         replaced) and a new rendezvous; the dead reference ranks anew (they hold no state)."""
-        for cluster in (self.train, self.critic):
+        for cluster in (self.train, self.critic, self.ref if self.ref_sharded else None):
             if cluster is None:
                 continue
             for rank in range(cluster.world_size):
                 cluster.restart_worker(rank)
             start_data_parallel(cluster)
-        if self.ref is not None:
+        if self.ref is not None and not self.ref_sharded:
             for rank, alive in self.ref.health_check().items():
                 if not alive:
                     self.ref.restart_worker(rank)

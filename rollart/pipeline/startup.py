@@ -1,13 +1,14 @@
 """The start-up timeline of a run, from the command to its first trained step, in phases: written to
 ``RUN_DIR/startup.json`` once the first step is done (``rollart bench startup`` reads it).
 
-The marks (Unix times) come from where each thing happens: the process start (the OS), Ray's start
+The marks (Unix times) come from where each thing happens: the command's start (``rollart run``: its
+first import, :mod:`rollart.cli.clock`; else the process start, from the OS), Ray's start
 (the launcher, :func:`~rollart.resource_manager.launcher.take_ray_start`), the pools' reservation (the
 ResourceManager), each worker's start (its Cluster: asked for, process began, ``__init__`` began and
 returned; :class:`~rollart.cluster.worker.WorkerStart`) and the pipeline's own steps. A phase lasts from
 the previous mark to its own, so the phases add up to the time to the first step:
 
-- ``imports_and_config``: the interpreter, rollart's imports, the config and its checks, the model cache;
+- ``imports_and_config``: rollart's imports, the config and its checks, the model cache;
 - ``ray_start``: starting the local Ray's processes (or joining ``RAY_ADDRESS``);
 - ``pools``: until the job's pools are reserved (placement groups);
 - ``worker_start``: until the last worker's ``__init__`` began (Ray starts each worker's process, which
@@ -78,11 +79,24 @@ def phases_of(marks: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
+_command_started: float | None = None
+
+
+def set_command_started(at: float | None) -> None:
+    """Count the timelines of this process from ``at`` (Unix time: when the ``rollart`` command started,
+    :mod:`rollart.cli.clock`), not from the process's start; None: from the process's start again."""
+    global _command_started
+    _command_started = at
+
+
 class StartupTimeline:
-    """The start-up marks of one pipeline (see the module doc); :meth:`write` once its first step is done."""
+    """The start-up marks of one pipeline (see the module doc); :meth:`write` once its first step is done.
+    Its clock starts when the ``rollart`` command started (:func:`set_command_started`), else when the
+    process did."""
 
     def __init__(self) -> None:
-        self.marks: dict[str, float] = {"process_started": process_start_time() or time.time()}
+        start = _command_started or process_start_time() or time.time()
+        self.marks: dict[str, float] = {"process_started": start}
         self.workers: dict[str, list[dict[str, float]]] = {}
         self.path: Path | None = None
 
@@ -141,11 +155,12 @@ def run_job_id(config: PipelineConfig, resume: bool) -> str | None:
     return config.cluster.job_id or (job_file.read_text().strip() if resume and job_file.exists() else None)
 
 
-def start_ray_while_importing(config: PipelineConfig, resume: bool, *modules: str) -> None:
+def start_ray_while_importing(config: PipelineConfig, resume: bool, *modules: str, gpus: Any = None) -> None:
     """Start (or join) the run's Ray while ``modules`` (the pipeline's, with torch and transformers, and
     the tokenizer's, which the pipeline uses once its workers are up) are imported in a thread beside it:
     starting Ray is mostly waiting for its processes, and the imports fill that wait. The pipeline's ResourceManager then finds Ray up, for the job id it asks for
-    (:func:`run_job_id`), with the resources its pools ask for. An import error is raised here."""
+    (:func:`run_job_id`), with the resources its pools ask for. An import error is raised here. ``gpus``:
+    the machine's GPUs when the caller detected them already (``rollart run`` did, to check the pools)."""
     from rollart.resource_manager.launcher import ensure_ray
     from rollart.resource_manager.manager import resources_asked
     from rollart.resource_manager.specs import parse_pools
@@ -163,7 +178,7 @@ def start_ray_while_importing(config: PipelineConfig, resume: bool, *modules: st
     loader.start()
     try:
         asked = resources_asked(parse_pools(config.pools))
-        ensure_ray(config.cluster.local_resources, run_job_id(config, resume), asked=asked)
+        ensure_ray(config.cluster.local_resources, run_job_id(config, resume), asked=asked, gpus=gpus)
     finally:
         loader.join()
     if failed:

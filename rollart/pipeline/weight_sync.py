@@ -41,6 +41,8 @@ class WeightSync:
     def __init__(self, config: Any, train: Any, infer: Any):
         self.config = config  # the pipeline config (weights:, rollout.alpha)
         self.train, self.infer = train, infer
+        # the trainer gathers and sends its weights a bucket of at most this many bytes at a time
+        self.bucket_bytes = int(config.weights.bucket_mb) << 20
         self.loader: NewestVersionLoader | None = None  # serves the newest published version in the background
 
     async def start(self, rollout: AsyncController) -> None:
@@ -127,12 +129,12 @@ class RaySync(WeightSync):
         self._rollout: AsyncController | None = None
 
     async def push(self, rollout: AsyncController, version: int) -> int:
-        ref = await self.train.snapshot_weights(blocking=False)
+        ref = await self.train.snapshot_weights(self.bucket_bytes, blocking=False)
         await rollout.proxy.model_update(ref, version)
         return version
 
     async def sync(self, rollout: AsyncController, version: int) -> int:
-        ref = await self.train.snapshot_weights(blocking=False)
+        ref = await self.train.snapshot_weights(self.bucket_bytes, blocking=False)
         if not self.background:
             await rollout.sync_weights(ref, version, pause=self.config.weights.pause_rollout)
             return version
@@ -213,7 +215,7 @@ class ChannelSync(WeightSync):
 
     async def push(self, rollout: AsyncController, version: int) -> int:
         # written before the workers load it: a failed write is this call's error, not their timeout
-        version = await self.train.publish_to(self.channel, True, blocking=False)
+        version = await self.train.publish_to(self.channel, True, self.bucket_bytes, blocking=False)
         await rollout.proxy.model_update_from(self.channel, version)
         return version
 
@@ -233,7 +235,9 @@ class DistSync(ChannelSync):
         )
 
     async def sync(self, rollout: AsyncController, version: int) -> int:
-        version = await self.train.publish_to(self.channel, not self.config.weights.async_publish, blocking=False)
+        version = await self.train.publish_to(
+            self.channel, not self.config.weights.async_publish, self.bucket_bytes, blocking=False
+        )
         await rollout.sync_weights(None, version, channel=self.channel)
         return version
 
@@ -333,7 +337,9 @@ class MooncakeSync(ChannelSync):
             self.loader = NewestVersionLoader(
                 lambda v: rollout.sync_weights(None, v, channel=channel), served=rollout.scheduler.version
             )
-        version = await self.train.publish_to(self.channel, not self.config.weights.async_publish, blocking=False)
+        version = await self.train.publish_to(
+            self.channel, not self.config.weights.async_publish, self.bucket_bytes, blocking=False
+        )
         self.loader.offer(version)  # raises a failed load of an earlier version
         return version
 

@@ -24,19 +24,23 @@ declare their hardware themselves. Ray's token authentication is used when a tok
 (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``) and ``RAY_AUTH_MODE`` is unset.
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` is set only for the local Ray (set, even to 0, it makes
 ``ray start --address`` refuse to join, and processes started from a driver inherit it).
-A Ray the user already initialised is used as it is.
+A Ray the user already initialised is used as it is. Before a local Ray starts with token authentication,
+a missing ``~/.ray/auth_token`` is written readable by its owner only, and an existing one of this user
+that others can read is made so (Ray would write it readable by every user of the machine).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import ray
 
@@ -101,6 +105,7 @@ class RayStart:
 
 
 _ray_start: RayStart | None = None
+_worker_output: Callable[[dict[str, Any]], None] | None = None  # prints the workers' lines (set_worker_output)
 _workers_see_no_gpu = False  # the local Ray this process started hides CUDA from every worker
 
 
@@ -126,6 +131,59 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def set_worker_output(handler: Callable[[dict[str, Any]], None] | None) -> None:
+    """From the next Ray :func:`ensure_ray` starts or joins on, ``handler(data)`` prints the lines Ray
+    forwards from the workers (``data``: Ray's batch, with ``lines``, ``pid``, ``actor_name``, ``is_err``)
+    instead of Ray's own printer (which prefixes, colours and deduplicates them); None: Ray's printer."""
+    global _worker_output
+    _worker_output = handler
+
+
+def _route_worker_output() -> None:
+    """Replace Ray's printer of the workers' lines by :data:`_worker_output` (Ray's handler keeps its name,
+    so ``ray.shutdown`` removes ours as it would its own)."""
+    if _worker_output is None:
+        return
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError as err:  # a Ray without it: its own printer stays
+        log.debug("worker output stays Ray's: %s", err)
+        return
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("ray_print_logs", _worker_output)
+
+
+TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _TokenNoticeAtDebug(logging.Filter):
+    """Ray's warning that the local Ray it starts enabled token authentication says nothing a user of
+    rollart's local Ray (on 127.0.0.1) must act on: it is logged at DEBUG instead (``rollart -v``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.getMessage()).startswith(TOKEN_NOTICE):
+            return True
+        if not getattr(record, "rollart_at_debug", False):  # once, whatever the number of Ray's handlers
+            record.rollart_at_debug = True
+            log.debug("ray: %s", record.getMessage())
+        return False
+
+
+@contextmanager
+def _token_notice_at_debug() -> Iterator[None]:
+    """While the local Ray starts: :class:`_TokenNoticeAtDebug` on the handlers of Ray's logger (set up
+    when ``ray`` was imported)."""
+    handlers = list(logging.getLogger("ray").handlers)
+    quiet = _TokenNoticeAtDebug()
+    for h in handlers:
+        h.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(quiet)
 
 
 def take_ray_start() -> RayStart | None:
@@ -170,12 +228,14 @@ def ensure_ray(
     job_id: str | None = None,
     *,
     asked: Mapping[str, float] | None = None,
+    gpus: DetectedGpus | None = None,
 ) -> str:
     """Make sure Ray is up; return the job id (the Ray namespace).
 
     ``local_resources`` (``{"H800": 4, "H20": 4, "CPU": 16}``) is what a locally started Ray declares
     besides the GPUs it detects; when it is None, ``asked`` (what the pools ask for) is declared as
-    logical hardware on a machine without GPUs, and only its CPUs on a machine with GPUs.
+    logical hardware on a machine without GPUs, and only its CPUs on a machine with GPUs. ``gpus``: this
+    machine's GPUs when the caller detected them already (:func:`detect_gpus` otherwise).
     """
     if ray.is_initialized():
         return ray.get_runtime_context().namespace or job_id or new_job_id()
@@ -194,15 +254,13 @@ def ensure_ray(
             os.environ.get("RAY_AUTH_MODE", "unset"),
         )
         ray.init(address=address, namespace=job_id, log_to_driver=True)
+        _route_worker_output()
         _ray_start = RayStart("joined", began, time.time())
         return job_id
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     _bind_to_loopback()
-    resources = dict(local_resources if local_resources is not None else asked or {})
-    cpus = resources.pop(CPU, None)
-    num_cpus = int(max(cpus or 0, os.cpu_count() or 1, 2))
-    gpus = detect_gpus()
-    custom, logical = local_ray_resources(resources, gpus, declare_logical=local_resources is not None)
+    plan = plan_local_ray(local_resources, asked, gpus=gpus)
+    num_cpus, gpus, custom, logical = plan.num_cpus, plan.gpus, plan.custom, plan.logical
     log.info(
         "starting a local Ray on 127.0.0.1 as job %s: CPU=%d, GPUs detected: %s, logical devices: %s",
         job_id,
@@ -210,7 +268,7 @@ def ensure_ray(
         gpus.describe(),
         logical or "none",
     )
-    absent = sorted(hw for hw, n in resources.items() if n > 0 and hw not in logical and hw not in gpus.types())
+    absent = plan.absent
     if absent:
         log.info(
             "not declared (this machine has no such GPU; cluster.local_resources declares logical ones): %s", absent
@@ -227,7 +285,8 @@ def ensure_ray(
         # Actors without GPUs hide them with a runtime env of their own, which never takes an idle worker
         # started ahead; each such worker importing Ray would only compete for the CPUs with the actors.
         node_env, job_env, prestart = {}, {"env_vars": worker_env}, False
-    with _environ(node_env):  # what Ray's processes inherit; the driver's own is put back
+    _private_token_file()
+    with _environ(node_env), _token_notice_at_debug():  # what Ray's processes inherit; the driver's own is put back
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -240,8 +299,52 @@ def ensure_ray(
             runtime_env=job_env,
             _system_config={"enable_worker_prestart": prestart, "prestart_worker_first_driver": False},
         )
+    _route_worker_output()
     _ray_start = RayStart("local", began, time.time())
     return job_id
+
+
+@dataclass(frozen=True)
+class LocalRayPlan:
+    """What a local Ray started by :func:`ensure_ray` declares: ``num_cpus`` CPUs, the detected ``gpus``,
+    the ``custom`` resources (markers and logical devices) and, of these, the ``logical`` devices by type;
+    ``absent``: the hardware types asked for that it does not declare."""
+
+    num_cpus: int
+    gpus: DetectedGpus
+    custom: dict[str, float]
+    logical: dict[str, float]
+    absent: list[str]
+
+    def node_resources(self) -> dict[str, float]:
+        """The node's resources as ``ray.nodes()`` will report them (``CPU``, ``GPU`` and the custom ones)."""
+        out = {CPU: float(self.num_cpus), **self.custom}
+        if self.gpus.count:
+            out["GPU"] = float(self.gpus.count)
+        return out
+
+
+def plan_local_ray(
+    local_resources: Mapping[str, float] | None = None,
+    asked: Mapping[str, float] | None = None,
+    *,
+    gpus: DetectedGpus | None = None,
+) -> LocalRayPlan:
+    """What :func:`ensure_ray` declares when it starts a local Ray for ``local_resources`` (else ``asked``,
+    what the pools ask for) on this machine (its ``gpus``, detected when not given): known before Ray
+    starts, so the pools can be checked first."""
+    resources = dict(local_resources if local_resources is not None else asked or {})
+    cpus = resources.pop(CPU, None)
+    num_cpus = int(max(cpus or 0, os.cpu_count() or 1, 2))
+    gpus = detect_gpus() if gpus is None else gpus
+    custom, logical = local_ray_resources(resources, gpus, declare_logical=local_resources is not None)
+    absent = sorted(hw for hw, n in resources.items() if n > 0 and hw not in logical and hw not in gpus.types())
+    return LocalRayPlan(num_cpus, gpus, custom, logical, absent)
+
+
+def starts_local_ray() -> bool:
+    """Whether :func:`ensure_ray` would start a local Ray here (no Ray in this process, no ``RAY_ADDRESS``)."""
+    return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
 
 
 def local_ray_resources(
@@ -276,6 +379,33 @@ def _bind_to_loopback() -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def _private_token_file() -> None:
+    """Before a local Ray starts with token authentication (Ray's default when ``RAY_AUTH_MODE`` is unset):
+    Ray writes a missing ``~/.ray/auth_token`` with the process's umask, readable by every user of the
+    machine (0644), and with it anyone on the machine could join the cluster and run code. rollart
+    writes the token itself first, readable by its owner only (0600, in a 0700 folder), and takes the
+    other users' read access away from an existing token file of its user."""
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token" or os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    given = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    path = Path(given) if given else Path.home() / ".ray" / "auth_token"
+    try:
+        if not given:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        st = path.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            path.chmod(0o600)
+            log.warning("%s was readable by other users of this machine; now only by its owner (0600)", path)
+        return
+    except OSError as err:  # a read-only home: Ray reports what it needs
+        log.info("cannot write a Ray token at %s (%s); Ray makes its own", path, err)
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # what Ray itself would write: 256 random bits in hex
 
 
 def _token_auth_for_joining() -> None:

@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -28,8 +29,16 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 
 from rollart.resource_manager.admission import Admission, wait_for_admission
-from rollart.resource_manager.capacity import HardwareCapacity, read_capacity
-from rollart.resource_manager.launcher import ANY_GPU, RayStart, ensure_ray, take_ray_start
+from rollart.resource_manager.capacity import HardwareCapacity, node_devices, read_capacity
+from rollart.resource_manager.launcher import (
+    ANY_GPU,
+    LocalRayPlan,
+    RayStart,
+    ensure_ray,
+    plan_local_ray,
+    starts_local_ray,
+    take_ray_start,
+)
 from rollart.resource_manager.specs import CPU, HardwareGroup, PoolSpec, ResourceSpecError, parse_pools
 from rollart.resource_manager.store import MetadataStore
 
@@ -46,6 +55,102 @@ def resources_asked(specs: Mapping[str, PoolSpec]) -> dict[str, float]:
         for g in spec.groups:
             asked[g.hardware] = asked.get(g.hardware, 0) + g.amount
     return asked
+
+
+def check_capacity(
+    specs: Mapping[str, PoolSpec],
+    capacity: Mapping[str, HardwareCapacity],
+    *,
+    admitted: bool = False,
+    local: LocalRayPlan | None = None,
+    local_resources: Mapping[str, float] | None = None,
+) -> None:
+    """Every pool's hardware is in ``capacity`` and the pools fit what is free of it; a
+    :class:`ResourceSpecError` naming the field and the fix otherwise. ``admitted``: the job was admitted
+    against the cluster's totals (placement waits for the rest), so only the names are checked.
+    ``local``: ``capacity`` is the local Ray that will be started (:func:`check_local_pools`)."""
+    known = ", ".join(sorted(capacity)) or "nothing"
+    if local is not None:
+        declared = "not set" if local_resources is None else _yaml_map(local_resources)
+        cluster = (
+            f"the local Ray rollart starts (it declares {known}; GPUs detected: {local.gpus.describe()}; "
+            f"cluster.local_resources: {declared})"
+        )
+        add_name = "add it to cluster.local_resources (logical devices: their workers run on the CPU)"
+    else:
+        cluster, add_name = (
+            f"the Ray cluster (it has {known})",
+            "declare it under cluster.local_resources for a local run",
+        )
+    reserved = [s for s in specs.values() if s.colocate_with is None]
+    for spec in specs.values():
+        for i, g in enumerate(spec.groups):
+            if g.hardware in capacity or (g.elastic and not g.devices):  # an elastic group may wait for it
+                continue
+            where = f"pools.{spec.name}[{i}]" if len(spec.groups) > 1 else f"pools.{spec.name}"
+            raise ResourceSpecError(
+                f"{where}.hardware: {g.hardware!r} is not in {cluster}; fix the name, or {add_name}"
+            )
+    if admitted:
+        return
+    asked = resources_asked(specs)
+    for hw, need in asked.items():
+        cap = capacity.get(hw)
+        if cap is None:  # an elastic group waiting for hardware to join
+            continue
+        if need > cap.available + 1e-9:
+            users = [s.name for s in reserved for g in s.groups if g.hardware == hw]
+            field_name = "cpus" if hw == CPU else "devices"
+            what = f"{need:g} CPUs" if hw == CPU else f"{need:g} {hw} devices"
+            if local is not None:
+                has = f"the local Ray rollart starts has {cap.total:g}"
+                if hw == CPU:
+                    cpus = (local_resources or {}).get(CPU)
+                    setting = "not set" if cpus is None else f"{cpus:g}"
+                    has += f" (cluster.local_resources.CPU: {setting}; this machine: {os.cpu_count() or 1})"
+                fix = f"lower pools.<name>.{field_name} or raise cluster.local_resources.{hw}"
+                if cap.mode == "gpu":
+                    fix = f"lower pools.<name>.{field_name} (this machine has {local.gpus.describe()})"
+            else:
+                has = f"the cluster has {cap.available:g} free of {cap.total:g}"
+                fix = f"lower pools.<name>.{field_name} or add {hw} hardware"
+            raise ResourceSpecError(f"pools {users} ask for {what} but {has}; {fix}")
+    # several names for the same GPUs (GPU and H100 on one machine): the sum must fit the GPUs
+    on_gpus = {hw: n for hw, n in asked.items() if hw in capacity and capacity[hw].mode == "gpu"}
+    every_gpu = capacity.get(ANY_GPU)
+    if len(on_gpus) > 1 and every_gpu is not None and sum(on_gpus.values()) > every_gpu.available + 1e-9:
+        users = [s.name for s in reserved for g in s.groups if g.hardware in on_gpus]
+        split = ", ".join(f"{h}: {n:g}" for h, n in on_gpus.items())
+        raise ResourceSpecError(
+            f"pools {users} ask for {sum(on_gpus.values()):g} GPUs ({split}) but the cluster has "
+            f"{every_gpu.available:g} free of {every_gpu.total:g}; lower pools.<name>.devices or add GPUs"
+        )
+
+
+def check_local_pools(
+    pools: Mapping[str, Any], local_resources: Mapping[str, float] | None = None
+) -> LocalRayPlan | None:
+    """Before Ray starts: the checks of :meth:`ResourceManager.__init__` against the local Ray that
+    :func:`~rollart.resource_manager.launcher.ensure_ray` will start for ``local_resources``
+    (``cluster.local_resources``) on this machine, whose CPUs, GPUs and logical devices are known in
+    advance: the plan of that Ray (its ``gpus`` can be handed to ``ensure_ray``, which then need not
+    detect them again). None (nothing checked) when no local Ray would be started: a Ray already up in
+    this process, or a cluster joined with ``RAY_ADDRESS``, is checked against what Ray reports."""
+    if not starts_local_ray():
+        return None
+    specs = parse_pools(pools)
+    plan = plan_local_ray(local_resources, resources_asked(specs))
+    res = plan.node_resources()
+    capacity = {
+        hw: HardwareCapacity(hw, mode, total, free, ["local"])
+        for hw, (mode, total, free) in node_devices(res, res).items()
+    }
+    check_capacity(specs, capacity, local=plan, local_resources=local_resources)
+    return plan
+
+
+def _yaml_map(values: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in values.items()) + "}"
 
 
 @dataclass
@@ -140,42 +245,13 @@ class ResourceManager:
         return resources_asked(self.specs)
 
     def _validate(self) -> None:
-        known = ", ".join(sorted(self.capacity)) or "nothing"
         for spec in self.specs.values():
-            for i, g in enumerate(spec.groups):
+            for g in spec.groups:
                 if g.hardware not in self.capacity and g.elastic and not g.devices:
                     log.info(
                         "pools.%s: no %s in the Ray cluster yet; the pool grows when some joins", spec.name, g.hardware
                     )
-                    continue
-                if g.hardware not in self.capacity:
-                    where = f"pools.{spec.name}[{i}]" if len(spec.groups) > 1 else f"pools.{spec.name}"
-                    raise ResourceSpecError(
-                        f"{where}.hardware: {g.hardware!r} is not in the Ray cluster (it has {known}); "
-                        f"fix the name, or declare it under cluster.local_resources for a local run"
-                    )
-        if self.admission is not None:  # admitted against the cluster's totals; placement waits for the rest
-            return
-        asked = self._resources_asked()
-        for hw, need in asked.items():
-            cap = self.capacity[hw]
-            if need > cap.available + 1e-9:
-                users = [s.name for s in self._reserved_specs() for g in s.groups if g.hardware == hw]
-                field_name = "cpus" if hw == CPU else "devices"
-                raise ResourceSpecError(
-                    f"pools {users} ask for {need:g} {hw} {field_name} but the cluster has {cap.available:g} "
-                    f"free of {cap.total:g}; lower pools.<name>.{field_name} or add {hw} hardware"
-                )
-        # several names for the same GPUs (GPU and H100 on one machine): the sum must fit the GPUs
-        on_gpus = {hw: n for hw, n in asked.items() if self.capacity[hw].mode == "gpu"}
-        every_gpu = self.capacity.get(ANY_GPU)
-        if len(on_gpus) > 1 and every_gpu is not None and sum(on_gpus.values()) > every_gpu.available + 1e-9:
-            users = [s.name for s in self._reserved_specs() for g in s.groups if g.hardware in on_gpus]
-            split = ", ".join(f"{h}: {n:g}" for h, n in on_gpus.items())
-            raise ResourceSpecError(
-                f"pools {users} ask for {sum(on_gpus.values()):g} GPUs ({split}) but the cluster has "
-                f"{every_gpu.available:g} free of {every_gpu.total:g}; lower pools.<name>.devices or add GPUs"
-            )
+        check_capacity(self.specs, self.capacity, admitted=self.admission is not None)
 
     # ------------------------------------------------------------------ reservation
     def _reserve(self, ready_timeout_s: float) -> None:

@@ -15,6 +15,10 @@ class JobRecords(Protocol):
         """A job started (or a new driver of it) on the Ray cluster at ``ray_address``."""
         ...
 
+    def update_job(self, job_id: str, **fields: Any) -> Any:
+        """Set fields of a job's row (``name``, ``output_dir``)."""
+        ...
+
     def end_job(self, job_id: str) -> None:
         """The job ended: its pools are released and its workers stopped."""
         ...

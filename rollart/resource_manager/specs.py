@@ -18,6 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rollart.config_model import ConfigModel, type_problem
+
 CPU = "CPU"
 
 
@@ -25,10 +27,10 @@ class ResourceSpecError(ValueError):
     """A pool specification or placement request that cannot be satisfied; raised before any actor."""
 
 
-class HardwareGroup(BaseModel):
+class HardwareGroup(ConfigModel):
     """One hardware type inside a pool."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     hardware: str = Field(min_length=1, description='hardware type, e.g. "H800", "H20", or "CPU"')
     devices: int | None = Field(
@@ -155,7 +157,7 @@ def parse_pools(pools: Mapping[str, Any]) -> dict[str, PoolSpec]:
             except ValidationError as err:
                 first = err.errors()[0]
                 field = ".".join(str(p) for p in first["loc"])
-                msg = first["msg"].removeprefix("Value error, ")
+                msg = type_problem(first) or first["msg"].removeprefix("Value error, ")
                 raise ResourceSpecError(f"{where}{'.' + field if field else ''}: {msg}") from None
         hw = [g.hardware for g in groups]
         if len(set(hw)) != len(hw):

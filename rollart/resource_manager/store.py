@@ -50,6 +50,10 @@ CREATE TABLE IF NOT EXISTS endpoints (
 """
 
 
+JOB_FIELDS = ("name", "output_dir")
+"""What a job's row records besides its start and end: the config's name and the run folder."""
+
+
 def default_store_path() -> Path:
     """``$ROLLART_METADATA_DB``, else ``~/.rollart/metadata.sqlite``."""
     env = os.environ.get("ROLLART_METADATA_DB")
@@ -70,6 +74,10 @@ class MetadataStore(JobRecords):
                 db.execute("ALTER TABLE bindings ADD COLUMN slot_ids TEXT")
             if "max_devices" not in {r["name"] for r in db.execute("PRAGMA table_info(pools)")}:
                 db.execute("ALTER TABLE pools ADD COLUMN max_devices INTEGER")  # a file from before elastic pools
+            job_columns = {r["name"] for r in db.execute("PRAGMA table_info(jobs)")}
+            for column in JOB_FIELDS:  # a file from before jobs had a name and a folder
+                if column not in job_columns:
+                    db.execute(f"ALTER TABLE jobs ADD COLUMN {column} TEXT")
 
     @contextmanager
     def _conn(self) -> Iterator[sqlite3.Connection]:
@@ -103,6 +111,17 @@ class MetadataStore(JobRecords):
             )
         self._mirror("record_job", lambda r: r.record_job(job_id, ray_address))
         self.start_run(job_id)
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        """Set a job's ``name`` (the config's) and ``output_dir`` (its run folder), mirrored in the registry."""
+        unknown = set(fields) - set(JOB_FIELDS)
+        if unknown:
+            raise ValueError(f"update_job: unknown fields {sorted(unknown)}; known: {list(JOB_FIELDS)}")
+        if fields:
+            with self._conn() as db:
+                assignments = ", ".join(f"{k}=?" for k in fields)
+                db.execute(f"UPDATE jobs SET {assignments} WHERE job_id=?", (*fields.values(), job_id))
+        self._mirror("update_job", lambda r: r.update_job(job_id, **fields))
 
     def start_run(self, job_id: str) -> int:
         """A new attempt of ``job_id`` (one per driver: a ``--resume`` after a crash is the next one); an

@@ -22,16 +22,37 @@ def add_sandbox_arguments(p: argparse.ArgumentParser) -> None:
 
     d = SandboxLimits()
     p.add_argument(
-        "--sandbox-timeout-s", type=float, default=d.timeout_s, help="code sandbox: most wall seconds per run"
+        "--sandbox-timeout-s", type=float, default=d.timeout_s, help="code sandbox: most CPU seconds per run"
+    )
+    p.add_argument(
+        "--sandbox-wall-factor",
+        type=float,
+        default=d.wall_factor,
+        help="code sandbox: wall-clock seconds per run, as a multiple of --sandbox-timeout-s",
     )
     p.add_argument("--sandbox-memory-mb", type=int, default=d.memory_mb, help="code sandbox: most MB per process")
     p.add_argument("--sandbox-processes", type=int, default=d.max_processes, help="code sandbox: most processes")
     p.add_argument("--sandbox-disk-mb", type=int, default=d.disk_mb, help="code sandbox: most MB written in all")
     p.add_argument(
+        "--sandbox-shm-mb", type=int, default=d.shm_mb, help="code sandbox: most MB of /dev/shm, and of SysV shm"
+    )
+    p.add_argument(
         "--unsafe-no-sandbox",
         action="store_true",
-        help="run untrusted code WITHOUT isolation when bubblewrap is not usable (it can read this "
-        "server's files and reach the network); without it, code is refused",
+        help="run untrusted code WITHOUT isolation when bubblewrap is not usable (a root server runs it as a "
+        "uid of its own; any other server as itself, with its files, tokens and processes; either way it "
+        "reaches the network); without it, code is refused",
+    )
+
+
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    """Connection limits of the HTTP services (``serve rewards|env``)."""
+    p.add_argument("--max-connections", type=int, default=512, help="connections open at once (503 and closed past it)")
+    p.add_argument(
+        "--read-timeout-s",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's headers, and as long again for its body (408 past it)",
     )
 
 
@@ -44,12 +65,15 @@ def sandbox_limits(args: argparse.Namespace) -> Any:
     try:
         return SandboxLimits(
             timeout_s=args.sandbox_timeout_s,
+            wall_factor=args.sandbox_wall_factor,
             memory_mb=args.sandbox_memory_mb,
             max_processes=args.sandbox_processes,
             disk_mb=args.sandbox_disk_mb,
+            shm_mb=args.sandbox_shm_mb,
         )
     except ValidationError as err:
-        flags = {"timeout_s": "timeout-s", "memory_mb": "memory-mb", "max_processes": "processes", "disk_mb": "disk-mb"}
+        flags = {"timeout_s": "timeout-s", "memory_mb": "memory-mb", "max_processes": "processes", "disk_mb": "disk-mb",
+                 "shm_mb": "shm-mb", "wall_factor": "wall-factor"}  # fmt: skip
         raise ValueError(
             "; ".join(f"--sandbox-{flags.get(str(e['loc'][0]), e['loc'][0])}: {e['msg']}" for e in err.errors())
         ) from None
@@ -93,7 +117,7 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as err:
         log.error("rollart serve rewards needs the 'serve' extra (%s): pip install 'rollart[serve]'", err)
         return 2
@@ -121,6 +145,9 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         tenant_max_concurrency=args.tenant_max_concurrency,
         slots=args.slots,
         threads_per_function=args.threads_per_function,
+        tenant_slots=args.tenant_slots,
+        max_connections=args.max_connections,
+        read_timeout_s=args.read_timeout_s,
     )
     if args.judge_url is not None:
         from rollart.reward.builtin.judge import URL_ENV
@@ -147,22 +174,37 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
 
         deploy(args.functions, settings, host=args.host, port=args.port, max_replicas=args.max_replicas)
         return 0
+    from rollart.reward.http_guard import beyond_loopback
+    from rollart.reward.http_server import GuardedConfig, run_server
+
+    if beyond_loopback(args.host) and not (args.token_env or args.tenants):
+        log.warning(
+            "reward service on %s without a token: anyone who reaches it can run its functions (and the code "
+            "they run); give --token-env or --tenants",
+            args.host,
+        )
     log.info("serving %s on http://%s:%d/rewards/<name>", sorted(functions), args.host, args.port)
     if args.workers > 1:
+        # each worker process rebuilds the app: the secrets travel in the configuration it is spawned
+        # with, and this process forgets them before it starts any (workers, resource tracker)
+        secrets = {n: os.environ[n] for n in secret_variables(settings) if n in os.environ}
         os.environ["ROLLART_REWARD_FUNCTIONS"] = json.dumps(args.functions)
         os.environ["ROLLART_REWARD_SETTINGS"] = settings.model_dump_json()
-        uvicorn.run(
+        forget_env_secrets(list(secrets))
+        config = GuardedConfig(
             "rollart.reward.cli:app_factory",
             factory=True,
+            limits=settings.connection_limits(),
+            secrets=secrets,
             host=args.host,
             port=args.port,
             workers=args.workers,
-            log_level="warning",
         )
     else:
         capture_credentials()
         forget_env_secrets(secret_variables(settings))
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        config = GuardedConfig(app, limits=settings.connection_limits(), host=args.host, port=args.port)
+    run_server(config)
     return 0
 
 
@@ -179,6 +221,7 @@ def add_rewards_parser(what: Any) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 past it)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout (504 past it)")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests computed at once (429 past it)")
+    add_connection_arguments(p)
     p.add_argument(
         "--max-tenants",
         type=int,
@@ -213,6 +256,13 @@ def add_rewards_parser(what: Any) -> None:
         type=int,
         default=8,
         help="threads of each synchronous reward function's own pool (slow functions cannot starve the others)",
+    )
+    p.add_argument(
+        "--tenant-slots",
+        type=int,
+        default=None,
+        help="trajectories one tenant computes at once in a function's pool and of --slots (default: all but "
+        "one, so another tenant always finds one free); freed ones go to the tenant computing the fewest",
     )
     add_sandbox_arguments(p)
     p.add_argument("--ray-serve", action="store_true", help="deploy on Ray Serve with autoscaling from zero")

@@ -3,11 +3,14 @@
 - **Tokens.** One shared bearer token (``--token-env VAR``) or one token per tenant (``--tenants FILE``:
   ``tenants: {NAME: {token_env: VAR, max_concurrency: N}}``). Tokens have at least
   :data:`MIN_TOKEN_CHARS` characters (``python -c 'import secrets; print(secrets.token_urlsafe(32))'``)
-  and are compared in constant time against every configured token (no early exit). :class:`BearerAuth`
-  is a FastAPI dependency: it runs before the body is read, so an unauthenticated caller learns nothing
-  about the schema, and answers 401 with ``WWW-Authenticate: Bearer``.
-- **Body size.** :class:`BodyLimit` refuses a body over the limit with 413, declared
-  (``Content-Length``) or streamed (chunked), before the application sees it.
+  and are compared in constant time against every configured token (no early exit).
+  :class:`RequestGuard` checks the token from the request's headers alone and answers 401 with
+  ``WWW-Authenticate: Bearer`` (closing the connection) before any body byte is read;
+  :class:`BearerAuth` is the FastAPI dependency that tells a route its tenant.
+- **Body size and time.** :class:`RequestGuard` refuses a body over the limit with 413, declared
+  (``Content-Length``) or streamed (chunked), and a body that has not arrived within the read timeout
+  with 408, before the application sees it. Connections themselves are capped and must send their
+  headers in time: :mod:`rollart.reward.http_server`.
 - **Secrets out of the environment.** :func:`forget_env_secrets` removes the token variables from this
   process's environment once they are read -- children started later do not inherit them -- and blanks
   them in the process's initial environment block too, so ``/proc/<pid>/environ`` no longer shows them.
@@ -15,13 +18,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import hmac
+import json
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +122,9 @@ def tenant_token_envs(path: str) -> list[str]:
 class BearerAuth:
     """Who calls: a FastAPI dependency (:attr:`dependency`) returning the tenant of the token
     (``tenants``), or None for the shared token; 401 for a missing or wrong one. With neither a shared
-    token nor tenants, every caller is accepted and no scheme is advertised in ``/openapi.json``."""
+    token nor tenants, every caller is accepted and no scheme is advertised in ``/openapi.json``.
+    :class:`RequestGuard` asks :meth:`identify` the same question from the headers alone, before any
+    body byte is read; the dependency asks it again for the route (and declares the scheme)."""
 
     def __init__(
         self,
@@ -146,44 +153,110 @@ class BearerAuth:
 
         self.dependency: Callable[..., Any] = authenticate if self.enabled else anyone
 
-    def owner(self, request: Request, credentials: HTTPAuthorizationCredentials | None) -> str | None:
-        given = credentials.credentials.encode() if credentials is not None else b""
-        if self.token is not None and credentials is not None and hmac.compare_digest(given, self.token):
-            return None
+    def identify(self, given: bytes | None) -> tuple[bool, str | None]:
+        """``(accepted, tenant)`` of a bearer token (``None``: no token given). Compared in constant time
+        with every configured token, no early exit."""
+        if not self.enabled:
+            return True, None
+        token = given or b""
+        if self.token is not None and given is not None and hmac.compare_digest(token, self.token):
+            return True, None
         owner = None
         for name, (secret, _) in self.tenants.items():  # compare with every token: no early exit
-            if hmac.compare_digest(given, secret) and credentials is not None:
+            if hmac.compare_digest(token, secret) and given is not None:
                 owner = name
-        if owner is not None:
+        return owner is not None, owner
+
+    def owner(self, request: Request, credentials: HTTPAuthorizationCredentials | None) -> str | None:
+        accepted, owner = self.identify(credentials.credentials.encode() if credentials is not None else None)
+        if accepted:
             return owner
         if self.on_reject is not None:
             self.on_reject(request)
         raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
 
-class BodyLimit:
-    """ASGI middleware: refuse bodies over ``limit`` bytes with 413 (declared or streamed)."""
+def bearer_token(authorization: bytes | None) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header value (the scheme in any case)."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.partition(b" ")
+    if scheme.lower() != b"bearer" or not value.strip():
+        return None
+    return value.strip()
 
-    def __init__(self, app: Any, limit: int):
+
+def json_detail(status: int, message: str) -> bytes:
+    """The error body of the reward service and the env server: ``{"detail": message}``."""
+    return json.dumps({"detail": message}).encode()
+
+
+class RequestGuard:
+    """ASGI middleware in front of a service's app. In the order a request meets it:
+
+    1. **Token, from the headers alone** (with ``auth``): a request to a path outside ``public`` without
+       an accepted bearer token is answered 401 (``WWW-Authenticate: Bearer``) and its connection
+       closed, before any body byte is read: a client without the token cannot make the server hold
+       or buffer a body.
+    2. **Declared size**: a ``Content-Length`` over ``limit`` is 413 (and the connection closed).
+    3. **Body, under a deadline**: the body is read before the app runs; one that grows past ``limit``
+       is 413, one that has not fully arrived ``read_timeout_s`` seconds after its headers is 408, each
+       closing the connection (a slow body cannot hold the server).
+
+    ``error(status, message)`` makes the response body (the service's own error format);
+    ``on_reject(path)`` is told of each 401 (metrics)."""
+
+    def __init__(
+        self,
+        app: Any,
+        limit: int,
+        *,
+        auth: BearerAuth | None = None,
+        public: Collection[str] = ("/healthz",),
+        read_timeout_s: float | None = None,
+        error: Callable[[int, str], bytes] = json_detail,
+        on_reject: Callable[[str], None] | None = None,
+    ):
         self.app, self.limit = app, limit
+        self.auth = auth if auth is not None and auth.enabled else None
+        self.public = frozenset(public)
+        self.read_timeout_s = read_timeout_s
+        self.error, self.on_reject = error, on_reject
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        if self.auth is not None and scope.get("path") not in self.public:
+            accepted, _ = self.auth.identify(bearer_token(headers.get(b"authorization")))
+            if not accepted:
+                if self.on_reject is not None:
+                    self.on_reject(str(scope.get("path", "")))
+                await self._answer(send, 401, "missing or wrong bearer token", [(b"www-authenticate", b"Bearer")])
+                return
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._too_large(send)
+            await self._answer(send, 413, "request body too large")
             return
         chunks, size, more = [], 0, True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout_s if self.read_timeout_s is not None else None
         while more:
-            message = await receive()
+            try:
+                if deadline is None:
+                    message = await receive()
+                else:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                await self._answer(send, 408, f"the request body did not arrive within {self.read_timeout_s:g} s")
+                return
             if message["type"] == "http.disconnect":
                 return
             body = message.get("body", b"")
             size += len(body)
             if size > self.limit:
-                await self._too_large(send)
+                await self._answer(send, 413, "request body too large")
                 return
             chunks.append(body)
             more = message.get("more_body", False)
@@ -198,16 +271,40 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send: Callable) -> None:
-        body = b'{"detail":"request body too large"}'
+    async def _answer(
+        self, send: Callable, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
+        """An error answer that closes the connection (what the client still sends is never read)."""
+        body = self.error(status, message)
         await send(
             {
                 "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                    *(extra or []),
+                ],
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+BodyLimit = RequestGuard  # the body-size guard alone: ``add_middleware(BodyLimit, limit=N)``
+
+
+def beyond_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` may be reached from other machines (anything but a loopback
+    address or ``localhost``)."""
+    import ipaddress
+
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return True
 
 
 def forget_env_secrets(names: list[str]) -> list[str]:

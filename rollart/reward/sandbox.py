@@ -1,9 +1,10 @@
 """Run untrusted Python in an isolated, limited child process: :func:`run_python`.
 
 Isolation (:mod:`rollart.reward.isolation`): bubblewrap namespaces, the code as a uid of its own with no
-capabilities, a read-only view of the system and Python, no network; without bubblewrap code runs only
-when the operator opted in by name (``--unsafe-no-sandbox``), and otherwise :class:`SandboxUnavailable`
-is raised.
+capabilities, a read-only view of the system and Python, no network, no user namespace of its own;
+without bubblewrap code runs only when the operator opted in by name (``--unsafe-no-sandbox``), and
+otherwise :class:`SandboxUnavailable` is raised. ``docs/security.md`` says which limit holds through
+which mechanism, and where it does not.
 
 Limits are the server's (:class:`SandboxLimits`, set once per process with :func:`configure`, e.g. by
 ``rollart serve rewards --sandbox-timeout-s ...``). A caller (a request's ``ground_truth``, an env's
@@ -11,13 +12,25 @@ kwargs) may only lower them: :meth:`SandboxLimits.lowered` refuses a value that 
 positive number (:class:`SandboxLimitError`, a ``ValueError`` naming the field) and caps a larger one
 at the server's. Each sandbox gets:
 
-- ``timeout_s``: wall clock; the sandbox is killed past it (``RLIMIT_CPU`` is set a second above it);
-- ``memory_mb``: address space per process (``RLIMIT_AS``);
-- ``max_processes``: processes and threads of the sandbox's uid (``RLIMIT_NPROC``; with bubblewrap
-  every sandbox has a uid of its own, so the count is per sandbox), so memory in all is at most
-  ``max_processes * memory_mb``;
-- ``disk_mb``: its only writable place is a tmpfs of that size (with bubblewrap);
-- ``max_output_bytes``: stdout and stderr are files, each bounded (``RLIMIT_FSIZE``), read up to it.
+- ``timeout_s``: the CPU seconds its code may use (``RLIMIT_CPU`` per process, and counted for the whole
+  sandbox at a timeout); the wall clock allows ``wall_factor`` times as long, then the sandbox is killed;
+- ``memory_mb``: address space per process (``RLIMIT_AS``); where a memory cgroup holds
+  (:mod:`rollart.reward.sandbox_cgroup`), the whole sandbox's memory, its tmpfs and shared memory
+  included, is at most ``memory_mb + disk_mb + 2 * shm_mb``;
+- ``max_processes``: processes and threads (``RLIMIT_NPROC`` on a uid or user namespace of its own);
+- ``disk_mb``: its working directory, a tmpfs of that size;
+- ``shm_mb``: ``/dev/shm`` (a tmpfs of that size) and, separately, SysV shared memory in all;
+- ``max_output_bytes``: stdout and stderr each, read from pipes; past it the pipe is closed (the code's
+  next write fails) and :attr:`SandboxResult.output_truncated` is set.
+
+What a timeout means (typed, so that no caller turns a busy machine into a score):
+
+- the code used its CPU time (``timeout_s``), or sat blocked or asleep until the wall clock ran out:
+  its own verdict, :attr:`SandboxResult.timed_out` (a test that fails);
+- the wall clock ran out while the code was kept waiting for a CPU (other sandboxes, other tenants, a
+  busy machine), before it had used its CPU time: no verdict at all, :class:`SandboxContended` is
+  raised -- the caller retries or counts a failed reward, never a 0;
+- the sandbox itself did not start (bubblewrap or its set-up failed): :class:`SandboxError`.
 
 A deadline kills: :func:`deadline` opens a scope (a context variable, so it reaches worker threads
 started with :func:`asyncio.to_thread` or :func:`contextvars.copy_context`); every sandbox started in
@@ -36,6 +49,7 @@ import logging
 import math
 import os
 import select
+import selectors
 import signal
 import subprocess
 import tempfile
@@ -43,11 +57,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart.reward import isolation as _iso
+from rollart.reward import sandbox_cgroup as _cgroup
+from rollart.reward import sandbox_seccomp as _seccomp
 from rollart.reward.isolation import UNSAFE, Mode, SandboxUnavailable
 
 log = logging.getLogger(__name__)
@@ -55,6 +71,8 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Deadline",
     "SandboxCancelled",
+    "SandboxContended",
+    "SandboxError",
     "SandboxLimitError",
     "SandboxLimits",
     "SandboxResult",
@@ -78,16 +96,34 @@ class SandboxCancelled(RuntimeError):
     """The scope the sandbox ran in was cancelled or passed its deadline: its sandboxes were killed."""
 
 
+class SandboxContended(RuntimeError):
+    """The sandbox ran out of wall-clock time while kept waiting for a CPU, before its code had used its
+    CPU time: the machine was too busy to judge the code. Not a verdict on it: retry, or count the
+    reward as failed (never as 0)."""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (it did not start the code): not a verdict on the code."""
+
+
 class SandboxLimits(BaseModel):
     """The server's limits of one sandbox (see the module docstring); callers may only lower them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    timeout_s: float = Field(default=5.0, gt=0, le=3600, allow_inf_nan=False)
+    timeout_s: float = Field(default=5.0, gt=0, le=3600, allow_inf_nan=False)  # CPU seconds
     memory_mb: int = Field(default=256, ge=16, le=1 << 20)
     max_processes: int = Field(default=32, ge=1, le=4096)
     disk_mb: int = Field(default=64, ge=1, le=1 << 20)
+    shm_mb: int = Field(default=16, ge=1, le=1 << 20)
     max_output_bytes: int = Field(default=1_000_000, ge=1, le=1 << 30)
+    # the wall clock a sandbox may take, as a multiple of timeout_s (the server's: callers cannot change it)
+    wall_factor: float = Field(default=3.0, ge=1, le=100, allow_inf_nan=False)
+
+    @property
+    def wall_s(self) -> float:
+        """Seconds of wall clock a sandbox may take."""
+        return self.timeout_s * self.wall_factor
 
     def lowered(self, where: str = "", **asked: Any) -> SandboxLimits:
         """These limits with the ``asked`` ones (None: keep the server's) lowered to at most the server's.
@@ -96,8 +132,8 @@ class SandboxLimits(BaseModel):
         for name, value in asked.items():
             if value is None:
                 continue
-            if name not in SandboxLimits.model_fields:
-                raise SandboxLimitError(f"{where}{name}: not a sandbox limit; use {sorted(SandboxLimits.model_fields)}")
+            if name not in LOWERABLE:
+                raise SandboxLimitError(f"{where}{name}: not a sandbox limit a caller sets; use {sorted(LOWERABLE)}")
             field = f"{where}{name}"
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise SandboxLimitError(
@@ -112,18 +148,32 @@ class SandboxLimits(BaseModel):
         return self.model_copy(update=out)
 
 
+LOWERABLE = ("timeout_s", "memory_mb", "max_processes", "disk_mb", "shm_mb", "max_output_bytes")
+
+
 @dataclass
 class SandboxResult:
+    """What the code did. ``returncode`` is negative when a signal ended it (``killed_by`` names it:
+    ``SIGXCPU`` when it used its CPU time); ``timed_out``: the sandbox was killed at its wall clock,
+    the code having used its CPU time or sat blocked (its own verdict: see :class:`SandboxContended`
+    for the other case)."""
+
     returncode: int
     stdout: str
     stderr: str
     timed_out: bool
     killed_by: str | None = None
     isolation: Mode = "bwrap"
+    output_truncated: bool = False
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out
+
+    @property
+    def out_of_time(self) -> bool:
+        """Killed for time: at its wall clock, or for its CPU time (``SIGXCPU``)."""
+        return self.timed_out or self.killed_by == "SIGXCPU"
 
 
 _limits = SandboxLimits()
@@ -164,10 +214,34 @@ def describe() -> str:
     except SandboxUnavailable as err:
         return f"code sandbox: unavailable ({err})"
     lim = limits()
-    return (
-        f"{text}; limits per sandbox: {lim.timeout_s:g} s, {lim.memory_mb} MB per process, "
-        f"{lim.max_processes} processes, {lim.disk_mb} MB of disk, {lim.max_output_bytes} bytes of output"
+    text += (
+        f"; limits per sandbox: {lim.timeout_s:g} CPU s ({lim.wall_s:g} s of wall clock), {lim.memory_mb} MB per "
+        f"process, {lim.max_processes} processes, {lim.disk_mb} MB of disk, {lim.shm_mb} MB of shared memory, "
+        f"{lim.max_output_bytes} bytes of output"
     )
+    if isolation() == "bwrap":
+        found = _cgroup.support()
+        text += (
+            f"; memory cgroup per sandbox (at most {lim.memory_mb + lim.disk_mb + 2 * lim.shm_mb} MB in all, "
+            f"CPU shared per sandbox) under {found.parent}"
+            if found.parent
+            else f"; no memory cgroup ({found.reason}): memory is limited per process, "
+            + (
+                "CPU shared per sandbox (each its own session's autogroup)"
+                if _autogroups()
+                else "CPU shared per process at nice 10 (no autogroups)"
+            )
+        )
+    return text
+
+
+def _autogroups() -> bool:
+    """Whether the kernel shares the CPU between sessions first (``kernel.sched_autogroup_enabled``)."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
 
 
 # --- deadlines and cancellation ------------------------------------------------------------------------
@@ -234,15 +308,18 @@ def running() -> int:
 
 
 class _Run:
-    """One started sandbox: its process (bubblewrap's monitor, or the unsafe supervisor) and, with
-    bubblewrap, the init of its PID namespace; :meth:`kill` may be called from any thread."""
+    """One started sandbox: its process (bubblewrap's monitor, or the unsafe supervisor), with
+    bubblewrap the init of its PID namespace, and its cgroup if any; :meth:`kill` may be called from
+    any thread."""
 
     def __init__(self, mode: Mode):
         self.mode = mode
         self.lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
         self.pidfd = -1
+        self.init_pid = -1
         self.init_pidfd = -1
+        self.cgroup: _cgroup.SandboxCgroup | None = None
         self.cancelled = False
 
     def cancel(self) -> None:
@@ -253,6 +330,8 @@ class _Run:
 
     def kill(self) -> None:
         with self.lock:
+            if self.cgroup is not None:
+                self.cgroup.kill()
             if self.pidfd < 0:
                 return
             if self.mode == UNSAFE:  # the supervisor kills every process it started, then exits
@@ -277,24 +356,23 @@ def _signal(pidfd: int, sig: int) -> None:
         pass
 
 
-def _read(f: IO[bytes], limit: int) -> str:
-    f.seek(0)
-    return f.read(limit).decode(errors="replace")
-
-
-def _rlimits(lim: SandboxLimits) -> dict[str, int]:
-    return {
-        "RLIMIT_CPU": max(1, math.ceil(lim.timeout_s) + 1),
+def _rlimits(lim: SandboxLimits) -> dict[str, tuple[int, int]]:
+    cpu = max(1, math.ceil(lim.timeout_s))
+    out = {
+        "RLIMIT_CPU": (cpu, cpu + 1),  # SIGXCPU when its CPU time is used; SIGKILL a second later
         "RLIMIT_AS": lim.memory_mb * 1024 * 1024,
         "RLIMIT_FSIZE": max(10_000_000, lim.max_output_bytes),
         "RLIMIT_NOFILE": 64,
         "RLIMIT_CORE": 0,
         "RLIMIT_NPROC": lim.max_processes,
+        "RLIMIT_MSGQUEUE": 65536,  # POSIX message queues: 64 KB in all
+        "RLIMIT_MEMLOCK": 1 << 20,
     }
+    return {k: v if isinstance(v, tuple) else (v, v) for k, v in out.items()}
 
 
-def _init_pidfd(info_r: int) -> int:
-    """A pidfd of the sandbox's PID-namespace init, from bubblewrap's ``--info-fd`` (-1 if it never said)."""
+def _init_pid(info_r: int) -> int:
+    """The pid of the sandbox's PID-namespace init, from bubblewrap's ``--info-fd`` (-1 if it never said)."""
     data, info = b"", None
     try:
         end = time.monotonic() + 30
@@ -310,17 +388,61 @@ def _init_pidfd(info_r: int) -> int:
     finally:
         os.close(info_r)
     pid = info.get("child-pid") if isinstance(info, dict) else None
-    if not isinstance(pid, int):
-        return -1
-    try:
-        return os.pidfd_open(pid)
-    except ProcessLookupError:
-        return -1
+    return pid if isinstance(pid, int) else -1
 
 
 def _wait_gone(pidfd: int, what: str) -> None:
     if pidfd >= 0 and not select.select([pidfd], [], [], 30.0)[0]:
         log.warning("sandbox %s still alive 30 s after SIGKILL", what)
+
+
+def _tree_usage(root: int) -> tuple[float, float] | None:
+    """(CPU seconds, seconds spent runnable but waiting for a CPU) of ``root`` and every process below
+    it, their reaped children included; None when some process of it could not be read (the code may
+    hide its children: then no claim that the machine kept it waiting)."""
+    cpu = waited = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    todo, seen = [root], set()
+    try:
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            try:
+                tasks = os.listdir(f"/proc/{pid}/task")
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:  # gone meanwhile
+                continue
+            cpu += (int(fields[13]) + int(fields[14])) / tick  # cutime, cstime: its reaped children
+            for tid in tasks:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        ran, wait, _ = f.read().split()
+                    with open(f"/proc/{pid}/task/{tid}/children") as f:
+                        todo += [int(c) for c in f.read().split()]
+                except FileNotFoundError:
+                    continue
+                cpu += int(ran) / 1e9
+                waited += int(wait) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+    return cpu, waited
+
+
+def _contended(run: _Run, lim: SandboxLimits, wall: float) -> bool:
+    """At the wall clock: was the sandbox kept waiting for a CPU (rather than using its CPU time, or
+    sitting blocked)? Measured before it is killed."""
+    usage = run.cgroup.usage() if run.cgroup is not None else None
+    if usage is None:
+        root = run.init_pid if run.init_pid > 0 else (run.proc.pid if run.proc is not None else -1)
+        usage = _tree_usage(root) if root > 0 else None
+    if usage is None:
+        return False
+    cpu, waited = usage
+    log.debug("sandbox at its wall clock (%.2f s): %.2f CPU s, %.2f s waiting for a CPU", wall, cpu, waited)
+    return cpu < lim.timeout_s and waited >= 0.25 * wall
 
 
 _ENV = {"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
@@ -335,22 +457,26 @@ def run_python(
     max_output_bytes: int | None = None,
     max_processes: int | None = None,
     disk_mb: int | None = None,
+    shm_mb: int | None = None,
 ) -> SandboxResult:
     """Run ``code`` with ``stdin`` in a sandbox; a limit given lowers the server's (:func:`limits`).
 
     Never raises for the code's own failures. Raises :class:`SandboxUnavailable` (no isolation layer),
-    :class:`SandboxLimitError` (a limit that is not a finite positive number) and
-    :class:`SandboxCancelled` (the :func:`deadline` scope was cancelled or passed). Thread-safe."""
+    :class:`SandboxLimitError` (a limit that is not a finite positive number), :class:`SandboxCancelled`
+    (the :func:`deadline` scope was cancelled or passed), :class:`SandboxContended` (the machine kept
+    the code waiting for a CPU until the wall clock ran out: no verdict) and :class:`SandboxError`
+    (the sandbox did not start the code). Thread-safe."""
     lim = limits().lowered(
         timeout_s=timeout_s,
         memory_mb=memory_mb,
         max_output_bytes=max_output_bytes,
         max_processes=max_processes,
         disk_mb=disk_mb,
+        shm_mb=shm_mb,
     )
     lay = _iso.layer()
     scope = _scope.get()
-    wall = lim.timeout_s
+    wall = lim.wall_s
     if scope is not None:
         left = scope.left()
         if scope.cancelled or (left is not None and left <= 0):
@@ -363,77 +489,125 @@ def run_python(
     with _alive_lock:
         _alive.add(run)
     try:
-        timed_out, out, err, proc = _start_and_wait(run, lay, lim, code, stdin, wall)
+        done = _start_and_wait(run, lay, lim, code, stdin, wall)
     finally:
         with _alive_lock:
             _alive.discard(run)
         if scope is not None:
             scope._exit(run)
-    if scope is not None and (run.cancelled or (timed_out and wall < lim.timeout_s)):
+    if scope is not None and (run.cancelled or (done.timed_out and wall < lim.wall_s)):
         raise SandboxCancelled("the request's deadline passed or it was cancelled: its sandbox was killed")
-    rc = proc.returncode
-    killed = signal.Signals(-rc).name if rc < 0 else ("SIGKILL" if lay.mode == UNSAFE and rc == 137 else None)
-    return SandboxResult(rc, out, err, timed_out, killed, lay.mode)
+    if done.contended:
+        raise SandboxContended(
+            f"the sandbox reached its wall clock ({wall:g} s) while kept waiting for a CPU, before its code had "
+            f"used its {lim.timeout_s:g} CPU s: the machine was too busy to judge it; retry, or count it as failed"
+        )
+    rc = done.returncode
+    if not done.started:
+        raise SandboxError(f"the sandbox did not start the code (exit {rc}): {done.stderr.strip()[-500:]}")
+    if lay.mode == "bwrap" and rc > 128 and rc - 128 in _SIGNALS:  # bubblewrap says 128+N for signal N
+        rc = -(rc - 128)
+    killed = signal.Signals(-rc).name if rc < 0 and -rc in _SIGNALS else None
+    if lay.mode == UNSAFE and rc == 137 and done.timed_out:  # the supervisor, ended by us
+        killed = "SIGKILL"
+    return SandboxResult(rc, done.stdout, done.stderr, done.timed_out, killed, lay.mode, done.truncated)
 
 
-def _start_and_wait(
-    run: _Run, lay: _iso.Layer, lim: SandboxLimits, code: str, stdin: str, wall: float
-) -> tuple[bool, str, str, subprocess.Popen[bytes]]:
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, contextlib.ExitStack() as stack:
-        rlimits: dict[str, Any] = {**_rlimits(lim), "nice": 10, "uid": None}
-        pass_fds: tuple[int, ...] = ()
-        info_r = info_w = code_fd = -1
+_SIGNALS = {s.value for s in signal.Signals}
+
+
+@dataclass
+class _Done:
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    contended: bool
+    started: bool
+    truncated: bool
+
+
+def _start_and_wait(run: _Run, lay: _iso.Layer, lim: SandboxLimits, code: str, stdin: str, wall: float) -> _Done:
+    with contextlib.ExitStack() as stack:
+        launcher: dict[str, Any] = {**_rlimits(lim), "nice": 10, "uid": None}
+        ready_r, ready_w = os.pipe()  # the launcher writes one byte on it just before the code runs
+        stack.callback(os.close, ready_r)
+        launcher["ready"] = ready_w
+        fds = [ready_w]  # passed to the child; closed here once it started
+        lease = None
+        if lay.as_root:
+            lease = _iso.UidLease.acquire()
+            stack.callback(lease.release)  # after every process of the uid is gone (callbacks run last-in first-out)
+            launcher["uid"] = lease.uid
         if lay.mode == "bwrap":
-            if lay.as_root:
-                lease = _iso.UidLease.acquire()
-                stack.callback(lease.release)  # after the namespace is gone (callbacks run last-in first-out)
-                rlimits["uid"] = lease.uid
+            found = _cgroup.support()
+            if found.parent is not None:
+                memory = (lim.memory_mb + lim.disk_mb + 2 * lim.shm_mb) << 20
+                run.cgroup = _cgroup.SandboxCgroup.create(found, memory_bytes=memory, max_processes=lim.max_processes)
+                stack.callback(run.cgroup.remove)
             code_fd = os.memfd_create("rollart-sandbox-solution")
+            fds.append(code_fd)
             os.write(code_fd, code.encode())
             os.lseek(code_fd, 0, os.SEEK_SET)
+            seccomp_fd = _seccomp.memfd()
+            fds.append(seccomp_fd)
             info_r, info_w = os.pipe()
-            cmd = _iso.bwrap_argv(lay, code_fd=code_fd, info_fd=info_w, disk_bytes=lim.disk_mb * 1024 * 1024)
-            cmd += [_iso.python(), "-I", "-S", "-c", _iso.BWRAP_LAUNCHER, json.dumps(rlimits), _iso.SOLUTION]
-            pass_fds, cwd, env = (code_fd, info_w), "/", {**_ENV, "HOME": _iso.WORKDIR}
+            fds.append(info_w)
+            cmd = _iso.bwrap_command(
+                lay,
+                code_fd=code_fd,
+                info_fd=info_w,
+                seccomp_fd=seccomp_fd,
+                disk_bytes=lim.disk_mb << 20,
+                shm_bytes=lim.shm_mb << 20,
+                launcher_limits=launcher,
+                cgroup_procs=run.cgroup.procs if run.cgroup is not None else None,
+            )
+            cwd, env = "/", {**_ENV, "HOME": _iso.WORKDIR}
         else:
+            info_r = -1
             work = stack.enter_context(tempfile.TemporaryDirectory(prefix="rollart-sandbox-"))
             path = os.path.join(work, "solution.py")
             with open(path, "w") as f:
                 f.write(code)
-            if os.geteuid() == 0 and _iso.world_readable_python():  # the code's process becomes nobody
-                rlimits["uid"] = _iso.NOBODY
-                os.chown(work, _iso.NOBODY, _iso.NOBODY)
-            cmd = [_iso.python(), "-I", "-S", "-c", _iso.UNSAFE_LAUNCHER, json.dumps(rlimits), path]
+            if lease is not None:  # the code's uid owns its folder, no one else may enter it
+                os.chown(path, lease.uid, lease.uid)
+                os.chown(work, lease.uid, lease.uid)
+            os.chmod(work, 0o700)
+            cmd = [_iso.python(), "-I", "-S", "-c", _iso.UNSAFE_LAUNCHER, json.dumps(launcher), path]
             cwd, env = work, {**_ENV, "HOME": work}
         try:
             proc = subprocess.Popen(
                 cmd,
                 cwd=cwd,
                 stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=err,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 env=env,
                 start_new_session=True,
                 close_fds=True,
-                pass_fds=pass_fds,
+                pass_fds=tuple(fds),
             )
         finally:
-            for fd in (code_fd, info_w):
-                if fd >= 0:
-                    os.close(fd)
+            for fd in fds:
+                os.close(fd)
         with run.lock:
             run.proc, run.pidfd = proc, os.pidfd_open(proc.pid)
         if info_r >= 0:
-            init = _init_pidfd(info_r)
+            init = _init_pid(info_r)
+            init_fd = -1
+            if init > 0:
+                with contextlib.suppress(ProcessLookupError):
+                    init_fd = os.pidfd_open(init)
             with run.lock:
-                run.init_pidfd = init
+                run.init_pid, run.init_pidfd = init, init_fd
         if run.cancelled:  # cancelled while starting
             run.kill()
-        timed_out = False
+        contended = False
         try:
-            proc.communicate(stdin.encode(), timeout=wall)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            pumped = _pump(proc, stdin.encode(), ready_r, lim.max_output_bytes, time.monotonic() + wall, run.pidfd)
+            if pumped.timed_out:
+                contended = not run.cancelled and _contended(run, lim, wall)
         finally:
             run.kill()  # the whole tree, also after a normal exit: nothing the code started outlives it
             if lay.mode == UNSAFE:
@@ -445,4 +619,94 @@ def _start_and_wait(
             proc.wait()
             _wait_gone(run.init_pidfd, "PID namespace")
             run.close()
-        return timed_out, _read(out, lim.max_output_bytes), _read(err, lim.max_output_bytes), proc
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+    return _Done(
+        proc.returncode,
+        pumped.out.decode(errors="replace"),
+        pumped.err.decode(errors="replace"),
+        pumped.timed_out,
+        contended,
+        pumped.started,
+        pumped.truncated,
+    )
+
+
+@dataclass
+class _Pumped:
+    out: bytes
+    err: bytes
+    timed_out: bool
+    started: bool
+    truncated: bool
+
+
+def _pump(
+    proc: subprocess.Popen[bytes], data: bytes, ready: int, limit: int, deadline_at: float, pidfd: int
+) -> _Pumped:
+    """Feed stdin, read stdout and stderr (each up to ``limit`` bytes: past it the pipe is closed, so the
+    code's next write fails) and the launcher's start byte, until the output ends after the process
+    exited, or the wall clock ``deadline_at`` (``timed_out``)."""
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    streams = {out_fd: proc.stdout, err_fd: proc.stderr}
+    bufs = {fd: bytearray() for fd in streams}
+    sel = selectors.DefaultSelector()
+    for fd in streams:
+        sel.register(fd, selectors.EVENT_READ)
+    sel.register(ready, selectors.EVENT_READ)
+    sel.register(pidfd, selectors.EVENT_READ)  # readable once the process has exited
+    win = proc.stdin.fileno()
+    pending = memoryview(data)
+    if pending:
+        os.set_blocking(win, False)
+        sel.register(win, selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
+    started = truncated = timed_out = False
+    exited_at: float | None = None
+    try:
+        while any(fd in streams for fd in sel.get_map()):
+            now = time.monotonic()
+            # after the process exited, what it left in the pipes is read for at most 2 s more
+            until = deadline_at if exited_at is None else min(deadline_at, exited_at + 2.0)
+            if until <= now:
+                timed_out = exited_at is None
+                break
+            for key, _ in sel.select(until - now):
+                fd = key.fd
+                if fd == pidfd:
+                    exited_at = time.monotonic()
+                    sel.unregister(fd)
+                elif fd == ready:
+                    started = started or bool(os.read(ready, 1))
+                    sel.unregister(fd)
+                elif fd == win:
+                    try:
+                        pending = pending[os.write(win, pending[:65536]) :]
+                    except BlockingIOError:
+                        continue
+                    except (BrokenPipeError, ConnectionResetError):  # the code closed its stdin
+                        pending = pending[:0]
+                    if not pending:
+                        sel.unregister(win)
+                        proc.stdin.close()
+                else:
+                    chunk = os.read(fd, 65536)
+                    buf = bufs[fd]
+                    room = limit - len(buf)
+                    buf += chunk[:room]
+                    if not chunk or len(chunk) > room:
+                        sel.unregister(fd)
+                        if chunk:  # past the limit: close the pipe, the code's next write fails
+                            truncated = True
+                            streams.pop(fd).close()
+    finally:
+        sel.close()
+    if not started:  # the byte may have come with the last of the output
+        with contextlib.suppress(OSError):
+            os.set_blocking(ready, False)
+            started = bool(os.read(ready, 1))
+    return _Pumped(bytes(bufs[out_fd]), bytes(bufs[err_fd]), timed_out, started, truncated)

@@ -1,8 +1,11 @@
 """The reward service: reward functions behind HTTP (RollArt paper §4.3, §7.5 "Reward-as-a-Service").
 
 ``POST /rewards/<name>`` with ``{"trajectories": [...]}`` answers ``{"result": [scores], "details": [...]}``.
-Guards, in the order a request meets them: body size (413), bearer token compared in constant time
-(401), concurrency limit (429 + ``Retry-After``), schema (422, never 500), per-request timeout (504).
+Guards, in the order a request meets them: connections over ``max_connections`` (503) and headers
+not sent within ``read_timeout_s`` (408) (:mod:`rollart.reward.http_server`); bearer token compared in
+constant time, from the headers alone (401, before any body byte is read); body size (413) and a body
+not sent within ``read_timeout_s`` (408) (:class:`~rollart.reward.http_guard.RequestGuard`); concurrency
+limit (429 + ``Retry-After``), schema (422, never 500), per-request timeout (504).
 A reward function that raises gives a 500 carrying its message — never a made-up score; one that raises
 ``RewardInputError`` (a malformed trajectory, a limit it refuses) answers 422 with its message. A
 repeated ``Idempotency-Key`` (per tenant and function) with the same body is answered from a bounded
@@ -14,8 +17,9 @@ Endpoints: ``/healthz`` (public: the functions, ``in_flight`` requests, ``runnin
 ``/metrics`` (Prometheus text) and ``/openapi.json`` need the token when the server has one (any
 tenant's token, with ``--tenants``), and ``/docs`` is served only by a server without one.
 
-The token is checked by FastAPI's ``HTTPBearer`` (so ``/openapi.json`` declares the scheme) before the
-body is validated: an unauthenticated caller learns nothing about the schema. The tenant label
+The token is checked by :class:`~rollart.reward.http_guard.RequestGuard` before the body is read, and
+again by FastAPI's ``HTTPBearer`` for the route (so ``/openapi.json`` declares the scheme): an
+unauthenticated caller learns nothing about the schema and cannot make the server hold a body. The tenant label
 (``X-Rollart-Tenant``) must match ``[A-Za-z0-9][A-Za-z0-9._:-]{0,63}`` (else 422); the first
 ``max_tenants`` distinct tenants keep their own label in ``/metrics``, later ones are counted as
 ``other`` (and unauthenticated requests as ``unauthenticated``), so a client cannot grow the metrics
@@ -33,7 +37,11 @@ so ``compute_seconds / (slots * wall)`` is the service's utilisation.
 
 Slow work cannot starve cheap work: every synchronous reward function runs in a thread pool of its own
 (``threads_per_function`` threads), so six requests of a slow code function leave ``math_answer``'s
-threads free. A request's deadline kills: the request runs under a :func:`rollart.reward.sandbox.deadline`
+threads free. One tenant cannot starve another: a pool's threads (and ``slots``) are handed out per
+trajectory by :class:`~rollart.reward.fair.FairSlots` -- a tenant computes at most ``tenant_slots``
+trajectories of a function at once (default: all threads but one), and a freed thread goes to the
+tenant computing the fewest -- so a request of 16 slow trajectories leaves a thread for another
+tenant's cheap one. ``/healthz`` shows the trajectories ``queued`` per function. A request's deadline kills: the request runs under a :func:`rollart.reward.sandbox.deadline`
 scope of ``timeout_s``, and when it times out (504) or its client goes away, every sandbox it started is
 killed, its trajectories not yet started are dropped, and a function still in ``run_python`` stops.
 """
@@ -70,15 +78,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollart.reward.errors import RewardInputError
+from rollart.reward.fair import FairSlots
 from rollart.reward.http_guard import (
     TENANT_FORMAT,
     BearerAuth,
     BodyLimit,
+    RequestGuard,
     TenantsFile,
     TenantSpec,
     load_tenants,
     read_token,
 )
+from rollart.reward.http_server import ConnectionLimits
 from rollart.reward.sandbox import SandboxCancelled, SandboxLimits, deadline
 from rollart.reward.sandbox import configure as configure_sandbox
 from rollart.reward.sandbox import running as sandboxes_running
@@ -115,9 +126,17 @@ class ServerSettings(BaseModel):
     tenant_max_concurrency: int | None = Field(default=None, gt=0)  # default quota per tenant
     slots: int | None = Field(default=None, gt=0)  # trajectories computed at once (None: unbounded)
     threads_per_function: int = Field(default=8, gt=0)  # a sync function's own thread pool
+    # the most trajectories one tenant computes at once in a function's pool (and of ``slots``);
+    # None: all but one, so another tenant always finds one free
+    tenant_slots: int | None = Field(default=None, gt=0)
     # the code sandbox of this process (rollart serve rewards --sandbox-*, --unsafe-no-sandbox); None: as is
     sandbox: SandboxLimits | None = None
     unsafe_no_sandbox: bool = False
+    max_connections: int = Field(default=512, gt=0)  # connections open at once (503 past it)
+    read_timeout_s: float = Field(default=30.0, gt=0)  # seconds to send the headers, and again the body (408)
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(max_connections=self.max_connections, read_timeout_s=self.read_timeout_s)
 
 
 class TenantLabels:
@@ -167,18 +186,23 @@ def _body_digest(body: RewardRequest) -> str:
 
 
 class _Pools:
-    """A bounded thread pool per synchronous reward function, and the calls really running in each
-    (counted from the moment a thread starts the call until it returns, whether or not anyone still
-    waits for it)."""
+    """A bounded thread pool per synchronous reward function, shared fairly by tenants
+    (:class:`~rollart.reward.fair.FairSlots`: a tenant holds at most ``per_tenant`` of its threads, a
+    freed thread goes to the tenant holding the fewest), and the calls really running in each (counted
+    from the moment a thread starts the call until it returns, whether or not anyone still waits for
+    it: its slot stays taken until then)."""
 
-    def __init__(self, names: list[str], threads: int):
+    def __init__(self, names: list[str], threads: int, per_tenant: int | None):
         self.executors = {
             n: ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"reward-{n}"[:40]) for n in names
         }
+        self.slots = {n: FairSlots(threads, per_tenant) for n in names}
         self.running = dict.fromkeys(names, 0)
         self._lock = threading.Lock()
 
-    def run(self, name: str, fn: RewardFn, traj: dict[str, Any]) -> asyncio.Future[Any]:
+    async def run(self, name: str, fn: RewardFn, traj: dict[str, Any], tenant: str) -> Any:
+        slots = self.slots[name]
+        await slots.acquire(tenant)
         ctx = contextvars.copy_context()  # the request's sandbox deadline reaches the thread
 
         def call() -> Any:
@@ -190,7 +214,13 @@ class _Pools:
                 with self._lock:
                     self.running[name] -= 1
 
-        return asyncio.get_running_loop().run_in_executor(self.executors[name], call)
+        try:
+            future = self.executors[name].submit(call)
+        except BaseException:
+            slots.release(tenant)
+            raise
+        future.add_done_callback(lambda _: slots.release_soon(tenant))  # when the call returns, not before
+        return await asyncio.wrap_future(future)
 
     def shutdown(self) -> None:
         for executor in self.executors.values():
@@ -203,6 +233,10 @@ class _Pools:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.running)
+
+    def queued(self) -> dict[str, int]:
+        """Trajectories waiting for a thread, per function."""
+        return {n: s.waiting() for n, s in self.slots.items()}
 
 
 def needs_sandbox(functions: dict[str, RewardFn]) -> list[str]:
@@ -248,14 +282,14 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         settings.slots or 0
     )
     pools = _Pools(sorted(n for n, fn in functions.items() if not inspect.iscoroutinefunction(fn)),
-                   settings.threads_per_function)  # fmt: skip
+                   settings.threads_per_function, settings.tenant_slots)  # fmt: skip
     running = Gauge("rollart_reward_running", "reward calls running in threads", ["function"], registry=registry)
     for name in pools.executors:
         running.labels(function=name).set_function(functools.partial(pools.count, name))
     Gauge("rollart_reward_sandboxes", "code sandboxes alive", registry=registry).set_function(sandboxes_running)
     state = {"in_flight": 0}
     per_tenant: dict[str, int] = {}  # requests in flight per tenant label (bounded like the labels)
-    slots = asyncio.Semaphore(settings.slots) if settings.slots else None
+    slots = FairSlots(settings.slots, settings.tenant_slots) if settings.slots else None
     tenants = TenantLabels(settings.max_tenants, reserved=set(tenant_tokens))
     cache: OrderedDict[tuple[str, str, str], tuple[str, dict[str, Any]]] = OrderedDict()
 
@@ -273,8 +307,10 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         token,
         tenant_tokens,
         description="the token of `--token-env`, or the caller's own token of `--tenants` (when the server has one)",
-        on_reject=lambda request: count(request.path_params.get("name", ""), 401, "unauthenticated"),
     )
+
+    def rejected(path: str) -> None:
+        count(path.removeprefix("/rewards/") if path.startswith("/rewards/") else "", 401, "unauthenticated")
 
     # a server with a token shows its schema and metrics to token holders only, and serves no docs page
     # (its script could not send the token)
@@ -307,6 +343,7 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             "functions": sorted(functions),
             "in_flight": state["in_flight"],
             "running": pools.snapshot(),
+            "queued": pools.queued(),
             "sandboxes": sandboxes_running(),
         }
 
@@ -321,17 +358,20 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             return JSONResponse(get_openapi(title=app.title, version=app.version, routes=app.routes))
 
     async def call(fn: RewardFn, traj: dict[str, Any], name: str, tenant: str) -> Any:
-        if slots is not None:
-            async with slots:
-                return await timed(fn, traj, name, tenant)
-        return await timed(fn, traj, name, tenant)
+        if slots is None:
+            return await timed(fn, traj, name, tenant)
+        await slots.acquire(tenant)
+        try:
+            return await timed(fn, traj, name, tenant)
+        finally:
+            slots.release(tenant)
 
     async def timed(fn: RewardFn, traj: dict[str, Any], name: str, tenant: str) -> Any:
         t0 = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(fn):
                 return await fn(traj)
-            return await pools.run(name, fn, traj)
+            return await pools.run(name, fn, traj, tenant)
         finally:
             compute.labels(function=name, tenant=tenant).inc(time.perf_counter() - t0)
 
@@ -433,5 +473,12 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             in_flight.dec()
             tenant_in_flight.labels(tenant=tenant).dec()
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(
+        RequestGuard,
+        limit=settings.max_body_bytes,
+        auth=auth,
+        public=("/healthz",),
+        read_timeout_s=settings.read_timeout_s,
+        on_reject=rejected,
+    )
     return app

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from rollart.config_model import ConfigModel
 from rollart.engines.hardware import ModelShape
 from rollart.engines.torch_options import torch_option_problems
 from rollart.rollout.chat import check_template_setting
 
 
-class RolloutConfig(BaseModel):
+class RolloutConfig(ConfigModel):
     """``rollout:``: env groups, the training batch and the asynchronous bound."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     num_env_groups: int = 8
     """Env groups playing at once (each plays one prompt `group_size` times); the tasks' `groups` add up to it."""
@@ -60,10 +59,8 @@ class RolloutConfig(BaseModel):
         return self.group_keep if self.group_keep is not None else self.group_size
 
 
-class EnvManagerConfig(BaseModel):
+class EnvManagerConfig(ConfigModel):
     """Fault handling of one EnvManager."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     reset_retries: int = 3
     """Retries of a failing env reset (with backoff)."""
@@ -96,10 +93,8 @@ class EnvManagerConfig(BaseModel):
         return check_template_setting(value)
 
 
-class RoutingConfig(BaseModel):
+class RoutingConfig(ConfigModel):
     """``routing:`` in a pipeline config. ``auto: true`` turns automatic affinity on."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     auto: bool = False
     """Reorder each task tag's hardware preference (`tags:`) by its measured prompt and answer lengths against
@@ -115,11 +110,9 @@ class RoutingConfig(BaseModel):
     """KV-cache bytes per token of the served model, for the rooflines (default: Qwen3-8B in BF16)."""
 
 
-class ElasticConfig(BaseModel):
+class ElasticConfig(ConfigModel):
     """``elastic:``: how an elastic rollout pool (a group with `max_devices`) follows the cluster while the
     job runs (:mod:`rollart.rollout.elastic`)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     poll_s: float = Field(default=1.0, gt=0)
     """How often the Ray cluster's nodes, free devices and drain marks are read, in seconds."""
@@ -137,14 +130,12 @@ class ElasticConfig(BaseModel):
     """Workers started at the same time."""
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(ConfigModel):
     """``kind`` is one of ``torch`` (default), ``vllm``, ``sglang``, ``simulated`` or ``module:Class``;
     ``model`` a Hugging Face folder (default: the built-in tiny model); ``options`` go to the engine;
     ``batch_requests`` sends each worker the requests of one event-loop turn as one call.
     The simulated engine's ``options.profile: auto`` takes the latency profile of the worker's own
     hardware (``rollart.engines.hardware``: H800, H20), so each rollout pool runs at its device's speed."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     kind: str = "torch"
     """The inference engine: `torch`, `vllm`, `sglang`, `simulated`, or your own as `MODULE:CLASS`."""

@@ -366,10 +366,16 @@ class InferenceWorker(Worker):
         return self.engine.weight_version
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    async def update_weights(self, weights: Mapping[str, Any], version: int) -> int:
-        """Load a full state dict as ``version`` between two steps (in-flight requests are preempted)."""
+    async def update_weights(self, weights: Mapping[str, Any] | list[Any], version: int) -> int:
+        """Load a full state dict as ``version`` between two steps (in-flight requests are preempted).
+        ``weights`` may also be a list of ObjectRefs of its buckets (a trainer's ``snapshot_weights``)."""
         self._ensure_loop()
         assert self._commands is not None
+        if isinstance(weights, list):  # the trainer's buckets, each an object in the object store
+            merged: dict[str, Any] = {}
+            for part in await asyncio.gather(*weights):
+                merged.update(part)
+            weights = merged
         reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         await self._commands.put(UpdateCommand(weights, version, reply))
         return await reply

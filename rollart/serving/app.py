@@ -8,11 +8,17 @@ token-exactly (:mod:`rollart.serving.sessions`); calls to ``/v1`` are served and
 shows it (``?trajectory=true``: the token-exact trajectory), ``POST /sessions/{id}/reward`` with
 ``{"reward": R}`` ends the episode with its reward, ``DELETE /sessions/{id}`` closes it.
 
-Guards, in the order a request meets them: body size (413), bearer token compared in constant time
-(401; the per-job token, the ``api_key`` of an ``openai`` client), session (404), JSON that does not
+Guards, in the order a request meets them: connections over ``max_connections`` (503) and headers not
+sent within ``read_timeout_s`` (408) (:mod:`rollart.reward.http_server`); bearer token compared in
+constant time from the headers alone, before any body byte is read (401; the per-job token, the
+``api_key`` of an ``openai`` client); body size (413) and a body not sent within ``read_timeout_s``
+(408) (:class:`~rollart.reward.http_guard.RequestGuard`); session (404), JSON that does not
 parse (400), schema (422), what the endpoint cannot honour (400, naming the field), model name (404),
 calls in flight (429 + ``Retry-After``), no inference worker (503 + ``Retry-After``). Every error is
 an OpenAI error object ``{"error": {"message", "type", "param", "code"}}``.
+
+Bodies are parsed, and replies built, in the service's tokenizer thread (the loop is the driver's); a
+string holding a lone surrogate is a 400 naming its field; an unexpected failure is a JSON 500.
 
 ``stream: true`` answers server-sent events (``chat.completion.chunk`` / ``text_completion`` chunks,
 then ``data: [DONE]``) once the generation ends: the engine answers a request when it finishes, so the
@@ -21,9 +27,11 @@ chunks come together (a harness that streams works unchanged; it does not see to
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -33,6 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollart.serving.detok import pieces
 from rollart.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, completion_id, now
 from rollart.serving.service import Choice, PolicyService, Result
 from rollart.serving.sessions import Session, SessionStore
@@ -46,10 +55,13 @@ class OpenSession(BaseModel):
     tag: str | None = Field(default=None, min_length=1, max_length=128)
 
 
+MAX_ABS_REWARD = 1e6  # a reward a session accepts lies in [-MAX_ABS_REWARD, MAX_ABS_REWARD]
+
+
 class RewardBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    reward: float = Field(allow_inf_nan=False)
+    reward: float = Field(allow_inf_nan=False, ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD)
     info: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -74,11 +86,14 @@ def build_app(
     *,
     token: str | None = None,
     max_body_bytes: int = 8 << 20,
+    read_timeout_s: float | None = None,
     ready: Callable[[], bool] = lambda: True,
     public_url: Callable[[], str] | None = None,
 ) -> FastAPI:
-    """The endpoint over ``service``; ``token``: the bearer token every call must carry (None: open)."""
-    from rollart.reward.server import BodyLimit
+    """The endpoint over ``service``; ``token``: the bearer token every call must carry (None: open),
+    checked from the headers alone before any body byte is read; ``read_timeout_s``: the most seconds
+    a body may take to arrive (408 past it)."""
+    from rollart.reward.http_guard import BearerAuth, RequestGuard
 
     app = FastAPI(title="rollart policy endpoint (OpenAI-compatible)", version="1")
     tok = service.tokenizer
@@ -103,6 +118,11 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        return error(APIError(500, f"the endpoint failed: {type(exc).__name__}"))
 
     def authorize(request: Request) -> None:
         if token is None:
@@ -132,18 +152,7 @@ def build_app(
 
     async def body_of(request: Request, model: type[BaseModel]) -> Any:
         raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise APIError(400, "the body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the body must be a JSON object")
-        try:
-            return model.model_validate(data)
-        except ValidationError as err:
-            first = err.errors()[0]
-            param = ".".join(str(x) for x in first["loc"]) or None
-            raise APIError(422, f"{param or 'body'}: {first['msg']}", param=param) from None
+        return await service.offload(parse_body, raw, model, size=len(raw))  # a big body is parsed off the loop
 
     # ------------------------------------------------------------------ /v1
     def models() -> dict[str, Any]:
@@ -174,23 +183,33 @@ def build_app(
         session_of(session_id)
         return models()
 
+    # replies are built in the tokenizer thread (decoding every token of a long reply is no work for the loop)
     async def chat(request: Request, session: Session | None) -> Any:
         body: ChatCompletionRequest = await body_of(request, ChatCompletionRequest)
         check_ready()
         result = await service.chat(body, session)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(_chat_chunks(tok, service.model, result, body.logprobs, include_usage))
-        return _chat_response(tok, service.model, result, body.logprobs)
+            split = await service.offload(_split, tok, result, body.logprobs, True, size=0, tokens=_tokens(result))
+            return _sse(_chat_chunks(service.model, result, split, include_usage))
+        reply = await service.offload(
+            _chat_response, tok, service.model, result, body.logprobs, size=0, tokens=_tokens(result)
+        )
+        return JSONResponse(reply)
 
     async def completion(request: Request, session: Session | None) -> Any:
         body: CompletionRequest = await body_of(request, CompletionRequest)
         check_ready()
         result = await service.complete(body, session)
+        logprobs = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(_completion_chunks(tok, service.model, result, body.logprobs is not None, include_usage))
-        return _completion_response(tok, service.model, result, body.logprobs is not None)
+            split = await service.offload(_split, tok, result, logprobs, False, size=0, tokens=_tokens(result))
+            return _sse(_completion_chunks(service.model, result, split, include_usage))
+        reply = await service.offload(
+            _completion_response, tok, service.model, result, logprobs, size=0, tokens=_tokens(result)
+        )
+        return JSONResponse(reply)
 
     @app.post("/v1/chat/completions")
     async def chat_plain(request: Request) -> Any:
@@ -263,11 +282,75 @@ def build_app(
             await service.backend.abort(sorted(session.in_flight))
         return {"id": session.id, "closed": True}
 
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    def guard_error(status: int, message: str) -> bytes:
+        if status == 401:
+            message = "missing or wrong bearer token (the job's token: the api_key of an openai client)"
+        code = {401: "invalid_api_key", 408: "request_timeout", 413: "body_too_large"}.get(status)
+        return json.dumps(APIError(status, message, code=code).body()).encode()
+
+    app.add_middleware(
+        RequestGuard,
+        limit=max_body_bytes,
+        auth=BearerAuth(token, {}, description="the job's token"),
+        public=("/healthz",),
+        read_timeout_s=read_timeout_s,
+        error=guard_error,
+    )
     return app
 
 
+# ---------------------------------------------------------------------- request bodies
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """``raw`` as ``model``: 400 for what is not a JSON object or holds text that is not Unicode (a lone
+    surrogate), 422 for what does not fit the schema; each naming the field."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise APIError(400, "the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object")
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise APIError(
+            400,
+            f"{where or 'body'}: the text holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+            "Unicode; send valid UTF-8 or escape pairs",
+            param=where or None,
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(x) for x in first["loc"]) or None
+        raise APIError(422, f"{param or 'body'}: {first['msg']}", param=param) from None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path (``messages.0.content``) of the first string in ``value`` with a lone surrogate."""
+    todo: list[tuple[Any, str]] = [(value, path)]
+    while todo:
+        item, at = todo.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return at
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if isinstance(k, str) and _SURROGATE.search(k):
+                    return at
+                todo.append((v, f"{at}.{k}" if at else str(k)))
+        elif isinstance(item, list):
+            todo.extend((v, f"{at}.{i}" if at else str(i)) for i, v in enumerate(item))
+    return None
+
+
 # ---------------------------------------------------------------------- response bodies
+def _tokens(result: Result) -> int:
+    return sum(len(c.token_ids) for c in result.choices)
+
+
 def _usage(result: Result) -> dict[str, int]:
     completion = sum(len(c.token_ids) for c in result.choices)
     return {
@@ -346,34 +429,41 @@ def _completion_logprobs(tok: Any, choice: Choice) -> dict[str, Any]:
 
 def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
+        n = 0
         async for event in events:
             yield f"data: {json.dumps(event)}\n\n".encode()
+            n += 1
+            if n % 32 == 0:  # a write that does not fill the socket's buffer never yields: let others run
+                await asyncio.sleep(0)
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+Split = dict[int, list[tuple[str, list[dict[str, Any]] | None]]]
+
+
+def _split(tok: Any, result: Result, logprobs: bool, chat: bool) -> Split:
+    """Each choice's content as streamed: ``{choice index: [(piece, its logprob entry), ...]}``."""
+    return {
+        c.index: _pieces(tok, c, logprobs) if (not chat or c.text or not c.tool_calls) else [] for c in result.choices
+    }
+
+
 def _pieces(tok: Any, choice: Choice, logprobs: bool) -> list[tuple[str, list[dict[str, Any]] | None]]:
     """The content split into one piece per token (text, its logprob entry); the pieces join to the
-    content exactly (a piece whose token ends mid-character waits for the next one)."""
+    content exactly (a piece whose token ends mid-character waits for the next one). Linear in the
+    reply's length (:mod:`rollart.serving.detok`)."""
     entries = _logprobs(tok, choice) if logprobs else None
-    pieces: list[tuple[str, list[dict[str, Any]] | None]] = []
-    sent = 0
     special = set(getattr(tok, "all_special_ids", []) or [])
     ids = [t for t in choice.token_ids if t not in special]
-    for k in range(1, len(ids) + 1):
-        upto = str(tok.decode(ids[:k], skip_special_tokens=True))[: len(choice.text)]
-        if len(upto) > sent and not upto.endswith("\ufffd"):
-            pieces.append((upto[sent:], [entries[k - 1]] if entries is not None and k - 1 < len(entries) else None))
-            sent = len(upto)
-    if sent < len(choice.text):
-        pieces.append((choice.text[sent:], None))
-    return pieces
+    out: list[tuple[str, list[dict[str, Any]] | None]] = []
+    for k, piece in pieces(tok, ids, choice.text):
+        out.append((piece, [entries[k]] if entries is not None and 0 <= k < len(entries) else None))
+    return out
 
 
-async def _chat_chunks(
-    tok: Any, model: str, result: Result, logprobs: bool, include_usage: bool
-) -> AsyncIterator[dict[str, Any]]:
+async def _chat_chunks(model: str, result: Result, split: Split, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
     cid, created = completion_id("chatcmpl"), now()
     head = {
         "id": cid,
@@ -394,7 +484,7 @@ async def _chat_chunks(
                 }
             ],
         }
-        for text, lp in _pieces(tok, c, logprobs) if (c.text or not c.tool_calls) else []:
+        for text, lp in split[c.index]:
             yield {
                 **head,
                 "choices": [
@@ -423,7 +513,7 @@ async def _chat_chunks(
 
 
 async def _completion_chunks(
-    tok: Any, model: str, result: Result, logprobs: bool, include_usage: bool
+    model: str, result: Result, split: Split, include_usage: bool
 ) -> AsyncIterator[dict[str, Any]]:
     cid, created = completion_id("cmpl"), now()
     head = {
@@ -434,7 +524,7 @@ async def _completion_chunks(
         "system_fingerprint": f"rollart-v{result.version}",
     }
     for c in result.choices:
-        for text, lp in _pieces(tok, c, logprobs):
+        for text, lp in split[c.index]:
             yield {
                 **head,
                 "choices": [

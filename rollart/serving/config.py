@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
+from rollart.config_model import ConfigModel
 from rollart.rollout.chat import check_template_setting
 
 
-class ServingConfig(BaseModel):
+class ServingConfig(ConfigModel):
     """The OpenAI-compatible endpoint in front of the LLMProxy (`agent` envs play through it)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     host: str = "127.0.0.1"
     """The address it listens on: `127.0.0.1` for agents in the driver; `0.0.0.0` or this node's IP for agents
@@ -42,6 +41,10 @@ class ServingConfig(BaseModel):
     """The largest `n` a request may ask for."""
     max_body_bytes: int = Field(default=8 << 20, gt=0)
     """Larger request bodies are answered 413."""
+    max_connections: int = Field(default=2048, gt=0)
+    """Connections open at once; one more is answered 503 and closed at once."""
+    read_timeout_s: float = Field(default=30.0, gt=0)
+    """Seconds a client has to send a request's headers, and as long again for its body (408 past it)."""
 
     @field_validator("chat_template")
     @classmethod

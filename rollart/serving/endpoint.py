@@ -138,12 +138,15 @@ class PolicyEndpoint:
             self.sessions,
             token=self.token,
             max_body_bytes=self.config.max_body_bytes,
+            read_timeout_s=self.config.read_timeout_s,
             public_url=lambda: self.public_url,
         )
 
     async def start(self) -> str:
         """Bind and serve in the background of this event loop; returns :attr:`url`."""
         import uvicorn
+
+        from rollart.reward.http_server import ConnectionLimits, GuardedConfig
 
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -153,7 +156,10 @@ class PolicyEndpoint:
         sock.setblocking(False)
         self._sock = sock
         self.port = sock.getsockname()[1]
-        cfg = uvicorn.Config(self.app(), log_level="warning", lifespan="off", timeout_keep_alive=30, access_log=False)
+        limits = ConnectionLimits(
+            max_connections=self.config.max_connections, read_timeout_s=self.config.read_timeout_s
+        )
+        cfg = GuardedConfig(self.app(), limits=limits, lifespan="off", timeout_keep_alive=30)
         self._server = uvicorn.Server(cfg)
         self._server.install_signal_handlers = lambda: None  # the driver keeps its own handlers
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))

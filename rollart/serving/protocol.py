@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP = 4  # stop sequences per request, as OpenAI allows
+MAX_STOP_CHARS = 1000  # characters of one stop sequence
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, what the engines' generators take
 
 
 class APIError(Exception):
@@ -168,7 +170,7 @@ class _Sampling(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -184,8 +186,8 @@ class _Sampling(_Body):
         if value is None:
             return None
         stops = [value] if isinstance(value, str) else list(value)
-        if len(stops) > MAX_STOP or any(not s for s in stops):
-            raise ValueError(f"give at most {MAX_STOP} non-empty stop sequences")
+        if len(stops) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"give at most {MAX_STOP} non-empty stop sequences of at most {MAX_STOP_CHARS} characters")
         return stops
 
     def unsupported(self) -> APIError | None:

@@ -6,29 +6,43 @@ session's tokens where the history allows, :mod:`rollart.serving.render`), sends
 session's tag), cuts each reply at its stop sequence, parses tool calls, records the call in the
 session and returns the choices. Errors are :class:`~rollart.serving.protocol.APIError` with the
 status the endpoint answers.
+
+The endpoint shares the driver's event loop, so no request's size turns into work on it: a prompt is
+measured in characters first (:meth:`PolicyService._fits`: no token is longer than the tokenizer's
+longest token string, so a text longer than ``context × that`` characters is refused with 400 before
+it is tokenised); rendering, tokenising, detokenising and cutting at stop sequences run in one
+tokenizer thread (:meth:`PolicyService.offload`), and detokenising is incremental
+(:mod:`rollart.serving.detok`), linear in the reply's length.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from rollart.cluster.errors import ClusterError
 from rollart.engines.base import SamplingParams
 from rollart.rollout.chat import ChatTemplateError
 from rollart.rollout.types import GenerateOutput, GenerateRequest
+from rollart.serving.detok import cut_after
 from rollart.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from rollart.serving.render import ChatRenderer
 from rollart.serving.sessions import CallRecord, ChoiceRecord, Session, SessionClosed, TokenTrace
 from rollart.serving.tools import ParsedCall, ToolParser, call_id
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+INLINE_CHARS = 4096  # text rendered or tokenised on the loop itself (more goes to the tokenizer thread)
+INLINE_TOKENS = 256  # reply tokens detokenised on the loop itself
+UNKNOWN_CONTEXT = 131072  # the context assumed, for the length check by characters, of a model whose config names none
 
 
 class Backend(Protocol):
@@ -107,38 +121,53 @@ class PolicyService:
         stops = renderer.stop_ids if renderer is not None else ([eos] if eos is not None else [])
         self.stop_ids = list(stops)
         self.counts: dict[str, int] = {"calls": 0, "continued": 0, "fresh": 0, "failed": 0}
+        self.max_token_chars = longest_token(tokenizer)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-tokenizer")
 
     # ------------------------------------------------------------------ requests
     async def chat(self, body: ChatCompletionRequest, session: Session | None) -> Result:
         self._check(body, body.max_completion_tokens or body.max_tokens)
-        if self.renderer is None:
+        renderer = self.renderer
+        if renderer is None:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
         tools = (
             [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" else None
         )
-        if tools and not self.renderer.renders_tools:
+        if tools and not renderer.renders_tools:
             raise APIError(
                 400,
                 "tools: the model's chat template does not render tools, so the model would never see them; "
                 "serve it with a template that does (chat_template)",
                 param="tools",
             )
-        messages = [m.template_dict() for m in body.messages]
-        keys = tuple(m.key() for m in body.messages)
-        tools_key = _tools_key(tools)
+
+        def prepare() -> tuple[list[dict[str, Any]], tuple[Any, ...], str]:
+            messages = [m.template_dict() for m in body.messages]
+            return messages, tuple(m.key() for m in body.messages), _tools_key(tools)
+
+        size = sum(len(m.content) if isinstance(m.content, str) else 1 + len(m.content or []) for m in body.messages)
+        messages, keys, tools_key = await self.offload(prepare, size=size)
         trace, parent = TokenTrace(), None
+        found = session.find_parent("chat", (tools_key, keys)) if session is not None else None
+        if found is not None:
+            call, choice, covered = found
+            trace = call.prompt.copy()
+            trace.add_action(choice.token_ids, choice.logprobs, choice.versions)
+            parent = (call.index, call.choices.index(choice))
+        else:
+            covered = 0
+        chars = _chars(messages[covered:]) + len(tools_key)
+        self._fits(chars, len(trace.token_ids), "messages")
         try:
-            found = session.find_parent("chat", (tools_key, keys)) if session is not None else None
             if found is not None:
-                call, choice, covered = found
-                trace = call.prompt.copy()
-                trace.add_action(choice.token_ids, choice.logprobs, choice.versions)
-                trace.add_context(self.renderer.continuation_ids(choice.token_ids, messages[covered:], tools))
-                parent = (call.index, call.choices.index(choice))
+                ids = await self.offload(
+                    renderer.continuation_ids, found[1].token_ids, messages[covered:], tools, size=chars
+                )
             else:
-                trace.add_context(self.renderer.prompt(messages, tools))
+                ids = await self.offload(renderer.prompt, messages, tools, size=chars)
         except ChatTemplateError as err:
             raise APIError(400, str(err), param="messages") from None
+        trace.add_context(ids)
         parse = self.tool_parser if tools else None
         return await self._run(body, session, "chat", (tools_key, keys), trace, parent, parse)
 
@@ -165,17 +194,27 @@ class PolicyService:
             text = str(prompt)
             key = text
             found = session.find_parent("completion", text) if session is not None else None
+            covered = 0
             if found is not None:
                 call, choice, covered = found
                 trace = call.prompt.copy()
                 trace.add_action(choice.token_ids, choice.logprobs, choice.versions)
-                trace.add_context(self._encode(text[covered:]))
                 parent = (call.index, call.choices.index(choice))
-            else:
-                trace.add_context(self._encode(text))
+            self._fits(len(text) - covered, len(trace.token_ids), "prompt")
+            trace.add_context(await self.offload(self._encode, text[covered:], size=len(text) - covered))
             if not trace.token_ids:
                 raise APIError(400, "prompt is empty", param="prompt")
         return await self._run(body, session, "completion", key, trace, parent, None)
+
+    async def offload(self, fn: Callable[..., T], *args: Any, size: int | None = None, tokens: int = 0) -> T:
+        """``fn(*args)`` in the endpoint's tokenizer thread, so that rendering, tokenising and
+        detokenising a big request never runs on the event loop (the driver's); one thread keeps the
+        tokenizer's calls apart. Small work (``size`` characters or bytes up to :data:`INLINE_CHARS`
+        and ``tokens`` up to :data:`INLINE_TOKENS`: a few milliseconds) runs in place, which saves
+        the two thread hops that would cost more than the work."""
+        if size is not None and size <= INLINE_CHARS and tokens <= INLINE_TOKENS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._worker, functools.partial(fn, *args))
 
     # ------------------------------------------------------------------ internals
     def _check(self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> None:
@@ -194,6 +233,21 @@ class PolicyService:
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _fits(self, chars: int, tokens_before: int, param: str) -> None:
+        """Refuse, before tokenising, a text too long for the context whatever its tokens: no token
+        covers more than ``max_token_chars`` characters, so ``chars`` characters are at least
+        ``chars / max_token_chars`` tokens."""
+        context = self.max_context or UNKNOWN_CONTEXT
+        least = -(-chars // self.max_token_chars)
+        if tokens_before + least > context:
+            raise APIError(
+                400,
+                f"{param}: {chars} characters are at least {least} tokens (no token of this model is longer than "
+                f"{self.max_token_chars} characters); this model's context is {context} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _sampling(self, body: Any, prompt_len: int) -> SamplingParams:
         requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -285,7 +339,11 @@ class PolicyService:
         if any(o.finish_reason == "abort" for o in outs):
             why = session.ended if session is not None and session.ended else "aborted"
             raise APIError(404, f"the call was aborted: its session ended ({why})", code="session_closed")
-        choices = [self._choice(i, out, body.stop or [], parse) for i, out in enumerate(outs)]
+        choices = await self.offload(
+            lambda: [self._choice(i, out, body.stop or [], parse) for i, out in enumerate(outs)],
+            size=0,
+            tokens=sum(len(o.output_token_ids) for o in outs),
+        )
         self.counts["calls"] += 1
         self.counts["continued" if parent is not None else "fresh"] += 1
         if session is not None:
@@ -316,10 +374,8 @@ class PolicyService:
         if hit:  # the reply ends at the first stop sequence: its tokens up to the one that completes it
             cut = min(hit)
             stop = next(s for s in stops if text.find(s) == cut)
-            for k in range(1, len(ids) + 1):
-                if len(self.tokenizer.decode(ids[:k], skip_special_tokens=True)) >= cut + len(stop):
-                    ids, lps = ids[:k], lps[:k]
-                    break
+            k = cut_after(self.tokenizer, ids, cut + len(stop))  # linear: no decoding of every prefix
+            ids, lps = ids[:k], lps[:k]
             text, reason = text[:cut], "stop"
         calls: list[tuple[str, ParsedCall]] = []
         if parse is not None:
@@ -338,6 +394,26 @@ class PolicyService:
 
         calls = tuple((c.name, _canonical_json(c.arguments)) for _, c in choice.tool_calls)
         return ("assistant", choice.text, calls)
+
+
+def longest_token(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for (its longest token string: a byte-level
+    token's string has a character per byte, a SentencePiece one a character per character)."""
+    try:
+        strings = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    except Exception:  # a tokenizer without a vocabulary to list: assume long tokens
+        return 64
+    return max((len(t) for t in strings if isinstance(t, str)), default=1) or 1
+
+
+def _chars(messages: list[dict[str, Any]]) -> int:
+    """The characters of the text in ``messages`` (contents and tool calls' names and arguments)."""
+    n = 0
+    for m in messages:
+        n += len(m.get("content") or "")
+        for c in m.get("tool_calls") or []:
+            n += len(c["function"]["name"]) + len(str(c["function"].get("arguments") or ""))
+    return n
 
 
 def _tools_key(tools: list[dict[str, Any]] | None) -> str:

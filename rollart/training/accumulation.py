@@ -28,12 +28,13 @@ from rollart.training.placement import (
 MB = TypeVar("MB")
 
 
-def global_sum(values: Sequence[float], distributed: bool) -> list[float]:
-    """``values`` summed over the data-parallel ranks (float64 all-reduce; unchanged for one process)."""
+def global_sum(values: Sequence[float], distributed: bool, group: Any = None) -> list[float]:
+    """``values`` summed over the data-parallel ranks of ``group`` (default: all; float64 all-reduce;
+    unchanged for one process)."""
     if not distributed:
         return list(values)
     t = torch.tensor(list(values), dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     return t.tolist()
 
 
@@ -54,6 +55,7 @@ def plan_share(
     make: Callable[[list[int]], MB],
     distributed: bool,
     plans: list[list[int]] | None = None,
+    group: Any = None,
 ) -> Share[MB]:
     """Pack rows of ``lengths`` into micro-batches under ``max_tokens`` (or take the given ``plans``)
     and agree on the pass count with the other ranks (a collective when ``distributed``: every rank
@@ -61,7 +63,7 @@ def plan_share(
     if plans is None:
         plans = plan_microbatches(list(lengths), max_tokens)
     mbs = [make(idx) for idx in plans]
-    return Share(list(lengths), plans, mbs, microbatch_count(len(mbs), distributed))
+    return Share(list(lengths), plans, mbs, microbatch_count(len(mbs), distributed, group))
 
 
 def accumulate_step(
@@ -74,10 +76,12 @@ def accumulate_step(
     zero_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     grad_clip: float | None,
+    clip: Callable[[Sequence[torch.nn.Parameter], float | None], float] | None = None,
 ) -> float:
     """One optimiser step over ``share`` (see the module docstring); ``backward(mb)`` computes the
     weighted loss of one micro-batch and calls ``.backward()`` on it. Returns the total gradient norm
-    before clipping."""
+    before clipping. ``clip(params, grad_clip)`` replaces the clipping for sharded gradients (it returns
+    the global norm, see :func:`rollart.training.sharding.clip_grad_norm`)."""
     optimizer.zero_grad(set_to_none=True)
     for i in range(share.passes):
         with sync_grads_on_last(model, i, share.passes):
@@ -86,6 +90,10 @@ def accumulate_step(
                 continue
             backward(share.microbatches[i])
     params = list(params)
+    if clip is not None:
+        norm_value = clip(params, grad_clip)
+        optimizer.step()
+        return norm_value
     if grad_clip:
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     else:

@@ -6,8 +6,9 @@ import importlib.util
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, StrictFloat, ValidationInfo, field_validator, model_validator
 
+from rollart.config_model import ConfigModel
 from rollart.plugins import checked as _plain
 
 
@@ -18,13 +19,11 @@ def _importable(module: str) -> bool:
         return False
 
 
-class LoraSettings(BaseModel):
+class LoraSettings(ConfigModel):
     """``train.lora``: train low-rank adapters (``peft``) instead of the full weights. ``r`` is the rank,
     ``alpha`` the scale numerator (updates are scaled by ``alpha / r``), ``target_modules`` the linear
     layers that get an adapter (names as in the Hugging Face model). The inference engines and exports
     always get the merged full weights."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     r: int = Field(default=8, ge=1)
     """Rank of the low-rank adapters."""
@@ -36,7 +35,7 @@ class LoraSettings(BaseModel):
     """Dropout on the adapters' input."""
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(ConfigModel):
     """How the actor is trained. ``model`` is a Hugging Face folder (default: the built-in tiny
     model); ``loss`` names a policy loss of ``rollart.algorithms`` (or a user's: a name registered with
     ``@register_loss``, or ``MODULE:FUNC``) with ``loss_params`` (checked against its signature);
@@ -44,27 +43,43 @@ class TrainConfig(BaseModel):
 
     ``strategy`` picks the training worker: ``torch`` (``TorchTrainWorker``, the default) or
     ``megatron`` (``MegatronTrainWorker``: the same loop around a megatron-core ``GPTModel``, needs
-    ``pip install 'rollart[megatron]'``). Data parallelism is the train pool's size in both;
-    ``tensor_parallel`` / ``pipeline_parallel`` are megatron's model-parallel sizes and must be 1 in
-    this version (checked here, before any actor starts)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    ``pip install 'rollart[megatron]'``). The train pool's size is the number of ranks in both.
+    ``sharding`` (torch strategy) says how the ranks hold the model: ``ddp`` (each rank a whole copy)
+    or ``fsdp`` (parameters, gradients and optimizer states split across the ranks, see
+    :mod:`rollart.training.sharding`); ``tensor_parallel`` splits each layer across that many ranks
+    (with ``fsdp`` over the rest); ``pipeline_parallel`` is not built (must be 1). Every combination
+    is checked here and against the pool, before any actor starts."""
 
     strategy: Literal["torch", "megatron"] = "torch"
     """The training worker: `torch` (the Hugging Face module) or `megatron` (a megatron-core GPTModel; extra
     `megatron`).
     """
+    sharding: Literal["ddp", "fsdp"] = "ddp"
+    """How the train ranks hold the model (torch strategy): `ddp`, a whole copy per rank (16 bytes per parameter
+    with AdamW, before activations); `fsdp`, parameters, gradients and optimizer states split across the ranks
+    (FSDP2, each decoder layer gathered in turn).
+    """
     tensor_parallel: int = Field(default=1, ge=1)
-    """Megatron tensor-parallel size; must be 1 in this version (data parallelism is the train pool's size)."""
+    """Ranks each decoder layer's linear layers are split across (torch strategy with `sharding: fsdp`; FSDP runs
+    over the remaining `ranks / tensor_parallel`); must divide the attention and KV heads.
+    """
     pipeline_parallel: int = Field(default=1, ge=1)
-    """Megatron pipeline-parallel size; must be 1 in this version."""
+    """Pipeline-parallel size; pipeline parallelism is not built, so it must be 1."""
+    offload: Literal["none", "cpu"] = "none"
+    """`cpu` keeps the sharded parameters, gradients and optimizer states in host memory and runs the optimizer
+    step there (`sharding: fsdp` on GPUs; no effect on CPU ranks).
+    """
+    reshard_after_forward: bool = True
+    """With `sharding: fsdp`, free each layer's gathered parameters after its forward pass and gather them again
+    for its backward (less memory, one more all-gather per layer).
+    """
     model: str | None = None
     """A Hugging Face model folder to train; default: the pipeline's `model` (else the built-in tiny model)."""
     lr: float = Field(default=1e-3, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[StrictFloat, StrictFloat] = Field(default=(0.9, 0.999), strict=False)  # a YAML list
     """AdamW betas."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear learning-rate warm-up, in optimizer steps."""
@@ -172,28 +187,41 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_strategy(self) -> TrainConfig:
-        for name in ("tensor_parallel", "pipeline_parallel"):
-            size = getattr(self, name)
-            if size > 1:
-                hint = (
-                    "model parallelism exists only in the megatron strategy, and " if self.strategy == "torch" else ""
-                )
-                raise ValueError(
-                    f"train.{name}={size}: {hint}sharding the weights across model-parallel ranks is not "
-                    f"implemented in this version; set train.{name}: 1 (data parallelism comes from the "
-                    "train pool's size)"
-                )
+        if self.pipeline_parallel > 1:
+            raise ValueError(
+                f"train.pipeline_parallel={self.pipeline_parallel}: pipeline parallelism is not built in this version; "
+                "set train.pipeline_parallel: 1 and split a large model with train.sharding: fsdp (and "
+                "train.tensor_parallel)"
+            )
         if self.strategy == "megatron":
             for name, value in (
                 ("dtype", self.dtype != "fp32"),
                 ("gradient_checkpointing", self.gradient_checkpointing),
                 ("lora", self.lora is not None),
+                ("sharding", self.sharding != "ddp"),
+                ("tensor_parallel", self.tensor_parallel > 1),
+                ("offload", self.offload != "none"),
             ):
                 if value:
                     raise ValueError(
-                        f"train.{name} is implemented for train.strategy: torch only in this version; "
-                        f"remove train.{name} or use strategy: torch"
+                        f"train.{name} is implemented for train.strategy: torch only in this version (the megatron "
+                        f"strategy trains data parallel); remove train.{name} or use strategy: torch"
                     )
+        if self.tensor_parallel > 1 and self.sharding != "fsdp":
+            raise ValueError(
+                f"train.tensor_parallel={self.tensor_parallel} runs with FSDP over the remaining ranks: set "
+                "train.sharding: fsdp (or train.tensor_parallel: 1)"
+            )
+        if self.offload != "none" and self.sharding != "fsdp":
+            raise ValueError(
+                f"train.offload: {self.offload} offloads the shards of sharded training: set train.sharding: fsdp, "
+                "or remove train.offload"
+            )
+        if self.sharding == "fsdp" and self.lora is not None:
+            raise ValueError(
+                "train.lora with train.sharding: fsdp is not supported in this version (adapters on a sharded base "
+                "are not built); remove train.lora or use train.sharding: ddp"
+            )
         if self.lora is not None and not _importable("peft"):
             raise ValueError("train.lora needs peft; install it with pip install 'rollart[lora]' or remove train.lora")
         if self.strategy == "megatron" and not _importable("megatron.core"):
@@ -204,13 +232,11 @@ class TrainConfig(BaseModel):
         return self
 
 
-class RunningMeanConfig(BaseModel):
+class RunningMeanConfig(ConfigModel):
     """``advantage: running_mean`` (the critic-free single-rollout baseline of SAO, see
     :class:`rollart.algorithms.RunningMeanBaseline`): ``A = r - mean(window)`` over the ``window`` most
     recent rewards of the same prompt (``scope: prompt``, the paper's ablation: 8) or of all prompts
     (``scope: global``, the paper's online setting: 128)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     window: int = Field(default=8, ge=1)
     """How many of the most recent rewards the baseline averages."""
@@ -231,7 +257,7 @@ SAO_PRESET: dict[str, Any] = {
 paper's critic learning rate (5e-6, for a 30B model) is not part of it: set ``lr`` for your model."""
 
 
-class CriticConfig(BaseModel):
+class CriticConfig(ConfigModel):
     """How the critic trains and how its values become advantages. ``model`` is a Hugging Face causal-LM
     folder (default: the built-in tiny model); ``epochs`` is K, the value updates per actor step.
 
@@ -239,8 +265,6 @@ class CriticConfig(BaseModel):
     ``1 - 1 / (lambda_alpha * l)`` per trajectory of ``l`` action tokens; ``critic_lambda`` is the lambda of
     the critic's regression targets (the returns), ``None`` for the policy's. ``preset: sao`` fills in
     :data:`SAO_PRESET` for every field the config does not give."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     preset: Literal["sao"] | None = None
     """`sao` fills in the SAO recipe for every field not given."""

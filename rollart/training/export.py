@@ -1,9 +1,11 @@
-"""Export a trained policy as a Hugging Face folder (``config.json``, ``model.safetensors``,
-tokenizer files, ``generation_config.json``) that ``AutoModelForCausalLM.from_pretrained``, vLLM and
-SGLang load.
+"""Export a trained policy as a Hugging Face folder (``config.json``, ``model.safetensors`` or its shards
+with ``model.safetensors.index.json``, tokenizer files, ``generation_config.json``) that
+``AutoModelForCausalLM.from_pretrained``, vLLM and SGLang load.
 
 The weights come in the base model's names (a LoRA run's adapters merged, a megatron run's weights
-converted back); config and tokenizer are the base model's.
+converted back); config and tokenizer are the base model's. A trainer exports a bucket at a time
+(:class:`HFShardWriter`: one safetensors file per bucket), and so does ``rollart export`` of a sharded
+checkpoint: neither holds the whole model at once.
 """
 
 from __future__ import annotations
@@ -51,6 +53,67 @@ def export_hf(state: dict[str, torch.Tensor], base_model: str | os.PathLike[str]
     return target
 
 
+class HFShardWriter:
+    """A Hugging Face folder written a bucket of weights at a time: each :meth:`add` writes one safetensors
+    file; :meth:`finish` names them ``model-0000i-of-0000n.safetensors`` (one file: ``model.safetensors``),
+    writes the index, the base model's config, tokenizer and generation config, and moves the folder to
+    ``out`` (replaced atomically: a half-written export is never left there)."""
+
+    def __init__(self, base_model: str | os.PathLike[str], out: str | os.PathLike[str]):
+        self.base_model = str(base_model)
+        self.target = Path(out)
+        self.tmp = self.target.with_name(self.target.name + ".partial")
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+        self.files: list[str] = []
+        self.weight_map: dict[str, str] = {}
+        self.total = 0
+
+    def add(self, bucket: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        if not bucket:
+            return
+        name = f"part-{len(self.files):05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in bucket.items()}, str(self.tmp / name), metadata={"format": "pt"})
+        self.files.append(name)
+        self.weight_map.update(dict.fromkeys(bucket, name))
+        self.total += sum(v.numel() * v.element_size() for v in bucket.values())
+
+    def finish(self) -> Path:
+        import json
+
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        n = len(self.files)
+        names = {
+            f: ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+            for i, f in enumerate(self.files)
+        }
+        for old, new in names.items():
+            os.replace(self.tmp / old, self.tmp / new)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": self.total},
+                "weight_map": {k: names[f] for k, f in self.weight_map.items()},
+            }
+            (self.tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        config = AutoConfig.from_pretrained(self.base_model)
+        config.save_pretrained(str(self.tmp))
+        AutoTokenizer.from_pretrained(self.base_model).save_pretrained(str(self.tmp))
+        try:
+            generation = GenerationConfig.from_pretrained(self.base_model)
+        except OSError:  # the base folder has none
+            generation = GenerationConfig.from_model_config(config)
+        generation.save_pretrained(str(self.tmp))
+        if self.target.exists():
+            shutil.rmtree(self.target)
+        os.replace(self.tmp, self.target)
+        log.info("exported a Hugging Face model to %s (%d weight files)", self.target, n)
+        return self.target
+
+
 def _is_tied(model: torch.nn.Module, key: str) -> bool:
     cfg = getattr(model, "config", None)
     return bool(getattr(cfg, "tie_word_embeddings", False)) and key.startswith("lm_head.")
@@ -85,6 +148,29 @@ def checkpoint_to_hf_state(path: str | os.PathLike[str], base_model: str | None 
     return state, str(base)
 
 
+def export_sharded_checkpoint(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    base_model: str | None = None,
+    bucket_bytes: int = 256 << 20,
+) -> Path:
+    """A sharded checkpoint (``train.sharding: fsdp``) as a Hugging Face folder, read and written a bucket at a
+    time in this process (no process group, never the whole model in memory)."""
+    from transformers import AutoConfig
+
+    from rollart.training.sharded_checkpoint import iter_checkpoint_weights
+
+    meta = read_meta(path)
+    base = base_model or meta.get("base_model")
+    if base is None:
+        raise ValueError(f"{path}: the checkpoint does not record its base model; pass --base-model PATH")
+    tied = bool(getattr(AutoConfig.from_pretrained(str(base)), "tie_word_embeddings", False))
+    writer = HFShardWriter(base, out)
+    for bucket in iter_checkpoint_weights(path, bucket_bytes, skip={"lm_head.weight"} if tied else None):
+        writer.add(bucket)
+    return writer.finish()
+
+
 def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], base_model: str | None = None) -> Path:
     """Export the latest checkpoint of ``run_dir`` (``RUN_DIR/checkpoint``) as a Hugging Face folder."""
     root = Path(run_dir) / "checkpoint"
@@ -94,5 +180,9 @@ def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], bas
             f"{run_dir}: no checkpoint under {root} (set checkpoint_every in the config); a finished run's "
             f"final export is {Path(run_dir) / 'hf'}"
         )
+    from rollart.training.sharded_checkpoint import is_sharded_checkpoint
+
+    if ckpt.is_dir() and is_sharded_checkpoint(read_meta(ckpt)):
+        return export_sharded_checkpoint(ckpt, out, base_model)
     state, base = checkpoint_to_hf_state(ckpt, base_model)
     return export_hf(state, base, out)

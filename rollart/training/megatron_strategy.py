@@ -75,6 +75,7 @@ from rollart.decorators.specs import Dispatch
 from rollart.training.config import TrainConfig
 from rollart.training.megatron_weights import _cfg, _ignored, _shape, hf_to_megatron, load_hf_state_dict, megatron_to_hf
 from rollart.training.placement import DataParallelTraining, init_process_group, model_path, wrap_ddp
+from rollart.training.sharding import ShardLayout
 from rollart.training.torch_strategy import TorchTrainWorker
 
 __all__ = [
@@ -93,8 +94,9 @@ __all__ = [
 
 
 class MegatronConfig(TrainConfig):
-    """``TrainConfig`` with ``strategy: megatron``; its ``tensor_parallel`` / ``pipeline_parallel`` are
-    megatron's model-parallel sizes, both refused above 1 by ``TrainConfig`` in this version."""
+    """``TrainConfig`` with ``strategy: megatron`` (data parallel: ``sharding``, ``tensor_parallel`` and
+    ``pipeline_parallel`` are refused above their defaults by ``TrainConfig``; tensor parallelism is the torch
+    strategy's)."""
 
     strategy: Literal["torch", "megatron"] = "megatron"
 
@@ -306,6 +308,9 @@ class MegatronTrainWorker(TorchTrainWorker):
         self._model: torch.nn.Module | None = None
         self._module: GPTCausalLM | None = None
         self.prefix_sharing = False  # the shared-prefix passes need a Hugging Face KV cache (torch strategy)
+        self.layout = ShardLayout("ddp", 1, self.world_size)  # data parallel only
+        self.mesh = None
+        self.tp_group = None
         self.version = 0
         self.training: DataParallelTraining | None = None  # made with the model (see _build)
         self.backend = cfg.backend if cfg.backend != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
@@ -398,6 +403,10 @@ class MegatronTrainWorker(TorchTrainWorker):
     def publish_state(self) -> dict[str, torch.Tensor]:
         """Converted to Hugging Face names (a copy of its own)."""
         return self.cpu_state_dict()
+
+    def weight_items(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights converted to Hugging Face names (a copy of its own)."""
+        return list(self.cpu_state_dict().items())
 
     def cpu_state_dict(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the weights in Hugging Face names (each tensor its own storage)."""

@@ -109,6 +109,7 @@ class DataParallelTraining:
         )
         self.scheduler = linear_warmup(self.optimizer, warmup_steps)
         self.distributed = False
+        self.group: Any = None  # the data-parallel process group (None: the default, every rank)
 
     def join(self, *, rank: int, world_size: int, backend: str, master_addr: str, master_port: int) -> str:
         """Join the data-parallel group (gloo on CPU, NCCL on GPU; ``backend="auto"`` picks) and train
@@ -129,6 +130,12 @@ class DataParallelTraining:
         """Train through ``model``, a DDP wrapper made elsewhere (megatron joins its own groups)."""
         self.model = model
         self.distributed = True
+
+    def sharded(self, group: Any) -> None:
+        """The module is sharded already (``fully_shard``, see :mod:`rollart.training.sharding`): it is called
+        as it is, and the step's sums and pass counts go over ``group``, the data-parallel ranks."""
+        self.distributed = True
+        self.group = group
 
 
 class DataParallelRank:
@@ -190,13 +197,13 @@ def wrap_ddp(module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParall
     return torch.nn.parallel.DistributedDataParallel(module, broadcast_buffers=False)
 
 
-def microbatch_count(local: int, distributed: bool) -> int:
-    """The largest micro-batch count over the ranks (at least 1): every rank runs that many passes.
-    A single process runs just its own."""
+def microbatch_count(local: int, distributed: bool, group: Any = None) -> int:
+    """The largest micro-batch count over the ranks of ``group`` (default: all; at least 1): every rank
+    runs that many passes. A single process runs just its own."""
     if not distributed:
         return local
     t = torch.tensor([max(local, 1)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
 
 

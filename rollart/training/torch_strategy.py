@@ -1,16 +1,24 @@
-"""Torch training strategy: the actor trained with a policy loss, DDP over gloo (CPU) or NCCL (GPU).
+"""Torch training strategy: the actor trained with a policy loss, DDP or FSDP2 (``train.sharding``, with
+tensor parallelism: :mod:`rollart.training.sharding`) over gloo (CPU) or NCCL (GPU).
 
 ``train_step`` takes a DP_SPLIT share of a batch of trajectories, packs it into micro-batches of
 similar lengths under a token budget (no padded rows, little padding), accumulates gradients, and
 takes one optimiser step per PPO epoch. The loss of a micro-batch is weighted so the sum over
 micro-batches and ranks equals the aggregation over the whole batch: for ``token-mean``,
-``sum_tokens(loss) / global_tokens`` (DDP averages gradients over ranks, so each rank scales by
-``world_size``).
+``sum_tokens(loss) / global_tokens`` (DDP and FSDP average gradients over the data-parallel ranks, so
+each rank scales by their number).
+
+A sharded rank takes part in every collective of its peers: every forward pass gathers parameters, so
+the ranks of a data-parallel group run the same number of passes in every method (the short ones pad
+with one-token passes), and the ranks of a tensor-parallel group work on the same rows (each method
+first gathers the group's rows; only the group's first rank reports metrics, each rank answers for its
+own rows).
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,23 +31,36 @@ from rollart.decorators.register import register
 from rollart.decorators.specs import Dispatch
 from rollart.training import columns as C
 from rollart.training.accumulation import accumulate_step, global_sum, plan_share
-from rollart.training.checkpoint_io import load_checkpoint_any, save_checkpoint_dir
+from rollart.training.checkpoint_io import TRAINER_FILE, load_checkpoint_any, save_checkpoint_dir
 from rollart.training.config import TrainConfig
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
     DP_SPLIT_EVERY_RANK,
     DataParallelRank,
     DataParallelTraining,
+    init_process_group,
+    microbatch_count,
     model_path,
 )
+from rollart.training.sharding import (
+    ShardLayout,
+    all_gather_objects,
+    clip_grad_norm,
+    device_mesh,
+    group_of,
+    reshard,
+    unique_state,
+)
 from rollart.training.shared_prefix import (
+    LAYOUT_KEYS,
+    SUFFIX_AT,
     SharedPrefixForward,
     plan_shared_microbatches,
     prefix_length,
     shared_layout,
     shared_token_logprobs,
 )
-from rollart.weights.base import WeightChannel
+from rollart.training.weights_out import EVERY_RANK, WeightsOut
 
 
 def token_logprobs(
@@ -56,6 +77,27 @@ def token_logprobs(
     return logp, torch.nn.functional.pad(entropy, (1, 0))
 
 
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute each layer's activations in the backward pass (non-reentrant checkpoints, no KV cache)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (``VmHWM``; 0 where ``/proc`` does not say)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 ENTROPY_POSITIONS = 8  # train metrics report the policy entropy of the first 8 action tokens of a row
 
 
@@ -69,67 +111,174 @@ def _entropy_by_position(entropy: torch.Tensor, mask: torch.Tensor, sums: torch.
         counts.index_add_(0, k, torch.ones_like(k, dtype=torch.float64))
 
 
-def batch_logprobs(model: torch.nn.Module, batch: Batch, max_tokens: int, device: torch.device) -> list[list[float]]:
-    """``token_logprobs`` of every row of ``batch["input_ids"]``, micro-batched, each row cut to its length."""
-    lengths = [len(s) for s in batch[C.INPUT_IDS]]
+def batch_logprobs(
+    model: torch.nn.Module,
+    batch: Batch,
+    max_tokens: int,
+    device: torch.device,
+    passes: Any = None,
+) -> list[list[float]]:
+    """``token_logprobs`` of every row of ``batch["input_ids"]``, micro-batched, each row cut to its length.
+    ``passes(n)``, for a sharded model, turns this rank's micro-batch count into the count every rank runs
+    (the missing ones are one-token passes)."""
+    lengths = [len(s) for s in batch[C.INPUT_IDS]] if len(batch) else []
     out: list[list[float] | None] = [None] * len(lengths)
+    plans = plan_microbatches(lengths, max_tokens)
+    total = passes(len(plans)) if passes is not None else len(plans)
     with torch.no_grad():
-        for idx in plan_microbatches(lengths, max_tokens):
+        for idx in plans:
             ids = [batch[C.INPUT_IDS][i] for i in idx]
             x = pad_right(ids, 0, torch.long).to(device)
             am = pad_right([[1] * len(s) for s in ids], 0, torch.long).to(device)
             lp = token_logprobs(model, x, am).cpu()
             for row, i in enumerate(idx):
                 out[i] = lp[row, : lengths[i]].tolist()
+        for _ in range(total - len(plans)):
+            one_token_pass(model, device)
     return out  # type: ignore[return-value]
 
 
-class TorchTrainWorker(DataParallelRank, Worker):
-    """One data-parallel rank of the actor."""
+def one_token_pass(model: torch.nn.Module, device: torch.device) -> None:
+    """A forward pass that computes nothing of use but takes part in a sharded model's gathers."""
+    ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+    model(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
+    """One rank of the actor: a data-parallel rank (``train.sharding: ddp``) or a shard of the model
+    (``fsdp``, with ``tensor_parallel``), built in :meth:`setup_distributed`."""
 
     def __init__(self, config: TrainConfig | dict[str, Any] | None = None):
-        from rollart.models.shapes import load_causal_lm
-
         self.config = TrainConfig.model_validate(config or {})
-        torch.manual_seed(self.config.seed)
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
         self.device = worker_device(self.device_ids)
-        if self.config.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        if cfg.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError(
                 f"train.dtype: bf16: {torch.cuda.get_device_name(self.device)} does not support bfloat16; "
                 "set train.dtype: fp32"
             )
+        if self.world_size % cfg.tensor_parallel:
+            raise ValueError(
+                f"train.tensor_parallel={cfg.tensor_parallel} does not divide the train pool's {self.world_size} "
+                "ranks; make the pool's devices a multiple of it"
+            )
+        self.layout = ShardLayout(cfg.sharding, cfg.tensor_parallel, self.world_size)
+        if self.device.type == "cuda":
+            self._check_device_memory()
+        self.mesh: Any = None
+        self.tp_group: Any = None  # the ranks that hold the other parts of this rank's layers
+        # prefix sharing needs the prefix's KV cache in the graph; gradient checkpointing turns the cache off
+        self.prefix_sharing = cfg.prefix_sharing and not cfg.gradient_checkpointing
+        self.version = 0
+        if self.layout.sharded:  # built once the process group exists (setup_distributed)
+            self.module: Any = None
+            self.forward_module: Any = None
+            return
+        from rollart.models.shapes import load_causal_lm
+
         # fp32 master weights (and optimiser state) whatever train.dtype: bf16 is autocast in the passes
-        model = load_causal_lm(model_path(self.config.model), dtype=torch.float32)
-        if self.config.gradient_checkpointing:
-            kwargs = {"use_reentrant": False}
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            model.config.use_cache = False
-        if self.config.lora is not None:
+        model = load_causal_lm(model_path(cfg.model), dtype=torch.float32)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        if cfg.lora is not None:
             from rollart.training.lora import apply_lora
 
-            model = apply_lora(model, self.config.lora)
+            model = apply_lora(model, cfg.lora)
         self.module = model.to(self.device)
         self.module.train()
-        # prefix sharing needs the prefix's KV cache in the graph; gradient checkpointing turns the cache off
-        self.prefix_sharing = self.config.prefix_sharing and not self.config.gradient_checkpointing
+        self._start_training()
+
+    def _check_device_memory(self) -> None:
+        """Refuse, before loading anything, a model whose states this rank's GPU cannot hold."""
+        from rollart.training.memory import fit_problem, model_param_counts
+
+        try:
+            total, split = model_param_counts(model_path(self.config.model))
+        except (KeyError, OSError, ValueError):  # not a Qwen2/Llama-style config: nothing to estimate
+            return
+        problem = fit_problem(
+            total,
+            split,
+            sharding=self.config.sharding,
+            ranks=self.world_size,
+            tensor_parallel=self.config.tensor_parallel,
+            offload=self.config.offload == "cpu",
+            budget=torch.cuda.get_device_properties(self.device).total_memory,
+            where=f"rank {self.rank}'s GPU ({torch.cuda.get_device_name(self.device)})",
+        )
+        if problem is not None:
+            raise ValueError(problem)
+
+    def _start_training(self) -> None:
+        """The forward module (the model, or the shared-prefix forward around it) and its optimiser."""
+        cfg = self.config
         # what the training passes call (and what DDP wraps): the model, or the shared-prefix forward around it
-        self.forward_module: torch.nn.Module = SharedPrefixForward(self.module) if self.prefix_sharing else self.module
+        self.forward_module = SharedPrefixForward(self.module) if self.prefix_sharing else self.module
         self.training = DataParallelTraining(
             self.forward_module,
             device=self.device,
-            lr=self.config.lr,
-            warmup_steps=self.config.warmup_steps,
-            weight_decay=self.config.weight_decay,
-            betas=self.config.betas,
+            lr=cfg.lr,
+            warmup_steps=cfg.warmup_steps,
+            weight_decay=cfg.weight_decay,
+            betas=cfg.betas,
         )
-        self.version = 0
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def setup_distributed(self, master_addr: str, master_port: int) -> str:
+        """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the model in DDP; a sharded
+        rank (``train.sharding: fsdp``) joins the group of every rank (also alone) and builds its shards."""
+        if not self.layout.sharded:
+            return DataParallelRank.setup_distributed(self, master_addr, master_port)
+        if self.module is not None:
+            raise RuntimeError("setup_distributed was already called on this worker")
+        cfg = self.config
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        init_process_group(
+            backend, rank=self.rank, world_size=self.world_size, master_addr=master_addr, master_port=master_port
+        )
+        self.mesh = device_mesh(self.layout, self.device)
+        self.module = self._build_sharded()
+        self._start_training()
+        self.training.sharded(group_of(self.mesh, "dp"))
+        if self.layout.tensor_parallel > 1:
+            self.tp_group = group_of(self.mesh, "tp")
+        return backend
+
+    def _build_sharded(self) -> torch.nn.Module:
+        """The model with its parameters sharded (built on ``meta``, filled one tensor at a time)."""
+        from rollart.models.streaming import empty_causal_lm, iter_weights
+        from rollart.training.sharding import load_full_weights, materialize, shard_model
+
+        cfg = self.config
+        path = model_path(cfg.model)
+        model = empty_causal_lm(path)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        offload = cfg.offload == "cpu" and self.device.type == "cuda"
+        if cfg.offload == "cpu" and not offload:
+            self.logger.info("train.offload: cpu has no effect on a CPU rank (its shards are in host memory)")
+        bf16_params = cfg.dtype == "bf16" and self.device.type == "cuda"
+        shard_model(
+            model,
+            self.layout,
+            self.mesh,
+            device=self.device,
+            param_dtype=torch.bfloat16 if bf16_params else None,
+            offload=offload,
+            reshard_after_forward=cfg.reshard_after_forward,
+        )
+        materialize(model, self.device, offload)
+        load_full_weights(model, iter_weights(path))
+        model.train()
+        return model
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast around the forward passes when ``train.dtype: bf16`` (weights stay fp32)."""
-        if self.config.dtype == "bf16":
+        """bf16 autocast around the forward passes when ``train.dtype: bf16`` (weights stay fp32); a sharded
+        GPU rank computes in bf16 through its mixed-precision policy instead."""
+        if self.config.dtype == "bf16" and not (self.layout.sharded and self.device.type == "cuda"):
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -180,13 +329,52 @@ class TorchTrainWorker(DataParallelRank, Worker):
             lambda idx: self._microbatch_tensors(batch, idx, prefix_lens),
             self.distributed,
             plans,
+            self.training.group,
         )
 
-    def _recompute_proximal(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
-        """pi_old of every micro-batch: the policy before this update (local forwards, no grad)."""
+    def _recompute_proximal(self, share: Any) -> None:
+        """pi_old of every micro-batch: the policy before this update (forwards without grad; a sharded
+        rank runs as many as its peers)."""
         with torch.no_grad(), self.autocast():
-            for mb in microbatches:
+            for mb in share.microbatches:
                 mb[C.PROXIMAL_LOGPROBS] = self._logprobs(self.forward_module, mb)
+            if self.layout.sharded:
+                for _ in range(share.passes - len(share.microbatches)):
+                    self._padding_pass()
+                reshard(self.module)
+
+    def _padding_pass(self) -> torch.Tensor:
+        """A pass over one dummy row that makes the same gathers as a real micro-batch's (the shared-prefix
+        forward calls the model twice, a plain one once), for a sharded rank with fewer micro-batches than
+        its peers; its output, times 0, gives every parameter a zero gradient."""
+        if not self.prefix_sharing:
+            ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            return self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum()
+        layout = {k: v.to(self.device) for k, v in shared_layout([[0, 0]], [1]).items()}
+        last, suffix = self.model(**{k: layout[k] for k in LAYOUT_KEYS if k != SUFFIX_AT})
+        return last.sum() + suffix.sum()
+
+    # ------------------------------------------------------------------ tensor-parallel groups
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tensor-parallel group (0 without tensor parallelism)."""
+        return self.rank % self.layout.tensor_parallel
+
+    def _group_rows(self, batch: Batch) -> tuple[Batch, int, int]:
+        """The rows of this rank's tensor-parallel group (every rank of it works on them), and where this
+        rank's own rows are among them (``start``, ``stop``); the batch itself without tensor parallelism."""
+        if self.tp_group is None:
+            return batch, 0, len(batch)
+        parts = all_gather_objects(batch, self.tp_group)
+        start = sum(len(p) for p in parts[: self.tp_rank])
+        rows = [p for p in parts if len(p)]
+        return Batch.concat(rows) if rows else batch, start, start + len(batch)
+
+    def _grad_scale(self) -> int:
+        """Gradients are averaged over the data-parallel ranks: each rank scales its loss by their number."""
+        if self.layout.sharded:
+            return self.layout.dp
+        return self.world_size if self.distributed else 1
 
     def _proximal(self, mb: dict[str, torch.Tensor], logp: torch.Tensor, recomputed: bool) -> torch.Tensor | None:
         """pi_old of a micro-batch: recomputed before the update, or with one PPO epoch the current
@@ -235,18 +423,19 @@ class TorchTrainWorker(DataParallelRank, Worker):
         """One policy update on this rank's share; returns this rank's metrics (``None`` for an empty
         share, which still takes part in the step's collectives: see ``rollart.training.placement``)."""
         cfg = self.config
+        batch = self._group_rows(batch)[0]
         if len(batch):
             C.require(batch, C.INPUT_IDS, C.LOSS_MASK, C.BEHAVIOUR_LOGPROBS, C.ADVANTAGES, who="train_step")
         lengths = [len(s) for s in batch[C.INPUT_IDS]] if len(batch) else []
         seq_level = aggregation_unit(cfg.loss_agg) == "sequence"
         tokens = float(sum(sum(m) for m in batch[C.LOSS_MASK])) if lengths else 0.0
         local = float(len(lengths)) if seq_level else tokens
-        total = global_sum([local], self.distributed)[0]
+        total = global_sum([local], self.distributed, self.training.group)[0]
         share = self._share(batch, lengths)
-        scale_world = self.world_size if self.distributed else 1
+        scale_world = self._grad_scale()
         recomputed = self.needs_proximal_pass()
         if recomputed:
-            self._recompute_proximal(share.microbatches)
+            self._recompute_proximal(share)
         metrics: dict[str, float] = {}
         n_metric = 0
         # |pi_old - mu| over the action tokens: how far the engine that sampled is from the trainer (~0)
@@ -255,6 +444,7 @@ class TorchTrainWorker(DataParallelRank, Worker):
         # entropy of the policy at the k-th action token of a row (k < ENTROPY_POSITIONS), first epoch
         pos_sum = torch.zeros(ENTROPY_POSITIONS, dtype=torch.float64)
         pos_count = torch.zeros(ENTROPY_POSITIONS, dtype=torch.float64)
+        objective = [0.0]  # this rank's part of the batch's loss, summed over the PPO epochs
 
         def backward(mb: dict[str, torch.Tensor]) -> None:
             nonlocal n_metric
@@ -271,6 +461,7 @@ class TorchTrainWorker(DataParallelRank, Worker):
                 _entropy_by_position(entropy.detach(), mask, pos_sum, pos_count)
             weight = (mb[C.INPUT_IDS].shape[0] if seq_level else float(mask.sum())) / max(total, 1.0)
             (loss * weight * scale_world).backward()
+            objective[0] += float(loss.detach()) * weight
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v)
             n_metric += 1
@@ -284,16 +475,23 @@ class TorchTrainWorker(DataParallelRank, Worker):
                     optimizer=self.optimizer,
                     share=share,
                     backward=backward,
-                    zero_forward=lambda ids, att: self.model(input_ids=ids, attention_mask=att).logits,
+                    zero_forward=(
+                        (lambda ids, att: self._padding_pass())
+                        if self.layout.sharded
+                        else (lambda ids, att: self.model(input_ids=ids, attention_mask=att).logits)
+                    ),
                     device=self.device,
                     grad_clip=cfg.grad_clip,
+                    clip=clip_grad_norm if self.layout.sharded else None,
                 )
             )
             self.scheduler.step()
         self.version += 1
-        if not lengths:
+        batch_loss = global_sum(objective, self.distributed, self.training.group)[0] / cfg.ppo_epochs
+        if not lengths or self.tp_rank:  # a tensor-parallel group reports its rows once
             return None
         out = {k: v / max(n_metric, 1) for k, v in metrics.items()}
+        out["loss"] = batch_loss  # the whole batch's (every rank reports it), mean over the PPO epochs
         out["rollout_abs_logprob_diff"] = drift[0] / max(drift[1], 1.0)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)  # before clipping, mean over the PPO epochs
         out.update(
@@ -310,21 +508,33 @@ class TorchTrainWorker(DataParallelRank, Worker):
         )
         return out
 
-    @register(dispatch=Dispatch.DP_SPLIT)
+    @register(dispatch=DP_SPLIT_EVERY_RANK)
     def compute_logprobs(self, batch: Batch) -> list[list[float]]:
-        """Per-token logprobs of each row under the current weights."""
+        """Per-token logprobs of each row under the current weights (every rank is called: a sharded
+        rank's passes are collectives, and an empty share answers ``[]``)."""
+        rows, start, stop = self._group_rows(batch)
+        passes = None
+        if self.layout.sharded:
+            group = self.training.group
+            passes = lambda n: microbatch_count(n, True, group)
         with self.autocast():
-            return batch_logprobs(self.module, batch, self.config.max_tokens_per_microbatch, self.device)
+            out = batch_logprobs(self.module, rows, self.config.max_tokens_per_microbatch, self.device, passes)
+        if self.layout.sharded:
+            reshard(self.module)
+        return out[start:stop]
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def cpu_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full weights in Hugging Face names, as CPU copies: what engines load and exports write
-        (a LoRA model's adapters merged in)."""
+    def weight_items(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights in Hugging Face names (a LoRA model's adapters merged in, as CPU copies), each tensor
+        once: what engines load and exports write."""
         if self.config.lora is not None:
             from rollart.training.lora import merged_state_dict
 
-            return merged_state_dict(self.module)
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+            return list(merged_state_dict(self.module).items())
+        return unique_state(self.module)
+
+    def weights_sharded(self) -> bool:
+        return self.layout.sharded
 
     def weight_naming(self) -> str:
         """How the checkpoint's ``model.safetensors`` names its weights: ``hf``, ``peft`` (LoRA) or
@@ -333,90 +543,89 @@ class TorchTrainWorker(DataParallelRank, Worker):
             return "megatron"
         return "peft" if self.config.lora is not None else "hf"
 
-    @register(dispatch=Dispatch.RANK_ZERO)
-    def export_hf(self, out: str) -> str:
-        """Rank 0 writes the current policy as a Hugging Face folder (see ``rollart.training.export``)."""
-        from rollart.training.export import export_hf
+    @register(dispatch=EVERY_RANK)
+    def export_hf(self, out: str) -> str | None:
+        """The current policy as a Hugging Face folder (see :meth:`WeightsOut.export_to`); rank 0 writes it
+        and answers its path."""
+        return self.export_to(out, model_path(self.config.model))
 
-        return str(export_hf(self.cpu_state_dict(), model_path(self.config.model), out))
-
-    @register(dispatch=Dispatch.RANK_ZERO, by_ref=True)
-    def snapshot_weights(self) -> dict[str, torch.Tensor]:
-        """Rank 0's weights (CPU, Hugging Face names). Through the Cluster the answer is an ObjectRef
-        that the caller owns: the snapshot stays in the object store, inference workers load it from
-        there, and it is freed when the caller drops the ref. (A ``ray.put`` inside the trainer would
-        make the trainer the owner: Ray then keeps ~2 KB of bookkeeping per snapshot in the trainer's
-        process for as long as it lives, measured on Ray 2.60.)"""
-        return self.cpu_state_dict()
-
-    @register(dispatch=Dispatch.RANK_ZERO)
-    def publish_to(self, channel: WeightChannel, wait: bool = True) -> int:
-        """Rank 0 publishes its weights to a weight channel (Mooncake, torch.distributed) as its current
-        version. With ``wait=False`` the snapshot is copied to CPU and written in the background while
-        this worker goes on training; the next publish (or :meth:`wait_published`) surfaces its error."""
-        self.wait_published()
-        if wait:
-            channel.publish(self.cpu_state_dict(), self.version)
-        elif channel.packs_on_publish:
-            # the channel packs the tensors into a buffer of its own before it returns: the module's
-            # own tensors go as they are, no snapshot-sized copy per publish
-            self._publishing = channel.publish_async(self.publish_state(), self.version, copy=True)
-        else:
-            self._publishing = channel.publish_async(self.cpu_state_dict(), self.version, copy=False)
-        return self.version
-
-    def publish_state(self) -> dict[str, torch.Tensor]:
-        """The weights to publish in Hugging Face names, for a channel that copies them at once: the
-        module's own tensors (on its device) unless adapters must be merged first."""
-        if self.config.lora is not None:
-            return self.cpu_state_dict()
-        return dict(self.module.state_dict())
-
-    @register(dispatch=Dispatch.RANK_ZERO)
-    def wait_published(self) -> None:
-        """Block until the last background publish is written; re-raise its error if it failed."""
-        pending = getattr(self, "_publishing", None)
-        self._publishing = None
-        if pending is not None:
-            pending.result()
-
-    @register(dispatch=Dispatch.RANK_ZERO)
-    def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
-        """A checkpoint folder at ``path``: the module's weights in ``model.safetensors``; optimiser,
-        scheduler, version and ``extra`` (e.g. consumed sample ids) in ``trainer.pt``; ``meta.json``
-        (``rollart.training.checkpoint_io``)."""
+    def _checkpoint_meta(self) -> dict[str, Any]:
         cfg = self.config
+        return {
+            "base_model": model_path(cfg.model),
+            "strategy": cfg.strategy,
+            "weights": self.weight_naming(),
+            "lora": cfg.lora.model_dump() if cfg.lora is not None else None,
+            "version": self.version,
+            "layout": self.layout.as_dict(),
+        }
+
+    def _trainer_state(self, extra: dict | None) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "version": self.version, "extra": extra or {}}
+
+    @register(dispatch=EVERY_RANK)
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> str | None:
+        """A checkpoint folder at ``path`` (answered by rank 0): an unsharded trainer's rank 0 writes the
+        module's weights in ``model.safetensors``, optimiser, scheduler, version and ``extra`` (e.g. consumed
+        sample ids) in ``trainer.pt`` and ``meta.json`` (``rollart.training.checkpoint_io``); a sharded
+        trainer's ranks each write their shards (``rollart.training.sharded_checkpoint``)."""
+        if self.layout.sharded:
+            from rollart.training.sharded_checkpoint import save_sharded
+
+            return save_sharded(
+                path,
+                self.module,
+                self.optimizer,
+                rank=self.rank,
+                trainer_state=self._trainer_state(extra),
+                meta=self._checkpoint_meta(),
+            )
+        if self.rank != 0:
+            return None
         return save_checkpoint_dir(
             path,
             self.module.state_dict(),
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "version": self.version,
-                "extra": extra or {},
-            },
-            {
-                "base_model": model_path(cfg.model),
-                "strategy": cfg.strategy,
-                "weights": self.weight_naming(),
-                "lora": cfg.lora.model_dump() if cfg.lora is not None else None,
-                "version": self.version,
-            },
+            {"optimizer": self.optimizer.state_dict(), **self._trainer_state(extra)},
+            self._checkpoint_meta(),
         )
 
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> dict:
-        """Restore a checkpoint folder, or an earlier release's single ``last.pt`` file; neither is
-        unpickled beyond tensors and plain containers."""
-        state = load_checkpoint_any(path, map_location=self.device)
-        saved = state["meta"].get("weights", "hf" if state["meta"]["format"] == 1 else None)
-        if state["meta"]["format"] > 1 and saved != self.weight_naming():
+    def _check_layout(self, path: str, meta: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose weights this trainer cannot read: another naming (LoRA, megatron) or
+        another ``train.sharding``."""
+        from rollart.training.sharded_checkpoint import is_sharded_checkpoint
+
+        saved = meta.get("weights", "hf" if meta["format"] == 1 else None)
+        if meta["format"] > 1 and saved != self.weight_naming():
             raise ValueError(
                 f"{path}: the checkpoint holds {saved} weights, this trainer trains {self.weight_naming()} "
                 "ones (train.lora / train.strategy differ from the run that wrote it); resume with that config"
             )
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        written = meta.get("layout", {}).get("sharding", "fsdp" if is_sharded_checkpoint(meta) else "ddp")
+        if written != self.config.sharding:
+            raise ValueError(
+                f"{path}: the checkpoint was written with train.sharding: {written}, this run trains with "
+                f"train.sharding: {self.config.sharding}; resume with train.sharding: {written} (the number of "
+                "ranks may change), or start a new run from its export (rollart export)"
+            )
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore a checkpoint folder, or an earlier release's single ``last.pt`` file; neither is
+        unpickled beyond tensors and plain containers. A sharded trainer reads its part of the saved shards,
+        whatever the number of ranks that wrote them."""
+        from rollart.training.checkpoint_io import load_checkpoint_file, read_meta
+
+        meta = read_meta(path)
+        self._check_layout(path, meta)
+        if self.layout.sharded:
+            from rollart.training.sharded_checkpoint import load_sharded
+
+            load_sharded(path, self.module, self.optimizer)
+            state = load_checkpoint_file(Path(path) / TRAINER_FILE, map_location="cpu")
+        else:
+            state = load_checkpoint_any(path, map_location=self.device)
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         return {"version": self.version, "extra": state.get("extra", {})}
@@ -429,10 +638,29 @@ class TorchTrainWorker(DataParallelRank, Worker):
         return self.version
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def memory(self) -> dict[str, Any]:
+        """What this rank holds: ``states_bytes`` (its parameters, gradients and optimizer states: local shards
+        on a sharded rank), ``peak_rss_bytes`` (its process's peak resident memory) and, on a GPU,
+        ``peak_gpu_bytes`` (``torch.cuda.max_memory_allocated``)."""
+        from rollart.training.sharding import local_bytes
+
+        params = list(self.module.parameters())
+        states = sum(local_bytes(p) for p in params) + sum(local_bytes(p.grad) for p in params if p.grad is not None)
+        for state in self.optimizer.state.values():
+            states += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        out: dict[str, Any] = {"rank": self.rank, "states_bytes": states, "peak_rss_bytes": peak_rss_bytes()}
+        if self.device.type == "cuda":
+            out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def weight_checksum(self) -> float:
-        """Sum of |w| over all parameters: equal across DDP ranks after every step."""
+        """Sum of |w| over all parameters: equal across DDP ranks after every step (a sharded trainer's
+        ranks all answer the sum over the whole model)."""
+        from rollart.training.sharding import full_value
+
         with torch.no_grad():
-            return float(sum(p.detach().abs().sum() for p in self.module.parameters()))
+            return float(sum(full_value(p.detach().abs().sum()) for p in self.module.parameters()))
 
 
 __all__ = ["TorchTrainWorker", "batch_logprobs"]

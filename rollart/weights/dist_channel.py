@@ -19,12 +19,15 @@ than a bucket gets a bucket of its own. A bucket goes over the wire as one flat 
 manifest lists, per bucket, its dtype, byte size and ``(name, element offset, shape)`` per tensor, so
 a receiver views the received bytes back into tensors without further messages::
 
-    manifest = {version, seq, backend, checksum, store: [ip, port],
+    manifest = {version, seq, backend, store: [ip, port],
                 buckets: [{dtype, nbytes, entries: [(name, offset, shape)]}]}
 
-Invariant: a receiver returns a snapshot only if its BLAKE2b checksum (:func:`state_checksum`) equals
-the one in the publisher's manifest; otherwise it raises :class:`ChecksumMismatch` and the engine
-keeps its old weights.
+The manifest needs only names, shapes and dtypes, so a publisher can post it before it has any bytes and
+send each bucket as soon as its tensors are gathered (:meth:`TorchBroadcastChannel.publish_stream`, what
+a sharded trainer uses: its extra memory is one bucket). After the buckets comes a 16-byte BLAKE2b
+digest of all their bytes. Invariant: a receiver returns a snapshot only if the digest of the bytes it
+received equals the publisher's; otherwise it raises :class:`ChecksumMismatch` (after the whole
+broadcast, so the group stays in step) and the engine keeps its old weights.
 
 The handle is serializable (pickled into Ray actors); the process group, its store and the rank live
 in a per-process registry keyed by the channel name, created on first use and released by
@@ -39,7 +42,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,7 +53,8 @@ import torch
 import torch.distributed as dist
 
 from rollart.resource_manager.net import interface_of, node_ip
-from rollart.weights.snapshot import state_checksum, verify
+from rollart.weights.snapshot import ChecksumMismatch
+from rollart.weights.stream import TensorMeta, metas_of, take_in_order
 
 logger = logging.getLogger(__name__)
 
@@ -66,30 +70,38 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def plan_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, Any]]:
-    """Bucket layout of ``state``: per dtype (first seen in name order), tensors in name order packed
-    into buckets of at most ``bucket_bytes``; a larger tensor gets a bucket of its own. Each bucket is
-    ``{"dtype": str, "nbytes": int, "entries": [(name, element offset, shape)]}``."""
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name in sorted(state):
-        by_dtype.setdefault(state[name].dtype, []).append(name)
+def plan_buckets(state: Mapping[str, torch.Tensor] | Sequence[TensorMeta], bucket_bytes: int) -> list[dict[str, Any]]:
+    """Bucket layout of ``state`` (a state dict, or the :class:`TensorMeta` of its tensors): per dtype
+    (first seen in name order), tensors in name order packed into buckets of at most ``bucket_bytes``; a
+    larger tensor gets a bucket of its own. Each bucket is ``{"dtype": str, "nbytes": int, "entries":
+    [(name, element offset, shape)]}``."""
+    metas = metas_of(state) if isinstance(state, Mapping) else list(state)
+    by_dtype: dict[torch.dtype, list[TensorMeta]] = {}
+    for meta in sorted(metas, key=lambda m: m.name):
+        by_dtype.setdefault(meta.dtype, []).append(meta)
     buckets: list[dict[str, Any]] = []
-    for dtype, names in by_dtype.items():
+    for dtype, group in by_dtype.items():
         size = dtype.itemsize
         open_bucket: dict[str, Any] | None = None
-        for name in names:
-            t = state[name]
-            nbytes = t.numel() * size
-            entry_shape = list(t.shape)
+        for meta in group:
+            nbytes = meta.nbytes
+            entry_shape = list(meta.shape)
             if nbytes > bucket_bytes:
-                buckets.append({"dtype": str(dtype), "nbytes": nbytes, "entries": [(name, 0, entry_shape)]})
+                buckets.append({"dtype": str(dtype), "nbytes": nbytes, "entries": [(meta.name, 0, entry_shape)]})
                 continue
             if open_bucket is None or open_bucket["nbytes"] + nbytes > bucket_bytes:
                 open_bucket = {"dtype": str(dtype), "nbytes": 0, "entries": []}
                 buckets.append(open_bucket)
-            open_bucket["entries"].append((name, open_bucket["nbytes"] // size, entry_shape))
+            open_bucket["entries"].append((meta.name, open_bucket["nbytes"] // size, entry_shape))
             open_bucket["nbytes"] += nbytes
     return buckets
+
+
+def _wire_digest() -> Any:
+    """The running digest of a broadcast: BLAKE2b (16 bytes) over every bucket's bytes in order."""
+    import hashlib
+
+    return hashlib.blake2b(digest_size=16)
 
 
 @ray.remote(num_cpus=0)
@@ -298,18 +310,32 @@ class TorchBroadcastChannel:
         ep.release()
         return RuntimeError(f"{self!r} rank {ep.rank}: {what} failed: {err}")
 
-    def _checksum(self, state: Mapping[str, torch.Tensor]) -> str:
-        return state_checksum(state)
+    def _seal(self, digest: bytes) -> bytes:
+        """The digest sent after a version's buckets (what receivers compare theirs with)."""
+        return digest
 
     # ------------------------------------------------------------------ publisher
+    def order(self, metas: Sequence[TensorMeta]) -> list[str]:
+        """The order :meth:`publish_stream` takes the tensors in: its buckets' (by dtype, then name)."""
+        return [name for bucket in plan_buckets(metas, self.bucket_bytes) for name, _, _ in bucket["entries"]]
+
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Broadcast ``state`` as ``version`` to every receiver; returns once every bucket is sent.
-        Blocks until all receivers have joined this broadcast (each calls ``fetch(version)``)."""
+        """Broadcast ``state`` as ``version`` to every receiver (see :meth:`publish_stream`)."""
+        metas = metas_of(state)
+        self.publish_stream(metas, ((name, state[name]) for name in self.order(metas)), version)
+
+    def publish_stream(
+        self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Broadcast the tensors of ``metas``, given one at a time in :meth:`order`, as ``version``: each
+        bucket is packed and sent as soon as its tensors are in, then a 16-byte digest of every bucket's
+        bytes; returns once everything is sent. Blocks until all receivers have joined this broadcast
+        (each calls ``fetch(version)``)."""
         ep = self._endpoint(_PUBLISHER)
         with ep.lock:
             self._check(ep)
-            backend = ep.backend or self.backend or self._auto_backend(state)
-            buckets = plan_buckets(state, self.bucket_bytes)
+            backend = ep.backend or self.backend or self._auto_backend()
+            buckets = plan_buckets(metas, self.bucket_bytes)
             if ep.store is None:  # serve the store on this node, on a port it picks, before receivers look
                 ep.store = dist.TCPStore(
                     node_ip(),
@@ -325,7 +351,6 @@ class TorchBroadcastChannel:
                 "seq": ep.seq,
                 "backend": backend,
                 "buckets": buckets,
-                "checksum": self._checksum(state),
                 "store": list(ep.store_addr),
             }
             ray.get(self._coordinator.post.remote(manifest))
@@ -334,11 +359,17 @@ class TorchBroadcastChannel:
                 if ep.group is None:
                     self._connect(ep, backend, ep.store_addr)
                 sent = 0
+                digest = _wire_digest()
                 for bucket in buckets:
+                    part = take_in_order(tensors, [name for name, _, _ in bucket["entries"]])
                     if bucket["nbytes"]:
-                        buf = self._pack(state, bucket, ep.device)
+                        buf = self._pack(part, bucket, ep.device)
+                        digest.update(buf.cpu().numpy().tobytes() if buf.is_cuda else memoryview(buf.numpy()))
                         self._broadcast(ep, buf)
                         sent += bucket["nbytes"]
+                    del part
+                seal = torch.frombuffer(bytearray(self._seal(digest.digest())), dtype=torch.uint8).to(ep.device)
+                self._broadcast(ep, seal)
                 if ep.backend == "nccl":
                     torch.cuda.current_stream(ep.device).synchronize()
             except Exception as err:
@@ -356,9 +387,9 @@ class TorchBroadcastChannel:
             executor = ep.executor
         return executor.submit(self.publish, snapshot, version)
 
-    def _auto_backend(self, state: Mapping[str, torch.Tensor]) -> str:
-        on_cuda = any(t.is_cuda for t in state.values())
-        return "nccl" if on_cuda and torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    def _auto_backend(self) -> str:
+        """NCCL where this process has a GPU (the receivers then need one too), else gloo."""
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
     @staticmethod
     def _pack(state: Mapping[str, torch.Tensor], bucket: dict[str, Any], device: torch.device) -> torch.Tensor:
@@ -391,7 +422,7 @@ class TorchBroadcastChannel:
             try:
                 if ep.group is None:
                     self._connect(ep, manifest["backend"], tuple(manifest["store"]))
-                state = self._receive(ep, manifest)
+                state, intact = self._receive(ep, manifest)
             except Exception as err:
                 raise self._fail(ep, f"receiving version {manifest['version']}", err) from err
             self._coordinator.received.remote(seq, ep.rank)
@@ -400,12 +431,19 @@ class TorchBroadcastChannel:
                 f"weight channel {self.name!r}: asked for version {version} but the next "
                 f"broadcast carried version {manifest['version']}; snapshot dropped"
             )
-        verify(state, manifest["checksum"], version)
+        if not intact:  # the whole broadcast was received first, so the group stays in step
+            raise ChecksumMismatch(
+                f"weights version {version}: the bytes received do not hash to the digest the publisher sent; "
+                "not loaded"
+            )
         logger.debug("%r: rank %d received version %d", self, ep.rank, version)
         return state
 
-    def _receive(self, ep: _Endpoint, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _receive(self, ep: _Endpoint, manifest: dict[str, Any]) -> tuple[dict[str, torch.Tensor], bool]:
+        """Every bucket of a broadcast, then its digest: the tensors, and whether the bytes received
+        hash to the digest the publisher sent."""
         state: dict[str, torch.Tensor] = {}
+        digest = _wire_digest()
         for bucket in manifest["buckets"]:
             dtype = _dtype(bucket["dtype"])
             if not bucket["nbytes"]:
@@ -414,13 +452,17 @@ class TorchBroadcastChannel:
                 continue
             buf = torch.empty(bucket["nbytes"], dtype=torch.uint8, device=ep.device)
             self._broadcast(ep, buf)
-            flat = buf.view(dtype)
+            host = buf.to("cpu")
+            digest.update(memoryview(host.numpy()))
+            flat = host.view(dtype)
             for name, offset, shape in bucket["entries"]:
                 numel = 1
                 for d in shape:
                     numel *= d
-                state[name] = flat[offset : offset + numel].view(shape).to("cpu", copy=True)
-        return state
+                state[name] = flat[offset : offset + numel].view(shape).clone()
+        seal = torch.empty(16, dtype=torch.uint8, device=ep.device)
+        self._broadcast(ep, seal)
+        return state, bytes(seal.cpu().numpy()) == digest.digest()
 
     # ------------------------------------------------------------------ both
     def latest(self) -> int | None:

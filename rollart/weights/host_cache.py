@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -49,6 +49,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rollart.resource_manager.net import node_ip
 from rollart.weights.base import WeightChannel
 from rollart.weights.snapshot import pack_state, unpack_state
+from rollart.weights.stream import TensorMeta, channel_order, publish_stream
 
 logger = logging.getLogger(__name__)
 
@@ -397,6 +398,14 @@ class HostSharedChannel:
 
     def publish_async(self, state: Mapping[str, torch.Tensor], version: int, *, copy: bool = True) -> Future:
         return self.inner.publish_async(state, version, copy=copy)
+
+    def order(self, metas: Sequence[TensorMeta]) -> list[str]:
+        return channel_order(self.inner, metas)
+
+    def publish_stream(
+        self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]], version: int
+    ) -> Any:
+        return publish_stream(self.inner, metas, tensors, version)
 
     @property
     def packs_on_publish(self) -> bool:

@@ -30,7 +30,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -39,14 +40,15 @@ import torch
 from rollart.resource_manager.net import node_ip
 from rollart.weights.mooncake_master import MooncakeUnavailable, library_fix, missing_library
 from rollart.weights.snapshot import (
-    flat_checksum,
     pack_into,
     pack_state,
+    packed_chunks,
     packed_nbytes,
     snapshot_layout,
     unpack_state,
     verify_flat,
 )
+from rollart.weights.stream import TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +192,13 @@ class _Publisher:
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.pending: Future | None = None
         self.lock = threading.Lock()  # one publish of this channel at a time packs into the buffer
+        self._staging = torch.empty(0, dtype=torch.uint8)
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """A reused buffer of at least ``nbytes`` for a streamed publish's chunk."""
+        if self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8)
+        return self._staging
 
     @classmethod
     def of(cls, master: str, name: str) -> _Publisher:
@@ -314,10 +323,15 @@ class MooncakeChannel:
             return self._publish_packed(*publisher.pack(state), version)
 
     def _publish_packed(self, flat: torch.Tensor, layout: list[dict[str, Any]], version: int) -> int:
-
-        checksum = flat_checksum(flat, layout)
         view = flat.numpy()
-        n_chunks = max(1, -(-len(view) // self.chunk_bytes))
+        chunks = (memoryview(view[i : i + self.chunk_bytes]) for i in range(0, max(len(view), 1), self.chunk_bytes))
+        return self._publish_chunks(layout, len(view), chunks, version)
+
+    def _publish_chunks(
+        self, layout: list[dict[str, Any]], nbytes: int, chunks: Iterator[memoryview], version: int
+    ) -> int:
+        """Write a version's chunks (each ``chunk_bytes`` but the last, as they come), then its manifest
+        with the CRC-32 of the layout and the bytes (computed on the way), then ``latest``."""
         base = f"{self.prefix}/v{version}"
         # a version left by a predecessor (a trainer restarted from a checkpoint) is overwritten: its
         # manifest first goes, so no reader pairs it with the new chunks (the checksum would refuse that)
@@ -325,25 +339,46 @@ class MooncakeChannel:
         again = store.is_exist(f"{base}/manifest") == 1
         if again:
             store.remove(f"{base}/manifest")  # refused while a reader holds a lease; the upsert below still lands
-        for i in range(n_chunks):
-            self._put(
-                f"{base}/chunk{i}",
-                memoryview(view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]),
-                upsert=again,
-            )
+        crc = zlib.crc32(json.dumps(layout, sort_keys=True).encode())
+        n_chunks = 0
+        for chunk in chunks:
+            crc = zlib.crc32(chunk, crc)
+            self._put(f"{base}/chunk{n_chunks}", chunk, upsert=again)
+            n_chunks += 1
         manifest = {
             "version": version,
-            "checksum": checksum,
+            "checksum": f"crc32:{crc:08x}",
             "chunks": n_chunks,
             "chunk_bytes": self.chunk_bytes,
-            "nbytes": len(view),
+            "nbytes": nbytes,
             "tensors": layout,
         }
         self._put(f"{base}/manifest", json.dumps(manifest).encode(), upsert=again)
         self._put(f"{self.prefix}/latest", str(version).encode(), upsert=True)
         self._drop_old_versions(version, n_chunks)
-        logger.debug("published %s v%d: %d bytes in %d chunks", self.name, version, len(view), n_chunks)
-        return len(view)
+        logger.debug("published %s v%d: %d bytes in %d chunks", self.name, version, nbytes, n_chunks)
+        return nbytes
+
+    def order(self, metas: Sequence[TensorMeta]) -> list[str]:
+        """The order :meth:`publish_stream` takes the tensors in: by name (the packed layout's)."""
+        return sorted(m.name for m in metas)
+
+    def publish_stream(
+        self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]], version: int
+    ) -> int:
+        """Write the tensors of ``metas``, given one at a time in :meth:`order`, as ``version``: each is packed
+        into a reused chunk-sized buffer and every full chunk is written at once, so the publisher holds one
+        chunk, never the snapshot (a sharded trainer's path). Same keys, layout and checksum as
+        :meth:`publish`. Waits for a background publish of this channel first."""
+        publisher = _Publisher.of(self.master, self.name)
+        with publisher.lock:
+            if publisher.pending is not None:
+                wait([publisher.pending])
+                publisher.pending = None
+            layout = snapshot_layout(metas)
+            staging = publisher.staging(self.chunk_bytes)
+            chunks = packed_chunks(layout, tensors, self.chunk_bytes, staging)
+            return self._publish_chunks(layout, packed_nbytes(layout), chunks, version)
 
     def publish_async(self, state: Mapping[str, torch.Tensor], version: int, *, copy: bool = True) -> Future:
         """Pack ``state`` now into this process's reused buffer for the channel (that is the copy: the

@@ -7,13 +7,14 @@ registry actor; receivers fetch a version by name, verify the checksum and load.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 
 import ray
 import torch
 
-from rollart.weights.snapshot import state_checksum, verify
+from rollart.weights.snapshot import StateDigest, state_checksum, verify
+from rollart.weights.stream import TensorMeta
 
 
 @ray.remote(num_cpus=0)
@@ -55,12 +56,32 @@ class RayObjectChannel:
         done.set_result(None)
         return done
 
+    def order(self, metas: Sequence[TensorMeta]) -> list[str]:
+        """By name: the order the checksum hashes them in."""
+        return sorted(m.name for m in metas)
+
+    def publish_stream(
+        self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Publish tensors given one at a time: each into the object store as it comes (one object per
+        tensor), the version registered once all are in."""
+        refs: dict[str, ray.ObjectRef] = {}
+        digest = StateDigest()
+        for name, t in tensors:
+            digest.update(name, t)
+            refs[name] = ray.put(t)
+        ray.get(self._registry.put.remote(version, [refs], digest.hexdigest()))
+
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
         entry = ray.get(self._registry.get.remote(version))
         if entry is None:
             raise KeyError(f"weight channel {self.name!r} has no version {version}")
         boxed, checksum = entry
-        state = ray.get(boxed[0])
+        stored = boxed[0]
+        if isinstance(stored, dict):  # a streamed publish: one object per tensor
+            state = dict(zip(stored, ray.get(list(stored.values()))))
+        else:
+            state = ray.get(stored)
         verify(state, checksum, version)
         return state
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from rollart.weights.stream import TensorMeta, metas_of
 
 DTYPES = {
     str(d): d
@@ -40,16 +42,23 @@ DTYPES = {
 }
 
 
-def snapshot_layout(state: Mapping[str, torch.Tensor], align: int = 64) -> list[dict[str, Any]]:
-    """``[{name, dtype, shape, offset, nbytes}]`` of ``state`` packed in name order, every tensor at a
-    multiple of ``align`` bytes (so a reader can view it in place); the packed size is :func:`packed_nbytes`."""
+def snapshot_layout(state: Mapping[str, torch.Tensor] | Sequence[TensorMeta], align: int = 64) -> list[dict[str, Any]]:
+    """``[{name, dtype, shape, offset, nbytes}]`` of ``state`` (a state dict, or the :class:`TensorMeta` of
+    its tensors) packed in name order, every tensor at a multiple of ``align`` bytes (so a reader can view
+    it in place); the packed size is :func:`packed_nbytes`."""
+    metas = metas_of(state) if isinstance(state, Mapping) else list(state)
     layout: list[dict[str, Any]] = []
     offset = 0
-    for name in sorted(state):
-        t = state[name]
-        nbytes = t.numel() * t.element_size()
+    for meta in sorted(metas, key=lambda m: m.name):
+        nbytes = meta.nbytes
         layout.append(
-            {"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": int(nbytes)}
+            {
+                "name": meta.name,
+                "dtype": str(meta.dtype),
+                "shape": list(meta.shape),
+                "offset": offset,
+                "nbytes": int(nbytes),
+            }
         )
         offset += nbytes + (-nbytes % align)
     return layout
@@ -104,6 +113,48 @@ def unpack_state(flat: torch.Tensor, layout: list[dict[str, Any]]) -> dict[str, 
     return {name: t.clone() for name, t in tensor_views(flat, layout).items()}
 
 
+def packed_chunks(
+    layout: list[dict[str, Any]],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    chunk_bytes: int,
+    staging: torch.Tensor,
+    align: int = 64,
+) -> Iterator[memoryview]:
+    """The packed form of a snapshot (:func:`pack_into`'s bytes) cut in chunks of ``chunk_bytes``, built from
+    tensors that arrive one at a time in ``layout``'s order: each is copied into ``staging`` (a CPU
+    ``uint8`` tensor of at least ``chunk_bytes``, reused) and a chunk is yielded as soon as it is full, so
+    nothing larger than one chunk is ever held. A yielded view is valid until the next one is asked for."""
+    total = packed_nbytes(layout, align)
+    buf = staging[:chunk_bytes]
+    fill = 0
+
+    def put(data: torch.Tensor) -> Iterator[memoryview]:
+        nonlocal fill
+        at = 0
+        while at < data.numel():
+            n = min(chunk_bytes - fill, data.numel() - at)
+            buf[fill : fill + n].copy_(data[at : at + n])
+            fill, at = fill + n, at + n
+            if fill == chunk_bytes:
+                yield memoryview(buf.numpy())
+                fill = 0
+
+    end = 0
+    for item in layout:
+        name, t = next(tensors)
+        if name != item["name"]:
+            raise ValueError(f"weight stream out of order: got {name!r}, expected {item['name']!r}")
+        if item["offset"] > end:
+            yield from put(torch.zeros(item["offset"] - end, dtype=torch.uint8))
+        end = item["offset"] + item["nbytes"]
+        if item["nbytes"]:
+            yield from put(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+    if total > end:
+        yield from put(torch.zeros(total - end, dtype=torch.uint8))
+    if fill:
+        yield memoryview(buf[:fill].numpy())
+
+
 def flat_checksum(flat: Any, layout: list[dict[str, Any]], algorithm: str = "crc32") -> str:
     """Checksum of a packed snapshot: its layout (names, dtypes, shapes, offsets) and its bytes, as
     ``"crc32:<hex>"`` (default) or a bare SHA-256 hex digest (``algorithm="sha256"``, older manifests).
@@ -127,15 +178,33 @@ def verify_flat(flat: Any, layout: list[dict[str, Any]], expected: str, version:
         raise ChecksumMismatch(f"weights version {version}: checksum {got} != published {expected}; not loaded")
 
 
+class StateDigest:
+    """:func:`state_checksum` built tensor by tensor (given in name order), so a stream of tensors is hashed
+    without holding them all."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=16)
+        self._last: str | None = None
+
+    def update(self, name: str, t: torch.Tensor) -> None:
+        if self._last is not None and name <= self._last:
+            raise ValueError(f"StateDigest: tensors must come in name order ({name!r} after {self._last!r})")
+        self._last = name
+        t = t.detach().to("cpu").contiguous()
+        self._h.update(name.encode())
+        self._h.update(str(t.dtype).encode())
+        self._h.update(str(tuple(t.shape)).encode())
+        self._h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def state_checksum(state: Mapping[str, torch.Tensor]) -> str:
-    h = hashlib.blake2b(digest_size=16)
+    digest = StateDigest()
     for name in sorted(state):
-        t = state[name].detach().to("cpu").contiguous()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+        digest.update(name, state[name])
+    return digest.hexdigest()
 
 
 def owning_storage(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -34,7 +34,13 @@ class CodeTestsTruth(BaseModel):
 def code_tests(trajectory: dict[str, Any]) -> dict[str, Any]:
     """``ground_truth = {"tests": [{"input": str, "output": str}, ...], "timeout_s": 5, "memory_mb": 256}``;
     the response is Python (a fenced block is taken if present). Score: the fraction of tests whose
-    stdout matches (trimmed). A malformed ``ground_truth`` raises :class:`RewardInputError` (422)."""
+    stdout matches (trimmed), compared here, outside the sandbox (the code never sees the expected
+    output). A malformed ``ground_truth`` raises :class:`RewardInputError` (422).
+
+    A test whose code used its CPU time (``timeout_s``: CPU seconds) or sat blocked past the wall clock
+    fails (``"timeout"``). A test the machine kept waiting for a CPU until the wall clock ran out has no
+    verdict: :class:`~rollart.reward.sandbox.SandboxContended` is raised, and the reward fails (the
+    service answers 5xx, the client retries, then reports the trajectory as failed) -- never a 0."""
     try:
         gt = CodeTestsTruth.model_validate(trajectory.get("ground_truth"))
     except ValidationError as err:
@@ -57,7 +63,15 @@ def code_tests(trajectory: dict[str, Any]) -> dict[str, Any]:
         ok = r.ok and r.stdout.strip() == str(t.output).strip()
         passed += ok
         reasons.append(
-            "ok" if ok else "timeout" if r.timed_out else f"exit {r.returncode}" if r.returncode else "wrong"
+            "ok"
+            if ok
+            else "timeout"
+            if r.out_of_time
+            else f"exit {r.returncode}"
+            if r.returncode
+            else "output limit"
+            if r.output_truncated
+            else "wrong"
         )
     return {"score": passed / len(gt.tests), "tests": reasons}
 

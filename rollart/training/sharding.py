@@ -1,0 +1,309 @@
+"""Sharded training: FSDP2 over the data-parallel ranks, tensor parallelism inside a group of ranks.
+
+``train.sharding: fsdp`` splits every parameter, its gradient and its AdamW states across the train
+pool's ranks (torch's ``fully_shard`` on each decoder layer, then on the root module): a rank holds
+``1/dp`` of them and all-gathers one layer's parameters at a time for its forward and backward passes.
+``train.tensor_parallel: N`` also splits each decoder layer's linear layers across ``N`` consecutive
+ranks (DTensor column- and row-wise plans: q, k, v, gate and up by output features, o and down by input
+features), so the ranks form a 2-D mesh ``(dp, tp)`` with ``dp = ranks / N``; the ranks of one
+tensor-parallel group train on the same rows.
+
+Building: the module is made with its parameters on the ``meta`` device, parallelised, allocated on
+the rank's device, then filled one full tensor at a time (:func:`rollart.models.streaming.iter_weights`)
+into each rank's shard: no rank ever holds the whole model.
+
+Weights leaving the trainer (:func:`gather_buckets`): every rank all-gathers the same tensors in the same
+order; rank 0 keeps the CPU copies and hands them out a bucket (at most ``bucket_bytes``, or one tensor
+if larger) at a time, so the extra memory of a publish is one bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# the linear layers of a Qwen2 / Llama-style decoder layer and how tensor parallelism splits them
+TP_COLUMNWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+TP_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a train pool's ranks split the model: ``sharding`` (``ddp`` or ``fsdp``), the tensor-parallel
+    degree ``tensor_parallel`` and the pool's ``world_size``; ``dp = world_size / tensor_parallel``."""
+
+    sharding: str
+    tensor_parallel: int
+    world_size: int
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tensor_parallel
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding == "fsdp"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"sharding": self.sharding, "tensor_parallel": self.tensor_parallel, "ranks": self.world_size}
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a Hugging Face causal LM (``model.model.layers``), each a unit of sharding."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"train.sharding: fsdp: {type(model).__name__} has no model.layers (a decoder-only Hugging Face "
+            "causal LM is expected); use train.sharding: ddp"
+        )
+    return list(layers)
+
+
+def tensor_parallel_plan(model: torch.nn.Module) -> dict[str, Any]:
+    """The DTensor plan of every decoder layer (see the module docstring); a model whose layers lack one
+    of those linear layers is refused."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        for names, style in ((TP_COLUMNWISE, ColwiseParallel), (TP_ROWWISE, RowwiseParallel)):
+            for name in names:
+                try:
+                    layer.get_submodule(name)
+                except AttributeError:
+                    raise ValueError(
+                        f"train.tensor_parallel: {type(model).__name__} layer {i} has no {name} (the plan covers "
+                        "Qwen2/Llama-style layers); set train.tensor_parallel: 1"
+                    ) from None
+                plan[f"model.layers.{i}.{name}"] = style()
+    return plan
+
+
+def device_mesh(layout: ShardLayout, device: torch.device) -> Any:
+    """A 1-D ``("dp",)`` mesh, or the 2-D ``("dp", "tp")`` one with tensor parallelism (ranks
+    ``d * tp .. d * tp + tp - 1`` form tensor-parallel group ``d``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout.tensor_parallel == 1:
+        return init_device_mesh(device.type, (layout.world_size,), mesh_dim_names=("dp",))
+    return init_device_mesh(device.type, (layout.dp, layout.tensor_parallel), mesh_dim_names=("dp", "tp"))
+
+
+def shard_model(
+    model: torch.nn.Module,
+    layout: ShardLayout,
+    mesh: Any,
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype | None = None,
+    offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> torch.nn.Module:
+    """Parallelise ``model`` (parameters on ``meta``) in place: the tensor-parallel plan on the ``tp``
+    dimension, then ``fully_shard`` per decoder layer and on the root over ``dp``; ``param_dtype``
+    (bf16 on GPUs) is the compute dtype of the gathered parameters, gradients are reduced in fp32 and
+    the sharded parameters and optimizer states stay fp32; ``offload`` keeps the shards on the CPU."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if layout.tensor_parallel > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
+    dp_mesh = mesh["dp"] if layout.tensor_parallel > 1 else mesh
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard_after_forward)
+    # the root (embeddings, final norm, output layer) is gathered once per pass and kept until its backward
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=False)
+    return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device, offload: bool) -> None:
+    """Allocate the (sharded) parameters of a ``meta`` model on ``device`` (the CPU when offloaded),
+    keeping the buffers it was built with (computed ones, e.g. rotary frequencies)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device="cpu" if offload else device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name].to(b.device))
+    if offload:  # FSDP's offload keeps parameters on the CPU; the buffers go to the compute device
+        for module in model.modules():
+            for key, b in list(module._buffers.items()):
+                if b is not None:
+                    module._buffers[key] = b.to(device)
+
+
+def load_full_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Fill the sharded ``model`` from full tensors given one at a time (every rank gives the same ones
+    in the same order); each rank keeps its shard. Returns how many were loaded; names that are not the
+    model's, or parameters left unfilled, are refused."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    expected = set(model.state_dict())
+    tied = {k for k in expected if k.endswith("lm_head.weight")} if _tied(model) else set()
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name not in expected:
+            raise KeyError(f"weight {name!r} is not a parameter of {type(model).__name__}")
+        set_model_state_dict(model, {name: tensor}, options=options)
+        loaded.add(name)
+    missing = sorted(expected - loaded - tied)
+    if missing:
+        raise KeyError(f"weights missing for {missing[:5]} ({len(missing)} in all)")
+    return len(loaded)
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float | None) -> float:
+    """The global L2 norm of the gradients of ``params`` (sharded or not, over every rank and mesh), and
+    with ``max_norm`` every gradient scaled by ``min(1, max_norm / (norm + 1e-6))`` (what
+    ``torch.nn.utils.clip_grad_norm_`` does for unsharded ones)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else ("local", g.device)
+        groups.setdefault(key, []).append(g)
+    total = torch.zeros((), dtype=torch.float64)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total += norm.detach().to("cpu", torch.float64) ** 2
+    norm_value = float(total.sqrt())
+    if max_norm:
+        coef = max_norm / (norm_value + 1e-6)
+        if coef < 1.0:
+            for grads in groups.values():
+                torch._foreach_mul_(grads, coef)
+    return norm_value
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of ``t`` (its local shard for a sharded tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A (possibly sharded) tensor's whole value on every rank (a collective for a sharded one)."""
+    return _full(t)
+
+
+def unique_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module.state_dict()`` in order, a tensor shared under two names (tied embeddings) once, under
+    its first name (an engine ties the other name itself)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[Any] = set()
+    out = []
+    for name, t in module.state_dict().items():
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        key: Any = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape), t.dtype)
+        if not local.numel():
+            key = name
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append((name, t))
+    return out
+
+
+def gather_buckets(
+    items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, keep: bool, dtype: torch.dtype | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Full CPU copies of ``items`` (sharded or not), a bucket of at most ``bucket_bytes`` at a time (a
+    larger tensor alone). Every rank must iterate it to the end (the gathers are collectives); only
+    ranks with ``keep`` get the tensors, the others get empty buckets at the same points."""
+    from torch.distributed.tensor import DTensor
+
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in items:
+        gathered = isinstance(t, DTensor)  # full_tensor() is a new tensor: no second copy of it is needed
+        full = _full(t.detach())
+        nbytes = full.numel() * (dtype.itemsize if dtype is not None else full.element_size())
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        if keep:
+            bucket[name] = full.to("cpu", dtype=dtype or full.dtype, copy=not gathered)
+        del full
+        size += nbytes
+    if bucket or size:
+        yield bucket
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every gathered parameter of a sharded ``model`` (after forward passes without gradients: FSDP
+    keeps a module gathered when it was not resharded after its forward, the root's among them, and a
+    training pass that starts from there would miss the gradient reduction of those parameters)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+@contextlib.contextmanager
+def no_grad_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
+    """Nothing for FSDP (each backward reduce-scatters into the sharded gradients: no unsharded
+    gradient is kept between micro-batches); a DDP model's ``no_sync`` when ``sync`` is False."""
+    if not sync and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def group_of(mesh: Any, dim: str) -> Any:
+    """The process group of a mesh dimension (``dp`` or ``tp``) of a 1-D or 2-D mesh."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return mesh[dim].get_group()
+
+
+def all_gather_objects(obj: Any, group: Any) -> list[Any]:
+    """``obj`` of every rank of ``group``, in group-rank order."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+__all__ = [
+    "ShardLayout",
+    "clip_grad_norm",
+    "device_mesh",
+    "gather_buckets",
+    "load_full_weights",
+    "materialize",
+    "shard_model",
+    "tensor_parallel_plan",
+    "unique_state",
+]
