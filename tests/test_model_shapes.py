@@ -51,8 +51,7 @@ def test_an_unknown_shape_is_a_config_error_listing_the_known_ones():
     with pytest.raises(ConfigError) as err:
         validate_config({**BASE, "model": {"shape": "llama-7b"}})
     assert err.value.problems == [
-        "model.shape: unknown shape 'llama-7b'; the known shapes are "
-        "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b"
+        "model.shape: unknown shape 'llama-7b'; the known shapes are qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b"
     ]
     with pytest.raises(ConfigError, match=r"model.layers: Input should be greater than or equal to 1"):
         validate_config({**BASE, "model": {"shape": "qwen2.5-0.5b", "layers": 0}})
