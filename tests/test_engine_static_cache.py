@@ -209,7 +209,11 @@ def test_torch_engine_options_are_checked_with_the_config_and_match_the_engines_
     with pytest.raises(ValueError) as err:
         EngineConfig(kind="torch", options={"max_batch_size": 0, "prefix_cache_tokns": 10})
     assert "engine.options.max_batch_size: Input should be greater than or equal to 1" in str(err.value)
-    assert "engine.options.prefix_cache_tokns: not an option of the torch engine" in str(err.value)
+    assert "engine.options.prefix_cache_tokns: not an option of the torch engine; did you mean" in str(err.value)
+    with pytest.raises(ValueError) as err:  # strict types, as in every config section
+        EngineConfig(kind="torch", options={"max_batch_size": 2.0, "cuda_graphs": "yes"})
+    assert "engine.options.max_batch_size: expects an integer, got 2.0" in str(err.value)
+    assert "engine.options.cuda_graphs: expects true or false, got the string 'yes'" in str(err.value)
     with pytest.raises(ValueError, match=r"\['max_prefill_tokens'\]: options of the static-cache torch engine"):
         EngineConfig(kind="torch", options={"kv_cache": "dynamic", "max_prefill_tokens": 64})
     EngineConfig(kind="vllm", options={"max_prefill_tokens": 64})  # other engines' options are theirs

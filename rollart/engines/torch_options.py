@@ -3,9 +3,12 @@ config is validated, before any actor starts (no torch import here)."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from rollart.config_model import ConfigModel, type_problem
 
 __all__ = ["STATIC_ONLY", "TorchEngineOptions", "torch_option_problems"]
 
@@ -13,10 +16,8 @@ STATIC_ONLY = ("max_model_len", "max_prefill_tokens", "prefix_cache_tokens", "cu
 """Options of the static-cache engine that ``kv_cache: dynamic`` does not take."""
 
 
-class TorchEngineOptions(BaseModel):
-    """``engine.options`` of the torch engine."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+class TorchEngineOptions(ConfigModel):
+    """``engine.options`` of the torch engine (unknown options refused, strict types like every config section)."""
 
     device: str | None = None
     """`cpu`, `cuda`, `cuda:1`; null: the inference worker's own device."""
@@ -62,9 +63,14 @@ def torch_option_problems(options: dict[str, Any]) -> list[str]:
         out = []
         for e in err.errors():
             where = ".".join(str(p) for p in e["loc"])
-            msg = e["msg"].removeprefix("Value error, ")
+            msg = type_problem(e) or e["msg"].removeprefix("Value error, ")
             if e["type"] == "extra_forbidden":
-                msg = f"not an option of the torch engine (its options: {', '.join(TorchEngineOptions.model_fields)})"
+                close = difflib.get_close_matches(str(e["loc"][-1]), list(TorchEngineOptions.model_fields), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                msg = (
+                    f"not an option of the torch engine; {hint}"
+                    f"its options: {', '.join(TorchEngineOptions.model_fields)}"
+                )
             out.append(f"engine.options.{where}: {msg}" if where else f"engine.options: {msg}")
         return out
     return []

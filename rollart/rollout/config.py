@@ -163,5 +163,5 @@ class EngineConfig(ConfigModel):
         if self.kind == "torch":
             problems = torch_option_problems(self.options)
             if problems:
-                raise ValueError("; ".join(problems))
+                raise ValueError("\n".join(problems))  # validate_config lists them one by one
         return self
