@@ -22,8 +22,12 @@ def cache(tmp_path, monkeypatch):
 @pytest.mark.timeout(300)
 def test_engine_bench_reports_decode_tokens_per_s_and_its_roofline_fraction(tmp_path):
     argv = ["--shape", "qwen2.5-0.5b", "--layers", "1", "--batch", "2", "--prompt-len", "8", "--new-tokens", "4"]
-    r = engine_throughput.run(_args(engine_throughput, [*argv, "--repeats", "1", "--out", str(tmp_path)]))
+    r = engine_throughput.run(_args(engine_throughput, [*argv, "--repeats", "1", "--compare", "--out", str(tmp_path)]))
     assert (r["model"], r["device"], r["dtype"], r["params"]) == ("qwen2.5-0.5b (1 layers)", "cpu", "fp32", 151_047_936)
+    assert (r["engine"], r["kv_cache"], r["cuda_graphs"]) == ("TorchEngine", "static", False)
+    # --compare: the dynamic-cache engine (the one before the static cache) on the same prompts
+    assert r["speedup_vs_dynamic"] == pytest.approx(r["dynamic_decode_step_ms"] / r["decode_step_ms"])
+    assert r["dynamic_roofline_fraction"] == pytest.approx(r["roofline_fraction"] / r["speedup_vs_dynamic"])
     # a decode step reads the weights once and every row's context of K and V: 1 layer, 2 KV heads of 64
     assert r["kv_bytes_per_token"] == 1 * 2 * 2 * 64 * 4
     kv = sum(2 * (8 + k) * r["kv_bytes_per_token"] for k in (1, 2, 3)) / 3

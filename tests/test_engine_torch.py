@@ -52,11 +52,12 @@ def test_tiny_model_loads_offline_and_every_letter_and_digit_is_one_token(tiny):
     assert len(ids) == len(text) and tok.decode(ids) == text
 
 
-def test_greedy_equals_hf_generate_with_staggered_adds(tiny):
+@pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
+def test_greedy_equals_hf_generate_with_staggered_adds(tiny, kv_cache):
     model = AutoModelForCausalLM.from_pretrained(tiny).eval()
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20], [30, 31]]
     refs = [hf_greedy(model, p, 10) for p in prompts]
-    engine = TorchEngine(tiny)
+    engine = TorchEngine(tiny, kv_cache=kv_cache)
     engine.add_request(EngineRequest("r0", prompts[0], greedy(10)))
     engine.add_request(EngineRequest("r1", prompts[1], greedy(10)))
     engine.step()
@@ -69,11 +70,12 @@ def test_greedy_equals_hf_generate_with_staggered_adds(tiny):
     assert all(done[f"r{i}"].finish_reason == "length" for i in range(4))
 
 
-def test_abort_mid_generation_keeps_partial_tokens_and_resume_matches_uninterrupted(tiny):
+@pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
+def test_abort_mid_generation_keeps_partial_tokens_and_resume_matches_uninterrupted(tiny, kv_cache):
     model = AutoModelForCausalLM.from_pretrained(tiny).eval()
     prompt = [11, 12, 13]
     ref = hf_greedy(model, prompt, 12)
-    engine = TorchEngine(tiny)
+    engine = TorchEngine(tiny, kv_cache=kv_cache)
     engine.add_request(EngineRequest("a", prompt, greedy(12)))
     engine.add_request(EngineRequest("b", [40, 41], greedy(6)))
     for _ in range(5):
@@ -215,10 +217,12 @@ def test_joins_and_leaves_never_prefill_running_rows_and_outputs_stay_exact(tiny
         assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(done[rid].output_logprobs, expected)), rid
     assert done["stopper"].finish_reason == "stop"
     assert done["stopper"].output_token_ids == refs["x"][: refs["x"].index(stop) + 1]
-    # prefilled: the first join, then late + stopper, then late2 + g3 — running rows never again
-    assert engine.stats["prefill_tokens"] == (len(group) + 2) + (len(long) + 2) + (1 + len(group))
+    # prefilled: the first join, then late + stopper, then late2 + g3 — running rows never again; g3 found
+    # the group's prompt in the prefix cache (g1 had finished) and prefilled only its last token
+    assert engine.stats["prefix_cache_hits"] == 1 and engine.stats["prefix_cache_hit_tokens"] == len(group) - 1
+    assert engine.stats["prefill_tokens"] == (len(group) + 2) + (len(long) + 2) + (1 + 1)
     assert engine.stats["prefill_forwards"] == 3
-    assert not engine.has_unfinished() and engine._cache is None
+    assert not engine.has_unfinished() and engine.num_running == 0
 
 
 def test_a_full_batch_queues_the_rest_and_a_weight_update_prefills_running_rows_again(tiny):
@@ -229,7 +233,7 @@ def test_a_full_batch_queues_the_rest_and_a_weight_update_prefills_running_rows_
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"r{i}", p, greedy(4)))
     engine.step()
-    assert len(engine._running) == 2
+    assert engine.num_running == 2
     engine.update_weights(model.state_dict(), 1)  # same weights: outputs unchanged, rows recomputed
     done = run_all(engine)
     assert [done[f"r{i}"].output_token_ids for i in range(5)] == refs

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rollart.config_model import ConfigModel
 from rollart.engines.hardware import ModelShape
+from rollart.engines.torch_options import torch_option_problems
 from rollart.rollout.chat import check_template_setting
 
 
@@ -143,8 +144,9 @@ class EngineConfig(ConfigModel):
     model).
     """
     options: dict[str, Any] = Field(default_factory=dict)
-    """Engine options, passed to the engine (torch: `max_batch_size`, `prefix_sharing`; vllm: `EngineArgs`
-    fields; simulated: `profile`, ...).
+    """Engine options, passed to the engine (torch: `max_batch_size`, `prefix_cache_tokens`, `max_prefill_tokens`,
+    `kv_cache`, `cuda_graphs`, ... (the torch engine's options in the rollout docs, checked when the config is
+    validated); vllm: `EngineArgs` fields; simulated: `profile`, ...).
     """
     batch_requests: bool = True
     """Send each inference worker the requests of one event-loop turn as one streaming call (batched ADD); false:
@@ -155,3 +157,11 @@ class EngineConfig(ConfigModel):
     steps: `1` its KV cache (vLLM's level 1 also moves its weights to host memory), `2` its KV cache and its
     weights (it takes the trainer's at wake-up). Ignored with separate pools.
     """
+
+    @model_validator(mode="after")
+    def _torch_options(self) -> EngineConfig:
+        if self.kind == "torch":
+            problems = torch_option_problems(self.options)
+            if problems:
+                raise ValueError("\n".join(problems))  # validate_config lists them one by one
+        return self

@@ -414,6 +414,8 @@ class InferenceWorker(Worker):
             "engine_busy_s": getattr(self.engine, "busy_s", None),  # the simulated engine's modelled time
             "running": len(self._pending),
             **self.stats,
+            # the engine's own counters (the torch engine: prefilled tokens, prefix-cache hits, decode steps)
+            "engine_stats": dict(getattr(self.engine, "stats", None) or {}),
         }
 
 
