@@ -69,6 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run each layout as a whole job instead (rollout engine, driver and the train ranks on this machine: "
         "the reverse task for --steps steps) and report its ranks' memory and rewards",
     )
+    p.add_argument(
+        "--channel",
+        choices=["ray", "dist", "mooncake"],
+        default="ray",
+        help="with --job: the weights' channel (weights.channel); dist and mooncake keep the weights out of "
+        "Ray's object store, whose shared memory counts against the machine's",
+    )
     p.add_argument("--out", default="runs/bench/train_memory")
 
 
@@ -221,6 +228,7 @@ def _job(args: argparse.Namespace, path: str, cfg: dict[str, Any], world: int) -
             "rollout": {"num_env_groups": 2, "group_size": 2, "batch_groups": 2, "alpha": 0},
             "sampling": {"temperature": 1.0, "max_new_tokens": 3, "seed": 0},
             "train": {k: v for k, v in cfg.items() if k != "model"},
+            "weights": {"channel": args.channel, "bucket_mb": args.bucket_mb},
             "steps": args.steps,
             "checkpoint_every": 0,
             "output_dir": str(out),
@@ -238,6 +246,7 @@ def _job(args: argparse.Namespace, path: str, cfg: dict[str, Any], world: int) -
     return {
         "states_gib": max(r["states_bytes"] for r in ranks) / 2**30,
         "peak_rss_gib": max(r["peak_rss_bytes"] for r in ranks) / 2**30,
+        "peak_rss_gib_by_rank": [r["peak_rss_bytes"] / 2**30 for r in sorted(ranks, key=lambda r: r["rank"])],
         "rewards": [h["reward_mean"] for h in history],
         "step_s": statistics.median(h["time"]["step_s"] for h in history) if history else None,
     }

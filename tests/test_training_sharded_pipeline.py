@@ -1,8 +1,9 @@
 """A seeded run of the reverse task trains with ``train.sharding: fsdp`` on 2 CPU ranks as it does with DDP
 on 2 ranks: the same rewards step for step (the samples are seeded per request; the two layouts' weights
 differ only by the order of float reductions), with the KL term's reference model sharded like the trainer
-and a critic (GAE) training data parallel beside it;
-and its checkpoint is sharded (no ``model.safetensors``), exported as a Hugging Face folder at the end."""
+and a critic (GAE) training data parallel beside it, the sharded run's weights reaching the engine through the
+``dist`` channel (a broadcast the engine receives while the trainer's ranks gather) and the DDP run's through
+Ray's object store; and its checkpoint is sharded (no ``model.safetensors``), exported as a Hugging Face folder at the end."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from rollart.pipelines.agentic import AgenticPipeline
 pytestmark = pytest.mark.timeout(600)
 
 
-def run(tmp_path, name: str, sharding: str) -> list[dict]:
+def run(tmp_path, name: str, sharding: str, channel: str) -> list[dict]:
     cfg = small_config(
         tmp_path,
         output_dir=str(tmp_path / name),
@@ -29,6 +30,7 @@ def run(tmp_path, name: str, sharding: str) -> list[dict]:
         train={"lr": 0.001, "sharding": sharding, "kl_coef": 0.01, "max_tokens_per_microbatch": 48},
         advantage="gae",
         critic={"epochs": 1},
+        weights={"channel": channel},
     )
     pipe = AgenticPipeline(cfg, progress=False)
     try:
@@ -38,7 +40,7 @@ def run(tmp_path, name: str, sharding: str) -> list[dict]:
 
 
 def test_fsdp_on_two_ranks_trains_as_ddp_does(ray_local, tmp_path):
-    ddp, fsdp = run(tmp_path, "ddp", "ddp"), run(tmp_path, "fsdp", "fsdp")
+    ddp, fsdp = run(tmp_path, "ddp", "ddp", "ray"), run(tmp_path, "fsdp", "fsdp", "dist")
     assert [h["reward_mean"] for h in fsdp] == [h["reward_mean"] for h in ddp]
     for a, b in zip(ddp, fsdp):
         assert b["train"]["loss"] == pytest.approx(a["train"]["loss"], abs=1e-5)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -234,12 +235,26 @@ class DistSync(ChannelSync):
             name, num_receivers=len(infer.workers), bucket_bytes=wc.bucket_mb << 20, timeout_s=wc.timeout_s
         )
 
+    async def push(self, rollout: AsyncController, version: int) -> int:
+        return await self._publish_while(rollout.proxy.model_update_from(self.channel, version), wait=True)
+
     async def sync(self, rollout: AsyncController, version: int) -> int:
-        version = await self.train.publish_to(
-            self.channel, not self.config.weights.async_publish, self.bucket_bytes, blocking=False
+        return await self._publish_while(
+            rollout.sync_weights(None, version, channel=self.channel), wait=not self.config.weights.async_publish
         )
-        await rollout.sync_weights(None, version, channel=self.channel)
-        return version
+
+    async def _publish_while(self, receive: Awaitable[None], wait: bool) -> int:
+        """A broadcast sends only while its receivers take part, and a sharded trainer (every rank gathers,
+        rank 0 sends) publishes before its call returns: the workers receive while the trainer sends.
+        ``version`` (the trainer's, which the driver gave the step) is what the workers are told to expect."""
+        publishing = asyncio.ensure_future(self.train.publish_to(self.channel, wait, self.bucket_bytes, blocking=False))
+        try:
+            await receive
+        except BaseException:
+            # the send fails on the channel's timeout once no receiver comes: its error is not this call's
+            publishing.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
+        return int(await publishing)
 
 
 class MooncakeSync(ChannelSync):
