@@ -79,3 +79,16 @@ def test_random_weights_are_seeded_and_every_loader_builds_the_same():
     with torch.no_grad():
         logits = a(torch.tensor([[5, 6, 7]])).logits
     assert logits.shape == (1, 3, 151936) and bool(torch.isfinite(logits).all())
+
+
+def test_streamed_shape_weights_equal_the_built_models():
+    """A sharded trainer fills its shards from the streamed weights, an unsharded one builds the model: both
+    start from the same numbers."""
+    from rollart.models.streaming import iter_weights
+
+    path = shape_folder({"shape": "qwen2.5-0.5b", "layers": 1})
+    built = load_causal_lm(path).state_dict()
+    streamed = dict(iter_weights(path))
+    assert streamed and set(streamed) <= set(built)
+    for name, t in streamed.items():
+        assert torch.equal(t, built[name]), name

@@ -240,6 +240,19 @@ def read_shape(path: str | os.PathLike[str]) -> ShapeConfig:
     return ShapeConfig(shape=raw["shape"], layers=raw.get("layers"), seed=raw.get("seed", 0))
 
 
+def init_parameter(name: str, t: Any, config: Any, gen: Any) -> None:
+    """A shape's random value of parameter ``name``, written into ``t`` in place: norms 1, biases 0, the rest
+    uniform with the architecture's init std, drawn from ``gen`` (the parameters in ``named_parameters`` order
+    give the shape's weights)."""
+    if name.endswith("norm.weight"):
+        t.fill_(1.0)
+    elif name.endswith(".bias"):
+        t.zero_()
+    else:
+        bound = config.initializer_range * math.sqrt(3.0)
+        t.uniform_(-bound, bound, generator=gen)
+
+
 def random_model(auto_cls: Any, path: str | os.PathLike[str], dtype: Any = None) -> Any:
     """``auto_cls`` (``AutoModelForCausalLM``, ``AutoModel``) of a shape folder with seeded random
     weights: built on the meta device (no time spent on the library's own initialisation), then every
@@ -256,15 +269,9 @@ def random_model(auto_cls: Any, path: str | os.PathLike[str], dtype: Any = None)
     if getattr(config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives the tied output layer its own storage
     gen = torch.Generator().manual_seed(spec.seed)
-    bound = config.initializer_range * math.sqrt(3.0)  # uniform with the architecture's init std
     with torch.no_grad():
         for name, p in model.named_parameters():  # a tied matrix once (named_parameters deduplicates)
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.uniform_(-bound, bound, generator=gen)
+            init_parameter(name, p, config, gen)
         for module_name, module in list(model.named_modules()):  # the rotary buffers are computed, not loaded
             if isinstance(module, Qwen2RotaryEmbedding):
                 parent = model.get_submodule(module_name.rsplit(".", 1)[0]) if "." in module_name else model

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rollart.models.shapes import is_shape_folder, read_shape
+from rollart.models.shapes import init_parameter, is_shape_folder, read_shape
 
 
 @contextlib.contextmanager
@@ -71,16 +70,10 @@ def _random_weights(path: str | os.PathLike[str], dtype: torch.dtype) -> Iterato
     config = AutoConfig.from_pretrained(str(path))
     skeleton = empty_causal_lm(path)
     gen = torch.Generator().manual_seed(read_shape(path).seed)
-    bound = config.initializer_range * math.sqrt(3.0)
     with torch.no_grad():
         for name, p in skeleton.named_parameters():
             t = torch.empty(p.shape, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                t.fill_(1.0)
-            elif name.endswith(".bias"):
-                t.zero_()
-            else:
-                t.uniform_(-bound, bound, generator=gen)
+            init_parameter(name, t, config, gen)
             yield name, t if dtype == torch.float32 else t.to(dtype)
 
 

@@ -251,10 +251,15 @@ class DistSync(ChannelSync):
         try:
             await receive
         except BaseException:
-            # the send fails on the channel's timeout once no receiver comes: its error is not this call's
-            publishing.add_done_callback(lambda f: f.cancelled() or f.exception())
+            # the send fails on the channel's timeout once no receiver comes: logged, the receive's error is raised
+            publishing.add_done_callback(_log_failed_publish)
             raise
         return int(await publishing)
+
+
+def _log_failed_publish(publishing: asyncio.Future[Any]) -> None:
+    if not publishing.cancelled() and publishing.exception() is not None:
+        log.warning("weights: the publish of a sync whose receive failed also failed: %s", publishing.exception())
 
 
 class MooncakeSync(ChannelSync):
