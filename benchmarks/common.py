@@ -173,7 +173,10 @@ class StochasticLatencyEnv:
 class SimVerifiableEnv:
     """A single-turn verifiable task: the response's reward is 1 with a per-prompt probability (drawn
     from ``Beta(a, b)`` by the prompt seed) and arrives after ``N(reward_mean, reward_std)`` simulated
-    seconds — a reward model or sandbox answering as soon as the response ends."""
+    seconds — a reward model or sandbox answering as soon as the response ends. With ``member`` (the
+    env's place in its group) an episode's draws come from its own generator, seeded by the prompt seed
+    and the member: the same sample gets the same reward and reward time whatever order the episodes
+    end in, so a run's outcome does not hang on the machine's timing."""
 
     tag = "Sim"
     max_steps = 1
@@ -187,8 +190,10 @@ class SimVerifiableEnv:
         reward_mean: float,
         reward_std: float,
         beta: tuple[float, float],
+        member: int | None = None,
     ):
         self.clock, self.rng = clock, rng
+        self.member = member
         self.max_new_tokens = max_new_tokens
         self.reward_mean, self.reward_std, self.beta = reward_mean, reward_std, beta
         self.p = 0.5
@@ -197,6 +202,8 @@ class SimVerifiableEnv:
         import numpy as np
 
         self.p = float(np.random.default_rng(seed).beta(*self.beta))
+        if self.member is not None and seed is not None:
+            self.rng = np.random.default_rng((seed, self.member))
         return f"q{seed}:", {"seed": seed}
 
     async def step(self, action: str) -> tuple[str, float, bool, bool, dict]:

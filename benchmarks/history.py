@@ -101,7 +101,7 @@ TRACKED: tuple[Tracked, ...] = (
         (SPEEDUP, OF_IDEAL),
         timeout_s=300,
     ),
-    Tracked("ci", "queue-scheduling", ("--repeats", "1"), (SPEEDUP, OF_MODEL), timeout_s=300),
+    Tracked("ci", "queue-scheduling", ("--repeats", "1", "--time-scale", "0.1"), (SPEEDUP, OF_MODEL), timeout_s=300),
     # ---- full: the published settings
     Tracked("full", "env-async", ("--mean", "10", "--std", "10", "--batch", "512"), (SPEEDUP, OF_IDEAL)),
     Tracked("full", "redundant-env", (), (SPEEDUP, OF_MODEL)),

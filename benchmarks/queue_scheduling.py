@@ -45,9 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p, "runs/bench/queue-scheduling")
 
 
-def _env(clock: ScaledClock, rng: Any, args: argparse.Namespace) -> SimVerifiableEnv:
+def _env(clock: ScaledClock, rng: Any, args: argparse.Namespace, member: int) -> SimVerifiableEnv:
+    # per-sample draws (seeded by prompt and member): the outcome does not depend on completion order
     return SimVerifiableEnv(
-        clock, rng, max_new_tokens=args.max_new_tokens, reward_mean=1.0, reward_std=0.3, beta=(0.5, 0.5)
+        clock,
+        rng,
+        max_new_tokens=args.max_new_tokens,
+        reward_mean=1.0,
+        reward_std=0.3,
+        beta=(0.5, 0.5),
+        member=member,
     )
 
 
@@ -63,7 +70,7 @@ async def _batch_rollout(proxy: Any, args: argparse.Namespace, clock: ScaledCloc
         envs, reqs = [], []
         for p in range(args.prompts):
             for s in range(args.samples):
-                env = _env(clock, rng, args)
+                env = _env(clock, rng, args, s)
                 obs, _ = await env.reset(seed + p)
                 envs.append(env)
                 reqs.append(
@@ -95,9 +102,9 @@ async def _queue(proxy: Any, args: argparse.Namespace, clock: ScaledClock, rng: 
     groups = [
         [
             EnvManager(
-                _env(clock, rng, args), proxy, codec, sampling=SamplingParams(max_new_tokens=args.max_new_tokens)
+                _env(clock, rng, args, s), proxy, codec, sampling=SamplingParams(max_new_tokens=args.max_new_tokens)
             )
-            for _ in range(args.samples)
+            for s in range(args.samples)
         ]
         for _ in range(n_groups)
     ]
