@@ -12,9 +12,12 @@ Building: the module is made with its parameters on the ``meta`` device, paralle
 the rank's device, then filled one full tensor at a time (:func:`rollart.models.streaming.iter_weights`)
 into each rank's shard: no rank ever holds the whole model.
 
-Weights leaving the trainer (:func:`gather_buckets`): every rank all-gathers the same tensors in the same
-order; rank 0 keeps the CPU copies and hands them out a bucket (at most ``bucket_bytes``, or one tensor
-if larger) at a time, so the extra memory of a publish is one bucket.
+Weights leaving the trainer (:func:`gather_buckets`): every rank takes part in gathering the same
+tensors in the same order; rank 0 keeps the CPU copies and hands them out a bucket (at most
+``bucket_bytes``, or one tensor if larger) at a time. A tensor sharded by rows over a 1-D mesh (FSDP's
+layout) is not all-gathered: the ranks holding its rows send them to rank 0 point to point, a piece of at
+most ``bucket_bytes`` at a time, straight into rank 0's CPU copy, so the other ranks hold nothing extra
+and rank 0 the bucket it hands out plus one piece.
 """
 
 from __future__ import annotations
@@ -252,26 +255,91 @@ def unique_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _row_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is split by rows over a 1-D mesh of every rank (FSDP's ``Shard(0)``), the layout
+    :func:`_gather_rows` takes apart."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor) or t.device_mesh.ndim != 1 or len(t.placements) != 1 or t.dim() == 0:
+        return False
+    if t.device_mesh.size() != dist.get_world_size():  # a sub-mesh (the dp rows of a 2-D mesh): its rank 0
+        return False  # is not always the rank that keeps the weights
+    placement = t.placements[0]
+    return isinstance(placement, Shard) and placement.dim == 0
+
+
+def row_ranges(rows: int, ranks: int) -> list[tuple[int, int]]:
+    """The rows each rank of a ``Shard(0)`` tensor holds: ``torch.chunk``'s split (the last ranks may hold
+    fewer rows, or none)."""
+    per = -(-rows // ranks)
+    return [(min(r * per, rows), min((r + 1) * per, rows)) for r in range(ranks)]
+
+
+def _gather_rows(t: torch.Tensor, piece_bytes: int, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """The whole of a row-sharded DTensor as a CPU tensor on its mesh's rank 0 (None on the others): each
+    piece of at most ``piece_bytes`` is sent point to point by the ranks holding its rows into one buffer
+    on rank 0, then copied into the result. The other ranks send views of their own shards."""
+    mesh = t.device_mesh
+    group, me, ranks = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    local = t.to_local().detach()
+    rows = int(t.shape[0])
+    ranges = row_ranges(rows, ranks)
+    if local.shape[0] != ranges[me][1] - ranges[me][0]:
+        raise RuntimeError(
+            f"a row-sharded tensor of {rows} rows holds {local.shape[0]} rows on rank {me}, "
+            f"not torch.chunk's {ranges[me][1] - ranges[me][0]}"
+        )
+    row_numel = t.numel() // max(rows, 1)
+    step = max(1, piece_bytes // max(row_numel * t.dtype.itemsize, 1))
+    out = torch.empty(tuple(t.shape), dtype=dtype or t.dtype, device="cpu") if me == 0 else None
+    buf: torch.Tensor | None = None
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        if out is not None and (buf is None or buf.shape[0] != b - a):
+            buf = torch.empty((b - a, *t.shape[1:]), dtype=t.dtype, device=local.device)
+        for r, (s, e) in enumerate(ranges):
+            lo, hi = max(a, s), min(b, e)
+            if lo >= hi or (r != me and me != 0):
+                continue
+            if r == me == 0:
+                buf[lo - a : hi - a].copy_(local[lo - s : hi - s])  # type: ignore[index]
+            elif me == 0:
+                dist.recv(buf[lo - a : hi - a], group=group, group_src=r)  # type: ignore[index]
+            else:
+                dist.send(local[lo - s : hi - s].contiguous(), group=group, group_dst=0)
+        if out is not None:
+            out[a:b].copy_(buf)  # type: ignore[arg-type]
+    return out
+
+
 def gather_buckets(
     items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, keep: bool, dtype: torch.dtype | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Full CPU copies of ``items`` (sharded or not), a bucket of at most ``bucket_bytes`` at a time (a
     larger tensor alone). Every rank must iterate it to the end (the gathers are collectives); only
-    ranks with ``keep`` get the tensors, the others get empty buckets at the same points."""
+    ranks with ``keep`` get the tensors, the others get empty buckets at the same points. A row-sharded
+    tensor goes to rank 0 point to point (:func:`_gather_rows`): ``keep`` must then be rank 0's."""
     from torch.distributed.tensor import DTensor
 
     bucket: dict[str, torch.Tensor] = {}
     size = 0
     for name, t in items:
-        gathered = isinstance(t, DTensor)  # full_tensor() is a new tensor: no second copy of it is needed
-        full = _full(t.detach())
-        nbytes = full.numel() * (dtype.itemsize if dtype is not None else full.element_size())
+        nbytes = t.numel() * (dtype.itemsize if dtype is not None else t.element_size())
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = {}, 0
-        if keep:
-            bucket[name] = full.to("cpu", dtype=dtype or full.dtype, copy=not gathered)
-        del full
+        if _row_sharded(t):
+            full = _gather_rows(t, bucket_bytes, dtype)
+            if (full is not None) != keep:
+                raise RuntimeError(f"{name}: the rank keeping the weights must be rank 0 of the mesh")
+            if full is not None:
+                bucket[name] = full
+        else:
+            gathered = isinstance(t, DTensor)  # full_tensor() is a new tensor: no second copy of it is needed
+            whole = _full(t.detach())
+            if keep:
+                bucket[name] = whole.to("cpu", dtype=dtype or whole.dtype, copy=not gathered)
+            del whole
         size += nbytes
     if bucket or size:
         yield bucket
@@ -320,6 +388,7 @@ __all__ = [
     "gather_buckets",
     "load_full_weights",
     "materialize",
+    "row_ranges",
     "shard_model",
     "tensor_parallel_plan",
     "unique_state",
