@@ -11,7 +11,8 @@ Per layout it reports, as the maximum over the ranks:
 - ``states_gib``: the bytes of weights, gradients and AdamW states the rank holds, measured on its tensors
   after a step (local shards only), and ``theory_gib``, the same from the arithmetic of
   ``rollart.training.memory`` (16 bytes a parameter, divided as the layout divides them);
-- ``peak_rss_gib``: the rank's peak resident memory over its whole life (load included) and
+- ``peak_rss_gib``: the rank's peak resident memory over its whole life (load included; per rank in
+  ``peak_rss_gib_by_rank``), ``load_peak_rss_gib``, while the rank is built and its weights loaded, and
   ``step_peak_rss_gib``, over the timed steps only (the peak is reset after the untimed step);
   on GPUs also ``peak_gpu_gib`` (``torch.cuda.max_memory_allocated``);
 - ``tokens_per_s``: the global batch's tokens over the median step time;
@@ -129,8 +130,10 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out_file: str)
     config = worker.module.config if not hasattr(worker.module, "module") else worker.module.module.config
     batch = batch_of(spec["batch"], spec["seq_len"], min(config.vocab_size, 50_000))
     share = batch.split(world)[rank]
+    load_peak = _peak_rss()  # building the rank and loading its weights
+    _reset_peak_rss()
     worker.train_step(share)  # untimed: allocates the optimiser states and warms the allocator
-    life_peak = _peak_rss()  # the load and a first step
+    life_peak = max(load_peak, _peak_rss())  # the load and a first step
     _reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -150,6 +153,7 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out_file: str)
         "rank": rank,
         "publish_extra_rss": publish_extra,
         "states_bytes": _state_bytes(worker),
+        "load_peak_rss": load_peak,
         "step_peak_rss": _peak_rss(),
         "peak_rss": max(life_peak, _peak_rss()),
         "step_s": statistics.median(times),
@@ -313,6 +317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "states_gib": max(r["states_bytes"] for r in ranks) / 2**30,
                     "peak_rss_gib": max(r["peak_rss"] for r in ranks) / 2**30,
                     "step_peak_rss_gib": max(r["step_peak_rss"] for r in ranks) / 2**30,
+                    "load_peak_rss_gib": max(r["load_peak_rss"] for r in ranks) / 2**30,
+                    "peak_rss_gib_by_rank": [r["peak_rss"] / 2**30 for r in sorted(ranks, key=lambda r: r["rank"])],
                     "peak_gpu_gib": (max(r["peak_gpu"] for r in ranks) / 2**30) if on_gpu else None,
                     "publish_extra_rss_gib": max(r["publish_extra_rss"] for r in ranks) / 2**30,
                     "bucket_gib": (args.bucket_mb << 20) / 2**30,

@@ -73,6 +73,7 @@ from rollart.cluster.devices import worker_device
 from rollart.decorators.register import register
 from rollart.decorators.specs import Dispatch
 from rollart.training.config import TrainConfig
+from rollart.training.host_memory import set_mmap_threshold
 from rollart.training.megatron_weights import _cfg, _ignored, _shape, hf_to_megatron, load_hf_state_dict, megatron_to_hf
 from rollart.training.placement import DataParallelTraining, init_process_group, model_path, wrap_ddp
 from rollart.training.sharding import ShardLayout
@@ -294,6 +295,8 @@ class MegatronTrainWorker(TorchTrainWorker):
 
         self.config = MegatronConfig.model_validate(config or {})
         cfg = self.config
+        if cfg.host_mmap_threshold_mb is not None:
+            set_mmap_threshold(cfg.host_mmap_threshold_mb << 20)
         torch.manual_seed(cfg.seed)
         self.device = worker_device(self.device_ids)
         if self.device.type == "cuda":

@@ -33,6 +33,7 @@ from rollart.training import columns as C
 from rollart.training.accumulation import accumulate_step, global_sum, plan_share
 from rollart.training.checkpoint_io import TRAINER_FILE, load_checkpoint_any, save_checkpoint_dir
 from rollart.training.config import TrainConfig
+from rollart.training.host_memory import set_mmap_threshold
 from rollart.training.microbatch import pad_right, plan_microbatches
 from rollart.training.placement import (
     DP_SPLIT_EVERY_RANK,
@@ -151,6 +152,8 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
     def __init__(self, config: TrainConfig | dict[str, Any] | None = None):
         self.config = TrainConfig.model_validate(config or {})
         cfg = self.config
+        if cfg.host_mmap_threshold_mb is not None:
+            set_mmap_threshold(cfg.host_mmap_threshold_mb << 20)
         torch.manual_seed(cfg.seed)
         self.device = worker_device(self.device_ids)
         if cfg.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
