@@ -51,6 +51,7 @@ from rollart.rollout.sample_buffer import Group
 from rollart.rollout.scheduler import RolloutScheduler
 from rollart.training import columns as C
 from rollart.training.data import add_advantages, trajectories_to_batch
+from rollart.training.export import write_chat_template
 from rollart.training.placement import start_data_parallel
 from rollart.training.strategies import train_worker_class
 
@@ -629,6 +630,7 @@ class AgenticPipeline:
                 self.export_path = Path(
                     await self.train.export_hf(str((self.out_dir / "hf").resolve()), blocking=False)
                 )
+                write_chat_template(self.export_path, cfg.serving.chat_template)
         finally:
             await self._end_run(tracker, bar)
         return history

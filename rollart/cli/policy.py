@@ -47,6 +47,19 @@ def resolve_model(target: str) -> tuple[str, Any]:
     raise ValueError(f"{target}: not a pipeline config (.yaml), a Hugging Face model folder or a run folder with hf/")
 
 
+def served_name(model: str, cfg: Any) -> str:
+    """The model id clients send: ``serving.model_name``'s default. A pipeline config: its ``name``; a run
+    folder or its exported ``hf/``: the run folder's name (the run's ``output_dir``); any other model
+    folder: the folder's name."""
+    if cfg is not None:
+        return str(cfg.name)
+    folder = Path(model)
+    run = folder.parent if folder.name == "hf" else None
+    if run is not None and any((run / part).exists() for part in ("checkpoint", "metrics.jsonl", "ledger.json")):
+        return run.resolve().name
+    return folder.resolve().name
+
+
 def cmd_serve_policy(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -103,7 +116,7 @@ async def _serve(args: argparse.Namespace, model: str, cfg: Any, settings: Any, 
     from transformers import AutoTokenizer
 
     sampling = cfg.sampling if cfg is not None else SamplingParams(max_new_tokens=256)
-    name = settings.model_name or (cfg.name if cfg is not None else Path(model).name)
+    name = settings.model_name or served_name(model, cfg)
     service = build_service(
         ProxyBackend(proxy),
         AutoTokenizer.from_pretrained(model),

@@ -114,6 +114,26 @@ class HFShardWriter:
         return self.target
 
 
+def write_chat_template(folder: str | os.PathLike[str], setting: str) -> str | None:
+    """Give the exported model at ``folder`` the chat template a run served with (``serving.chat_template``:
+    a Jinja file or inline Jinja; ``auto`` leaves the base tokenizer's own). Returns the template written, so
+    ``rollart serve policy`` and other servers of the folder render chats as the run did."""
+    from transformers import AutoTokenizer
+
+    from rollart.rollout.chat import resolve_template
+
+    if setting == "auto":
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    template = resolve_template(tokenizer, setting)
+    if template is None:
+        return None
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(folder))
+    log.info("exported %s with the run's chat template (serving.chat_template)", folder)
+    return template
+
+
 def _is_tied(model: torch.nn.Module, key: str) -> bool:
     cfg = getattr(model, "config", None)
     return bool(getattr(cfg, "tie_word_embeddings", False)) and key.startswith("lm_head.")
