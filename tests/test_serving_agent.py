@@ -211,3 +211,74 @@ def test_agent_entries_are_checked_before_anything_starts(tmp_path):
     rows.write_text('{"q": 1}\n{"q": 2}\n')
     assert load_tasks(str(rows), {})(3) == {"q": 2}
     assert load_tasks("my_agent:make", {"level": 3})(5) == {"seed": 5, "level": 3}
+
+
+# ---- failures a user can act on: the first of each kind with the user's own code, repeats counted
+
+
+async def answer_agent(client: openai.AsyncOpenAI, task: dict) -> float:
+    r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "SAY:x"}])
+    parsed = {"text": r.choices[0].message.content}
+    return float(parsed["answer"])  # the harness's bug: a key its parser never writes
+
+
+ANSWER_LINE = answer_agent.__code__.co_firstlineno + 3
+
+
+def _errors(caplog, logger="rollart.rollout.failures"):
+    return [r for r in caplog.records if r.name == logger and r.levelname == "ERROR"]
+
+
+def test_an_agents_exception_is_logged_once_with_its_own_file_and_line(served, caplog):
+    from rollart.rollout.failures import FailureLog
+
+    log = FailureLog()
+    caplog.set_level("WARNING", logger="rollart.rollout.failures")
+    for seed in range(12):
+        mgr = AgentEnvManager(SPEC, served.endpoint, tag="calc", agent=answer_agent, tasks=words)
+        mgr.failures = log
+        traj = served.run(mgr.run(seed=seed))
+        assert traj.status == "failed" and traj.reward is None and "KeyError: 'answer'" in traj.error
+    errors = _errors(caplog)
+    assert len(errors) == 1, [r.getMessage() for r in errors]  # the first one, not twelve
+    first = errors[0].getMessage()
+    assert "calc episode failed: agent: KeyError: 'answer'" in first
+    assert f'test_serving_agent.py", line {ANSWER_LINE}, in answer_agent' in first
+    assert 'parsed["answer"]' in first and "rollart/" not in first.split("your code", 1)[1]
+    repeats = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "times now" in r.getMessage()]
+    assert repeats == [f"calc the same failure, 10 times now: {log.summary()[0].replace('(12 times)', '(10 times)')}"]
+    assert log.cause() == f"agent: KeyError: 'answer' at {__file__}:{ANSWER_LINE} (12 times)"
+
+
+def test_a_verifier_returning_none_and_an_agent_without_calls_say_what_to_do(served, caplog):
+    from rollart.rollout.failures import FailureLog
+
+    async def silent(client: openai.AsyncOpenAI, task: dict) -> None:
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "SAY:x"}])
+
+    async def no_calls(client: openai.AsyncOpenAI, task: dict) -> float:
+        return 1.0
+
+    log = FailureLog()
+    caplog.set_level("ERROR", logger="rollart.rollout.failures")
+    for agent, reward_fn in ((silent, lambda t: None), (no_calls, None)):
+        for seed in range(3):
+            mgr = AgentEnvManager(SPEC, served.endpoint, agent=agent, tasks=words, reward_fn=reward_fn)
+            mgr.failures = log
+            assert served.run(mgr.run(seed=seed)).status in ("failed", "reward_failed")
+    messages = [r.getMessage() for r in _errors(caplog)]
+    assert len(messages) == 2, messages
+    assert "reward function returned None: return the episode's reward (a number)" in messages[0]
+    assert "made no call to its session: call the client it is given" in messages[1]
+    assert [k.count for k in log.kinds.values()] == [3, 3]
+
+
+def test_a_rollout_that_keeps_failing_names_the_cause_and_the_users_line(served):
+    from rollart.rollout.sample_buffer import RolloutError
+
+    config = RolloutConfig(num_env_groups=1, group_size=2, batch_groups=1, max_consecutive_failed_rounds=3)
+    groups = [[AgentEnvManager(SPEC, served.endpoint, agent=answer_agent, tasks=words) for _ in range(2)]]
+    with pytest.raises(RolloutError) as info:
+        _run_scheduler(served, groups, config)
+    assert "3 rounds in a row failed" in str(info.value)
+    assert f"most frequent failure: agent: KeyError: 'answer' at {__file__}:{ANSWER_LINE}" in str(info.value)

@@ -202,6 +202,11 @@ def _train(args: argparse.Namespace, cfg: Any, out_dir: Path, gpus: Any = None) 
         pipe.shutdown()
         if isinstance(err, Exception) and user_error(err):
             return _refuse(err)
+        from rollart.rollout.sample_buffer import RolloutError
+
+        if isinstance(err, RolloutError):  # the episodes kept failing: the cause in one line, not a traceback
+            log.error("the run stopped: %s", err, exc_info=log.isEnabledFor(logging.DEBUG))
+            return 1
         raise
     pipe.shutdown()
     records = pipe.step_records() if hasattr(pipe, "step_records") else history  # every step, not just the kept

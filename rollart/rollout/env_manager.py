@@ -36,6 +36,7 @@ from rollart.cluster.errors import ClusterError
 from rollart.engines.base import SamplingParams
 from rollart.rollout.chat import ChatFormat, ChatTemplateError, chat_format
 from rollart.rollout.config import EnvManagerConfig
+from rollart.rollout.failures import FailureLog
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.types import GenerateRequest, Trajectory
 
@@ -126,6 +127,7 @@ class EnvManager:
         self.reward_fn = reward_fn
         self.version_fn = version_fn
         self.tag: str = getattr(env, "tag", type(env).__name__)
+        self.failures = FailureLog()  # the rollout scheduler gives its managers one log, shared
         # the quick methods it names, called on the loop; a coroutine method is awaited there anyway
         self.inline = frozenset(
             n for n in inline_methods(env) if not inspect.iscoroutinefunction(getattr(env, n, None))
@@ -220,6 +222,7 @@ class EnvManager:
             raise
         except Exception as err:
             traj.status, traj.error = "failed", f"reset: {type(err).__name__}: {err}"
+            self.failures.record("reset", f"{type(err).__name__}: {err}", err, tag=self.tag)
             return traj
         traj.info["reset"] = info
         traj.info["prompt_text"] = obs  # the env's own text, before any chat template
@@ -245,7 +248,7 @@ class EnvManager:
             except Exception as err:
                 root = err.cause if isinstance(getattr(err, "cause", None), BaseException) else err  # Ray's wrapper
                 traj.status, traj.error = "failed", f"generate turn {turn}: {type(root).__name__}: {root}"
-                log.warning("%s %s: %s", self.tag, traj.traj_id, traj.error)
+                self.failures.record("generate", f"{type(root).__name__}: {root}", root, tag=self.tag)
                 return traj
             finally:
                 self.current_request = None
@@ -266,6 +269,7 @@ class EnvManager:
                 raise
             except Exception as err:
                 traj.status, traj.error = "failed", f"step {turn}: {type(err).__name__}: {err}"
+                self.failures.record("step", f"{type(err).__name__}: {err}", err, tag=self.tag)
                 return traj
             traj.env_return += float(reward)
             traj.info.setdefault("steps", []).append(step_info)
@@ -277,6 +281,7 @@ class EnvManager:
                 ids = self.chat.observation_ids(obs, out.output_token_ids) if self.chat else self.codec.encode(obs)
             except ChatTemplateError as err:
                 traj.status, traj.error = "failed", f"step {turn}: {err}"
+                self.failures.record("chat template", str(err), tag=self.tag)
                 return traj
             self._append_ids(traj, ids)
         await self._score(traj)
@@ -307,9 +312,13 @@ class EnvManager:
         if self.reward_fn is not None:
             try:
                 value = self.reward_fn(traj)
-                traj.reward = float(await value) if inspect.isawaitable(value) else float(value)
+                value = await value if inspect.isawaitable(value) else value
+                if value is None:
+                    raise TypeError("the reward function returned None: return the trajectory's reward (a number)")
+                traj.reward = float(value)
             except Exception as err:
                 traj.reward, traj.status, traj.error = None, "reward_failed", f"{type(err).__name__}: {err}"
+                self.failures.record("reward", f"{type(err).__name__}: {err}", err, tag=self.tag)
 
     def _turn_sampling(self, env_seed: int | None, traj_id: str, turn: int) -> SamplingParams:
         """With ``sampling.seed`` set, each request samples from its own seed, derived from that seed,

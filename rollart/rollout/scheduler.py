@@ -44,6 +44,7 @@ from typing import Any
 
 from rollart.rollout.config import RolloutConfig
 from rollart.rollout.env_manager import EnvManager
+from rollart.rollout.failures import FailureLog
 from rollart.rollout.ledger import RoundLedger, trajectory_ledger
 from rollart.rollout.sample_buffer import Group, RolloutError, SampleBuffer
 from rollart.rollout.types import GroupId, Trajectory
@@ -97,6 +98,11 @@ class RolloutScheduler:
         self.settled = RoundLedger(config.num_env_groups)  # rounds trained, filtered or given up
         self._failed_in_row = 0
         self._last_error = ""
+        self.failures = FailureLog()  # the episodes' failures by kind, the first of each logged
+        for group in groups:
+            for manager in group:
+                if hasattr(manager, "failures"):
+                    manager.failures = self.failures
         self._notify_tasks: set[asyncio.Task] = set()
         self.in_flight = 0  # member episodes started and not ended (an independent count for the ledger)
 
@@ -219,7 +225,7 @@ class RolloutScheduler:
                 if self._failed_in_row >= self.config.max_consecutive_failed_rounds:
                     raise RolloutError(
                         f"{self._failed_in_row} rounds in a row failed (rollout.max_consecutive_failed_rounds); "
-                        f"last error: {self._last_error or 'none recorded'}"
+                        f"most frequent failure: {self.failures.cause() or self._last_error or 'none recorded'}"
                     )
             if kept is None:  # aborted (stale or stop) or failed: the same seed again
                 if not self._stopping:

@@ -41,6 +41,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart.cluster.errors import ClusterError
+from rollart.rollout.failures import FailureLog
 from rollart.rollout.types import Trajectory
 from rollart.serving.endpoint import PolicyEndpoint
 
@@ -147,6 +148,8 @@ class AgentEnvManager:
         self.session: Any = None
         self._agent_task: asyncio.Future | None = None
         self._aborting = False
+        self._reward_error: BaseException | None = None
+        self.failures = FailureLog()  # the rollout scheduler gives its managers one log, shared
 
     def _client(self, session: Any) -> Any:
         import openai
@@ -173,6 +176,7 @@ class AgentEnvManager:
             task = self.tasks(seed if seed is not None else 0)
         except Exception as err:
             failed.status, failed.error = "failed", f"tasks: {type(err).__name__}: {err}"
+            self.failures.record("tasks", f"{type(err).__name__}: {err}", err, tag=self.tag)
             return failed
         session = self.endpoint.open_session(
             self.tag, meta={"seed": None if self.seed is None else f"{self.seed}:{traj_id}"}
@@ -181,6 +185,7 @@ class AgentEnvManager:
         client = self._client(session)
         returned: Any = None
         error: str | None = None
+        raised: BaseException | None = None
         try:
             if inspect.iscoroutinefunction(self.agent):
                 self._agent_task = asyncio.ensure_future(self.agent(client, task))
@@ -193,7 +198,7 @@ class AgentEnvManager:
         except TimeoutError:
             error = f"the agent ran longer than timeout_s={self.spec.timeout_s}"
         except Exception as err:
-            error = f"agent: {type(err).__name__}: {err}"
+            error, raised = f"agent: {type(err).__name__}: {err}", err
         finally:
             if self._agent_task is not None and not self._agent_task.done():
                 self._agent_task.cancel()
@@ -213,13 +218,20 @@ class AgentEnvManager:
             return traj
         if error is not None:
             traj.status, traj.error, traj.reward = "failed", error, None
-            log.warning("%s %s: %s", self.tag, traj_id, error)
+            self.failures.record("agent", error.removeprefix("agent: "), raised, tag=self.tag)
             return traj
         if not session.calls:
             traj.status, traj.error = "failed", "the agent made no call to its session"
+            self.failures.record(
+                "agent",
+                "made no call to its session: call the client it is given (its base_url is the session's)",
+                tag=self.tag,
+            )
             return traj
         reward = await self._reward(returned, session, traj)
         if isinstance(reward, str):
+            where = "agent" if reward.startswith("the agent") else "reward"
+            self.failures.record(where, reward.removeprefix("reward: "), self._reward_error, tag=self.tag)
             traj.status, traj.error, traj.reward = (
                 ("reward_failed" if reward.startswith("reward") else "failed"),
                 reward,
@@ -232,6 +244,7 @@ class AgentEnvManager:
 
     async def _reward(self, returned: Any, session: Any, traj: Trajectory) -> float | str:
         """The episode's reward, or the reason there is none (the episode then fails: never a 0)."""
+        self._reward_error = None
         if returned is not None:
             if isinstance(returned, bool) or not isinstance(returned, (int, float)) or not math.isfinite(returned):
                 return f"the agent returned {returned!r}: return a finite number, or None to score it otherwise"
@@ -241,8 +254,12 @@ class AgentEnvManager:
         if self.reward_fn is not None:
             try:
                 value = self.reward_fn(traj)
-                return float(await value) if inspect.isawaitable(value) else float(value)
+                value = await value if inspect.isawaitable(value) else value
+                if value is None:
+                    return "reward: the reward function returned None: return the episode's reward (a number)"
+                return float(value)
             except Exception as err:
+                self._reward_error = err
                 return f"reward: {type(err).__name__}: {err}"
         return "no reward: the agent returned None, posted none to /sessions/{id}/reward and the config has no reward"
 

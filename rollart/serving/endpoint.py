@@ -56,7 +56,10 @@ def build_service(
     except ChatTemplateError as err:
         raise ValueError(f"serving.chat_template: {err}") from None
     if renderer is None:
-        log.warning("the tokenizer has no chat template: /v1/chat/completions answers 400 (use /v1/completions)")
+        log.warning(
+            "the tokenizer has no chat template: /v1/chat/completions answers 400 (use /v1/completions, or set "
+            "serving.chat_template, or tiny_model: {chat: true} for the built-in tiny model)"
+        )
     return PolicyService(
         backend,
         tokenizer,

@@ -39,6 +39,11 @@ from rollart.serving.sessions import CallRecord, ChoiceRecord, Session, SessionC
 from rollart.serving.tools import ParsedCall, ToolParser, call_id
 
 log = logging.getLogger(__name__)
+
+NO_CHAT_TEMPLATE = (
+    "this model has no chat template: use /v1/completions, or give the run one: serving.chat_template "
+    "(a Jinja file or inline Jinja), or tiny_model: {chat: true} for the built-in tiny model"
+)
 T = TypeVar("T")
 INLINE_CHARS = 4096  # text rendered or tokenised on the loop itself (more goes to the tokenizer thread)
 INLINE_TOKENS = 256  # reply tokens detokenised on the loop itself
@@ -129,7 +134,7 @@ class PolicyService:
         self._check(body, body.max_completion_tokens or body.max_tokens)
         renderer = self.renderer
         if renderer is None:
-            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+            raise APIError(400, NO_CHAT_TEMPLATE, param="messages")
         tools = (
             [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and body.tool_choice != "none" else None
         )

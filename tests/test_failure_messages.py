@@ -1,0 +1,70 @@
+"""Failures a user can act on: how ``rollart run`` ends when the episodes keep failing (one line naming
+the cause, exit 1, not an internal traceback; ``-v`` adds the traceback), and what a chat call on a model
+without a chat template is told. (An agent's own exceptions: tests/test_serving_agent.py.)"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import pytest
+from transformers import AutoTokenizer
+
+import rollart.cli.run as run_cli
+from rollart.rollout.sample_buffer import RolloutError
+
+CAUSE = "50 rounds in a row failed (rollout.max_consecutive_failed_rounds); most frequent failure: agent: KeyError: 'answer' at /work/agent.py:12 (296 times)"
+
+
+class _FailingPipeline:
+    rm = None
+
+    def __init__(self) -> None:
+        self.shut = False
+
+    def run(self) -> list:
+        raise RolloutError(CAUSE)
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def _train(monkeypatch, tmp_path, caplog, verbose: bool) -> tuple[int, _FailingPipeline]:
+    pipe = _FailingPipeline()
+    monkeypatch.setattr(run_cli, "build_pipeline", lambda cfg, **kw: pipe)
+    caplog.clear()
+    caplog.set_level(logging.DEBUG if verbose else logging.INFO, logger="rollart.cli.run")
+    args = argparse.Namespace(resume=False, json=False)
+    return run_cli._train(args, object(), tmp_path), pipe
+
+
+def test_a_run_whose_episodes_keep_failing_ends_with_one_line(monkeypatch, tmp_path, caplog):
+    code, pipe = _train(monkeypatch, tmp_path, caplog, verbose=False)
+    assert code == 1 and pipe.shut
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in errors] == [f"the run stopped: {CAUSE}"]
+    assert not errors[0].exc_info  # no traceback
+    code, _ = _train(monkeypatch, tmp_path, caplog, verbose=True)
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert code == 1 and errors[0].exc_info  # -v: the traceback too
+
+
+def test_chat_on_a_model_without_a_chat_template_names_the_fix(caplog):
+    from rollart.models import default_tiny_path
+    from rollart.serving.config import ServingConfig
+    from rollart.serving.endpoint import build_service
+    from rollart.serving.protocol import ChatCompletionRequest
+    from rollart.serving.service import APIError
+
+    caplog.set_level(logging.WARNING, logger="rollart.serving.endpoint")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_tiny_path()))  # the built-in model: no template
+    service = build_service(object(), tokenizer, ServingConfig(), model="tiny")  # type: ignore[arg-type]
+    assert "tiny_model: {chat: true}" in caplog.text  # said at start-up
+    body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(APIError) as info:
+        asyncio.run(service.chat(body, None))
+    assert info.value.status == 400 and "serving.chat_template" in str(info.value)
+    assert "tiny_model: {chat: true}" in str(info.value)
+    chat_tokenizer = AutoTokenizer.from_pretrained(str(default_tiny_path(chat=True)))
+    assert chat_tokenizer.chat_template  # the fix it names
