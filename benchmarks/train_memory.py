@@ -251,6 +251,9 @@ def _job(args: argparse.Namespace, path: str, cfg: dict[str, Any], world: int) -
         "states_gib": max(r["states_bytes"] for r in ranks) / 2**30,
         "peak_rss_gib": max(r["peak_rss_bytes"] for r in ranks) / 2**30,
         "peak_rss_gib_by_rank": [r["peak_rss_bytes"] / 2**30 for r in sorted(ranks, key=lambda r: r["rank"])],
+        "load_peak_rss_gib_by_rank": [
+            (r.get("load_peak_rss_bytes") or 0) / 2**30 for r in sorted(ranks, key=lambda r: r["rank"])
+        ],
         "rewards": [h["reward_mean"] for h in history],
         "step_s": statistics.median(h["time"]["step_s"] for h in history) if history else None,
     }

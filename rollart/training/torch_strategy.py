@@ -232,7 +232,9 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         """Join the data-parallel group (gloo on CPU, NCCL on GPU) and wrap the model in DDP; a sharded
         rank (``train.sharding: fsdp``) joins the group of every rank (also alone) and builds its shards."""
         if not self.layout.sharded:
-            return DataParallelRank.setup_distributed(self, master_addr, master_port)
+            joined = DataParallelRank.setup_distributed(self, master_addr, master_port)
+            self.load_peak_rss = peak_rss_bytes()
+            return joined
         if self.module is not None:
             raise RuntimeError("setup_distributed was already called on this worker")
         cfg = self.config
@@ -244,6 +246,7 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         )
         self.mesh = device_mesh(self.layout, self.device)
         self.module = self._build_sharded()
+        self.load_peak_rss = peak_rss_bytes()  # the build and the weights' load, before any step
         self._start_training()
         self.training.sharded(group_of(self.mesh, "dp"))
         if self.layout.tensor_parallel > 1:
@@ -645,7 +648,8 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def memory(self) -> dict[str, Any]:
         """What this rank holds: ``states_bytes`` (its parameters, gradients and optimizer states: local shards
-        on a sharded rank), ``peak_rss_bytes`` (its process's peak resident memory) and, on a GPU,
+        on a sharded rank), ``peak_rss_bytes`` (its process's peak resident memory), ``load_peak_rss_bytes``
+        (the same when its model was built and loaded, before any step) and, on a GPU,
         ``peak_gpu_bytes`` (``torch.cuda.max_memory_allocated``)."""
         from rollart.training.sharding import local_bytes
 
@@ -653,7 +657,12 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         states = sum(local_bytes(p) for p in params) + sum(local_bytes(p.grad) for p in params if p.grad is not None)
         for state in self.optimizer.state.values():
             states += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        out: dict[str, Any] = {"rank": self.rank, "states_bytes": states, "peak_rss_bytes": peak_rss_bytes()}
+        out: dict[str, Any] = {
+            "rank": self.rank,
+            "states_bytes": states,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "load_peak_rss_bytes": getattr(self, "load_peak_rss", None),
+        }
         if self.device.type == "cuda":
             out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out
