@@ -525,6 +525,12 @@ class PipelineConfig(ConfigModel):
         )
         if self.tasks:
             problems += task_problems(self)
+        if any(e.agent for e in self.envs):
+            from rollart.serving.agent import chat_without_template
+
+            agents = [e.agent for e in self.envs if e.agent]
+            chat = chat_without_template(agents, self.model, self.tiny_model, self.serving.chat_template)
+            problems += [chat] if chat else []
         if problems:
             raise ValueError("\n".join(problems))  # validate_config lists them one by one
         return self

@@ -68,3 +68,37 @@ def test_chat_on_a_model_without_a_chat_template_names_the_fix(caplog):
     assert "tiny_model: {chat: true}" in str(info.value)
     chat_tokenizer = AutoTokenizer.from_pretrained(str(default_tiny_path(chat=True)))
     assert chat_tokenizer.chat_template  # the fix it names
+
+
+def test_an_agent_calling_chat_on_a_model_without_a_template_is_refused_before_anything_starts(tmp_path):
+    from rollart.config import ConfigError, validate_config
+    from rollart.models import default_tiny_path
+
+    (tmp_path / "chat_agent.py").write_text(
+        "async def solve(client, task):\n"
+        "    r = await client.chat.completions.create(model='m', messages=[{'role': 'user', 'content': 'hi'}])\n"
+        "    return 1.0\n"
+    )
+    (tmp_path / "text_agent.py").write_text(
+        "async def solve(client, task):\n    await client.completions.create(model='m', prompt='hi')\n    return 1.0\n"
+    )
+    base = {
+        "pools": {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}},
+        "rollout": {"num_env_groups": 1, "group_size": 2, "batch_groups": 1},
+    }
+
+    def check(agent: str, **over):
+        return validate_config({**base, "envs": [{"agent": agent}], **over}, source=tmp_path / "c.yaml")
+
+    with pytest.raises(ConfigError) as err:
+        check("chat_agent:solve")
+    assert "the agent 'chat_agent:solve' calls chat.completions but the built-in tiny model has no chat template" in (
+        str(err.value)
+    )
+    assert "tiny_model: {chat: true}" in str(err.value) and "serving.chat_template" in str(err.value)
+    check("chat_agent:solve", tiny_model={"chat": True})  # the fixes it names pass
+    check("chat_agent:solve", serving={"chat_template": "{{ messages[0]['content'] }}"})
+    check("text_agent:solve")  # completions need no template
+    with pytest.raises(ConfigError, match=r"but the model .* has no chat template"):
+        check("chat_agent:solve", model=str(default_tiny_path()))  # a folder whose tokenizer has none
+    check("chat_agent:solve", model=str(default_tiny_path(chat=True)))

@@ -63,6 +63,47 @@ class AgentSpec(BaseModel):
     client_timeout_s: float = Field(default=300.0, gt=0)  # one call
 
 
+def has_chat_template(model: str | None, tiny_model: dict[str, Any]) -> bool | None:
+    """Whether the policy's tokenizer has a chat template: the built-in tiny model (``model`` None) has one
+    with ``tiny_model: {chat: true}``; a model folder when its tokenizer files carry one. None: not known
+    without loading it (not a folder)."""
+    if model is None:
+        return bool(tiny_model.get("chat"))
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        return None
+    if any((folder / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    config = folder / "tokenizer_config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template")) if config.is_file() else False
+    except (OSError, ValueError):
+        return None
+
+
+def chat_without_template(
+    agents: list[str], model: str | None, tiny_model: dict[str, Any], template: str
+) -> str | None:
+    """A problem when an agent harness calls the chat API but the policy it talks to has no chat template
+    (every such call would be answered 400): found before anything starts, from the harness's source."""
+    if not agents or template != "auto" or has_chat_template(model, tiny_model) is not False:
+        return None
+    for spec in agents:
+        try:
+            source = inspect.getsource(inspect.getmodule(load_agent(spec)))  # type: ignore[arg-type]
+        except Exception:  # the entry's own check reports an agent that does not load
+            continue
+        if ".chat.completions" in source:
+            which = "the built-in tiny model" if model is None else f"the model {model}"
+            fix = "tiny_model: {chat: true}, or " if model is None else ""
+            return (
+                f"envs: the agent {spec!r} calls chat.completions but {which} has no chat template, so every "
+                f"chat call would be answered 400; set {fix}serving.chat_template (a Jinja file or inline Jinja), "
+                "or call client.completions"
+            )
+    return None
+
+
 def load_agent(spec: str, search_path: list[str] | tuple[str, ...] = ()) -> Callable[..., Any]:
     """The harness ``MODULE:FUNCTION``, checked: a function of ``(client, task)``, and the ``openai``
     package it is given a client of is installed."""
