@@ -145,3 +145,17 @@ def test_pipeline_runs_on_the_broadcast_channel(ray_local, tmp_path):
         pipe.shutdown()
     assert [h["version"] for h in history] == [1, 2] and versions == [2]
     assert all(h["max_staleness"] <= cfg.rollout.alpha for h in history)
+
+
+def test_a_destroyed_channel_leaves_no_receivers_to_a_later_job_of_its_name(ray_local):
+    """A job's channel is found by name; the job's end (``destroy``) ends its coordinator, so the next job of
+    that name (a second pipeline in one process and Ray) counts its receivers from none."""
+    first = TorchBroadcastChannel("dist-reused", num_receivers=1, timeout_s=5)
+    assert ray.get(first._coordinator.join.remote("host:1:worker-a", "receiver")) == 1
+    stale = TorchBroadcastChannel("dist-reused", num_receivers=1, timeout_s=5)  # the first one's coordinator
+    with pytest.raises(ray.exceptions.RayTaskError, match="one too many"):
+        ray.get(stale._coordinator.join.remote("host:2:worker-b", "receiver"))
+    first.destroy()
+    second = TorchBroadcastChannel("dist-reused", num_receivers=1, timeout_s=5)
+    assert ray.get(second._coordinator.join.remote("host:2:worker-b", "receiver")) == 1
+    second.destroy()

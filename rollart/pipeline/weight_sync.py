@@ -256,6 +256,9 @@ class DistSync(ChannelSync):
             raise
         return int(await publishing)
 
+    def close(self) -> None:
+        self.channel.destroy()  # its coordinator goes with the pipeline: a later job of this name starts anew
+
 
 def _log_failed_publish(publishing: asyncio.Future[Any]) -> None:
     if not publishing.cancelled() and publishing.exception() is not None:

@@ -42,6 +42,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -476,3 +477,22 @@ class TorchBroadcastChannel:
         for ep in eps:
             with ep.lock:
                 ep.release()
+
+    def destroy(self) -> None:
+        """End the channel for everyone (its owner, at the end of a job): this process's part (:meth:`close`)
+        and the coordinator, whose receivers are counted, so a later channel of the same name starts with
+        none (the coordinator is found by name: without this a second job of the same name in one Ray
+        would find the first one's receivers and be refused)."""
+        self.close()
+        try:
+            ray.kill(self._coordinator, no_restart=True)
+        except Exception as err:  # already gone (its owner ended)
+            logger.debug("%r: the coordinator was already gone: %s", self, err)
+            return
+        deadline = time.monotonic() + 10.0  # the name is free once the GCS has the actor dead
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(f"rollart-weights-dist:{self.name}")
+            except ValueError:
+                return
+            time.sleep(0.05)
