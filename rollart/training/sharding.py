@@ -277,8 +277,9 @@ def row_ranges(rows: int, ranks: int) -> list[tuple[int, int]]:
 
 def _gather_rows(t: torch.Tensor, piece_bytes: int, dtype: torch.dtype | None) -> torch.Tensor | None:
     """The whole of a row-sharded DTensor as a CPU tensor on its mesh's rank 0 (None on the others): each
-    piece of at most ``piece_bytes`` is sent point to point by the ranks holding its rows into one buffer
-    on rank 0, then copied into the result. The other ranks send views of their own shards."""
+    piece of at most ``piece_bytes`` is sent point to point by the ranks holding its rows, into the result
+    itself (CPU shards) or into one piece buffer on rank 0's device, then copied into the result (GPU
+    shards, or a cast). The other ranks send views of their own shards."""
     mesh = t.device_mesh
     group, me, ranks = mesh.get_group(), mesh.get_local_rank(), mesh.size()
     local = t.to_local().detach()
@@ -292,10 +293,14 @@ def _gather_rows(t: torch.Tensor, piece_bytes: int, dtype: torch.dtype | None) -
     row_numel = t.numel() // max(rows, 1)
     step = max(1, piece_bytes // max(row_numel * t.dtype.itemsize, 1))
     out = torch.empty(tuple(t.shape), dtype=dtype or t.dtype, device="cpu") if me == 0 else None
+    # CPU shards of the same dtype are received into the result itself; else through one piece buffer
+    direct = out is not None and local.device.type == "cpu" and out.dtype == t.dtype
     buf: torch.Tensor | None = None
     for a in range(0, rows, step):
         b = min(rows, a + step)
-        if out is not None and (buf is None or buf.shape[0] != b - a):
+        if direct:
+            buf = out[a:b]  # type: ignore[index]
+        elif out is not None and (buf is None or buf.shape[0] != b - a):
             buf = torch.empty((b - a, *t.shape[1:]), dtype=t.dtype, device=local.device)
         for r, (s, e) in enumerate(ranges):
             lo, hi = max(a, s), min(b, e)
@@ -307,7 +312,7 @@ def _gather_rows(t: torch.Tensor, piece_bytes: int, dtype: torch.dtype | None) -
                 dist.recv(buf[lo - a : hi - a], group=group, group_src=r)  # type: ignore[index]
             else:
                 dist.send(local[lo - s : hi - s].contiguous(), group=group, group_dst=0)
-        if out is not None:
+        if out is not None and not direct:
             out[a:b].copy_(buf)  # type: ignore[arg-type]
     return out
 

@@ -228,9 +228,11 @@ class TorchBroadcastChannel:
         self.bucket_bytes = bucket_bytes
         self.backend = backend
         self.timeout_s = timeout_s
-        self._coordinator = _Coordinator.options(name=f"rollart-weights-dist:{name}", get_if_exists=True).remote(
-            num_receivers
-        )
+        self._coordinator = _Coordinator.options(name=self._coordinator_name, get_if_exists=True).remote(num_receivers)
+
+    @property
+    def _coordinator_name(self) -> str:
+        return f"rollart-weights-dist:{self.name}"
 
     @property
     def world_size(self) -> int:
@@ -492,7 +494,7 @@ class TorchBroadcastChannel:
         deadline = time.monotonic() + 10.0  # the name is free once the GCS has the actor dead
         while time.monotonic() < deadline:
             try:
-                ray.get_actor(f"rollart-weights-dist:{self.name}")
+                ray.get_actor(self._coordinator_name)
             except ValueError:
                 return
             time.sleep(0.05)
