@@ -230,9 +230,11 @@ class _HostCache:
     def _drop_copies(self) -> None:
         """Remove this host's relay copies of the versions it no longer caches (a copy a reader still
         holds a lease on is tried again after the next fetch)."""
-        for version in [v for v in self.copies if v not in self.shared]:
-            if self.channel.drop_copy(version, self.copies[version], self.ip):  # type: ignore[attr-defined]
-                del self.copies[version]
+        # two loads may finish at once and drop in two executor threads: each works on a snapshot, and a copy
+        # the other thread dropped meanwhile is not dropped twice
+        for version, chunks in [(v, c) for v, c in list(self.copies.items()) if v not in self.shared]:
+            if self.channel.drop_copy(version, chunks, self.ip):  # type: ignore[attr-defined]
+                self.copies.pop(version, None)
 
     def _fetch(self, version: int) -> tuple[_Shared, list[dict[str, Any]]]:
 
