@@ -190,6 +190,66 @@ def test_a_version_a_reader_touched_is_removed_once_its_lease_runs_out(own_maste
     assert time.monotonic() < deadline, f"the relay copy still held after {tries} drops"
 
 
+def _resident_pages(ranges: list[tuple[int, int]]) -> tuple[int, int]:
+    """Of the whole pages inside ``ranges`` (this process's memory): how many are resident, and how many."""
+    import ctypes
+    import mmap
+
+    from rollart.weights.segment_pages import whole_pages
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    resident = total = 0
+    for addr, size in ranges:
+        start, length = whole_pages(addr, size)
+        n = length // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * max(n, 1))()
+        assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+        resident += sum(b & 1 for b in vec[:n])
+        total += n
+    return resident, total
+
+
+def test_a_held_version_gives_its_pages_back_once_it_is_removed(own_master):
+    """A version a reader read stays in the publisher's segment past its drop (the reader's lease), while
+    newer versions take new places there; once it is removed, its pages go back to the system. Else the
+    publisher's resident memory climbs with every held version (a fast trainer with readers: +1 MB/min in
+    a soak), towards the whole segment."""
+    import json
+    import time
+
+    from rollart.weights.mooncake_channel import MooncakeChannel
+
+    channel = MooncakeChannel("pages", own_master.address, keep=2, chunk_mb=1, segment_mb=64, timeout_s=30)
+    store = channel._store()
+    state = sample_state(0)  # 1.2 MB: a chunk of 1 MiB and one of 0.2 MiB
+    channel.publish(state, 0)
+    assert same(channel.fetch(0), state)  # read: leased
+    keys = [f"{channel.prefix}/v0/chunk{i}" for i in range(2)]
+    ranges = []
+    for key in keys:
+        buf = store.get_replica_desc(key)[0].get_memory_descriptor().buffer_descriptor
+        ranges.append((buf.buffer_address, buf.size))
+    resident, total = _resident_pages(ranges)
+    assert total > 250 and resident == total  # in this process's segment, written
+
+    def doomed() -> list[int]:
+        return [v for v, _ in json.loads(store.get(f"{channel.prefix}/index"))["doomed"]]
+
+    for v in (1, 2):
+        channel.publish(state, v)
+    assert doomed() == [0]  # dropped, held by the lease
+    deadline, v = time.monotonic() + 10.0, 3
+    while 0 in doomed() and time.monotonic() < deadline:
+        channel.publish(state, v)
+        v += 1
+    assert 0 not in doomed(), "version 0 was never removed"
+    resident, total = _resident_pages(ranges)
+    # removed: its pages are back (the index, written after the removal, may take a page or two of them)
+    assert resident <= 4, f"{resident} of the {total} pages of a removed version are still resident"
+    assert same(channel.fetch(v - 1), state)  # the newest version, in the same segment, is whole
+
+
 def test_a_background_publish_owns_its_bytes_once_it_returns(master):
     """The trainer hands its live tensors to ``publish_async`` and trains on at once: the channel packs
     them into its reused buffer before returning, so later changes to those tensors never reach that

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from rollart.resource_manager.net import node_ip
+from rollart.weights import segment_pages
 from rollart.weights.mooncake_master import MooncakeUnavailable, library_fix, missing_library
 from rollart.weights.snapshot import (
     pack_into,
@@ -74,6 +75,31 @@ def _remove_keys(store: Any, keys: list[str]) -> bool:
     for, and a version a reader had touched would never be removed (each publish then retried all of
     them: measured, a publish grew from 7 to 70 ms over 1 200 versions)."""
     return all(code in (0, OBJECT_NOT_FOUND) for code in [store.remove(k) for k in keys])
+
+
+# A removed key's place in this process's segment may be handed to the next put at once: its pages are given
+# back (``segment_pages.release``) under this lock, which every put of this process also takes, so no put of
+# this process lands in a place between its removal and the release (and is zeroed by it). Another process's
+# put lands there only when its own segment is full, and readers verify every snapshot's checksum.
+_SEGMENT_LOCK = threading.Lock()
+
+
+def _own_ranges(store: Any, keys: list[str], own: dict[str, bool]) -> dict[str, tuple[int, int]]:
+    """Address and size of each of ``keys`` whose bytes sit in this process's own segment (a key not in
+    the store, or placed in another process's segment, is left out); ``own`` caches which transport
+    endpoints are this process's. Asking grants a lease on the keys."""
+    out = {}
+    for key, replicas in store.batch_get_replica_desc(keys).items():
+        for r in replicas:
+            if not r.is_memory_replica():
+                continue
+            buf = r.get_memory_descriptor().buffer_descriptor
+            endpoint = str(buf.transport_endpoint)
+            if endpoint not in own:
+                own[endpoint] = segment_pages.is_own_endpoint(endpoint)
+            if own[endpoint]:
+                out[key] = (int(buf.buffer_address), int(buf.size))
+    return out
 
 
 def _is_loopback(host: str) -> bool:
@@ -193,6 +219,10 @@ class _Publisher:
         self.pending: Future | None = None
         self.lock = threading.Lock()  # one publish of this channel at a time packs into the buffer
         self._staging = torch.empty(0, dtype=torch.uint8)
+        # where the keys of the versions waiting for a reader's lease sit in this process's segment: their
+        # pages are given back the moment each key is removed (see :mod:`~rollart.weights.segment_pages`)
+        self.held: dict[str, tuple[int, int]] = {}
+        self.own_endpoints: dict[str, bool] = {}  # transport endpoint -> whether it is this process's
 
     def staging(self, nbytes: int) -> torch.Tensor:
         """A reused buffer of at least ``nbytes`` for a streamed publish's chunk."""
@@ -291,9 +321,14 @@ class MooncakeChannel:
         from mooncake.store import ReplicateConfig
 
         store = self._store()
-        put = store.upsert if upsert else store.put
+        raw_put = store.upsert if upsert else store.put
         config = ReplicateConfig()
         config.preferred_segment = store.get_hostname()
+
+        def put(*args: Any) -> int:
+            with _SEGMENT_LOCK:
+                return int(raw_put(*args))
+
         rc = put(key, data, config)
         # an upsert can be refused while a reader's lease holds the key (e.g. ``latest`` being polled):
         # retry with a short backoff until ``timeout_s`` before calling it a failure
@@ -395,8 +430,14 @@ class MooncakeChannel:
 
         The list of published and still-to-remove versions lives in the store (``<prefix>/index``),
         not in this object: a channel reaches its publisher as a fresh copy in every remote call, and
-        a restarted trainer finds what its predecessor left behind."""
+        a restarted trainer finds what its predecessor left behind.
+
+        A version a reader holds stays past its removal, and meanwhile newer versions take new places in
+        this process's segment: so on a TCP segment the places of a held version's keys are noted when its
+        removal is first refused, and each key's pages are given back as soon as that key is removed (else
+        the resident memory would climb, publish after publish, towards the whole segment)."""
         store = self._store()
+        publisher = _Publisher.of(self.master, self.name)
         raw = store.get(f"{self.prefix}/index")
         index = json.loads(raw) if raw else {"published": [], "doomed": []}
         # publish order, not version order: a trainer restarted from an older checkpoint publishes
@@ -407,17 +448,37 @@ class MooncakeChannel:
         # oldest first, up to the first one still leased: readers read versions in order, so their leases
         # run out in that order, and the newer ones would be refused too (each refusal is a master call)
         for v, chunks in waiting:
-            if still or not self._remove_version(store, v, chunks):
+            if still or not self._remove_version(store, v, chunks, publisher):
                 still.append([v, chunks])
         # the versions dropped now are tried at once: one nobody read goes straight away
-        still += [[v, chunks] for v, chunks in published[: -self.keep] if not self._remove_version(store, v, chunks)]
+        for v, chunks in published[: -self.keep]:
+            if not self._remove_version(store, v, chunks, publisher):
+                still.append([v, chunks])
+                if self.protocol == "tcp":
+                    publisher.held.update(_own_ranges(store, self._version_keys(v, chunks), publisher.own_endpoints))
         published = published[-self.keep :]
         self._put(f"{self.prefix}/index", json.dumps({"published": published, "doomed": still}).encode(), upsert=True)
 
-    def _remove_version(self, store: Any, version: int, chunks: int) -> bool:
-        """Remove a version's manifest, then its chunks; False while a reader's lease still holds one."""
+    def _version_keys(self, version: int, chunks: int) -> list[str]:
         base = f"{self.prefix}/v{version}"
-        return _remove_keys(store, [f"{base}/manifest"] + [f"{base}/chunk{i}" for i in range(chunks)])
+        return [f"{base}/manifest"] + [f"{base}/chunk{i}" for i in range(chunks)]
+
+    def _remove_version(self, store: Any, version: int, chunks: int, publisher: _Publisher | None = None) -> bool:
+        """Remove a version's manifest, then its chunks; False while a reader's lease still holds one. The
+        pages of a key whose place was noted (``publisher.held``) go back the moment it is removed: before
+        anything else of this process is put (the master may reuse the place for the next put)."""
+        keys = self._version_keys(version, chunks)
+        if publisher is None or not publisher.held:
+            return _remove_keys(store, keys)
+        gone = True
+        for key in keys:
+            with _SEGMENT_LOCK:
+                code = store.remove(key)
+                where = publisher.held.pop(key, None) if code in (0, OBJECT_NOT_FOUND) else None
+                if code == 0 and where is not None:
+                    segment_pages.release([where])
+            gone = gone and code in (0, OBJECT_NOT_FOUND)
+        return gone
 
     def warm(self) -> None:
         """Join the store now (mount this process's segment), not on the first weight update."""
