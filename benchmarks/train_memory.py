@@ -148,14 +148,15 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out_file: str)
             torch.cuda.synchronize(device)
         _barrier()
         times.append(time.perf_counter() - t0)
+    step_peak = _peak_rss()  # read before the publish's measurement resets the peak
     publish_extra = _publish_extra_rss(worker, spec["bucket_bytes"])
     result = {
         "rank": rank,
         "publish_extra_rss": publish_extra,
         "states_bytes": _state_bytes(worker),
         "load_peak_rss": load_peak,
-        "step_peak_rss": _peak_rss(),
-        "peak_rss": max(life_peak, _peak_rss()),
+        "step_peak_rss": step_peak,
+        "peak_rss": max(life_peak, step_peak),
         "step_s": statistics.median(times),
         "peak_gpu": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }

@@ -48,5 +48,8 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir site
 .venv/bin/rollart bench history --check
 # two test processes (pytest-xdist), whole files per process so a module's cluster fixture is built once:
 # most of a test's time is spent waiting on Ray, servers and subprocesses, so two share two cores well.
+# Files are handed out in collection order (--no-loadscope-reorder: xdist would otherwise put the files with
+# fewest tests last, the longest among them), the longest files first (tests/conftest.py, SLOW_FILES_FIRST).
 # ROLLART_TEST_WORKERS=0 runs in one process; --durations lists the slowest tests at the end.
-exec .venv/bin/python -m pytest -q -n "${ROLLART_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"
+exec .venv/bin/python -m pytest -q -n "${ROLLART_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+  --durations=25 "$@"
