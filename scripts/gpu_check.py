@@ -9,6 +9,9 @@ the budget no longer fits is reported ``skipped``):
   selects CUDA, and it holds no GPU memory (``nvidia-smi``: the GPU's used memory before and after it
   starts and runs a model, and the compute processes by pid). Without a GPU: the CPU-pool half;
 - ``bench_engine``, ``bench_train_step``: ``rollart bench engine`` / ``train-step`` at the 0.5B shape;
+- ``engine_0.5b_before_after``, ``engine_1.5b_before_after``: the torch engine's decode at the 0.5B shape
+  (batch 64) and the 1.5B shape (batch 16), the static-cache engine against the dynamic-cache one it
+  replaced (``--compare``: tokens/s, fraction of the HBM roofline, speed-up);
 - ``quickstart_train_gpu``: the quickstart, train on the GPU, rollout on a CPU pool (separate pools);
 - ``quickstart_colocated``: ``pipelines/quickstart_colocated.yaml`` (train and rollout on the one GPU);
 - ``quickstart_bf16_lora``: train on the GPU with ``train.dtype: bf16``, gradient checkpointing and LoRA;
@@ -116,6 +119,13 @@ ENGINE_FIELDS = (
     "roofline_fraction",
     "bandwidth_source",
     "achieved_B_per_s",
+)
+# the engine before (dynamic cache) and after (static cache, sampling on the device, CUDA graphs), side by side
+COMPARE_FIELDS = (
+    *ENGINE_FIELDS,
+    "dynamic_decode_tokens_per_s",
+    "dynamic_roofline_fraction",
+    "speedup_vs_dynamic",
 )
 MEMORY_FIELDS = ("model", "params", "device", "batch", "seq_len", "rows")
 TRAIN_FIELDS = ("model", "device_name", "dtype", "batch", "seq_len", "tokens_per_s", "mfu", "peak_flops_source")
@@ -225,6 +235,19 @@ STEPS = [
         _quickstart(f"pools.rollout={GPU_POOL}", f"pools.train={CPU_POOL}"),
         150,
         parse=_run_summary,
+    ),
+    # last: the time budget may not fit them (--only runs them alone)
+    Step(
+        "engine_0.5b_before_after",
+        _bench("engine", ["--shape", "qwen2.5-0.5b", "--batch", "64", "--compare"], []),
+        240,
+        parse=_bench_fields(*COMPARE_FIELDS),
+    ),
+    Step(
+        "engine_1.5b_before_after",
+        _bench("engine", ["--shape", "qwen2.5-1.5b", "--batch", "16", "--compare"], []),
+        240,
+        parse=_bench_fields(*COMPARE_FIELDS),
     ),
 ]
 

@@ -19,6 +19,8 @@ GPU_STEPS = {
     "quickstart_colocated",
     "quickstart_rollout_gpu",
     "quickstart_fsdp_gpu",
+    "engine_0.5b_before_after",
+    "engine_1.5b_before_after",
 }
 
 
