@@ -70,14 +70,30 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
 
 
 def _logprobs(tokenizer: Any, choice: Choice) -> list[dict[str, Any]]:
+    """One entry per content token (special tokens left out), as OpenAI's chat ``logprobs.content``:
+    the token's text, its log-prob, its bytes and its ``top_logprobs`` (the most likely tokens of the
+    distribution it was sampled from, each ``{token, logprob, bytes}``; empty unless asked)."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     out = []
-    for t, lp in zip(choice.token_ids, choice.logprobs):
+    tops = choice.top or [[] for _ in choice.token_ids]
+    for t, lp, top in zip(choice.token_ids, choice.logprobs, tops):
         if t in special:
             continue
         text = _token_text(tokenizer, t)
-        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        alternatives = []
+        for alt, alt_lp in top:
+            alt_text = _token_text(tokenizer, alt)
+            alternatives.append({"token": alt_text, "logprob": alt_lp, "bytes": list(alt_text.encode())})
+        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alternatives})
     return out
+
+
+def _legacy_top(entry: dict[str, Any]) -> dict[str, float]:
+    """A position's ``top_logprobs`` as the legacy completions API gives it: ``{token text: log-prob}``
+    of the most likely tokens, and the sampled token's own (so up to ``logprobs + 1`` entries)."""
+    top = {alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]}
+    top.setdefault(entry["token"], entry["logprob"])
+    return top
 
 
 def build_app(
@@ -422,7 +438,7 @@ def _completion_logprobs(tok: Any, choice: Choice) -> dict[str, Any]:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": None,
+        "top_logprobs": [_legacy_top(e) for e in entries] if choice.top else None,
         "text_offset": offsets,
     }
 
@@ -535,7 +551,7 @@ async def _completion_chunks(
                         "logprobs": {
                             "tokens": [e["token"] for e in lp],
                             "token_logprobs": [e["logprob"] for e in lp],
-                            "top_logprobs": None,
+                            "top_logprobs": [_legacy_top(e) for e in lp] if c.top else None,
                             "text_offset": [0],
                         }
                         if lp

@@ -1,0 +1,197 @@
+"""The endpoint's compatibility surface with the official clients: legacy ``logprobs: N`` and chat
+``top_logprobs`` (checked against the model's own distribution), forced ``tool_choice``, the Responses
+API (``/v1/responses``) and the Anthropic Messages API (``/v1/messages``), each recorded token-exactly
+into the session's trajectory; and what stays unsupported answered 400 naming the field.
+
+Two policies: the tiny Qwen2 model on the built-in torch engine (log-probs need a real distribution),
+and the scripted engine of ``serving_fixtures`` (the test writes the reply into the conversation).
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+from serving_fixtures import ServedPolicy, build_merging_tokenizer
+
+import rollart as ra
+from rollart.engines.base import EngineRequest, SamplingParams
+from rollart.engines.sampling import process_logits
+from rollart.models import build_tiny
+from rollart.rollout.inference_worker import inference_worker_class
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "evaluate an arithmetic expression",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+
+
+def _served(tmp_path_factory, folder, engine, pool):
+    rm = ra.ResourceManager({pool: {"hardware": "H20", "devices": 1}}, store=tmp_path_factory.mktemp("s") / "m.db")
+    cluster = ra.Cluster(
+        f"infer-{pool}", inference_worker_class({"*": ["H20"]}), rm, pool=pool, worker_kwargs={"engine": engine}
+    )
+    return rm, cluster, ServedPolicy(cluster, str(folder), serving={"max_n": 2})
+
+
+@pytest.fixture(scope="module")
+def tiny(ray_local, tmp_path_factory):
+    folder = build_tiny(
+        tmp_path_factory.mktemp("tiny"), hidden_size=32, num_layers=1, intermediate_size=64, seed=4, chat=True
+    )
+    rm, cluster, policy = _served(
+        tmp_path_factory, folder, {"kind": "torch", "model": str(folder), "options": {"device": "cpu"}}, "compat-tiny"
+    )
+    yield policy
+    policy.close()
+    cluster.shutdown()
+    rm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def scripted(ray_local, tmp_path_factory):
+    folder = build_merging_tokenizer(tmp_path_factory.mktemp("tok"))
+    rm, cluster, policy = _served(
+        tmp_path_factory, folder, {"kind": "serving_fixtures:ScriptedEngine", "model": str(folder)}, "compat-scripted"
+    )
+    yield policy
+    policy.close()
+    cluster.shutdown()
+    rm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny.model_path).eval()
+
+
+def _distribution(model, ids: list[int], start: int) -> torch.Tensor:
+    """The greedy-sampling distribution (log-softmax of the raw logits) of every position from ``start``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    return process_logits(logits[start - 1 : len(ids) - 1], SamplingParams(temperature=0))
+
+
+# ---------------------------------------------------------------------- log-probs
+def test_engine_top_logprobs_are_the_sampling_distributions_top_k(tiny, model):
+    """The torch engine's top-k at temperature 0.7 / top-p 0.9 are the k largest log-probs of the very
+    distribution the sampled token's log-prob is taken from; a request that asks none gets none."""
+    from rollart.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(tiny.model_path)
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_new_tokens=5, top_logprobs=4)
+    engine.add_request(EngineRequest("top", [5, 6, 7], params))
+    engine.add_request(EngineRequest("plain", [5, 6, 7], params.model_copy(update={"top_logprobs": 0})))
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    out = outs["top"]
+    assert outs["plain"].output_top_logprobs == [] and len(out.output_top_logprobs) == len(out.output_token_ids)
+    seq = [5, 6, 7, *out.output_token_ids]
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0, 2:-1]
+    for i, (tok, lp, top) in enumerate(zip(out.output_token_ids, out.output_logprobs, out.output_top_logprobs)):
+        dist = process_logits(logits[i : i + 1], params)[0]
+        values, ids = torch.topk(dist, 4)
+        kept = [(int(t), float(v)) for t, v in zip(ids, values) if v > float("-inf")]
+        assert [t for t, _ in top] == [t for t, _ in kept]
+        assert [v for _, v in top] == pytest.approx([v for _, v in kept], abs=1e-4)
+        assert lp == pytest.approx(float(dist[tok]), abs=1e-4)  # the sampled log-prob: the same distribution
+
+
+def test_chat_top_logprobs_with_the_openai_client(tiny, model):
+    session = tiny.open_session()
+    client = tiny.client(session)
+    messages = [{"role": "user", "content": "the cat sat"}]
+    r = client.chat.completions.create(
+        model="policy", messages=messages, logprobs=True, top_logprobs=3, temperature=0, max_tokens=6
+    )
+    call = session.calls[0]
+    choice = call.choices[0]
+    # token-exact: the prompt is the template's rendering, encoded; the reply the engine's ids
+    renderer = tiny.endpoint.service.renderer
+    assert call.prompt.token_ids == renderer.prompt(messages)
+    traj = session.trajectory("t")
+    assert traj.token_ids == call.prompt.token_ids + choice.token_ids
+    assert traj.logprobs[len(call.prompt.token_ids) :] == choice.logprobs
+    tok = tiny.endpoint.service.tokenizer
+    special = set(tok.all_special_ids)
+    content = [(i, t) for i, t in enumerate(choice.token_ids) if t not in special]
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == len(content) > 0
+    dist = _distribution(model, call.prompt.token_ids + choice.token_ids, len(call.prompt.token_ids))
+    for entry, (i, t) in zip(entries, content):
+        assert len(entry.top_logprobs) == 3
+        # greedy: the most likely token is the sampled one, with the sampled token's log-prob
+        assert entry.top_logprobs[0].token == entry.token == tok.decode([t])
+        assert entry.top_logprobs[0].logprob == entry.logprob == choice.logprobs[i]
+        values, ids = torch.topk(dist[i], 3)
+        assert [a.token for a in entry.top_logprobs] == [tok.decode([int(x)]) for x in ids]
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+    # streamed: the same entries, chunk by chunk
+    stream = client.chat.completions.create(
+        model="policy", messages=messages, logprobs=True, top_logprobs=3, temperature=0, max_tokens=6, stream=True
+    )
+    streamed = [e for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, [a.token for a in e.top_logprobs]) for e in streamed] == [
+        (e.token, [a.token for a in e.top_logprobs]) for e in entries
+    ]
+    # (the second call's prompt comes from the prefix cache: the same numbers up to float rounding)
+    for got, want in zip(streamed, entries):
+        assert [a.logprob for a in got.top_logprobs] == pytest.approx([a.logprob for a in want.top_logprobs], abs=1e-4)
+
+
+def test_legacy_completions_logprobs_1_with_the_openai_client(tiny, model):
+    session = tiny.open_session()
+    client = tiny.client(session)
+    r = client.completions.create(model="policy", prompt="the cat", logprobs=1, temperature=0, max_tokens=5)
+    call = session.calls[0]
+    choice = call.choices[0]
+    tok = tiny.endpoint.service.tokenizer
+    assert call.prompt.token_ids == tok.encode("the cat", add_special_tokens=False)  # token-exact
+    assert session.trajectory("t").token_ids == call.prompt.token_ids + choice.token_ids
+    lp = r.choices[0].logprobs
+    special = set(tok.all_special_ids)
+    content = [(i, t) for i, t in enumerate(choice.token_ids) if t not in special]
+    assert lp.tokens == [tok.decode([t]) for _, t in content]
+    assert lp.token_logprobs == [choice.logprobs[i] for i, _ in content]
+    dist = _distribution(model, call.prompt.token_ids + choice.token_ids, len(call.prompt.token_ids))
+    for top, token, value, (i, _) in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs, content):
+        best = int(torch.argmax(dist[i]))
+        # the top 1 (here the sampled token, greedy), keyed by its text, as OpenAI answers logprobs: 1
+        assert top == {token: value} and tok.decode([best]) == token
+        assert value == pytest.approx(float(dist[i, best]), abs=1e-4)
+
+
+def test_top_logprobs_from_an_engine_that_has_none_is_refused(scripted):
+    with pytest.raises(openai.BadRequestError, match="does not report top log-probabilities") as err:
+        scripted.client().chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "SAY:x"}], logprobs=True, top_logprobs=2
+        )
+    assert err.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        scripted.client().chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "SAY:x"}], top_logprobs=2
+        )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("logit_bias", {"5": 1.0})],
+)
+def test_unsupported_fields_are_refused_naming_them(scripted, field, value):
+    r = httpx.post(
+        f"{scripted.endpoint.url}/v1/chat/completions",
+        json={"model": "policy", "messages": [{"role": "user", "content": "SAY:x"}], field: value},
+        headers=scripted.headers,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
