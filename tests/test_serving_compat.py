@@ -9,6 +9,8 @@ and the scripted engine of ``serving_fixtures`` (the test writes the reply into 
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -20,6 +22,7 @@ from rollart.engines.base import EngineRequest, SamplingParams
 from rollart.engines.sampling import process_logits
 from rollart.models import build_tiny
 from rollart.rollout.inference_worker import inference_worker_class
+from rollart.serving.render import _arguments_as_objects
 
 TOOLS = [
     {
@@ -195,3 +198,82 @@ def test_unsupported_fields_are_refused_naming_them(scripted, field, value):
         headers=scripted.headers,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------- forced tool choice
+def test_forced_tool_choice_is_a_call_with_its_opening_as_prompt_tokens(scripted):
+    session = scripted.open_session()
+    client = scripted.client(session)
+    tok = scripted.endpoint.service.tokenizer
+    renderer = scripted.endpoint.service.renderer
+    messages = [{"role": "user", "content": 'What is 12+7? SAY:{"expression": "12+7"}}</tool_call>'}]
+    r = client.chat.completions.create(
+        model="policy", messages=messages, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "calc"}}
+    )
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert msg.tool_calls[0].function.name == "calc"
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"expression": "12+7"}
+    call = session.calls[0]
+    prefix = '<tool_call>{"name": "calc", "arguments": '
+    # the forced opening is prompt (context) tokens after the generation prompt; the model wrote the rest
+    head = renderer.prompt(messages, TOOLS)
+    assert call.prompt.token_ids == head + tok.encode(prefix, add_special_tokens=False)
+    reply = call.choices[0].token_ids
+    assert reply == [*tok.encode('{"expression": "12+7"}}</tool_call>', add_special_tokens=False), tok.eos_token_id]
+    # the whole is the template's rendering of the conversation with that call
+    done = [*messages, {"role": "assistant", "content": "", "tool_calls": [msg.tool_calls[0].model_dump()]}]
+    rendered = renderer.render(_arguments_as_objects(done), generation_prompt=False, tools=TOOLS)
+    assert tok.decode(call.prompt.token_ids + reply, skip_special_tokens=False) == rendered.removesuffix("\n")
+
+    messages += [msg, {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "19 SAY:It is 19."}]
+    r2 = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+    assert r2.choices[0].message.content == "It is 19." and session.calls[1].parent == (0, 0)
+    traj = session.trajectory("t")
+    assert traj.token_ids == session.calls[1].prompt.token_ids + session.calls[1].choices[0].token_ids
+    (s1, e1), (s2, e2) = traj.turns
+    assert traj.token_ids[s1:e1] == reply and e1 - s1 == len(reply)
+    assert traj.loss_mask[len(head) : s1] == [0] * (s1 - len(head))  # the forced opening does not train
+    assert sum(traj.loss_mask) == (e1 - s1) + (e2 - s2)
+
+
+def test_required_tool_choice_lets_the_model_name_the_tool(scripted):
+    session = scripted.open_session()
+    tools = [*TOOLS, {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+    r = scripted.client(session).chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": 'SAY:search", "arguments": {"q": "x"}}</tool_call>'}],
+        tools=tools,
+        tool_choice="required",
+    )
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "search" and json.loads(call.function.arguments) == {"q": "x"}
+    tok = scripted.endpoint.service.tokenizer
+    assert session.calls[0].prompt.token_ids[-len(tok.encode('<tool_call>{"name": "', add_special_tokens=False)) :] == (
+        tok.encode('<tool_call>{"name": "', add_special_tokens=False)
+    )
+
+
+def test_forcing_a_call_with_a_template_that_cannot_is_refused(scripted):
+    from rollart.rollout.chat import ChatTemplateError
+    from rollart.serving.render import CHATML_TOOLS_TEMPLATE, ChatRenderer
+
+    # a template that opens an assistant turn with tool calls differently from its generation prompt
+    odd = CHATML_TOOLS_TEMPLATE.replace(
+        "<|im_start|>{{ m['role'] }}\n",
+        "<|im_start|>{{ m['role'] }}{% if m['tool_calls'] is defined and m['tool_calls'] %} calls{% endif %}\n",
+    )
+    renderer = ChatRenderer(scripted.endpoint.service.tokenizer, odd)
+    with pytest.raises(ChatTemplateError, match="tool_choice"):
+        renderer.forced_call_prefix([{"role": "user", "content": "x"}], TOOLS, "calc")
+    r = httpx.post(
+        f"{scripted.endpoint.url}/v1/chat/completions",
+        json={
+            "model": "policy",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+        headers=scripted.headers,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice" and "nope" in r.text

@@ -216,9 +216,10 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs and not self.logprobs:
             return APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            return APIError(
-                400, "tool_choice: only 'auto' and 'none' are supported (no constrained decoding)", param="tool_choice"
-            )
+            try:
+                self.forced_tool()
+            except APIError as err:
+                return err
         if self.response_format is not None and self.response_format.type != "text":
             return APIError(
                 400,
@@ -232,6 +233,29 @@ class ChatCompletionRequest(_Sampling):
                 param="messages",
             )
         return None
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """``(forced, name)``: whether ``tool_choice`` forces a call (``"required"`` or one function),
+        and the function it names (None: the model picks among the tools)."""
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return False, None
+        names = [t.function.name for t in self.tools or []]
+        if not names:
+            raise APIError(400, f"tool_choice: {choice!r} forces a tool call; give the tools", param="tool_choice")
+        if choice == "required":
+            return True, names[0] if len(names) == 1 else None
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(
+                400,
+                "tool_choice: give 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                param="tool_choice",
+            )
+        if name not in names:
+            raise APIError(400, f"tool_choice: {name!r} is not one of the tools {names}", param="tool_choice")
+        return True, name
 
     def top_wanted(self) -> int:
         """Top log-probs per token the reply lists (0: none)."""

@@ -175,8 +175,16 @@ class PolicyService:
         except ChatTemplateError as err:
             raise APIError(400, str(err), param="messages") from None
         trace.add_context(ids)
+        forced, name = body.forced_tool()
+        prefix = ""
+        if forced and tools:  # the call's opening is part of the prompt: the model writes the rest
+            try:
+                prefix = await self.offload(renderer.forced_call_prefix, messages, tools, name, size=chars)
+            except ChatTemplateError as err:
+                raise APIError(400, str(err), param="tool_choice") from None
+            trace.add_context(await self.offload(self._encode, prefix, size=len(prefix)))
         parse = self.tool_parser if tools else None
-        return await self._run(body, session, "chat", (tools_key, keys), trace, parent, parse)
+        return await self._run(body, session, "chat", (tools_key, keys), trace, parent, parse, prefix)
 
     async def complete(self, body: CompletionRequest, session: Session | None) -> Result:
         self._check(body, body.max_tokens)
@@ -211,7 +219,7 @@ class PolicyService:
             trace.add_context(await self.offload(self._encode, text[covered:], size=len(text) - covered))
             if not trace.token_ids:
                 raise APIError(400, "prompt is empty", param="prompt")
-        return await self._run(body, session, "completion", key, trace, parent, None)
+        return await self._run(body, session, "completion", key, trace, parent, None, "")
 
     async def offload(self, fn: Callable[..., T], *args: Any, size: int | None = None, tokens: int = 0) -> T:
         """``fn(*args)`` in the endpoint's tokenizer thread, so that rendering, tokenising and
@@ -307,6 +315,7 @@ class PolicyService:
         trace: TokenTrace,
         parent: tuple[int, int] | None,
         parse: ToolParser | None,
+        forced: str,
     ) -> Result:
         prompt = list(trace.token_ids)
         sampling = self._sampling(body, len(prompt))
@@ -361,7 +370,7 @@ class PolicyService:
                 param=param,
             )
         choices = await self.offload(
-            lambda: [self._choice(i, out, body.stop or [], parse) for i, out in enumerate(outs)],
+            lambda: [self._choice(i, out, body.stop or [], parse, forced) for i, out in enumerate(outs)],
             size=0,
             tokens=sum(len(o.output_token_ids) for o in outs),
         )
@@ -387,7 +396,11 @@ class PolicyService:
         served = [v for o in outs for v in o.token_versions]
         return Result(choices, len(prompt), max(served, default=version))
 
-    def _choice(self, index: int, out: GenerateOutput, stops: list[str], parse: ToolParser | None) -> Choice:
+    def _choice(
+        self, index: int, out: GenerateOutput, stops: list[str], parse: ToolParser | None, forced: str = ""
+    ) -> Choice:
+        """One reply: cut at its first stop sequence, its tool calls parsed. ``forced``: the opening of a
+        forced tool call that ended the prompt (parsed with the reply; content if it does not parse)."""
         ids, lps, top = list(out.output_token_ids), list(out.output_logprobs), list(out.output_top_logprobs)
         reason = out.finish_reason or "stop"
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -400,6 +413,8 @@ class PolicyService:
             ids, lps, top = ids[:k], lps[:k], top[:k]
             text, reason = text[:cut], "stop"
         calls: list[tuple[str, ParsedCall]] = []
+        if forced:
+            text = forced + text
         if parse is not None:
             content, parsed = parse(text)
             if parsed:
