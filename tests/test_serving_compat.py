@@ -277,3 +277,84 @@ def test_forcing_a_call_with_a_template_that_cannot_is_refused(scripted):
         headers=scripted.headers,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice" and "nope" in r.text
+
+
+# ---------------------------------------------------------------------- /v1/responses
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": "calc",
+        "description": "evaluate an arithmetic expression",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+    }
+]
+CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "12+7"}}</tool_call>'
+
+
+def _check_continued(session, n_calls: int) -> None:
+    """Each call continued the one before: its prompt is the previous prompt + the reply's ids + new
+    tokens, and the trajectory is the last prompt + its reply, the replies' ids training."""
+    calls = session.calls
+    assert len(calls) == n_calls and [c.parent for c in calls] == [None, *((i, 0) for i in range(n_calls - 1))]
+    for prev, nxt in zip(calls, calls[1:]):
+        head = prev.prompt.token_ids + prev.choices[0].token_ids
+        assert nxt.prompt.token_ids[: len(head)] == head
+    traj = session.trajectory("t")
+    assert traj.token_ids == calls[-1].prompt.token_ids + calls[-1].choices[0].token_ids
+    assert [traj.token_ids[s:e] for s, e in traj.turns] == [c.choices[0].token_ids for c in calls]
+    assert sum(traj.loss_mask) == sum(len(c.choices[0].token_ids) for c in calls)
+
+
+def test_responses_multi_turn_with_a_tool_via_previous_response_id(scripted):
+    session = scripted.open_session()
+    client = scripted.client(session)
+    r1 = client.responses.create(
+        model="policy", instructions="Use the calculator.", input=f"What is 12+7? SAY:{CALL}", tools=RESPONSES_TOOLS
+    )
+    [fc] = [item for item in r1.output if item.type == "function_call"]
+    assert fc.name == "calc" and json.loads(fc.arguments) == {"expression": "12+7"} and r1.status == "completed"
+    r2 = client.responses.create(
+        model="policy",
+        instructions="Use the calculator.",
+        previous_response_id=r1.id,
+        input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "19 SAY:SPLIT:It is 19"}],
+        tools=RESPONSES_TOOLS,
+    )
+    assert r2.output_text == "It is 19"
+    r3 = client.responses.create(
+        model="policy",
+        instructions="Use the calculator.",
+        previous_response_id=r2.id,
+        input="Thanks. SAY:ok done",
+        tools=RESPONSES_TOOLS,
+    )
+    assert r3.output_text == "ok done" and r3.usage.output_tokens == len(session.calls[2].choices[0].token_ids)
+    _check_continued(session, 3)
+    # token-exact: the first prompt is the chat rendering of the same conversation
+    renderer = scripted.endpoint.service.renderer
+    first = [
+        {"role": "system", "content": "Use the calculator."},
+        {"role": "user", "content": f"What is 12+7? SAY:{CALL}"},
+    ]
+    tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in RESPONSES_TOOLS]
+    assert session.calls[0].prompt.token_ids == renderer.prompt(first, tools)
+
+
+def test_responses_multi_turn_with_input_items(scripted):
+    """The same conversation sent whole each time, the output items repeated as input items."""
+    session = scripted.open_session()
+    client = scripted.client(session)
+    items: list = [{"role": "user", "content": [{"type": "input_text", "text": f"SAY:{CALL}"}]}]
+    r1 = client.responses.create(model="policy", input=items, tools=RESPONSES_TOOLS)
+    fc = r1.output[0]
+    items += [o.model_dump(exclude_none=True) for o in r1.output]
+    items.append({"type": "function_call_output", "call_id": fc.call_id, "output": "19 SAY:done"})
+    r2 = client.responses.create(model="policy", input=items, tools=RESPONSES_TOOLS)
+    assert r2.output_text == "done"
+    _check_continued(session, 2)
+    with pytest.raises(openai.NotFoundError, match="previous_response_id"):  # a response of another session
+        scripted.client(scripted.open_session()).responses.create(
+            model="policy", previous_response_id=r2.id, input="SAY:x"
+        )
+    with pytest.raises(openai.BadRequestError, match="reasoning"):
+        client.responses.create(model="policy", input="SAY:x", reasoning={"effort": "high"})

@@ -32,7 +32,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,7 +42,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollart.serving.detok import pieces
+from rollart.serving.messages import MessagesRequest, message_body, stream_events
+from rollart.serving.messages import to_chat as messages_to_chat
 from rollart.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, completion_id, now
+from rollart.serving.responses import ResponsesRequest, ResponseStore, reply_message, response_body
+from rollart.serving.responses import to_chat as responses_to_chat
 from rollart.serving.service import Choice, PolicyService, Result
 from rollart.serving.sessions import Session, SessionStore
 
@@ -119,6 +123,8 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if request.url.path.endswith("/v1/messages"):  # Anthropic's error shape too: {"type": "error", "error": ...}
+            return JSONResponse({"type": "error", **exc.body()}, status_code=exc.status, headers=exc.headers())
         return error(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -145,7 +151,9 @@ def build_app(
             return
         given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+        if scheme.lower() != "bearer":  # an anthropic client sends the token as x-api-key
+            scheme, value = "bearer", request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(value.strip().encode(), token.encode()):
             raise APIError(
                 401,
                 "missing or wrong bearer token (the job's token: the api_key of an openai client)",
@@ -247,6 +255,59 @@ def build_app(
         authorize(request)
         return await completion(request, session_of(session_id, request))
 
+    # ------------------------------------------------------------------ /v1/responses, /v1/messages
+    stored = ResponseStore()
+
+    async def respond(request: Request, session: Session | None) -> Any:
+        body: ResponsesRequest = await body_of(request, ResponsesRequest)
+        check_ready()
+        err = body.unsupported()
+        if err is not None:
+            raise err
+        sid = session.id if session is not None else None
+        history = stored.get(body.previous_response_id, sid) if body.previous_response_id else []
+        chat_body, conversation = await service.offload(responses_to_chat, body, history)
+        result = await service.chat(chat_body, session)
+        choice = result.choices[0]
+        rid = completion_id("resp")
+        stored.put(rid, sid, [*conversation, reply_message(choice)])
+        return JSONResponse(response_body(rid, service.model, body, result, choice))
+
+    async def message(request: Request, session: Session | None) -> Any:
+        body: MessagesRequest = await body_of(request, MessagesRequest)
+        check_ready()
+        err = body.unsupported()
+        if err is not None:
+            raise err
+        chat_body = await service.offload(messages_to_chat, body)
+        result = await service.chat(chat_body, session)
+        choice = result.choices[0]
+        if not body.stream:
+            return JSONResponse(message_body(service.model, result, choice))
+        split = await service.offload(_split, tok, result, False, True, size=0, tokens=_tokens(result))
+        texts = [text for text, _ in split[choice.index]]
+        return _named_sse(stream_events(service.model, result, choice, texts))
+
+    @app.post("/v1/responses")
+    async def responses_plain(request: Request) -> Any:
+        authorize(request)
+        return await respond(request, None)
+
+    @app.post("/sessions/{session_id}/v1/responses")
+    async def responses_session(session_id: str, request: Request) -> Any:
+        authorize(request)
+        return await respond(request, session_of(session_id, request))
+
+    @app.post("/v1/messages")
+    async def messages_plain(request: Request) -> Any:
+        authorize(request)
+        return await message(request, None)
+
+    @app.post("/sessions/{session_id}/v1/messages")
+    async def messages_session(session_id: str, request: Request) -> Any:
+        authorize(request)
+        return await message(request, session_of(session_id, request))
+
     # ------------------------------------------------------------------ sessions
     @app.post("/sessions")
     async def open_session(request: Request) -> dict[str, Any]:
@@ -311,6 +372,7 @@ def build_app(
         public=("/healthz",),
         read_timeout_s=read_timeout_s,
         error=guard_error,
+        token_headers=("x-api-key",),
     )
     return app
 
@@ -452,6 +514,18 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
             if n % 32 == 0:  # a write that does not fill the socket's buffer never yields: let others run
                 await asyncio.sleep(0)
         yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _named_sse(events: Iterator[tuple[str, dict[str, Any]]]) -> StreamingResponse:
+    """Server-sent events with names (``event: NAME``), as the Anthropic API streams."""
+
+    async def body() -> AsyncIterator[bytes]:
+        for n, (name, data) in enumerate(events, start=1):
+            yield f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+            if n % 32 == 0:
+                await asyncio.sleep(0)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
