@@ -358,3 +358,99 @@ def test_responses_multi_turn_with_input_items(scripted):
         )
     with pytest.raises(openai.BadRequestError, match="reasoning"):
         client.responses.create(model="policy", input="SAY:x", reasoning={"effort": "high"})
+
+
+# ---------------------------------------------------------------------- /v1/messages (Anthropic)
+ANTHROPIC_TOOLS = [
+    {
+        "name": "calc",
+        "description": "evaluate an arithmetic expression",
+        "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}},
+    }
+]
+
+
+def _anthropic(policy, session=None, **kwargs):
+    import anthropic
+
+    base = f"{policy.endpoint.url}/sessions/{session.id}" if session is not None else policy.endpoint.url
+    return anthropic.Anthropic(base_url=base, api_key=policy.endpoint.token, max_retries=0, **kwargs)
+
+
+def test_anthropic_two_turn_tool_use(scripted):
+    session = scripted.open_session()
+    client = _anthropic(scripted, session)
+    messages: list = [{"role": "user", "content": f"What is 12+7? SAY:{CALL}"}]
+    m1 = client.messages.create(
+        model="policy", max_tokens=64, system="Use the calculator.", messages=messages, tools=ANTHROPIC_TOOLS
+    )
+    assert m1.stop_reason == "tool_use"
+    [use] = [b for b in m1.content if b.type == "tool_use"]
+    assert use.name == "calc" and use.input == {"expression": "12+7"}
+    messages += [
+        {"role": "assistant", "content": m1.content},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "19 SAY:SPLIT:It is 19"}],
+        },
+    ]
+    m2 = client.messages.create(
+        model="policy", max_tokens=64, system="Use the calculator.", messages=messages, tools=ANTHROPIC_TOOLS
+    )
+    assert m2.stop_reason == "end_turn" and [b.text for b in m2.content] == ["It is 19"]
+    assert m2.usage.output_tokens == len(session.calls[1].choices[0].token_ids)
+    _check_continued(session, 2)
+    renderer = scripted.endpoint.service.renderer
+    first = [{"role": "system", "content": "Use the calculator."}, messages[0]]
+    tools = [
+        {
+            "type": "function",
+            "function": {**{k: v for k, v in t.items() if k != "input_schema"}, "parameters": t["input_schema"]},
+        }
+        for t in ANTHROPIC_TOOLS
+    ]
+    assert session.calls[0].prompt.token_ids == renderer.prompt(first, tools)  # token-exact
+
+
+def test_anthropic_streaming_and_errors(scripted):
+    session = scripted.open_session()
+    client = _anthropic(scripted, session)
+    with client.messages.stream(
+        model="policy", max_tokens=64, messages=[{"role": "user", "content": "SAY:hello world"}]
+    ) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == "hello world" and final.stop_reason == "end_turn"
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert {"content_block_start", "content_block_delta", "content_block_stop", "message_delta"} <= set(events)
+    tok = scripted.endpoint.service.tokenizer
+    assert session.calls[0].choices[0].token_ids == [
+        *tok.encode("hello world", add_special_tokens=False),
+        tok.eos_token_id,
+    ]
+    assert (
+        session.trajectory("t").token_ids == session.calls[0].prompt.token_ids + session.calls[0].choices[0].token_ids
+    )
+    # a streamed tool call: a tool_use block whose input arrives as JSON deltas
+    with client.messages.stream(
+        model="policy", max_tokens=64, messages=[{"role": "user", "content": f"SAY:{CALL}"}], tools=ANTHROPIC_TOOLS
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[-1].input == {"expression": "12+7"}
+
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError, match="top_k"):
+        client.messages.create(
+            model="policy", max_tokens=8, extra_body={"top_k": 5}, messages=[{"role": "user", "content": "x"}]
+        )
+    with pytest.raises(anthropic.BadRequestError, match="image"):
+        client.messages.create(
+            model="policy",
+            max_tokens=8,
+            messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}],
+        )
+    with pytest.raises(anthropic.AuthenticationError):
+        _anthropic(scripted, session).with_options(api_key="wrong-token-0123456789").messages.create(
+            model="policy", max_tokens=8, messages=[{"role": "user", "content": "x"}]
+        )
