@@ -1,5 +1,7 @@
 """The OpenAI-compatible endpoint (FastAPI): ``/v1/models``, ``/v1/chat/completions``,
-``/v1/completions``, each also under a session's base URL ``/sessions/{id}/v1``.
+``/v1/completions``, ``/v1/responses`` (OpenAI's Responses API, :mod:`rollart.serving.responses`) and
+``/v1/messages`` (Anthropic's Messages API, :mod:`rollart.serving.messages`), each also under a
+session's base URL ``/sessions/{id}/v1``. The last two are served as chat calls.
 
 Sessions: an episode's calls go to its own base URL, ``http://HOST:PORT/sessions/{id}/v1`` — the
 ``base_url`` of an ``openai`` client, so a harness needs no change beyond it. Calls there are recorded
@@ -11,11 +13,12 @@ shows it (``?trajectory=true``: the token-exact trajectory), ``POST /sessions/{i
 Guards, in the order a request meets them: connections over ``max_connections`` (503) and headers not
 sent within ``read_timeout_s`` (408) (:mod:`rollart.reward.http_server`); bearer token compared in
 constant time from the headers alone, before any body byte is read (401; the per-job token, the
-``api_key`` of an ``openai`` client); body size (413) and a body not sent within ``read_timeout_s``
+``api_key`` of an ``openai`` client, or as ``x-api-key`` that of an ``anthropic`` client); body size (413) and a body not sent within ``read_timeout_s``
 (408) (:class:`~rollart.reward.http_guard.RequestGuard`); session (404), JSON that does not
 parse (400), schema (422), what the endpoint cannot honour (400, naming the field), model name (404),
 calls in flight (429 + ``Retry-After``), no inference worker (503 + ``Retry-After``). Every error is
-an OpenAI error object ``{"error": {"message", "type", "param", "code"}}``.
+an OpenAI error object ``{"error": {"message", "type", "param", "code"}}`` (on ``/v1/messages`` with
+Anthropic's ``"type": "error"`` beside it).
 
 Bodies are parsed, and replies built, in the service's tokenizer thread (the loop is the driver's); a
 string holding a lone surrogate is a 400 naming its field; an unexpected failure is a JSON 500.
