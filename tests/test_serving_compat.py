@@ -360,6 +360,26 @@ def test_responses_multi_turn_with_input_items(scripted):
         client.responses.create(model="policy", input="SAY:x", reasoning={"effort": "high"})
 
 
+def test_responses_streamed(scripted):
+    session = scripted.open_session()
+    client = scripted.client(session)
+    with client.responses.stream(model="policy", input=f"SAY:{CALL}", tools=RESPONSES_TOOLS) as stream:
+        kinds = [e.type for e in stream]
+        r1 = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in kinds
+    [fc] = r1.output
+    assert fc.type == "function_call" and json.loads(fc.arguments) == {"expression": "12+7"}
+    output = {"type": "function_call_output", "call_id": fc.call_id, "output": "19 SAY:SPLIT:It is 19"}
+    with client.responses.stream(
+        model="policy", previous_response_id=r1.id, input=[output], tools=RESPONSES_TOOLS
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        r2 = stream.get_final_response()
+    assert "".join(deltas) == r2.output_text == "It is 19" and len(deltas) == len("It is 19")
+    _check_continued(session, 2)
+
+
 # ---------------------------------------------------------------------- /v1/messages (Anthropic)
 ANTHROPIC_TOOLS = [
     {

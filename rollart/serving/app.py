@@ -49,6 +49,7 @@ from rollart.serving.messages import MessagesRequest, message_body, stream_event
 from rollart.serving.messages import to_chat as messages_to_chat
 from rollart.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, completion_id, now
 from rollart.serving.responses import ResponsesRequest, ResponseStore, reply_message, response_body
+from rollart.serving.responses import stream_events as responses_events
 from rollart.serving.responses import to_chat as responses_to_chat
 from rollart.serving.service import Choice, PolicyService, Result
 from rollart.serving.sessions import Session, SessionStore
@@ -274,7 +275,11 @@ def build_app(
         choice = result.choices[0]
         rid = completion_id("resp")
         stored.put(rid, sid, [*conversation, reply_message(choice)])
-        return JSONResponse(response_body(rid, service.model, body, result, choice))
+        reply = response_body(rid, service.model, body, result, choice)
+        if not body.stream:
+            return JSONResponse(reply)
+        split = await service.offload(_split, tok, result, False, True, size=0, tokens=_tokens(result))
+        return _named_sse(responses_events(reply, [text for text, _ in split[choice.index]]))
 
     async def message(request: Request, session: Session | None) -> Any:
         body: MessagesRequest = await body_of(request, MessagesRequest)

@@ -14,12 +14,18 @@ The reply (:func:`response_body`) has a ``message`` item with the content (``out
 its output; not its instructions, as OpenAI does) is kept in a bounded store
 (:class:`ResponseStore`) for ``previous_response_id``; a response of a session continues only in that
 session. Fields the endpoint cannot honour (reasoning, a structured text format, ``include``,
-``truncation: auto``, ``top_logprobs``, streaming) are refused with a 400 naming them.
+``truncation: auto``, ``top_logprobs``) are refused with a 400 naming them.
+
+``stream: true`` answers the Responses events (:func:`stream_events`: ``response.created``,
+``response.in_progress``, per output item ``response.output_item.added`` ... ``response.output_item.done``
+with the text deltas or function-call argument deltas between, ``response.completed``) once the
+generation ends, as chat streams.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -74,8 +80,6 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = None
 
     def unsupported(self) -> APIError | None:
-        if self.stream:
-            return APIError(400, "stream: streaming /v1/responses is not supported; leave stream unset", param="stream")
         if self.reasoning:
             return APIError(400, "reasoning is not supported by this endpoint; leave it unset", param="reasoning")
         fmt = (self.text or {}).get("format") or {"type": "text"}
@@ -276,3 +280,38 @@ def response_body(
             "total_tokens": result.prompt_tokens + completion,
         },
     }
+
+
+def stream_events(response: dict[str, Any], pieces: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(event type, data)`` of a streamed response; ``pieces``: the message's text, one piece per token."""
+    seq = iter(range(1 << 62))
+    opening = {**response, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+
+    def event(kind: str, **data: Any) -> tuple[str, dict[str, Any]]:
+        return kind, {"type": kind, "sequence_number": next(seq), **data}
+
+    yield event("response.created", response=opening)
+    yield event("response.in_progress", response=opening)
+    for index, item in enumerate(response["output"]):
+        at = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            yield event(
+                "response.output_item.added", output_index=index, item={**item, "status": "in_progress", "content": []}
+            )
+            part = item["content"][0]
+            yield event("response.content_part.added", **at, content_index=0, part={**part, "text": ""})
+            for piece in pieces:
+                yield event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=[])
+            yield event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[])
+            yield event("response.content_part.done", **at, content_index=0, part=part)
+        else:
+            yield event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "status": "in_progress", "arguments": ""},
+            )
+            yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            yield event("response.function_call_arguments.done", **at, arguments=item["arguments"], name=item["name"])
+        yield event("response.output_item.done", output_index=index, item=item)
+    done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+    yield event(done, response=response)
