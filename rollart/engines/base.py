@@ -12,7 +12,10 @@ the engine's weights — and ``wake_up(weights, version)`` takes it again, loadi
 
 Behaviour logprobs: ``output_logprobs[i]`` is ``log p(token_i)`` under the distribution the token was
 actually sampled from — the model's logits divided by the temperature, then restricted by top-k and
-top-p and renormalised (greedy decoding reports the log-softmax of the raw logits).
+top-p and renormalised (greedy decoding reports the log-softmax of the raw logits). A request with
+``top_logprobs = k > 0`` also gets ``output_top_logprobs[i]``: the ``k`` most likely tokens of that same
+distribution at position ``i`` as ``(token, log-prob)``, most likely first (tokens of probability zero
+left out); an engine that cannot report them leaves the list empty.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class SamplingParams(ConfigModel):
     """Seed of the per-request sampling streams: the same config and seed give the same samples; null: unseeded."""
     logprobs: bool = True
     """Return the log-probabilities of the sampled tokens (the behaviour log-probs the losses need)."""
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    """Also return, per generated token, the log-probs of this many most likely tokens (of the distribution the
+    sampled token's log-prob is taken from); 0: none (no cost)."""
 
 
 @dataclass
@@ -62,6 +68,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with params.top_logprobs
     finished: bool = False
     finish_reason: Literal["stop", "length", "abort"] | None = None
     weight_version: int = 0

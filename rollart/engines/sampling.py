@@ -11,6 +11,11 @@ the host: a request with a seed from its own ``torch.Generator`` (so what it sam
 on the other rows of the batch, nor on the device), an unseeded one from torch's global generator.
 The token is the first whose cumulative probability (in vocabulary order, float64) exceeds
 ``u · total``, never a token of probability zero.
+
+Top log-probs (:func:`sample_rows_top`, for requests with ``top_logprobs > 0``): the ``k`` largest
+log-probs of the same distribution the sampled token's log-prob is taken from, so under greedy
+decoding the first of them is the sampled token's. Tokens the distribution gives probability zero
+(cut by top-k or top-p) are never listed, so a row may list fewer than ``k``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 
 from rollart.engines.base import SamplingParams
 
-__all__ = ["RowSampling", "process_logits", "sample_rows", "uniform_draws"]
+__all__ = ["RowSampling", "process_logits", "sample_rows", "sample_rows_top", "top_logprobs", "uniform_draws"]
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -75,13 +80,43 @@ def uniform_draws(generators: Sequence[torch.Generator | None], greedy: Sequence
 def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], u: Sequence[float]) -> torch.Tensor:
     """Sample one token per row of ``logits [R, V]`` (any device): ``[2, R]`` float64 on the host,
     the tokens and their behaviour log-probs (one device-to-host copy of ``2 · R`` numbers)."""
+    return _sample(logits, rows, u, 0)[0]
+
+
+def sample_rows_top(
+    logits: torch.Tensor, rows: Sequence[RowSampling], u: Sequence[float], top: int
+) -> tuple[torch.Tensor, list[list[tuple[int, float]]]]:
+    """:func:`sample_rows` and, per row, the ``top`` most likely tokens of the distribution it sampled
+    from: ``[(token, log-prob), ...]`` most likely first (only tokens of nonzero probability)."""
+    picks, top_lp = _sample(logits, rows, u, top)
+    assert top_lp is not None
+    return picks, top_lp
+
+
+def top_logprobs(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """The ``k`` largest entries of each row of log-probs ``[R, V]`` as ``(token, log-prob)`` lists,
+    most likely first; entries of probability zero (``-inf``) left out. One copy to the host."""
+    k = min(k, logp.shape[-1])
+    values, ids = torch.topk(logp.float(), k, dim=-1)
+    both = torch.stack([ids.double(), values.double()]).cpu()
+    out = []
+    for r in range(both.shape[1]):
+        out.append([(int(t), float(v)) for t, v in zip(both[0, r].tolist(), both[1, r].tolist()) if v != float("-inf")])
+    return out
+
+
+def _sample(
+    logits: torch.Tensor, rows: Sequence[RowSampling], u: Sequence[float], top: int
+) -> tuple[torch.Tensor, list[list[tuple[int, float]]] | None]:
     vocab = logits.shape[-1]
     dev = logits.device
     x = logits.float()
     if all(r.greedy for r in rows):  # the common case of rollouts that decode greedily: two reductions
         tok = torch.argmax(x, dim=-1)
-        lp = x.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
-        return torch.stack([tok.double(), lp.double()]).cpu()
+        norm = torch.logsumexp(x, dim=-1)
+        lp = x.gather(-1, tok[:, None]).squeeze(-1) - norm
+        listed = top_logprobs(x - norm[:, None], top) if top > 0 else None
+        return torch.stack([tok.double(), lp.double()]).cpu(), listed
     host = torch.tensor(
         [
             [r.temperature if not r.greedy else 1.0 for r in rows],
@@ -107,4 +142,5 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], u: Sequence[f
     drawn = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=vocab - 1)
     tok = torch.where(greedy, torch.argmax(logp, dim=-1), drawn)
     lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-    return torch.stack([tok.double(), lp.double()]).cpu()
+    listed = top_logprobs(logp, top) if top > 0 else None
+    return torch.stack([tok.double(), lp.double()]).cpu(), listed

@@ -10,7 +10,8 @@ e.g. ``"H800"``; ``"auto"`` in a config means the worker's own hardware) the ste
 device's roofline instead: compute-bound prefill, bandwidth-bound decode of the weights plus the KV
 cache of every running sequence. Each token is a
 deterministic function of the previous token and the position, so a resumed request continues the
-same sequence.
+same sequence. Its log-prob is always -1.0; asked for top log-probs it lists the emitted token
+first, then the next token ids at -2.0, -3.0, ... (made up: there is no model).
 
 Batching follows a paged-KV engine (vLLM's scheduler): requests wait in arrival order and join the
 running batch while ``max_batch_size`` and ``kv_capacity_tokens`` allow (``"auto"``: what the
@@ -182,8 +183,12 @@ class SimulatedEngine(InferenceEngine):
         finished = []
         for rid in active:
             req, out, target = self._requests[rid]
-            out.output_token_ids.append(self._token(req, out))
+            tok = self._token(req, out)
+            out.output_token_ids.append(tok)
             out.output_logprobs.append(-1.0)
+            if req.params.top_logprobs:  # a made-up distribution whose most likely token is the one emitted
+                k = min(req.params.top_logprobs, self.vocab_size)
+                out.output_top_logprobs.append([((tok + j) % self.vocab_size, -1.0 - j) for j in range(k)])
             if len(out.output_token_ids) >= target:
                 out.finished = True
                 out.finish_reason = "stop" if target < req.params.max_new_tokens else "length"

@@ -38,7 +38,7 @@ from rollart.engines.base import (
     InferenceEngine,
     RequestOutput,
 )
-from rollart.engines.sampling import process_logits
+from rollart.engines.sampling import process_logits, top_logprobs
 from rollart.models.kv_cache import cache_kwargs, output_cache
 
 log = logging.getLogger(__name__)
@@ -236,11 +236,13 @@ class DynamicCacheTorchEngine(InferenceEngine):
         self._running.extend(joining)
         return logits
 
-    def _sample(self, batch: list[_Running], logits: torch.Tensor) -> list[tuple[int, float]]:
-        """(token, behaviour logprob) per row. Rows sharing settings are processed together; a seeded row
-        draws its one uniform number from its own generator (inverse-CDF sampling), so what it samples
-        does not depend on the other rows of the batch."""
-        picks: list[tuple[int, float]] = [(0, 0.0)] * len(batch)
+    def _sample(
+        self, batch: list[_Running], logits: torch.Tensor
+    ) -> list[tuple[int, float, list[tuple[int, float]] | None]]:
+        """(token, behaviour logprob, top log-probs when asked) per row. Rows sharing settings are
+        processed together; a seeded row draws its one uniform number from its own generator (inverse-CDF
+        sampling), so what it samples does not depend on the other rows of the batch."""
+        picks: list[tuple[int, float, list[tuple[int, float]] | None]] = [(0, 0.0, None)] * len(batch)
         shared: dict[tuple, list[int]] = {}
         for row, run in enumerate(batch):
             p = run.request.params
@@ -264,8 +266,11 @@ class DynamicCacheTorchEngine(InferenceEngine):
                     idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(-1)
                     toks[seeded] = idx.clamp(max=probs.shape[-1] - 1)
             chosen = logp.gather(-1, toks[:, None]).squeeze(-1)
-            for row, tok, lp in zip(rows, toks.tolist(), chosen.tolist()):
-                picks[row] = (int(tok), float(lp))
+            top = max(batch[row].request.params.top_logprobs for row in rows)
+            listed = top_logprobs(logp, top) if top else [None] * len(rows)
+            for row, tok, lp, best in zip(rows, toks.tolist(), chosen.tolist(), listed):
+                k = batch[row].request.params.top_logprobs
+                picks[row] = (int(tok), float(lp), best[:k] if best is not None and k else None)
         return picks
 
     @torch.inference_mode()
@@ -290,11 +295,13 @@ class DynamicCacheTorchEngine(InferenceEngine):
         batch = self._running
         finished = []
         keep: list[int] = []
-        for i, (run, (tok, lp)) in enumerate(zip(batch, self._sample(batch, logits.cpu()))):
+        for i, (run, (tok, lp, best)) in enumerate(zip(batch, self._sample(batch, logits.cpu()))):
             params = run.request.params
             out = run.output
             out.output_token_ids.append(tok)
             out.output_logprobs.append(lp)
+            if best is not None:
+                out.output_top_logprobs.append(best)
             if tok in params.stop_token_ids:
                 out.finished, out.finish_reason = True, "stop"
             elif len(out.output_token_ids) >= params.max_new_tokens:

@@ -49,7 +49,7 @@ from rollart.engines.base import (
 )
 from rollart.engines.decode_graphs import DecodeGraphs
 from rollart.engines.prefix_cache import PrefixCache
-from rollart.engines.sampling import RowSampling, process_logits, sample_rows, uniform_draws
+from rollart.engines.sampling import RowSampling, process_logits, sample_rows, sample_rows_top, uniform_draws
 from rollart.engines.torch_dynamic import DynamicCacheTorchEngine
 from rollart.engines.torch_options import STATIC_ONLY
 from rollart.models.decoder import StaticDecoder, static_config_unsupported
@@ -388,12 +388,20 @@ class TorchEngine(InferenceEngine):
         rows = batch + [j.run for j in joins]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         greedy = [r.sampling.greedy for r in rows]
-        picks = sample_rows(logits, [r.sampling for r in rows], uniform_draws([r.generator for r in rows], greedy))
+        draws = uniform_draws([r.generator for r in rows], greedy)
+        top = max(r.request.params.top_logprobs for r in rows)
+        listed: list[list[tuple[int, float]]] | None = None
+        if top:  # only a step with a request that asks pays for the top-k
+            picks, listed = sample_rows_top(logits, [r.sampling for r in rows], draws, top)
+        else:
+            picks = sample_rows(logits, [r.sampling for r in rows], draws)
         finished = []
-        for run, tok, lp in zip(rows, picks[0].long().tolist(), picks[1].tolist()):
+        for i, (run, tok, lp) in enumerate(zip(rows, picks[0].long().tolist(), picks[1].tolist())):
             params, out = run.request.params, run.output
             out.output_token_ids.append(tok)
             out.output_logprobs.append(lp)
+            if listed is not None and params.top_logprobs:
+                out.output_top_logprobs.append(listed[i][: params.top_logprobs])
             if tok in params.stop_token_ids:
                 out.finished, out.finish_reason = True, "stop"
             elif len(out.output_token_ids) >= params.max_new_tokens:

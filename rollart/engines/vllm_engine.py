@@ -9,7 +9,8 @@ so the inference worker's command loop keeps control between steps exactly as wi
   tokens generated so far;
 - behaviour logprobs: ``logprobs_mode="processed_logprobs"`` — the log-probability of each sampled
   token under the distribution it was sampled from (after temperature, top-k, top-p), the same
-  definition as :mod:`rollart.engines.base`;
+  definition as :mod:`rollart.engines.base`; a request with ``top_logprobs = k`` asks vLLM for
+  ``logprobs=k`` (its top ``k`` of that same distribution, by rank);
 - ``update_weights`` checks names and shapes against the model's Hugging Face checkpoint (a bad
   state dict is refused and the old weights keep serving), loads through vLLM's in-place ``reload_weights``
   (checkpoint names; q/k/v and gate/up are fused and CPU kernels repacked there) and drops the prefix cache;
@@ -139,6 +140,7 @@ class VLLMEngine(InferenceEngine):
         self._engine = LLMEngine.from_engine_args(args)
         self._prompts: dict[str, list[int]] = {}
         self._partial: dict[str, RequestOutput] = {}
+        self._top: dict[str, int] = {}  # request id -> top log-probs asked
         self.weight_version = 0
         self.sleep_level = 0
         self._freed: int | None = None
@@ -156,7 +158,7 @@ class VLLMEngine(InferenceEngine):
             stop_token_ids=list(p.stop_token_ids),
             ignore_eos=True,
             seed=p.seed,
-            logprobs=0 if p.logprobs else None,
+            logprobs=p.top_logprobs if p.logprobs or p.top_logprobs else None,
             skip_special_tokens=False,
             detokenize=False,
         )
@@ -170,6 +172,8 @@ class VLLMEngine(InferenceEngine):
         sampling = self._sampling(request)  # a refused request leaves nothing behind
         self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), sampling)
         self._prompts[rid] = list(request.prompt_token_ids)
+        if request.params.top_logprobs:
+            self._top[rid] = request.params.top_logprobs
         self._partial[rid] = RequestOutput(
             request_id=rid, prompt_token_ids=list(request.prompt_token_ids), weight_version=self.weight_version
         )
@@ -177,6 +181,7 @@ class VLLMEngine(InferenceEngine):
     def abort(self, request_id: str) -> RequestOutput | None:
         out = self._partial.pop(request_id, None)
         self._prompts.pop(request_id, None)
+        self._top.pop(request_id, None)
         if out is None:
             return None
         self._engine.abort_request([request_id])
@@ -193,12 +198,16 @@ class VLLMEngine(InferenceEngine):
             out.output_token_ids = list(seq.token_ids)
             if seq.logprobs is not None:
                 out.output_logprobs = [float(d[t].logprob) for d, t in zip(seq.logprobs, seq.token_ids)]
+                k = self._top.get(o.request_id, 0)
+                if k:
+                    out.output_top_logprobs = [_top_k(d, k) for d in seq.logprobs]
             if o.finished:
                 out.finished = True
                 out.finish_reason = _FINISH.get(seq.finish_reason or "", "stop")  # type: ignore[assignment]
                 finished.append(out)
                 self._partial.pop(o.request_id, None)
                 self._prompts.pop(o.request_id, None)
+                self._top.pop(o.request_id, None)
         return finished
 
     def has_unfinished(self) -> bool:
@@ -287,6 +296,13 @@ class VLLMEngine(InferenceEngine):
             frees_memory=self.frees_memory,
             freed_bytes=self._freed,
         )
+
+
+def _top_k(logprobs: Mapping[int, Any], k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely tokens of one position of vLLM's answer (its top-``k`` by rank, plus the
+    sampled token when it ranks lower), most likely first; tokens of probability zero left out."""
+    ranked = sorted(((int(getattr(v, "rank", 0) or 0), int(t), float(v.logprob)) for t, v in logprobs.items()))
+    return [(t, lp) for rank, t, lp in ranked if rank <= k and lp != float("-inf")][:k]
 
 
 def _kv_cache_bytes(worker: Any) -> int:

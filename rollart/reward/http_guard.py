@@ -204,7 +204,8 @@ class RequestGuard:
        closing the connection (a slow body cannot hold the server).
 
     ``error(status, message)`` makes the response body (the service's own error format);
-    ``on_reject(path)`` is told of each 401 (metrics)."""
+    ``on_reject(path)`` is told of each 401 (metrics); ``token_headers``: headers that carry the token
+    as it is, where no ``Authorization: Bearer`` header does (``x-api-key``)."""
 
     def __init__(
         self,
@@ -216,8 +217,10 @@ class RequestGuard:
         read_timeout_s: float | None = None,
         error: Callable[[int, str], bytes] = json_detail,
         on_reject: Callable[[str], None] | None = None,
+        token_headers: Collection[str] = (),
     ):
         self.app, self.limit = app, limit
+        self.token_headers = [h.lower().encode() for h in token_headers]
         self.auth = auth if auth is not None and auth.enabled else None
         self.public = frozenset(public)
         self.read_timeout_s = read_timeout_s
@@ -229,7 +232,11 @@ class RequestGuard:
             return
         headers = dict(scope.get("headers") or [])
         if self.auth is not None and scope.get("path") not in self.public:
-            accepted, _ = self.auth.identify(bearer_token(headers.get(b"authorization")))
+            given = bearer_token(headers.get(b"authorization"))
+            for name in self.token_headers:  # e.g. x-api-key, where an Anthropic client sends its key
+                if given is None and headers.get(name, b"").strip():
+                    given = headers[name].strip()
+            accepted, _ = self.auth.identify(given)
             if not accepted:
                 if self.on_reject is not None:
                     self.on_reject(str(scope.get("path", "")))

@@ -244,6 +244,7 @@ class InferenceWorker(Worker):
             return
         tokens = list(out.output_token_ids) if out is not None else []
         logprobs = list(out.output_logprobs) if out is not None else []
+        top = list(out.output_top_logprobs) if out is not None else []
         reason = out.finish_reason if out is not None and not preempted else "abort"
         if preempted:
             self.stats["preempted"] += 1
@@ -257,6 +258,7 @@ class InferenceWorker(Worker):
                 request_id=rid,
                 output_token_ids=tokens,
                 output_logprobs=logprobs,
+                output_top_logprobs=top,
                 token_versions=[pending.version] * len(tokens),
                 finish_reason=reason or "abort",
                 hardware=self.hardware,

@@ -28,6 +28,7 @@ class GenerateOutput(BaseModel):
     request_id: str
     output_token_ids: list[int] = Field(default_factory=list)
     output_logprobs: list[float] = Field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = Field(default_factory=list)  # sampling.top_logprobs > 0
     token_versions: list[int] = Field(default_factory=list)
     finish_reason: FinishReason | None = None
     hardware: str = ""
@@ -40,6 +41,7 @@ class GenerateOutput(BaseModel):
             request_id=self.request_id,
             output_token_ids=self.output_token_ids + more.output_token_ids,
             output_logprobs=self.output_logprobs + more.output_logprobs,
+            output_top_logprobs=self.output_top_logprobs + more.output_top_logprobs,
             token_versions=self.token_versions + more.token_versions,
             finish_reason=more.finish_reason,
             hardware=more.hardware,

@@ -1,5 +1,7 @@
 """The OpenAI-compatible endpoint (FastAPI): ``/v1/models``, ``/v1/chat/completions``,
-``/v1/completions``, each also under a session's base URL ``/sessions/{id}/v1``.
+``/v1/completions``, ``/v1/responses`` (OpenAI's Responses API, :mod:`rollart.serving.responses`) and
+``/v1/messages`` (Anthropic's Messages API, :mod:`rollart.serving.messages`), each also under a
+session's base URL ``/sessions/{id}/v1``. The last two are served as chat calls.
 
 Sessions: an episode's calls go to its own base URL, ``http://HOST:PORT/sessions/{id}/v1`` — the
 ``base_url`` of an ``openai`` client, so a harness needs no change beyond it. Calls there are recorded
@@ -11,11 +13,12 @@ shows it (``?trajectory=true``: the token-exact trajectory), ``POST /sessions/{i
 Guards, in the order a request meets them: connections over ``max_connections`` (503) and headers not
 sent within ``read_timeout_s`` (408) (:mod:`rollart.reward.http_server`); bearer token compared in
 constant time from the headers alone, before any body byte is read (401; the per-job token, the
-``api_key`` of an ``openai`` client); body size (413) and a body not sent within ``read_timeout_s``
+``api_key`` of an ``openai`` client, or as ``x-api-key`` that of an ``anthropic`` client); body size (413) and a body not sent within ``read_timeout_s``
 (408) (:class:`~rollart.reward.http_guard.RequestGuard`); session (404), JSON that does not
 parse (400), schema (422), what the endpoint cannot honour (400, naming the field), model name (404),
 calls in flight (429 + ``Retry-After``), no inference worker (503 + ``Retry-After``). Every error is
-an OpenAI error object ``{"error": {"message", "type", "param", "code"}}``.
+an OpenAI error object ``{"error": {"message", "type", "param", "code"}}`` (on ``/v1/messages`` with
+Anthropic's ``"type": "error"`` beside it).
 
 Bodies are parsed, and replies built, in the service's tokenizer thread (the loop is the driver's); a
 string holding a lone surrogate is a 400 naming its field; an unexpected failure is a JSON 500.
@@ -32,7 +35,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,7 +45,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollart.serving.detok import pieces
+from rollart.serving.messages import MessagesRequest, message_body, stream_events
+from rollart.serving.messages import to_chat as messages_to_chat
 from rollart.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, completion_id, now
+from rollart.serving.responses import ResponsesRequest, ResponseStore, reply_message, response_body
+from rollart.serving.responses import stream_events as responses_events
+from rollart.serving.responses import to_chat as responses_to_chat
 from rollart.serving.service import Choice, PolicyService, Result
 from rollart.serving.sessions import Session, SessionStore
 
@@ -70,14 +78,30 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
 
 
 def _logprobs(tokenizer: Any, choice: Choice) -> list[dict[str, Any]]:
+    """One entry per content token (special tokens left out), as OpenAI's chat ``logprobs.content``:
+    the token's text, its log-prob, its bytes and its ``top_logprobs`` (the most likely tokens of the
+    distribution it was sampled from, each ``{token, logprob, bytes}``; empty unless asked)."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     out = []
-    for t, lp in zip(choice.token_ids, choice.logprobs):
+    tops = choice.top or [[] for _ in choice.token_ids]
+    for t, lp, top in zip(choice.token_ids, choice.logprobs, tops):
         if t in special:
             continue
         text = _token_text(tokenizer, t)
-        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        alternatives = []
+        for alt, alt_lp in top:
+            alt_text = _token_text(tokenizer, alt)
+            alternatives.append({"token": alt_text, "logprob": alt_lp, "bytes": list(alt_text.encode())})
+        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alternatives})
     return out
+
+
+def _legacy_top(entry: dict[str, Any]) -> dict[str, float]:
+    """A position's ``top_logprobs`` as the legacy completions API gives it: ``{token text: log-prob}``
+    of the most likely tokens, and the sampled token's own (so up to ``logprobs + 1`` entries)."""
+    top = {alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]}
+    top.setdefault(entry["token"], entry["logprob"])
+    return top
 
 
 def build_app(
@@ -103,6 +127,8 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if request.url.path.endswith("/v1/messages"):  # Anthropic's error shape too: {"type": "error", "error": ...}
+            return JSONResponse({"type": "error", **exc.body()}, status_code=exc.status, headers=exc.headers())
         return error(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -129,7 +155,9 @@ def build_app(
             return
         given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+        if scheme.lower() != "bearer":  # an anthropic client sends the token as x-api-key
+            scheme, value = "bearer", request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(value.strip().encode(), token.encode()):
             raise APIError(
                 401,
                 "missing or wrong bearer token (the job's token: the api_key of an openai client)",
@@ -231,6 +259,63 @@ def build_app(
         authorize(request)
         return await completion(request, session_of(session_id, request))
 
+    # ------------------------------------------------------------------ /v1/responses, /v1/messages
+    stored = ResponseStore()
+
+    async def respond(request: Request, session: Session | None) -> Any:
+        body: ResponsesRequest = await body_of(request, ResponsesRequest)
+        check_ready()
+        err = body.unsupported()
+        if err is not None:
+            raise err
+        sid = session.id if session is not None else None
+        history = stored.get(body.previous_response_id, sid) if body.previous_response_id else []
+        chat_body, conversation = await service.offload(responses_to_chat, body, history)
+        result = await service.chat(chat_body, session)
+        choice = result.choices[0]
+        rid = completion_id("resp")
+        stored.put(rid, sid, [*conversation, reply_message(choice)])
+        reply = response_body(rid, service.model, body, result, choice)
+        if not body.stream:
+            return JSONResponse(reply)
+        split = await service.offload(_split, tok, result, False, True, size=0, tokens=_tokens(result))
+        return _named_sse(responses_events(reply, [text for text, _ in split[choice.index]]))
+
+    async def message(request: Request, session: Session | None) -> Any:
+        body: MessagesRequest = await body_of(request, MessagesRequest)
+        check_ready()
+        err = body.unsupported()
+        if err is not None:
+            raise err
+        chat_body = await service.offload(messages_to_chat, body)
+        result = await service.chat(chat_body, session)
+        choice = result.choices[0]
+        if not body.stream:
+            return JSONResponse(message_body(service.model, result, choice))
+        split = await service.offload(_split, tok, result, False, True, size=0, tokens=_tokens(result))
+        texts = [text for text, _ in split[choice.index]]
+        return _named_sse(stream_events(service.model, result, choice, texts))
+
+    @app.post("/v1/responses")
+    async def responses_plain(request: Request) -> Any:
+        authorize(request)
+        return await respond(request, None)
+
+    @app.post("/sessions/{session_id}/v1/responses")
+    async def responses_session(session_id: str, request: Request) -> Any:
+        authorize(request)
+        return await respond(request, session_of(session_id, request))
+
+    @app.post("/v1/messages")
+    async def messages_plain(request: Request) -> Any:
+        authorize(request)
+        return await message(request, None)
+
+    @app.post("/sessions/{session_id}/v1/messages")
+    async def messages_session(session_id: str, request: Request) -> Any:
+        authorize(request)
+        return await message(request, session_of(session_id, request))
+
     # ------------------------------------------------------------------ sessions
     @app.post("/sessions")
     async def open_session(request: Request) -> dict[str, Any]:
@@ -295,6 +380,7 @@ def build_app(
         public=("/healthz",),
         read_timeout_s=read_timeout_s,
         error=guard_error,
+        token_headers=("x-api-key",),
     )
     return app
 
@@ -422,7 +508,7 @@ def _completion_logprobs(tok: Any, choice: Choice) -> dict[str, Any]:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": None,
+        "top_logprobs": [_legacy_top(e) for e in entries] if choice.top else None,
         "text_offset": offsets,
     }
 
@@ -436,6 +522,18 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
             if n % 32 == 0:  # a write that does not fill the socket's buffer never yields: let others run
                 await asyncio.sleep(0)
         yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _named_sse(events: Iterator[tuple[str, dict[str, Any]]]) -> StreamingResponse:
+    """Server-sent events with names (``event: NAME``), as the Anthropic API streams."""
+
+    async def body() -> AsyncIterator[bytes]:
+        for n, (name, data) in enumerate(events, start=1):
+            yield f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+            if n % 32 == 0:
+                await asyncio.sleep(0)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -535,7 +633,7 @@ async def _completion_chunks(
                         "logprobs": {
                             "tokens": [e["token"] for e in lp],
                             "token_logprobs": [e["logprob"] for e in lp],
-                            "top_logprobs": None,
+                            "top_logprobs": [_legacy_top(e) for e in lp] if c.top else None,
                             "text_offset": [0],
                         }
                         if lp

@@ -1,8 +1,7 @@
 """The OpenAI wire format the endpoint speaks: request bodies (validated), response bodies, errors.
 
 Only what the endpoint implements is accepted: a field the policy cannot honour (a penalty, a logit
-bias, a forced tool choice, top log-probabilities) is refused with a 400 naming it, never ignored; an
-unknown field is a 422. Fields clients send that change nothing here (``user``, ``metadata``,
+bias, a response format) is refused with a 400 naming it, never ignored; an unknown field is a 422. Fields clients send that change nothing here (``user``, ``metadata``,
 ``store``, ``parallel_tool_calls``) are accepted.
 """
 
@@ -214,17 +213,13 @@ class ChatCompletionRequest(_Sampling):
         err = super().unsupported()
         if err is not None:
             return err
-        if self.top_logprobs:
-            return APIError(
-                400,
-                "top_logprobs is not supported: the engine reports the log-probability of the sampled token only "
-                "(logprobs: true, top_logprobs: 0)",
-                param="top_logprobs",
-            )
+        if self.top_logprobs and not self.logprobs:
+            return APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            return APIError(
-                400, "tool_choice: only 'auto' and 'none' are supported (no constrained decoding)", param="tool_choice"
-            )
+            try:
+                self.forced_tool()
+            except APIError as err:
+                return err
         if self.response_format is not None and self.response_format.type != "text":
             return APIError(
                 400,
@@ -239,6 +234,33 @@ class ChatCompletionRequest(_Sampling):
             )
         return None
 
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """``(forced, name)``: whether ``tool_choice`` forces a call (``"required"`` or one function),
+        and the function it names (None: the model picks among the tools)."""
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return False, None
+        names = [t.function.name for t in self.tools or []]
+        if not names:
+            raise APIError(400, f"tool_choice: {choice!r} forces a tool call; give the tools", param="tool_choice")
+        if choice == "required":
+            return True, names[0] if len(names) == 1 else None
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(
+                400,
+                "tool_choice: give 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                param="tool_choice",
+            )
+        if name not in names:
+            raise APIError(400, f"tool_choice: {name!r} is not one of the tools {names}", param="tool_choice")
+        return True, name
+
+    def top_wanted(self) -> int:
+        """Top log-probs per token the reply lists (0: none)."""
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -251,12 +273,6 @@ class CompletionRequest(_Sampling):
         err = super().unsupported()
         if err is not None:
             return err
-        if self.logprobs:
-            return APIError(
-                400,
-                "logprobs > 0 is not supported: only the sampled token's log-probability (logprobs: 0)",
-                param="logprobs",
-            )
         if self.echo:
             return APIError(400, "echo is not supported", param="echo")
         if self.suffix:
@@ -264,6 +280,9 @@ class CompletionRequest(_Sampling):
         if self.best_of not in (None, 1):
             return APIError(400, "best_of is not supported; use n", param="best_of")
         return None
+
+    def top_wanted(self) -> int:
+        return self.logprobs or 0
 
 
 def completion_id(prefix: str) -> str:

@@ -94,6 +94,43 @@ class ChatRenderer(ChatFormat):
     ) -> list[int]:
         return self.encode(self.continuation_text(generated_ids, messages, tools))
 
+    def forced_call_prefix(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], name: str | None) -> str:
+        """The opening of an assistant tool call, as the template renders one, that follows the
+        generation prompt when a call is forced: up to the arguments of ``name`` (the model writes the
+        arguments and the rest), or up to the function's name when ``name`` is None (the model picks the
+        tool). Found by rendering a call with marker values; a template whose rendering of a tool call
+        does not continue its generation prompt, or that does not write the name and arguments as
+        given, cannot force a call exactly: :class:`ChatTemplateError`."""
+        msgs = _arguments_as_objects(messages)
+        head = self.render(msgs, generation_prompt=True, tools=tools)
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": name or _NAME_MARK, "arguments": {_ARGS_MARK: 0}},
+        }
+        full = self.render(
+            [*msgs, {"role": "assistant", "content": "", "tool_calls": [call]}], generation_prompt=False, tools=tools
+        )
+        tail = full[len(head) :] if full.startswith(head) else ""
+        if name is None:
+            cut = tail.find(_NAME_MARK)
+        else:
+            marker = tail.find(_ARGS_MARK)
+            cut = tail.rfind("{", 0, marker) if marker >= 0 else -1
+            if cut >= 0 and name not in tail[:cut]:
+                cut = -1
+        if cut <= 0:
+            raise ChatTemplateError(
+                "tool_choice: this chat template does not render an assistant tool call as a continuation of its "
+                "generation prompt with the name and arguments as given, so a call cannot be forced exactly; use "
+                "tool_choice 'auto' (or a template that renders tool calls that way)"
+            )
+        return tail[:cut]
+
+
+_NAME_MARK = "rollart_forced_name_0"
+_ARGS_MARK = "rollart_forced_arguments_0"
+
 
 def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Tool-call arguments as objects (Hugging Face templates render them with ``tojson``), not the JSON

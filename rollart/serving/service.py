@@ -82,6 +82,8 @@ class Choice:
     text: str  # the content (without a stop sequence or special tokens)
     finish_reason: str
     tool_calls: list[tuple[str, ParsedCall]] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, with top log-probs asked
+    stop: str | None = None  # the stop sequence the reply ended at
 
 
 @dataclass
@@ -173,8 +175,16 @@ class PolicyService:
         except ChatTemplateError as err:
             raise APIError(400, str(err), param="messages") from None
         trace.add_context(ids)
+        forced, name = body.forced_tool()
+        prefix = ""
+        if forced and tools:  # the call's opening is part of the prompt: the model writes the rest
+            try:
+                prefix = await self.offload(renderer.forced_call_prefix, messages, tools, name, size=chars)
+            except ChatTemplateError as err:
+                raise APIError(400, str(err), param="tool_choice") from None
+            trace.add_context(await self.offload(self._encode, prefix, size=len(prefix)))
         parse = self.tool_parser if tools else None
-        return await self._run(body, session, "chat", (tools_key, keys), trace, parent, parse)
+        return await self._run(body, session, "chat", (tools_key, keys), trace, parent, parse, prefix)
 
     async def complete(self, body: CompletionRequest, session: Session | None) -> Result:
         self._check(body, body.max_tokens)
@@ -209,7 +219,7 @@ class PolicyService:
             trace.add_context(await self.offload(self._encode, text[covered:], size=len(text) - covered))
             if not trace.token_ids:
                 raise APIError(400, "prompt is empty", param="prompt")
-        return await self._run(body, session, "completion", key, trace, parent, None)
+        return await self._run(body, session, "completion", key, trace, parent, None, "")
 
     async def offload(self, fn: Callable[..., T], *args: Any, size: int | None = None, tokens: int = 0) -> T:
         """``fn(*args)`` in the endpoint's tokenizer thread, so that rendering, tokenising and
@@ -281,7 +291,13 @@ class PolicyService:
             if len(ids) == 1 and ids[0] not in stops:
                 stops.append(ids[0])
         # the request's seed, else none: a run's seed (sampling.seed) seeds each session's calls instead
-        update: dict[str, Any] = {"max_new_tokens": budget, "stop_token_ids": stops, "logprobs": True, "seed": None}
+        update: dict[str, Any] = {
+            "max_new_tokens": budget,
+            "stop_token_ids": stops,
+            "logprobs": True,
+            "seed": None,
+            "top_logprobs": body.top_wanted() if hasattr(body, "top_wanted") else 0,
+        }
         if body.temperature is not None:
             update["temperature"] = body.temperature
         if body.top_p is not None:
@@ -299,6 +315,7 @@ class PolicyService:
         trace: TokenTrace,
         parent: tuple[int, int] | None,
         parse: ToolParser | None,
+        forced: str,
     ) -> Result:
         prompt = list(trace.token_ids)
         sampling = self._sampling(body, len(prompt))
@@ -344,8 +361,16 @@ class PolicyService:
         if any(o.finish_reason == "abort" for o in outs):
             why = session.ended if session is not None and session.ended else "aborted"
             raise APIError(404, f"the call was aborted: its session ended ({why})", code="session_closed")
+        if sampling.top_logprobs and any(len(o.output_top_logprobs) != len(o.output_token_ids) for o in outs):
+            param = "top_logprobs" if kind == "chat" else "logprobs"
+            raise APIError(
+                400,
+                f"{param}: the engine serving this policy does not report top log-probabilities (the torch, vllm "
+                "and simulated engines do); ask for the sampled token's only",
+                param=param,
+            )
         choices = await self.offload(
-            lambda: [self._choice(i, out, body.stop or [], parse) for i, out in enumerate(outs)],
+            lambda: [self._choice(i, out, body.stop or [], parse, forced) for i, out in enumerate(outs)],
             size=0,
             tokens=sum(len(o.output_token_ids) for o in outs),
         )
@@ -371,24 +396,31 @@ class PolicyService:
         served = [v for o in outs for v in o.token_versions]
         return Result(choices, len(prompt), max(served, default=version))
 
-    def _choice(self, index: int, out: GenerateOutput, stops: list[str], parse: ToolParser | None) -> Choice:
-        ids, lps = list(out.output_token_ids), list(out.output_logprobs)
+    def _choice(
+        self, index: int, out: GenerateOutput, stops: list[str], parse: ToolParser | None, forced: str = ""
+    ) -> Choice:
+        """One reply: cut at its first stop sequence, its tool calls parsed. ``forced``: the opening of a
+        forced tool call that ended the prompt (parsed with the reply; content if it does not parse)."""
+        ids, lps, top = list(out.output_token_ids), list(out.output_logprobs), list(out.output_top_logprobs)
         reason = out.finish_reason or "stop"
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         hit = [text.find(s) for s in stops if s in text]
+        stop: str | None = None
         if hit:  # the reply ends at the first stop sequence: its tokens up to the one that completes it
             cut = min(hit)
             stop = next(s for s in stops if text.find(s) == cut)
             k = cut_after(self.tokenizer, ids, cut + len(stop))  # linear: no decoding of every prefix
-            ids, lps = ids[:k], lps[:k]
+            ids, lps, top = ids[:k], lps[:k], top[:k]
             text, reason = text[:cut], "stop"
         calls: list[tuple[str, ParsedCall]] = []
+        if forced:
+            text = forced + text
         if parse is not None:
             content, parsed = parse(text)
             if parsed:
                 calls = [(call_id(), c) for c in parsed]
                 text, reason = content or "", "tool_calls"
-        return Choice(index, ids, lps, text, reason, calls)
+        return Choice(index, ids, lps, text, reason, calls, top, stop)
 
     @staticmethod
     def _reply_key(kind: str, choice: Choice) -> Any:
