@@ -211,6 +211,38 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def mappings_mb(pid: int, min_mb: float = 1.0) -> dict[str, float] | None:
+    """Resident memory of ``pid`` by mapping, in MB, for what holds at least ``min_mb``: a file's mappings
+    together under its path, the heap and stacks under their names, an anonymous mapping under its start
+    address and size (``"[anon] 0x7f... 256M"``: the Mooncake segment, glibc's arenas, torch's large
+    blocks), plus ``"[anon] all"`` and ``"[anon] count"``. None when the process is gone."""
+    out: dict[str, float] = {}
+    label = ""
+    anon_total = 0.0
+    anon_count = 0
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=6)
+                if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+                    lo, hi = (int(x, 16) for x in head[0].split("-"))
+                    path = head[5].strip() if len(head) > 5 else ""
+                    label = path or f"[anon] {lo:#x} {(hi - lo) >> 20}M"
+                    if not path:
+                        anon_count += 1
+                elif head[0] == "Rss:":
+                    mb = int(head[1]) / 1024.0
+                    out[label] = out.get(label, 0.0) + mb
+                    if label.startswith("[anon] 0x"):
+                        anon_total += mb
+    except OSError:
+        return None
+    kept = {k: round(v, 2) for k, v in out.items() if v >= min_mb}
+    kept["[anon] all"] = round(anon_total, 2)
+    kept["[anon] count"] = float(anon_count)
+    return kept
+
+
 def make_pipeline(
     cfg: Any,
     plan: dict[int, str],
@@ -265,6 +297,8 @@ def make_pipeline(
                 mb = rss_mb(pid)
                 if mb is not None:
                     record["rss"].setdefault(f"{name}:{pid}", []).append((t, mb))
+                if name.startswith("train") and (maps := mappings_mb(pid)) is not None:  # where a rank grows
+                    record["mappings"].setdefault(f"{name}:{pid}", []).append((t, maps))
             if snapshots is not None and not snapshots and tracemalloc.is_tracing() and t >= snapshot_after_s:
                 snapshots.append(tracemalloc.take_snapshot())
                 record["tracemalloc_baseline_s"] = t
@@ -401,6 +435,7 @@ def driver_main(argv: list[str]) -> int:
         "rewards_mismatch": 0,
         "unverifiable": 0,
         "rss": {},
+        "mappings": {},
         "env_hangs": 0,
         "env_slow_s": 0.0,
     }

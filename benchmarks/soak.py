@@ -81,6 +81,19 @@ def slopes(rss: dict[str, list[tuple[float, float]]], span_s: float) -> dict[str
     return out
 
 
+def mapping_growth(mappings: dict[str, list[tuple[float, dict[str, float]]]], top: int = 8) -> dict[str, Any]:
+    """Per train rank sampled at least 3 times, the mappings whose resident memory changed most from its
+    second sample (after start-up) to its last: ``{process: {mapping: [first MB, last MB]}}``."""
+    out: dict[str, Any] = {}
+    for name, series in sorted(mappings.items()):
+        if len(series) < 3:
+            continue
+        first, last = series[1][1], series[-1][1]
+        changed = sorted(set(first) | set(last), key=lambda k: -abs(last.get(k, 0.0) - first.get(k, 0.0)))
+        out[name] = {k: [first.get(k, 0.0), last.get(k, 0.0)] for k in changed[:top]}
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from rollart.testing import skip_reason, start_hosts, three_hosts
 
@@ -133,6 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ledger": led,
         "faults": res["faults"],
         "rss": per_proc,
+        # where each train rank's memory went: its mappings that changed most (chaos.mappings_mb)
+        "train mappings changed": mapping_growth(res.get("mappings", {})),
     }
     files = [str(out / "soak.json")]
     if res.get("allocation_growth"):
