@@ -92,7 +92,17 @@ class TrainConfig(ConfigModel):
     grad_clip: float | None = 1.0
     """Clip the gradient norm to this value; null: no clipping."""
     max_tokens_per_microbatch: int = Field(default=16384, gt=0)
-    """Token budget of one micro-batch (rows are packed up to it; gradients accumulate over micro-batches)."""
+    """Token budget of one micro-batch; gradients accumulate over micro-batches. Packed (`packing`), the rows'
+    lengths sum to at most this; padded, rows x the longest row does. A row longer than the budget gets a
+    micro-batch of its own.
+    """
+    packing: bool | None = None
+    """Padding-free training: the rows of a micro-batch run as one sequence, each attending only to itself
+    (per-row positions, a block-diagonal causal mask), so no position is padding; log-probs, entropies, the loss
+    and its gradients are those of the padded passes. Null: on with `strategy: torch` for Llama-family models
+    (Llama, Qwen2, Qwen3, Mistral without a sliding window), else off; `false` keeps the padded passes. With
+    `prefix_sharing`, each step runs whichever of the two lays out fewer positions.
+    """
     loss: str = "ppo"
     """The policy loss: `ppo`, `decoupled_ppo`, `tis`, `cispo`, `topr`, `weighted_topr`, `dis`, a name registered
     with `@register_loss`, or `MODULE:FUNC`.
@@ -207,6 +217,7 @@ class TrainConfig(ConfigModel):
                 ("sharding", self.sharding != "ddp"),
                 ("tensor_parallel", self.tensor_parallel > 1),
                 ("offload", self.offload != "none"),
+                ("packing", self.packing is True),
             ):
                 if value:
                     raise ValueError(
