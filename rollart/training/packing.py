@@ -181,11 +181,12 @@ def packed_attention(
         out = _varlen_cuda(query, key, value, kwargs, scaling)
         if out is not None:
             return out, None
+    # one split per tensor (its backward is one concatenation; slicing per row would zero-fill a full-size
+    # gradient per row and per tensor)
+    sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     parts = [
-        sdpa_attention_forward(
-            module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout, scaling, is_causal=True
-        )[0]
-        for s, e in zip(bounds[:-1], bounds[1:])
+        sdpa_attention_forward(module, q, k, v, None, dropout, scaling, is_causal=True)[0]
+        for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))
     ]
     return torch.cat(parts, dim=1), None
 
