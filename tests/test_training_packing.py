@@ -1,6 +1,7 @@
 """Padding-free (packed) training, in-process on the tiny model (fp32, CPU): the packed passes give the
 padded passes' log-probs, entropies, losses, gradients and updated weights on batches of mixed lengths
-(5..60 tokens) with micro-batching active; micro-batches are formed by a token budget; a model or strategy
+(5..60 tokens) with micro-batching active (also with the recomputed proximal log-probs, a KL term to the
+reference, gradient checkpointing and LoRA); micro-batches are formed by a token budget; a model or strategy
 that cannot pack is refused by name (or, unasked, trains padded)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import rollart as ra
+from rollart.cluster.worker import WorkerContext, host_class
 from rollart.models import build_tiny
 from rollart.models.shapes import load_causal_lm
 from rollart.training import columns as C
@@ -22,6 +24,7 @@ from rollart.training.packing import (
     plan_packed_microbatches,
     use_packed_attention,
 )
+from rollart.training.reference import ReferenceWorker
 from rollart.training.torch_strategy import TorchTrainWorker, batch_logprobs, token_logprobs
 from tests.test_training_steps import local_worker
 
@@ -92,6 +95,15 @@ def test_packed_passes_give_the_padded_logprobs_and_entropies(tiny):
     for a, b, ids in zip(packed, padded, rows):
         assert len(a) == len(ids)
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **TOL)
+    # the reference model (the KL term's) answers the same, packed (the trainer's train.packing) or padded
+    ctx = WorkerContext(cluster="local", job_id="test", rank=0, world_size=1, pool=None, hardware="CPU")
+    refs = [
+        host_class(ReferenceWorker)(ctx, (), {"model": tiny, "max_tokens_per_microbatch": 120, "packing": p})
+        for p in (True, False)
+    ]
+    assert [r.packing for r in refs] == [True, False]
+    for a, b in zip(*(r.compute_logprobs(batch) for r in refs)):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **TOL)
 
 
 def grads(worker) -> dict[str, torch.Tensor]:
@@ -102,10 +114,13 @@ def weights(worker) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in worker.module.named_parameters()}
 
 
+LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 STEP_CASES = [
     pytest.param({"loss": "ppo", "entropy_coef": 0.01}, id="ppo+entropy"),
     pytest.param({"loss": "decoupled_ppo", "ppo_epochs": 2, "tis_cap": 2.0}, id="decoupled-2epochs-proximal"),
     pytest.param({"loss": "cispo", "loss_agg": "seq-mean-token-mean"}, id="cispo-seq-mean"),
+    pytest.param({"loss": "ppo", "kl_coef": 0.1, "gradient_checkpointing": True}, id="kl+gradient-checkpointing"),
+    pytest.param({"loss": "ppo", "lora": LORA}, id="lora"),
 ]
 
 
@@ -116,12 +131,18 @@ def test_packed_and_padded_steps_take_the_same_update(tiny, case):
     # AdamW's first step moves a weight by lr * g / (|g| + eps): a gradient near 0 turns its last bits into
     # up to lr of difference, so lr stays small enough for the weights to be compared at 1e-6
     cfg = {"model": tiny, "lr": 1e-4, "max_tokens_per_microbatch": 150, "prefix_sharing": False, **case}
+    if "lora" in case:
+        pytest.importorskip("peft", reason="the lora extra is not installed (pip install 'rollart[lora]')")
     packed = local_worker(TorchTrainWorker, **cfg, packing=True)
     padded = local_worker(TorchTrainWorker, **cfg, packing=False)
     assert weights(packed).keys() == weights(padded).keys()
     for name, w in weights(packed).items():
         assert torch.equal(w, weights(padded)[name])
     batch = mixed_batch(seed=1)
+    if "kl_coef" in case:  # the reference's log-probs (here: another model's, so the KL term is not 0)
+        ref = load_causal_lm(tiny, dtype=torch.float32)
+        torch.nn.init.normal_(ref.model.embed_tokens.weight, std=0.1)
+        batch[C.REF_LOGPROBS] = batch_logprobs(ref, batch, 150, torch.device("cpu"))
     m_packed, m_padded = packed.train_step(batch), padded.train_step(batch)
     assert m_packed["packed"] == 1.0 and m_padded["packed"] == 0.0
     assert m_packed["microbatches"] > 1 and m_padded["microbatches"] > 1  # micro-batching active in both
@@ -129,6 +150,8 @@ def test_packed_and_padded_steps_take_the_same_update(tiny, case):
     # (the "entropy" metric is a mean of micro-batch means: it follows the micro-batches' composition)
     for key in ("loss", "grad_norm", "rollout_abs_logprob_diff", "tokens"):
         assert m_packed[key] == pytest.approx(m_padded[key], abs=1e-6, rel=1e-6), key
+    if "kl_coef" in case:
+        assert m_packed["kl_ref"] > 1e-3  # the KL term is in the loss
     g_packed, g_padded = grads(packed), grads(padded)  # the last epoch's gradients
     assert g_packed.keys() == g_padded.keys() and g_packed
     for name, g in g_packed.items():

@@ -244,6 +244,24 @@ def packing_unsupported(config: Any) -> str | None:
     return reason
 
 
+def packing_on(wanted: bool | None, path: str) -> bool:
+    """Whether a model folder's passes run packed: ``wanted`` (``train.packing``; null: where the model
+    supports it). An explicit ``True`` on a model that cannot is refused, naming the field and the fix."""
+    if wanted is False:
+        return False
+    from transformers import AutoConfig
+
+    reason = packing_unsupported(AutoConfig.from_pretrained(path))
+    if reason is None:
+        return True
+    if wanted:
+        raise ValueError(
+            f"train.packing: true: the model at {path} cannot train packed ({reason}); set train.packing: false"
+        )
+    log.info("training padded: the model at %s cannot train packed (%s)", path, reason)
+    return False
+
+
 def use_packed_attention(model: Any) -> None:
     """Switch ``model`` (a Hugging Face causal LM) to :data:`PACKED_ATTENTION`: its ordinary passes stay
     SDPA's, its packed passes (:func:`packed_token_logprobs`) attend within each row."""
@@ -256,6 +274,7 @@ __all__ = [
     "PACKED_KEYS",
     "packed_layout",
     "packed_token_logprobs",
+    "packing_on",
     "packing_unsupported",
     "plan_packed_microbatches",
     "use_packed_attention",

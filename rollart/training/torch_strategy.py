@@ -42,7 +42,7 @@ from rollart.training.packing import (
     PACKED_IDS,
     packed_layout,
     packed_token_logprobs,
-    packing_unsupported,
+    packing_on,
     plan_packed_microbatches,
     use_packed_attention,
 )
@@ -191,7 +191,7 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         self.tp_group: Any = None  # the ranks that hold the other parts of this rank's layers
         # prefix sharing needs the prefix's KV cache in the graph; gradient checkpointing turns the cache off
         self.prefix_sharing = cfg.prefix_sharing and not cfg.gradient_checkpointing
-        self.packing = self._packing_on()
+        self.packing = packing_on(cfg.packing, model_path(cfg.model))
         self.step_shared = self.prefix_sharing  # the current step's passes: shared-prefix ones (else packed or padded)
         self.version = 0
         if self.layout.sharded:  # built once the process group exists (setup_distributed)
@@ -213,25 +213,6 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         self.module = model.to(self.device)
         self.module.train()
         self._start_training()
-
-    def _packing_on(self) -> bool:
-        """Whether the passes run packed: ``train.packing`` (null: where the model supports it); an explicit
-        ``true`` on a model that cannot is refused here, before anything loads."""
-        from transformers import AutoConfig
-
-        wanted = self.config.packing
-        if wanted is False:
-            return False
-        path = model_path(self.config.model)
-        reason = packing_unsupported(AutoConfig.from_pretrained(path))
-        if reason is None:
-            return True
-        if wanted:
-            raise ValueError(
-                f"train.packing: true: the model at {path} cannot train packed ({reason}); set train.packing: false"
-            )
-        self.logger.info("training padded: the model cannot train packed (%s)", reason)
-        return False
 
     def _check_device_memory(self) -> None:
         """Refuse, before loading anything, a model whose states this rank's GPU cannot hold."""
