@@ -13,6 +13,7 @@ import torch
 
 import rollart as ra
 from rollart.cluster.worker import WorkerContext, host_class
+from rollart.config import ConfigError, validate_config
 from rollart.models import build_tiny
 from rollart.models.shapes import load_causal_lm
 from rollart.training import columns as C
@@ -200,7 +201,17 @@ def test_packing_is_refused_by_name_where_it_cannot_run(tiny, tmp_path):
     config = json.loads((sliding / "config.json").read_text())
     config.update(use_sliding_window=True, sliding_window=8, max_window_layers=0, layer_types=None)
     (sliding / "config.json").write_text(json.dumps(config))
+    raw = {
+        "pools": {"train": {"hardware": "CPU", "cpus": 1}, "rollout": {"hardware": "CPU", "cpus": 1}},
+        "envs": [{"name": "reverse", "groups": 8}],
+        "model": str(sliding),
+        "train": {"packing": True},
+    }
+    with pytest.raises(ConfigError, match=r"train\.packing: true: .*sliding-window.*set train\.packing: false"):
+        validate_config(raw)  # read from config.json, before anything starts
+    raw["model"] = tiny
+    assert validate_config(raw).train.packing is True
     with pytest.raises(ValueError, match=r"train\.packing: true: .*sliding-window.*set train\.packing: false"):
-        local_worker(TorchTrainWorker, model=str(sliding), packing=True)
+        local_worker(TorchTrainWorker, model=str(sliding), packing=True)  # the trainer checks the loaded config
     worker = local_worker(TorchTrainWorker, model=str(sliding), max_tokens_per_microbatch=150)
     assert worker.train_step(mixed_batch())["packed"] == 0.0

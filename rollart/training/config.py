@@ -19,6 +19,24 @@ def _importable(module: str) -> bool:
         return False
 
 
+PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+"""Model types whose passes can run packed (``train.packing``; the same as the static-cache decoder's)."""
+
+
+def packing_config_problem(config: dict[str, Any]) -> str | None:
+    """Why a model of this ``config.json`` cannot train packed, read without torch or transformers (the
+    trainer checks again on the loaded config), or None when it can as far as the file says."""
+    kind = config.get("model_type")
+    if kind not in PACKED_MODEL_TYPES:
+        return f"model type {kind!r} (packed passes run {', '.join(PACKED_MODEL_TYPES)})"
+    layer_types = config.get("layer_types") or []
+    if config.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        return "layers with sliding-window attention"
+    if kind == "mistral" and config.get("sliding_window"):
+        return "Mistral's sliding window"
+    return None
+
+
 class LoraSettings(ConfigModel):
     """``train.lora``: train low-rank adapters (``peft``) instead of the full weights. ``r`` is the rank,
     ``alpha`` the scale numerator (updates are scaled by ``alpha / r``), ``target_modules`` the linear
