@@ -20,6 +20,7 @@ from rollart.training import columns as C
 from rollart.training.config import TrainConfig
 from rollart.training.microbatch import pad_right
 from rollart.training.packing import (
+    packed_forward_kwargs,
     packed_layout,
     packed_token_logprobs,
     plan_packed_microbatches,
@@ -82,6 +83,12 @@ def test_packed_passes_give_the_padded_logprobs_and_entropies(tiny):
         for r, ids in enumerate(rows):  # each row alone, unpadded: the packed pass is bit-identical to it
             one_lp, one_ent = token_logprobs(model, torch.tensor([ids]), torch.ones(1, len(ids)), with_entropy=True)
             assert torch.equal(plp[r, : len(ids)], one_lp[0]) and torch.equal(pent[r, : len(ids)], one_ent[0])
+        # a packed call that gives only the position ids (no boundaries) is split where they restart
+        layout = packed_layout(rows)
+        kwargs = packed_forward_kwargs(layout)
+        with_bounds = model(**kwargs).logits
+        plain = {k: kwargs[k] for k in ("input_ids", "position_ids", "use_cache")}
+        assert torch.equal(model(**plain).logits, with_bounds)
     real = am.bool()
     real[:, 0] = False  # a row's first token has no prediction: 0 in both layouts
     torch.testing.assert_close(plp[real], lp[real], **TOL)

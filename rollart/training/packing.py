@@ -11,7 +11,9 @@ The attention runs through :data:`PACKED_ATTENTION`, an implementation registere
 attention interface (the model is switched to it with :func:`use_packed_attention`): given the rows'
 boundaries (``cu_seq_lens_q``, as flash-attention's variable-length kernels take them) it runs causal
 attention per row: on a CUDA device in bf16/fp16 through ``torch.nn.attention.varlen`` (flash
-attention), elsewhere one SDPA call per row, so the cost is ``sum(len^2)``, never ``(sum len)^2``.
+attention; its first call in a process is checked against SDPA per row, and on a disagreement or an
+error the process keeps SDPA per row, with a warning), elsewhere one SDPA call per row, so the cost is
+``sum(len^2)``, never ``(sum len)^2``.
 Without boundaries it is transformers' own SDPA attention, so the model's padded passes (and its KV-cache
 passes, e.g. :mod:`rollart.training.shared_prefix`) are unchanged.
 
@@ -115,11 +117,9 @@ def packed_token_logprobs(
 
 
 # ---------------------------------------------------------------------- the attention implementation
-def _row_bounds(kwargs: dict[str, Any], attention_mask: Any, q_len: int) -> list[int] | None:
-    """The packed rows' boundaries of an attention call, or None for an ordinary (padded) call."""
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        return [int(b) for b in cu.tolist()]
+def _position_bounds(kwargs: dict[str, Any], attention_mask: Any, q_len: int) -> list[int] | None:
+    """The packed rows' boundaries of an attention call without ``cu_seq_lens_q``, from its position ids
+    (where they restart), or None for an ordinary (padded) call."""
     pos = kwargs.get("position_ids")
     if attention_mask is not None or pos is None or q_len < 2 or pos.shape[0] != 1:
         return None
@@ -127,6 +127,9 @@ def _row_bounds(kwargs: dict[str, Any], attention_mask: Any, q_len: int) -> list
     if not len(starts):
         return None
     return [0, *starts.tolist(), q_len]
+
+
+_varlen_ok: bool | None = None  # whether torch's varlen flash attention agreed with SDPA per row (None: not tried)
 
 
 def _varlen_cuda(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any], scaling: Any):
@@ -167,28 +170,45 @@ def packed_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q_len = query.shape[2]
-    bounds = _row_bounds(kwargs, attention_mask, q_len)
-    if bounds is None:
+    cu = kwargs.get("cu_seq_lens_q")
+    bounds = _position_bounds(kwargs, attention_mask, q_len) if cu is None else None
+    if cu is None and bounds is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if query.shape[0] != 1 or key.shape[2] != q_len:
         raise ValueError("packed attention takes one packed sequence without a KV cache")
-    if (
-        query.is_cuda
-        and query.dtype in (torch.bfloat16, torch.float16)
-        and dropout == 0.0
-        and "cu_seq_lens_q" in kwargs
-    ):
-        out = _varlen_cuda(query, key, value, kwargs, scaling)
-        if out is not None:
+
+    def per_row() -> torch.Tensor:
+        edges = bounds if bounds is not None else [int(b) for b in cu.tolist()]
+        # one split per tensor (its backward is one concatenation; slicing per row would zero-fill a
+        # full-size gradient per row and per tensor)
+        sizes = [e - s for s, e in zip(edges[:-1], edges[1:])]
+        parts = [
+            sdpa_attention_forward(module, q, k, v, None, dropout, scaling, is_causal=True)[0]
+            for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))
+        ]
+        return torch.cat(parts, dim=1)
+
+    global _varlen_ok
+    varlen = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0
+    if varlen and _varlen_ok is not False and cu is not None:
+        try:
+            out = _varlen_cuda(query, key, value, kwargs, scaling)
+        except (RuntimeError, TypeError, ValueError) as err:  # no kernel for this GPU, head size or build
+            log.warning("packed attention: torch's varlen flash attention failed (%s); SDPA per row instead", err)
+            out = None
+        if out is None:
+            _varlen_ok = False
+        if out is not None and _varlen_ok is None:  # checked once against SDPA per row on the first real call
+            with torch.no_grad():
+                ref = per_row()
+            _varlen_ok = bool(torch.allclose(out.detach().float(), ref.float(), atol=3e-2, rtol=3e-2))
+            if not _varlen_ok:
+                log.warning(
+                    "packed attention: torch's varlen flash attention disagrees with SDPA; SDPA per row instead"
+                )
+        if out is not None and _varlen_ok:
             return out, None
-    # one split per tensor (its backward is one concatenation; slicing per row would zero-fill a full-size
-    # gradient per row and per tensor)
-    sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    parts = [
-        sdpa_attention_forward(module, q, k, v, None, dropout, scaling, is_causal=True)[0]
-        for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))
-    ]
-    return torch.cat(parts, dim=1), None
+    return per_row(), None
 
 
 def packed_attention_mask(
