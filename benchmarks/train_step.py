@@ -112,7 +112,6 @@ class PhaseClock:
         self.totals = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         self._worker = worker
         self._backward = torch.Tensor.backward
-        self._accumulate = None
 
     def _timed(self, phase: str, fn: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -126,29 +125,38 @@ class PhaseClock:
 
         return wrapped
 
+    def _start(self, phase: str) -> None:
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def _stop(self, phase: str) -> None:
+        self._sync()
+        self.totals[phase] += time.perf_counter() - self._t0
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def __enter__(self) -> PhaseClock:
-        from rollart.training import torch_strategy
-
         w = self._worker
         w._logprobs = self._timed("forward", w._logprobs)
         w._loss = self._timed("forward", w._loss)
-        w.optimizer.step = self._timed("optimizer", w.optimizer.step)
+        self._hooks = [  # hooks, not a wrapper: the LR scheduler checks that step is the optimizer's own
+            w.optimizer.register_step_pre_hook(lambda *_: self._start("optimizer")),
+            w.optimizer.register_step_post_hook(lambda *_: self._stop("optimizer")),
+        ]
         torch.Tensor.backward = self._timed("backward", self._backward)  # type: ignore[method-assign]
         # gradient clipping belongs to the optimizer phase
         self._clip = torch.nn.utils.clip_grad_norm_
         torch.nn.utils.clip_grad_norm_ = self._timed("optimizer", self._clip)
-        self._module = torch_strategy
         return self
 
     def __exit__(self, *exc: Any) -> None:
         w = self._worker
         for name in ("_logprobs", "_loss"):
             w.__dict__.pop(name, None)
-        w.optimizer.__dict__.pop("step", None)
+        for hook in self._hooks:
+            hook.remove()
         torch.Tensor.backward = self._backward  # type: ignore[method-assign]
         torch.nn.utils.clip_grad_norm_ = self._clip
 
@@ -182,7 +190,8 @@ def step_flops(config: Any, params: int, lengths: list[int]) -> float:
 
 def measure(args: argparse.Namespace, device: torch.device, config: dict[str, Any], lengths: list[int]) -> dict:
     """``--warmup`` then ``--steps`` timed steps of a fresh worker of ``config`` on rows of ``lengths``: the
-    median step (wall and, on the CPU, this process's CPU seconds), its phases and the worker."""
+    median step (wall and, on the CPU, this process's CPU seconds), its phases, whether it ran packed and the
+    worker."""
     on_gpu = device.type == "cuda"
     worker = local_train_worker(device, config)
     vocab = worker.module.config.vocab_size
@@ -263,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seq_len": seq_len if not args.lengths else max(lengths),
         "lengths": args.lengths,
         "packing": args.packing,
-        "packed": last["packed"],
+        "ran_packed": last["packed"],
         "max_tokens_per_microbatch": base["max_tokens_per_microbatch"],
         "microbatches": last["microbatches"],
         "tokens_per_step": tokens,
