@@ -262,7 +262,11 @@ class AgenticPipeline:
         if role == "reference":
             from rollart.training.reference import ReferenceWorker
 
-            kwargs = {"model": train_cfg.model, "max_tokens_per_microbatch": train_cfg.max_tokens_per_microbatch}
+            kwargs = {
+                "model": train_cfg.model,
+                "max_tokens_per_microbatch": train_cfg.max_tokens_per_microbatch,
+                "packing": train_cfg.packing if train_cfg.strategy == "torch" else False,
+            }
             return ra.Cluster(
                 role,
                 ReferenceWorker,

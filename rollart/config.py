@@ -517,6 +517,7 @@ class PipelineConfig(ConfigModel):
                     "strategy": self.train.strategy,
                     "sharding": self.train.sharding,
                     "tensor_parallel": self.train.tensor_parallel,
+                    "packing": self.train.packing,
                 },
                 "engine": {"kind": self.engine.kind, "model": self.engine.model},
                 "weights": {"channel": self.weights.channel},
@@ -803,6 +804,40 @@ def _attention_heads(model: Any) -> tuple[int, int] | None:
     return (heads, cfg.get("num_key_value_heads", heads)) if isinstance(heads, int) else None
 
 
+def _model_config(model: Any) -> dict[str, Any] | None:
+    """A config's model folder's (or cached model's) ``config.json``, or None when there is none to read."""
+    import json
+
+    if not isinstance(model, str):
+        return None
+    from rollart.models.locate import cached_model
+
+    path = Path(model) / "config.json"
+    found = str(path) if path.is_file() else cached_model(model)
+    if found is None:
+        return None
+    try:
+        data = json.loads(Path(found).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def packing_problems(raw: Mapping[str, Any]) -> list[str]:
+    """``train.packing: true`` against the model's ``config.json`` (when there is one to read)."""
+    train = raw.get("train")
+    if not isinstance(train, Mapping) or train.get("packing") is not True:
+        return []
+    from rollart.training.config import packing_config_problem
+
+    model = train.get("model") or raw.get("model")
+    config = _model_config(model)
+    reason = packing_config_problem(config) if config is not None else None
+    if reason is None:
+        return []
+    return [f"train.packing: true: the model {model} cannot train packed ({reason}); set train.packing: false"]
+
+
 def sharding_problems(raw: Mapping[str, Any]) -> list[str]:
     """``train.sharding`` / ``train.tensor_parallel`` against the train pool and the model: the tensor-parallel
     degree divides the pool's ranks and the model's attention and KV heads; colocated mode trains unsharded."""
@@ -840,7 +875,7 @@ def cross_field_problems(raw: Mapping[str, Any]) -> list[str]:
     groups against ``rollout.num_env_groups``), on a config mapping — also one whose fields have errors
     of their own, so that :func:`validate_config` reports these with them, not after they are fixed.
     Values of the wrong type are skipped (their own field reports them)."""
-    out = model_problems(raw) + colocation_problems(raw) + sharding_problems(raw)
+    out = model_problems(raw) + colocation_problems(raw) + sharding_problems(raw) + packing_problems(raw)
     pools = raw.get("pools")
     if isinstance(pools, dict):
         for field_name in ("train_pool", "rollout_pool"):

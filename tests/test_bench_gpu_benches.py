@@ -53,3 +53,29 @@ def test_train_step_bench_reports_tokens_per_s_and_mfu(tmp_path):
     assert 0 < r["mfu"] < 1 and r["peak_flops_source"].startswith("measured fp32 matmul")
     assert r["mfu_cpu_time"] == pytest.approx(r["flops_per_step"] / r["step_cpu_s"] / r["peak_flops"])
     assert r["tokens_per_cpu_s"] == pytest.approx(16 / r["step_cpu_s"])
+
+
+@pytest.mark.timeout(300)
+def test_train_step_bench_compares_packed_and_padded_steps_with_their_phases(tmp_path):
+    argv = ["--batch", "6", "--lengths", "8-40", "--packing", "both", "--steps", "1", "--warmup", "0"]
+    r = train_step.run(_args(train_step, [*argv, "--max-tokens", "64", "--out", str(tmp_path)]))
+    lengths = train_step.lengths_of("8-40", 6)
+    assert sorted(lengths) == [8, 14, 21, 27, 34, 40] and r["tokens_per_step"] == sum(lengths)
+    assert r["ran_packed"] is True and r["seq_len"] == 40
+    # padded, a 64-token budget holds rows x the longest; packed, the rows' lengths: fewer micro-batches
+    assert r["padded"]["microbatches"] > r["packed"]["microbatches"] >= 3
+    assert r["packing_speedup"] == pytest.approx(r["padded"]["step_s"] / r["packed"]["step_s"])
+    assert r["packing_speedup_cpu_time"] == pytest.approx(r["padded"]["step_cpu_s"] / r["packed"]["step_cpu_s"])
+    for run in (r["padded"], r["packed"]):
+        phases = run["phase_s"]
+        assert set(phases) == {"forward", "backward", "optimizer", "communication", "other"}
+        assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
+        assert phases["communication"] == 0.0  # one process: no data-parallel reduction
+        assert sum(phases.values()) == pytest.approx(run["step_s"], rel=1e-6)
+    # the attention FLOPs count each row's own length: sum(len^2), not rows x longest^2
+    d = 128  # the tiny model: 4 heads of 32, 2 layers, tied embeddings
+    assert r["flops_per_step"] == pytest.approx(
+        6 * r["params"] * sum(lengths) + 12 * 2 * d * sum(n * n for n in lengths)
+    )
+    with pytest.raises(SystemExit, match="--lengths"):
+        train_step.lengths_of("40-8", 6)

@@ -1,5 +1,6 @@
-"""Sharded training on gloo (CPU, fp32): FSDP on 2 and 4 ranks and tensor parallelism 2 x FSDP 2 take
-the same steps as one unsharded rank on the whole batch (loss, gradient norm and updated weights within
+"""Sharded training on gloo (CPU, fp32): FSDP on 2 and 4 ranks and tensor parallelism 2 x FSDP 2 (packed), and
+one rank and FSDP on 2 ranks padded (``train.packing: false``), take the same steps as one unsharded packed
+rank on the whole batch (loss, gradient norm and updated weights within
 1e-5, with micro-batches, the recomputed proximal log-probs and gradient clipping active); checkpoints
 written by 4 ranks resume on 2 (and by 2 on 4) exactly; the export of a sharded checkpoint loads in
 transformers; a checkpoint of the other sharding is refused naming the field."""
@@ -27,6 +28,9 @@ LAYOUTS = {  # name: (hardware, ranks, train config); the test session's Ray dec
     "fsdp2": ("H20", 2, {"sharding": "fsdp"}),
     "fsdp4": ("H800", 4, {"sharding": "fsdp"}),
     "tp2dp2": ("H20", 4, {"sharding": "fsdp", "tensor_parallel": 2}),  # a 2-D mesh: TP 2 x FSDP 2
+    # the layouts above train packed (train.packing, on for this model); these two padded
+    "ddp1_padded": ("CPU", 1, {"packing": False}),
+    "fsdp2_padded": ("H800", 2, {"sharding": "fsdp", "packing": False}),
 }
 
 
@@ -151,7 +155,7 @@ def assert_same_training(ref: dict, got: dict) -> None:
         assert x == pytest.approx(y, abs=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "fsdp4", "tp2dp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "fsdp4", "tp2dp2", "ddp1_padded", "fsdp2_padded"])
 def test_a_sharded_layout_trains_exactly_as_one_unsharded_rank(trained, layout):
     assert_same_training(trained["runs"]["ddp1"], trained["runs"][layout])
 

@@ -19,6 +19,24 @@ def _importable(module: str) -> bool:
         return False
 
 
+PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+"""Model types whose passes can run packed (``train.packing``; the same as the static-cache decoder's)."""
+
+
+def packing_config_problem(config: dict[str, Any]) -> str | None:
+    """Why a model of this ``config.json`` cannot train packed, read without torch or transformers (the
+    trainer checks again on the loaded config), or None when it can as far as the file says."""
+    kind = config.get("model_type")
+    if kind not in PACKED_MODEL_TYPES:
+        return f"model type {kind!r} (packed passes run {', '.join(PACKED_MODEL_TYPES)})"
+    layer_types = config.get("layer_types") or []
+    if config.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        return "layers with sliding-window attention"
+    if kind == "mistral" and config.get("sliding_window"):
+        return "Mistral's sliding window"
+    return None
+
+
 class LoraSettings(ConfigModel):
     """``train.lora``: train low-rank adapters (``peft``) instead of the full weights. ``r`` is the rank,
     ``alpha`` the scale numerator (updates are scaled by ``alpha / r``), ``target_modules`` the linear
@@ -92,7 +110,17 @@ class TrainConfig(ConfigModel):
     grad_clip: float | None = 1.0
     """Clip the gradient norm to this value; null: no clipping."""
     max_tokens_per_microbatch: int = Field(default=16384, gt=0)
-    """Token budget of one micro-batch (rows are packed up to it; gradients accumulate over micro-batches)."""
+    """Token budget of one micro-batch; gradients accumulate over micro-batches. Packed (`packing`), the rows'
+    lengths sum to at most this; padded, rows x the longest row does. A row longer than the budget gets a
+    micro-batch of its own.
+    """
+    packing: bool | None = None
+    """Padding-free training: the rows of a micro-batch run as one sequence, each attending only to itself
+    (per-row positions, a block-diagonal causal mask), so no position is padding; log-probs, entropies, the loss
+    and its gradients are those of the padded passes. Null: on with `strategy: torch` for Llama-family models
+    (Llama, Qwen2, Qwen3, Mistral without a sliding window), else off; `false` keeps the padded passes. With
+    `prefix_sharing`, each step runs whichever of the two lays out fewer positions.
+    """
     loss: str = "ppo"
     """The policy loss: `ppo`, `decoupled_ppo`, `tis`, `cispo`, `topr`, `weighted_topr`, `dis`, a name registered
     with `@register_loss`, or `MODULE:FUNC`.
@@ -207,6 +235,7 @@ class TrainConfig(ConfigModel):
                 ("sharding", self.sharding != "ddp"),
                 ("tensor_parallel", self.tensor_parallel > 1),
                 ("offload", self.offload != "none"),
+                ("packing", self.packing is True),
             ):
                 if value:
                     raise ValueError(

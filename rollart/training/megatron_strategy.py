@@ -311,6 +311,8 @@ class MegatronTrainWorker(TorchTrainWorker):
         self._model: torch.nn.Module | None = None
         self._module: GPTCausalLM | None = None
         self.prefix_sharing = False  # the shared-prefix passes need a Hugging Face KV cache (torch strategy)
+        self.packing = False  # the packed passes need the Hugging Face attention interface (torch strategy)
+        self.step_shared = False
         self.layout = ShardLayout("ddp", 1, self.world_size)  # data parallel only
         self.mesh = None
         self.tp_group = None

@@ -22,14 +22,20 @@ from rollart.training.torch_strategy import batch_logprobs
 class ReferenceWorker(Worker):
     """One data-parallel rank of the reference model; ``model`` defaults to the built-in tiny model."""
 
-    def __init__(self, model: str | None = None, max_tokens_per_microbatch: int = 16384):
+    def __init__(self, model: str | None = None, max_tokens_per_microbatch: int = 16384, packing: bool | None = None):
+        """``packing``: the trainer's ``train.packing`` (its passes packed, see :mod:`rollart.training.packing`)."""
         from rollart.models.shapes import load_causal_lm
+        from rollart.training.packing import packing_on, use_packed_attention
 
         self.device = worker_device(self.device_ids)
-        self.model = load_causal_lm(model_path(model), dtype=torch.float32).to(self.device).eval()
+        path = model_path(model)
+        self.packing = packing_on(packing, path)
+        self.model = load_causal_lm(path, dtype=torch.float32).to(self.device).eval()
+        if self.packing:
+            use_packed_attention(self.model)
         self.model.requires_grad_(False)
         self.max_tokens = max_tokens_per_microbatch
 
     @register(dispatch=Dispatch.DP_SPLIT)
     def compute_logprobs(self, batch: Batch) -> list[list[float]]:
-        return batch_logprobs(self.model, batch, self.max_tokens, self.device)
+        return batch_logprobs(self.model, batch, self.max_tokens, self.device, packed=self.packing)

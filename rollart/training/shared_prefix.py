@@ -69,6 +69,19 @@ def plan_shared_microbatches(
     return batches
 
 
+def shared_positions(
+    input_ids: Sequence[Sequence[int]], prefix_lens: Sequence[int], plans: Sequence[Sequence[int]]
+) -> int:
+    """The positions the shared passes of ``plans`` run: per micro-batch, its distinct prefixes x the longest
+    plus its rows x the longest suffix (what :func:`plan_shared_microbatches` budgets)."""
+    total = 0
+    for idx in plans:
+        prefixes = {tuple(input_ids[i][: prefix_lens[i]]) for i in idx}
+        total += len(prefixes) * max(prefix_lens[i] for i in idx)
+        total += len(idx) * max(len(input_ids[i]) - prefix_lens[i] for i in idx)
+    return total
+
+
 def shared_layout(rows: Sequence[Sequence[int]], prefix_lens: Sequence[int]) -> dict[str, torch.Tensor]:
     """The tensors of the shared passes of one micro-batch (``rows`` are its token id lists)."""
     index: dict[tuple[int, ...], int] = {}
@@ -114,15 +127,16 @@ def shared_layout(rows: Sequence[Sequence[int]], prefix_lens: Sequence[int]) -> 
 class SharedPrefixForward(torch.nn.Module):
     """The causal LM, with a second way in: ``forward(**layout)`` runs the prefixes once and the
     suffixes on their copied cache, returning (each prefix's last logits ``[G, V]``, the suffixes'
-    logits ``[B, S, V]``). ``forward(input_ids=..., attention_mask=...)`` is the plain model's."""
+    logits ``[B, S, V]``). ``forward(input_ids=..., attention_mask=...)`` (with any other keyword arguments
+    of the model, e.g. a packed pass's) is the plain model's."""
 
     def __init__(self, lm: torch.nn.Module):
         super().__init__()
         self.lm = lm
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, **layout: Any):
-        if not layout:
-            return self.lm(input_ids=input_ids, attention_mask=attention_mask)
+        if PREFIX_IDS not in layout:
+            return self.lm(input_ids=input_ids, attention_mask=attention_mask, **layout)
         pre = self.lm(
             input_ids=layout[PREFIX_IDS],
             attention_mask=layout[PREFIX_MASK],

@@ -1,9 +1,12 @@
 """Torch training strategy: the actor trained with a policy loss, DDP or FSDP2 (``train.sharding``, with
 tensor parallelism: :mod:`rollart.training.sharding`) over gloo (CPU) or NCCL (GPU).
 
-``train_step`` takes a DP_SPLIT share of a batch of trajectories, packs it into micro-batches of
-similar lengths under a token budget (no padded rows, little padding), accumulates gradients, and
-takes one optimiser step per PPO epoch. The loss of a micro-batch is weighted so the sum over
+``train_step`` takes a DP_SPLIT share of a batch of trajectories, cuts it into micro-batches under a
+token budget, accumulates gradients, and takes one optimiser step per PPO epoch. A micro-batch runs
+packed (``train.packing``: its rows as one sequence, no padding, :mod:`rollart.training.packing`),
+with its rows' shared prompts once (``train.prefix_sharing``, :mod:`rollart.training.shared_prefix`;
+with both on, a step takes whichever lays out fewer positions over the whole batch), or padded (rows of
+similar lengths, right-padded to the longest). The loss of a micro-batch is weighted so the sum over
 micro-batches and ranks equals the aggregation over the whole batch: for ``token-mean``,
 ``sum_tokens(loss) / global_tokens`` (DDP and FSDP average gradients over the data-parallel ranks, so
 each rank scales by their number).
@@ -35,6 +38,14 @@ from rollart.training.checkpoint_io import TRAINER_FILE, load_checkpoint_any, sa
 from rollart.training.config import TrainConfig
 from rollart.training.host_memory import set_mmap_threshold
 from rollart.training.microbatch import pad_right, plan_microbatches
+from rollart.training.packing import (
+    PACKED_IDS,
+    packed_layout,
+    packed_token_logprobs,
+    packing_on,
+    plan_packed_microbatches,
+    use_packed_attention,
+)
 from rollart.training.placement import (
     DP_SPLIT_EVERY_RANK,
     DataParallelRank,
@@ -59,6 +70,7 @@ from rollart.training.shared_prefix import (
     plan_shared_microbatches,
     prefix_length,
     shared_layout,
+    shared_positions,
     shared_token_logprobs,
 )
 from rollart.training.weights_out import EVERY_RANK, WeightsOut
@@ -118,20 +130,26 @@ def batch_logprobs(
     max_tokens: int,
     device: torch.device,
     passes: Any = None,
+    packed: bool = False,
 ) -> list[list[float]]:
     """``token_logprobs`` of every row of ``batch["input_ids"]``, micro-batched, each row cut to its length.
     ``passes(n)``, for a sharded model, turns this rank's micro-batch count into the count every rank runs
-    (the missing ones are one-token passes)."""
+    (the missing ones are one-token passes). ``packed``: each micro-batch runs as one packed sequence
+    (the model's attention must be :func:`rollart.training.packing.use_packed_attention`'s)."""
     lengths = [len(s) for s in batch[C.INPUT_IDS]] if len(batch) else []
     out: list[list[float] | None] = [None] * len(lengths)
-    plans = plan_microbatches(lengths, max_tokens)
+    plans = plan_packed_microbatches(lengths, max_tokens) if packed else plan_microbatches(lengths, max_tokens)
     total = passes(len(plans)) if passes is not None else len(plans)
     with torch.no_grad():
         for idx in plans:
             ids = [batch[C.INPUT_IDS][i] for i in idx]
-            x = pad_right(ids, 0, torch.long).to(device)
-            am = pad_right([[1] * len(s) for s in ids], 0, torch.long).to(device)
-            lp = token_logprobs(model, x, am).cpu()
+            if packed:
+                layout = {k: v.to(device) for k, v in packed_layout(ids).items()}
+                lp = packed_token_logprobs(model, layout, len(ids), max(len(s) for s in ids)).cpu()
+            else:
+                x = pad_right(ids, 0, torch.long).to(device)
+                am = pad_right([[1] * len(s) for s in ids], 0, torch.long).to(device)
+                lp = token_logprobs(model, x, am).cpu()
             for row, i in enumerate(idx):
                 out[i] = lp[row, : lengths[i]].tolist()
         for _ in range(total - len(plans)):
@@ -173,6 +191,8 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         self.tp_group: Any = None  # the ranks that hold the other parts of this rank's layers
         # prefix sharing needs the prefix's KV cache in the graph; gradient checkpointing turns the cache off
         self.prefix_sharing = cfg.prefix_sharing and not cfg.gradient_checkpointing
+        self.packing = packing_on(cfg.packing, model_path(cfg.model))
+        self.step_shared = self.prefix_sharing  # the current step's passes: shared-prefix ones (else packed or padded)
         self.version = 0
         if self.layout.sharded:  # built once the process group exists (setup_distributed)
             self.module: Any = None
@@ -182,6 +202,8 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
 
         # fp32 master weights (and optimiser state) whatever train.dtype: bf16 is autocast in the passes
         model = load_causal_lm(model_path(cfg.model), dtype=torch.float32)
+        if self.packing:
+            use_packed_attention(model)
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if cfg.lora is not None:
@@ -261,6 +283,8 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         cfg = self.config
         path = model_path(cfg.model)
         model = empty_causal_lm(path)
+        if self.packing:
+            use_packed_attention(model)
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         offload = cfg.offload == "cpu" and self.device.type == "cuda"
@@ -294,10 +318,11 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
     def _microbatch_tensors(
         self, batch: Batch, idx: list[int], prefix_lens: list[int] | None = None
     ) -> dict[str, torch.Tensor]:
+        """A micro-batch's tensors: the per-token columns right-padded to ``[rows, longest]`` (the loss's
+        layout), and the layout of its passes: packed, shared-prefix (``prefix_lens``) or an attention mask."""
         ids = [batch[C.INPUT_IDS][i] for i in idx]
         out = {
             C.INPUT_IDS: pad_right(ids, 0, torch.long),
-            C.ATTENTION_MASK: pad_right([[1] * len(s) for s in ids], 0, torch.long),
             C.LOSS_MASK: pad_right([batch[C.LOSS_MASK][i] for i in idx], 0, torch.float32),
             C.BEHAVIOUR_LOGPROBS: pad_right([batch[C.BEHAVIOUR_LOGPROBS][i] for i in idx], 0.0, torch.float32),
             C.ADVANTAGES: pad_right([batch[C.ADVANTAGES][i] for i in idx], 0.0, torch.float32),
@@ -306,12 +331,19 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
             out[C.REF_LOGPROBS] = pad_right([batch[C.REF_LOGPROBS][i] for i in idx], 0.0, torch.float32)
         if prefix_lens is not None:  # the shared-prefix passes' layout
             out.update(shared_layout(ids, [prefix_lens[i] for i in idx]))
+        elif self.packing:
+            out.update(packed_layout(ids))
+        else:
+            out[C.ATTENTION_MASK] = pad_right([[1] * len(s) for s in ids], 0, torch.long)
         return {k: v.to(self.device) for k, v in out.items()}
 
     def _logprobs(self, model: torch.nn.Module, mb: dict[str, torch.Tensor], with_entropy: bool = False) -> Any:
-        """``token_logprobs`` of a micro-batch through ``model``: the shared-prefix passes when on."""
-        if self.prefix_sharing:
-            return shared_token_logprobs(model, mb, mb[C.INPUT_IDS].shape[1], with_entropy)
+        """``token_logprobs`` of a micro-batch through ``model``: its packed, shared-prefix or padded passes."""
+        rows, width = mb[C.INPUT_IDS].shape
+        if PACKED_IDS in mb:
+            return packed_token_logprobs(model, mb, rows, width, with_entropy)
+        if SUFFIX_AT in mb:
+            return shared_token_logprobs(model, mb, width, with_entropy)
         return token_logprobs(model, mb[C.INPUT_IDS], mb[C.ATTENTION_MASK], with_entropy)
 
     def needs_proximal_pass(self) -> bool:
@@ -324,13 +356,29 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
             return True
         return cfg.ppo_epochs > 1 and (loss_uses_proximal(cfg.loss) or cfg.tis_cap is not None)
 
-    def _share(self, batch: Batch, lengths: list[int]) -> Any:
-        """This rank's micro-batches of ``batch`` (the shared-prefix layout when prefix sharing is on)."""
+    def _shared_plans(self, batch: Batch, lengths: list[int]) -> tuple[list[int], list[list[int]]] | None:
+        """Where each row is cut and the shared-prefix micro-batches (None when prefix sharing is off)."""
+        if not (self.prefix_sharing and lengths):
+            return None
+        prefix_lens = [prefix_length(m, n) for m, n in zip(batch[C.LOSS_MASK], lengths)]
+        plans = plan_shared_microbatches(batch[C.INPUT_IDS], prefix_lens, self.config.max_tokens_per_microbatch)
+        return prefix_lens, plans
+
+    def _layout_costs(self, batch: Batch, lengths: list[int], shared: Any) -> list[float]:
+        """The positions this rank's passes run packed and shared-prefix (both 0 unless both are on)."""
+        if not (self.packing and shared is not None):
+            return [0.0, 0.0]
+        return [float(sum(lengths)), float(shared_positions(batch[C.INPUT_IDS], *shared))]
+
+    def _share(self, batch: Batch, lengths: list[int], shared: Any = None) -> Any:
+        """This rank's micro-batches of ``batch``: the shared-prefix ones (``shared``, from
+        :meth:`_shared_plans`) when this step runs them, else packed or padded."""
         cfg = self.config
         plans, prefix_lens = None, None
-        if self.prefix_sharing and lengths:
-            prefix_lens = [prefix_length(m, n) for m, n in zip(batch[C.LOSS_MASK], lengths)]
-            plans = plan_shared_microbatches(batch[C.INPUT_IDS], prefix_lens, cfg.max_tokens_per_microbatch)
+        if self.step_shared and shared is not None:
+            prefix_lens, plans = shared
+        elif self.packing:
+            plans = plan_packed_microbatches(lengths, cfg.max_tokens_per_microbatch)
         return plan_share(
             lengths,
             cfg.max_tokens_per_microbatch,
@@ -355,7 +403,7 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         """A pass over one dummy row that makes the same gathers as a real micro-batch's (the shared-prefix
         forward calls the model twice, a plain one once), for a sharded rank with fewer micro-batches than
         its peers; its output, times 0, gives every parameter a zero gradient."""
-        if not self.prefix_sharing:
+        if not self.step_shared:
             ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
             return self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum()
         layout = {k: v.to(self.device) for k, v in shared_layout([[0, 0]], [1]).items()}
@@ -438,8 +486,13 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         seq_level = aggregation_unit(cfg.loss_agg) == "sequence"
         tokens = float(sum(sum(m) for m in batch[C.LOSS_MASK])) if lengths else 0.0
         local = float(len(lengths)) if seq_level else tokens
-        total = global_sum([local], self.distributed, self.training.group)[0]
-        share = self._share(batch, lengths)
+        shared = self._shared_plans(batch, lengths)
+        total, packed_cost, shared_cost = global_sum(
+            [local, *self._layout_costs(batch, lengths, shared)], self.distributed, self.training.group
+        )
+        # every rank of the group runs the same kind of passes (a sharded model's gathers must line up)
+        self.step_shared = self.prefix_sharing and not (self.packing and packed_cost <= shared_cost)
+        share = self._share(batch, lengths, shared)
         scale_world = self._grad_scale()
         recomputed = self.needs_proximal_pass()
         if recomputed:
@@ -509,6 +562,7 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
                 "lr": self.scheduler.get_last_lr()[0],
                 "microbatches": float(len(share.plans)),
                 "proximal_recomputed": float(recomputed),
+                "packed": float(self.packing and not self.step_shared),
             }
         )
         out.update(
@@ -526,7 +580,9 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
             group = self.training.group
             passes = lambda n: microbatch_count(n, True, group)
         with self.autocast():
-            out = batch_logprobs(self.module, rows, self.config.max_tokens_per_microbatch, self.device, passes)
+            out = batch_logprobs(
+                self.module, rows, self.config.max_tokens_per_microbatch, self.device, passes, self.packing
+            )
         if self.layout.sharded:
             reshard(self.module)
         return out[start:stop]
