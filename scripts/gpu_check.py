@@ -12,6 +12,8 @@ the budget no longer fits is reported ``skipped``):
 - ``engine_0.5b_before_after``, ``engine_1.5b_before_after``: the torch engine's decode at the 0.5B shape
   (batch 64) and the 1.5B shape (batch 16), the static-cache engine against the dynamic-cache one it
   replaced (``--compare``: tokens/s, fraction of the HBM roofline, speed-up);
+- ``train_step_packing_0.5b``, ``train_step_packing_1.5b``: ``rollart bench train-step`` on rows of 16-512
+  tokens, padded against packed (``train.packing``): tokens/s, MFU and the time per phase of each;
 - ``quickstart_train_gpu``: the quickstart, train on the GPU, rollout on a CPU pool (separate pools);
 - ``quickstart_colocated``: ``pipelines/quickstart_colocated.yaml`` (train and rollout on the one GPU);
 - ``quickstart_bf16_lora``: train on the GPU with ``train.dtype: bf16``, gradient checkpointing and LoRA;
@@ -129,6 +131,8 @@ COMPARE_FIELDS = (
 )
 MEMORY_FIELDS = ("model", "params", "device", "batch", "seq_len", "rows")
 TRAIN_FIELDS = ("model", "device_name", "dtype", "batch", "seq_len", "tokens_per_s", "mfu", "peak_flops_source")
+# padded against packed steps on rows of spread lengths (train.packing), with MFU and the time per phase
+PACKING_FIELDS = (*TRAIN_FIELDS, "lengths", "padded", "packed", "packing_speedup", "phase_s")
 
 
 def _bench(name: str, full: list[str], quick: list[str]) -> Callable[[argparse.Namespace], list[str]]:
@@ -248,6 +252,18 @@ STEPS = [
         _bench("engine", ["--shape", "qwen2.5-1.5b", "--batch", "16", "--compare"], []),
         240,
         parse=_bench_fields(*COMPARE_FIELDS),
+    ),
+    Step(
+        "train_step_packing_0.5b",
+        _bench("train-step", ["--shape", "qwen2.5-0.5b", "--lengths", "16-512", "--packing", "both"], []),
+        240,
+        parse=_bench_fields(*PACKING_FIELDS),
+    ),
+    Step(
+        "train_step_packing_1.5b",
+        _bench("train-step", ["--shape", "qwen2.5-1.5b", "--lengths", "16-512", "--packing", "both"], []),
+        240,
+        parse=_bench_fields(*PACKING_FIELDS),
     ),
 ]
 

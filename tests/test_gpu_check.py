@@ -21,6 +21,8 @@ GPU_STEPS = {
     "quickstart_fsdp_gpu",
     "engine_0.5b_before_after",
     "engine_1.5b_before_after",
+    "train_step_packing_0.5b",
+    "train_step_packing_1.5b",
 }
 
 
