@@ -214,8 +214,8 @@ def rss_mb(pid: int) -> float | None:
 def mappings_mb(pid: int, min_mb: float = 1.0) -> dict[str, float] | None:
     """Resident memory of ``pid`` by mapping, in MB, for what holds at least ``min_mb``: a file's mappings
     together under its path, the heap and stacks under their names, an anonymous mapping under its start
-    address and size (``"[anon] 0x7f... 256M"``: the Mooncake segment, glibc's arenas, torch's large
-    blocks), plus ``"[anon] all"`` and ``"[anon] count"``. None when the process is gone."""
+    address (``"[anon] 0x7f..."``: the Mooncake segment, glibc's arenas, torch's large blocks), plus
+    ``"[anon] all"`` and ``"[anon] count"``. None when the process is gone."""
     out: dict[str, float] = {}
     label = ""
     anon_total = 0.0
@@ -225,9 +225,9 @@ def mappings_mb(pid: int, min_mb: float = 1.0) -> dict[str, float] | None:
             for line in f:
                 head = line.split(maxsplit=6)
                 if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
-                    lo, hi = (int(x, 16) for x in head[0].split("-"))
+                    lo = int(head[0].split("-")[0], 16)
                     path = head[5].strip() if len(head) > 5 else ""
-                    label = path or f"[anon] {lo:#x} {(hi - lo) >> 20}M"
+                    label = path or f"[anon] {lo:#x}"  # by address alone: a mapping that grows keeps its name
                     if not path:
                         anon_count += 1
                 elif head[0] == "Rss:":
