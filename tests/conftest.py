@@ -75,11 +75,15 @@ LOCAL_RESOURCES = {"H800": 6, "H20": 6, "CPU": 8}
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray (127.0.0.1) per test session, declaring logical H800/H20 devices."""
+    """One local Ray (127.0.0.1) per test session, declaring logical H800/H20 devices. A Ray this process is
+    still connected to (a test that started its own and ended without shutting it down, e.g. by a timeout)
+    is shut down first: its resources are not these."""
     import ray
 
     from rollart.resource_manager.launcher import ensure_ray
 
+    if ray.is_initialized():
+        ray.shutdown()
     job = ensure_ray(LOCAL_RESOURCES, job_id="rollart-tests")
     yield job
     ray.shutdown()

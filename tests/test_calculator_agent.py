@@ -20,7 +20,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "calculator_agent"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
-def test_the_calculator_agents_reward_rises(tmp_path, monkeypatch):
+def test_the_calculator_agents_reward_rises(ray_local, tmp_path, monkeypatch):
+    # the session's Ray (it runs first in its test process): a run that ends early leaves no Ray of its own
     monkeypatch.syspath_prepend(str(EXAMPLE))
     from run import main
 
