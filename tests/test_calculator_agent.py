@@ -33,4 +33,7 @@ def test_the_calculator_agents_reward_rises(ray_local, tmp_path, monkeypatch):
     ledger = json.loads((tmp_path / "calculator" / "ledger.json").read_text())
     assert ledger["lost"] == 0 and ledger["trained_twice"] == 0 and ledger["failed"] == 0, ledger
     assert all(h["trajectories_failed"] == 0 for h in history)
-    sys.modules.pop("run", None)
+    for name in ("run", "agent", "tasks", "warmup", "remote"):  # the example's modules, off this process
+        sys.modules.pop(name, None)
+    while str(EXAMPLE) in sys.path:  # run.py puts its folder first itself
+        sys.path.remove(str(EXAMPLE))
