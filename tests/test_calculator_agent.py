@@ -23,9 +23,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 def test_the_calculator_agents_reward_rises(ray_local, tmp_path, monkeypatch):
     # the session's Ray (it runs first in its test process): a run that ends early leaves no Ray of its own
     monkeypatch.syspath_prepend(str(EXAMPLE))
-    from run import main
+    try:
+        from run import main
 
-    history = main(["--out", str(tmp_path)])
+        history = main(["--out", str(tmp_path)])
+    finally:
+        for name in ("run", "agent", "tasks", "warmup", "remote"):  # the example's modules, off this process
+            sys.modules.pop(name, None)
+        while str(EXAMPLE) in sys.path:  # run.py puts its folder first itself
+            sys.path.remove(str(EXAMPLE))
     rewards = [h["reward_mean"] for h in history]
     assert len(rewards) >= 10
     first, last = mean(rewards[:5]), mean(rewards[-5:])
@@ -33,7 +39,3 @@ def test_the_calculator_agents_reward_rises(ray_local, tmp_path, monkeypatch):
     ledger = json.loads((tmp_path / "calculator" / "ledger.json").read_text())
     assert ledger["lost"] == 0 and ledger["trained_twice"] == 0 and ledger["failed"] == 0, ledger
     assert all(h["trajectories_failed"] == 0 for h in history)
-    for name in ("run", "agent", "tasks", "warmup", "remote"):  # the example's modules, off this process
-        sys.modules.pop(name, None)
-    while str(EXAMPLE) in sys.path:  # run.py puts its folder first itself
-        sys.path.remove(str(EXAMPLE))
