@@ -779,7 +779,6 @@ def _attention_heads(model: Any) -> tuple[int, int] | None:
     """(attention heads, KV heads) of a config's model (a folder, a cached model name, a ``{shape: ...}`` or
     None for the built-in tiny model); None when they cannot be read without loading anything."""
     import inspect
-    import json
 
     if model is None:
         from rollart.models.tiny import build_tiny
@@ -791,15 +790,9 @@ def _attention_heads(model: Any) -> tuple[int, int] | None:
 
         arch = SHAPES.get(str(model.get("shape")))
         return (arch.heads, arch.kv_heads) if arch is not None else None
-    if not isinstance(model, str):
+    cfg = _model_config(model)
+    if cfg is None:
         return None
-    from rollart.models.locate import cached_model
-
-    path = Path(model) / "config.json"
-    found = str(path) if path.is_file() else cached_model(model)
-    if found is None:
-        return None
-    cfg = json.loads(Path(found).read_text())
     heads = cfg.get("num_attention_heads")
     return (heads, cfg.get("num_key_value_heads", heads)) if isinstance(heads, int) else None
 

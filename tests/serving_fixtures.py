@@ -25,6 +25,19 @@ from rollart.engines.base import EngineRequest, InferenceEngine, RequestOutput
 SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 
 
+# the one function tool the endpoint tests offer (an arithmetic calculator)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "evaluate an arithmetic expression",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+
+
 def build_merging_tokenizer(folder: Path) -> Path:
     """A ChatML BPE tokenizer (with the tool template) whose merges join digits and words: ``"12"``,
     ``"calc"`` and ``"expression"`` are single tokens, so text generated character by character

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
-from serving_fixtures import ServedPolicy, build_merging_tokenizer
+from serving_fixtures import TOOLS, ServedPolicy, build_merging_tokenizer
 
 import rollart as ra
 from rollart.engines.base import EngineRequest, SamplingParams
@@ -23,17 +23,6 @@ from rollart.engines.sampling import process_logits
 from rollart.models import build_tiny
 from rollart.rollout.inference_worker import inference_worker_class
 from rollart.serving.render import _arguments_as_objects
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "evaluate an arithmetic expression",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-        },
-    }
-]
 
 
 def _served(tmp_path_factory, folder, engine, pool):

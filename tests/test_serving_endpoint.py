@@ -14,21 +14,11 @@ import json
 import httpx
 import openai
 import pytest
-from serving_fixtures import ServedPolicy, build_merging_tokenizer, script_logprob
+from serving_fixtures import TOOLS, ServedPolicy, build_merging_tokenizer, script_logprob
 
 import rollart as ra
 from rollart.rollout.inference_worker import inference_worker_class
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "evaluate an arithmetic expression",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-        },
-    }
-]
 CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "12+7"}}</tool_call>'
 
 

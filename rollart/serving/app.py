@@ -239,26 +239,6 @@ def build_app(
         )
         return JSONResponse(reply)
 
-    @app.post("/v1/chat/completions")
-    async def chat_plain(request: Request) -> Any:
-        authorize(request)
-        return await chat(request, None)
-
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def chat_session(session_id: str, request: Request) -> Any:
-        authorize(request)
-        return await chat(request, session_of(session_id, request))
-
-    @app.post("/v1/completions")
-    async def completion_plain(request: Request) -> Any:
-        authorize(request)
-        return await completion(request, None)
-
-    @app.post("/sessions/{session_id}/v1/completions")
-    async def completion_session(session_id: str, request: Request) -> Any:
-        authorize(request)
-        return await completion(request, session_of(session_id, request))
-
     # ------------------------------------------------------------------ /v1/responses, /v1/messages
     stored = ResponseStore()
 
@@ -296,25 +276,27 @@ def build_app(
         texts = [text for text, _ in split[choice.index]]
         return _named_sse(stream_events(service.model, result, choice, texts))
 
-    @app.post("/v1/responses")
-    async def responses_plain(request: Request) -> Any:
-        authorize(request)
-        return await respond(request, None)
+    def serve(path: str, handler: Any) -> None:
+        """``POST /v1/<path>`` (no session) and ``POST /sessions/{id}/v1/<path>`` (recorded into that session)."""
 
-    @app.post("/sessions/{session_id}/v1/responses")
-    async def responses_session(session_id: str, request: Request) -> Any:
-        authorize(request)
-        return await respond(request, session_of(session_id, request))
+        async def plain(request: Request) -> Any:
+            authorize(request)
+            return await handler(request, None)
 
-    @app.post("/v1/messages")
-    async def messages_plain(request: Request) -> Any:
-        authorize(request)
-        return await message(request, None)
+        async def in_session(session_id: str, request: Request) -> Any:
+            authorize(request)
+            return await handler(request, session_of(session_id, request))
 
-    @app.post("/sessions/{session_id}/v1/messages")
-    async def messages_session(session_id: str, request: Request) -> Any:
-        authorize(request)
-        return await message(request, session_of(session_id, request))
+        app.add_api_route(f"/v1/{path}", plain, methods=["POST"], name=f"{path}_plain")
+        app.add_api_route(f"/sessions/{{session_id}}/v1/{path}", in_session, methods=["POST"], name=f"{path}_session")
+
+    for path, handler in (
+        ("chat/completions", chat),
+        ("completions", completion),
+        ("responses", respond),
+        ("messages", message),
+    ):
+        serve(path, handler)
 
     # ------------------------------------------------------------------ sessions
     @app.post("/sessions")
