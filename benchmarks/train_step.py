@@ -18,7 +18,8 @@ without ``--shape``/``--model``, the built-in tiny model.
 
 ``--lengths 16-512`` gives the rows lengths spread evenly over that range (seeded) instead of ``seq-len``
 each; the attention FLOPs then count ``sum(len^2)``, the useful work of the real tokens (a padded pass's
-padding is not counted). ``--packing on|off`` picks ``train.packing``; ``both`` runs the padded then the
+padding is not counted). ``--packing auto|on|off`` picks ``train.packing`` (auto: null, the config's
+default); ``both`` runs the padded then the
 packed step on the same batch and reports each (``padded``, ``packed``) and ``packing_speedup``, the
 ratio of their tokens/s. ``--max-tokens`` is the micro-batch budget (default: the config's, 16384, with
 ``--lengths``; else the whole batch). The rows are random, so they share no prompt: the bench runs with
@@ -60,7 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--lengths", default=None, help="MIN-MAX: row lengths spread over this range (e.g. 16-512)")
-    p.add_argument("--packing", choices=["on", "off", "both"], default="on", help="train.packing; both compares")
+    p.add_argument(
+        "--packing",
+        choices=["auto", "on", "off", "both"],
+        default="auto",
+        help="train.packing: auto (null: packed where it is exact and, on a GPU, has varlen flash attention), on, "
+        "off; both compares off with on",
+    )
     p.add_argument("--max-tokens", type=int, default=None, help="train.max_tokens_per_microbatch (default 16384)")
     p.add_argument("--out", default="runs/bench/train_step")
 
@@ -251,7 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     runs = {}
     for mode in ("off", "on") if args.packing == "both" else (args.packing,):
-        runs[mode] = measure(args, device, {**base, "packing": mode == "on"}, lengths)
+        runs[mode] = measure(args, device, {**base, "packing": {"auto": None, "on": True, "off": False}[mode]}, lengths)
     last = runs[args.packing if args.packing != "both" else "on"]
     worker = last["worker"]
     config = worker.module.config

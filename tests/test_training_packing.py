@@ -222,3 +222,57 @@ def test_packing_is_refused_by_name_where_it_cannot_run(tiny, tmp_path):
         local_worker(TorchTrainWorker, model=str(sliding), packing=True)  # the trainer checks the loaded config
     worker = local_worker(TorchTrainWorker, model=str(sliding), max_tokens_per_microbatch=150)
     assert worker.train_step(mixed_batch())["packed"] == 0.0
+
+
+def _rows_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int]) -> torch.Tensor:
+    """Causal SDPA per row of ``[L, H, D]`` tensors (grouped-query: key/value heads repeated)."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    parts = [
+        torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True
+        ).transpose(0, 1)
+        for s, e in zip(cu[:-1], cu[1:])
+    ]
+    return torch.cat(parts)
+
+
+def varlen_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None, scale=None):
+    """``varlen_attn`` as PyTorch 2.11 spells it: ``is_causal``, no ``enable_gqa`` (heads must match)."""
+    assert is_causal and key.shape[1] == query.shape[1], "a causal call with as many key heads as query heads"
+    return _rows_sdpa(query, key, value, cu_seq_q.tolist())
+
+
+def varlen_new(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):
+    """``varlen_attn`` as later releases spell it: ``window_size`` for causality, ``enable_gqa``."""
+    assert tuple(window_size) == (-1, 0) and enable_gqa == (key.shape[1] != query.shape[1])
+    return _rows_sdpa(query, key, value, cu_seq_q.tolist())
+
+
+@pytest.mark.parametrize("varlen", [varlen_old, varlen_new], ids=["is_causal", "window_size+enable_gqa"])
+def test_the_varlen_kernel_is_called_as_the_installed_pytorch_spells_it(varlen):
+    # a grouped-query causal call (Qwen2's 14 query heads over 2 key/value heads, in small) through either
+    # signature gives SDPA per row: on an H200 with PyTorch 2.11 the later spelling failed, and every packed
+    # step fell back to one SDPA call per row (0.70x the padded step at 0.5B)
+    from rollart.training.packing import _varlen_call
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(20, 6, 8, generator=g), torch.randn(20, 2, 8, generator=g), torch.randn(20, 2, 8, generator=g)
+    cu = torch.tensor([0, 3, 11, 20], dtype=torch.int32)
+    out = _varlen_call(varlen, q, k, v, cu, 9, 8**-0.5)
+    torch.testing.assert_close(out, _rows_sdpa(q, k, v, [0, 3, 11, 20]))
+
+
+def test_unasked_packing_on_a_gpu_needs_bf16_and_the_varlen_kernel(tiny, caplog):
+    from rollart.training.packing import packing_on, varlen_problem
+
+    assert varlen_problem(torch.device("cpu")) is None  # on the CPU the packed rows are SDPA per row anyway
+    assert packing_on(None, tiny, torch.device("cpu")) is True
+    # fp32 passes on a GPU would run SDPA per row, slower than the padded pass's flash kernel: padded, logged
+    with caplog.at_level("INFO", logger="rollart.training.packing"):
+        assert packing_on(None, tiny, torch.device("cuda"), compute_bf16=False) is False
+    assert "training padded" in caplog.text and "train.dtype: fp32" in caplog.text
+    with caplog.at_level("WARNING", logger="rollart.training.packing"):
+        assert packing_on(True, tiny, torch.device("cuda"), compute_bf16=False) is True  # asked for: packed, warned
+    assert "slower than the padded pass" in caplog.text

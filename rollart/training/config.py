@@ -118,8 +118,9 @@ class TrainConfig(ConfigModel):
     """Padding-free training: the rows of a micro-batch run as one sequence, each attending only to itself
     (per-row positions, a block-diagonal causal mask), so no position is padding; log-probs, entropies, the loss
     and its gradients are those of the padded passes. Null: on with `strategy: torch` for Llama-family models
-    (Llama, Qwen2, Qwen3, Mistral without a sliding window), else off; `false` keeps the padded passes. With
-    `prefix_sharing`, each step runs whichever of the two lays out fewer positions.
+    (Llama, Qwen2, Qwen3, Mistral without a sliding window), else off; on a GPU only with `dtype: bf16` and
+    where PyTorch's variable-length flash attention runs (checked at start-up; else padded, logged); `false`
+    keeps the padded passes. With `prefix_sharing`, each step runs whichever of the two lays out fewer positions.
     """
     loss: str = "ppo"
     """The policy loss: `ppo`, `decoupled_ppo`, `tis`, `cispo`, `topr`, `weighted_topr`, `dis`, a name registered

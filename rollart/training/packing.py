@@ -132,6 +132,42 @@ def _position_bounds(kwargs: dict[str, Any], attention_mask: Any, q_len: int) ->
 _varlen_ok: bool | None = None  # whether torch's varlen flash attention agreed with SDPA per row (None: not tried)
 
 
+def _varlen_call(
+    varlen_attn: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: torch.Tensor,
+    longest: int,
+    scaling: Any,
+) -> torch.Tensor | None:
+    """``varlen_attn`` on ``[L, H, D]`` rows, causal, with its arguments spelt for this torch's version (its
+    keywords changed between releases: ``is_causal`` or ``window_size``; ``enable_gqa`` or none, then the
+    key/value heads are repeated here), or None where this version cannot take the call (no causal mode, or
+    a scale it cannot be given)."""
+    import inspect
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any] = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # causal
+    elif "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    if "scale" in params:
+        kwargs["scale"] = scaling
+    elif scaling is not None and abs(float(scaling) - query.shape[-1] ** -0.5) > 1e-6:
+        return None
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # grouped-query attention: each key/value head serves query.shape[1] / key.shape[1] query heads
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return varlen_attn(query, key, value, cu, cu, longest, longest, **kwargs)
+
+
 def _varlen_cuda(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any], scaling: Any):
     """Flash attention over the packed rows (CUDA, bf16/fp16), or None where torch has no varlen kernel."""
     try:
@@ -140,19 +176,40 @@ def _varlen_cuda(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kw
         return None
     cu = kwargs["cu_seq_lens_q"].to(device=query.device, dtype=torch.int32)
     longest = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
-    out = varlen_attn(
-        query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        cu,
-        cu,
-        longest,
-        longest,
-        scale=scaling,
-        window_size=(-1, 0),  # causal
-        enable_gqa=query.shape[1] != key.shape[1],
+    out = _varlen_call(
+        varlen_attn, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, longest, scaling
     )
-    return out[None]  # [1, L, H, D], the layout the attention module reshapes
+    return None if out is None else out[None]  # [1, L, H, D], the layout the attention module reshapes
+
+
+def varlen_problem(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why packed passes on ``device`` would not get torch's varlen flash attention (None: they do). On a
+    CUDA device the packed rows otherwise fall back to one SDPA call per row, slower than the padded pass's
+    flash kernel (measured on an H200); off CUDA one SDPA call per row is the packed path anyway."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(1, h, 12, 64, generator=g).to(device=device, dtype=dtype) for h in (4, 2, 2))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    try:
+        out = _varlen_call(varlen_attn, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, 7, None)
+    except (RuntimeError, TypeError, ValueError) as err:
+        return f"torch's varlen attention failed: {err}"
+    if out is None:
+        return "this torch's varlen attention has no causal mode"
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    parts = [
+        torch.nn.functional.scaled_dot_product_attention(q[..., s:e, :], k[..., s:e, :], v[..., s:e, :], is_causal=True)
+        for s, e in ((0, 5), (5, 12))
+    ]
+    ref = torch.cat(parts, dim=2)[0].transpose(0, 1)
+    if not torch.allclose(out.float(), ref.float(), atol=3e-2, rtol=3e-2):
+        return "torch's varlen attention disagrees with SDPA"
+    return None
 
 
 def packed_attention(
@@ -264,21 +321,33 @@ def packing_unsupported(config: Any) -> str | None:
     return reason
 
 
-def packing_on(wanted: bool | None, path: str) -> bool:
+def packing_on(wanted: bool | None, path: str, device: torch.device | None = None, compute_bf16: bool = False) -> bool:
     """Whether a model folder's passes run packed: ``wanted`` (``train.packing``; null: where the model
-    supports it). An explicit ``True`` on a model that cannot is refused, naming the field and the fix."""
+    supports it and, on a CUDA ``device``, where the passes get torch's varlen flash attention: bf16
+    compute, :func:`varlen_problem`). An explicit ``True`` on a model that cannot is refused, naming the
+    field and the fix."""
     if wanted is False:
         return False
     from transformers import AutoConfig
 
     reason = packing_unsupported(AutoConfig.from_pretrained(path))
-    if reason is None:
-        return True
-    if wanted:
+    if reason is not None and wanted:
         raise ValueError(
             f"train.packing: true: the model at {path} cannot train packed ({reason}); set train.packing: false"
         )
-    log.info("training padded: the model at %s cannot train packed (%s)", path, reason)
+    if reason is None and device is not None and device.type == "cuda":
+        reason = varlen_problem(device) if compute_bf16 else "fp32 passes on a GPU (train.dtype: fp32)"
+        if reason is not None and wanted:
+            log.warning(
+                "train.packing: true on %s: %s; the packed rows run one SDPA call each, which can be slower than "
+                "the padded pass (train.packing: null chooses)",
+                device,
+                reason,
+            )
+            return True
+    if reason is None:
+        return True
+    log.info("training padded: the model at %s does not train packed here (%s)", path, reason)
     return False
 
 
@@ -295,6 +364,7 @@ __all__ = [
     "packed_layout",
     "packed_token_logprobs",
     "packing_on",
+    "varlen_problem",
     "packing_unsupported",
     "plan_packed_microbatches",
     "use_packed_attention",

@@ -29,7 +29,7 @@ class ReferenceWorker(Worker):
 
         self.device = worker_device(self.device_ids)
         path = model_path(model)
-        self.packing = packing_on(packing, path)
+        self.packing = packing_on(packing, path, self.device)  # fp32 passes: padded on a GPU
         self.model = load_causal_lm(path, dtype=torch.float32).to(self.device).eval()
         if self.packing:
             use_packed_attention(self.model)

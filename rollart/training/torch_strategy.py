@@ -191,7 +191,7 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         self.tp_group: Any = None  # the ranks that hold the other parts of this rank's layers
         # prefix sharing needs the prefix's KV cache in the graph; gradient checkpointing turns the cache off
         self.prefix_sharing = cfg.prefix_sharing and not cfg.gradient_checkpointing
-        self.packing = packing_on(cfg.packing, model_path(cfg.model))
+        self.packing = packing_on(cfg.packing, model_path(cfg.model), self.device, cfg.dtype == "bf16")
         self.step_shared = self.prefix_sharing  # the current step's passes: shared-prefix ones (else packed or padded)
         self.version = 0
         if self.layout.sharded:  # built once the process group exists (setup_distributed)
