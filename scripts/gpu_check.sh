@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# rollart's device check: every GPU path in one run (< 8 minutes on one GPU), ONE JSON summary on stdout.
+# rollart's device check: every GPU path, ONE JSON summary on stdout (all steps: ~12+ minutes on one H200;
+# --budget-s bounds a run, --only picks steps: docs/gpus.md says how to split it).
 #   bash scripts/gpu_check.sh [--no-gpu] [--quick] [--out DIR] [--steps N] [--budget-s S] [--only STEP ...]
 # On a bare GPU machine (docs/gpus.md, "Checking a GPU machine"): bring .devbundle along and run
 #   source .devbundle/setup.sh && bash scripts/gpu_check.sh --out "$OUT"
