@@ -646,6 +646,7 @@ class AgenticPipeline:
         t0 = time.monotonic()
         stale_before = Counter(self.scheduler.staleness)
         task_stale_before = {t: Counter(c) for t, c in self.scheduler.staleness_by_task.items()}
+        held_before = self.scheduler.held_back
         groups = await self.supervisor.wait_probing(self.controller.get_batch(self.train_version))
         self.startup.mark("first_batch")
         held_back = self.scheduler.buffered_by_task()
@@ -674,6 +675,12 @@ class AgenticPipeline:
         record["trainer_restarts"] = len(self.recoveries)
         if self.elastic is not None:  # the pool's size, workers joined / left / lost during the step
             record["elastic"] = self.elastic.step_metrics()
+            if self.elastic.autopilot is not None:  # elastic.autoscale: the step's demand, and a new target
+                t = record["time"]
+                held = self.scheduler.held_back > held_before  # generation waited at the asynchronous bound
+                decision = self.elastic.autoscale_step(record["step"], t["step_s"], t["rollout_wait_s"], held)
+                record["elastic"]["held_back"] = held
+                record["elastic"]["autopilot"] = decision
         if self.data_tasks.samplers:
             record["data_epoch"] = self.data_tasks.metrics()
         if self.evaluator is not None and self.evaluator.due(step, self.config.steps - 1):

@@ -521,6 +521,7 @@ class PipelineConfig(ConfigModel):
                 },
                 "engine": {"kind": self.engine.kind, "model": self.engine.model},
                 "weights": {"channel": self.weights.channel},
+                "elastic": {"autoscale": self.elastic.autoscale is not None},
                 "fault": {"inference": None} if "inference" in self.fault.model_fields_set else {},
             }
         )
@@ -919,6 +920,15 @@ def elastic_problems(raw: Mapping[str, Any], pools: Mapping[str, Any]) -> list[s
     weights stay inside the train ranks)."""
     rollout_pool = raw.get("rollout_pool", PipelineConfig.model_fields["rollout_pool"].default)
     out = []
+    elastic = raw.get("elastic")
+    if isinstance(elastic, Mapping) and elastic.get("autoscale") not in (None, False):
+        groups = pools.get(rollout_pool)
+        items = groups if isinstance(groups, list) else [groups]
+        if not any(isinstance(g, Mapping) and g.get("max_devices") is not None for g in items):
+            out.append(
+                f"elastic.autoscale: the rollout pool (pools.{rollout_pool}) is not elastic, so there is nothing to "
+                f"size; give pools.{rollout_pool} max_devices, or drop elastic.autoscale"
+            )
     for name, groups in pools.items():
         items = groups if isinstance(groups, list) else [groups]
         for i, g in enumerate(items):

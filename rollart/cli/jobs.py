@@ -275,7 +275,8 @@ def _amounts(value: Any) -> str:
 
 
 def pool_sizes(row: dict[str, Any]) -> str:
-    """Each elastic pool's devices now and its maximum (``rollout 3/8``; ``+1 joining``, ``-1 draining``)."""
+    """Each elastic pool's devices now and its maximum (``rollout 3/8``; ``+1 joining``, ``-1 draining``; with an
+    autopilot its target: ``(autopilot 4)``, ``(manual 2; --auto hands back)``)."""
     parts = []
     for pool, size in sorted((row.get("pools") or {}).items()):
         text = f"{pool} {size.get('devices')}/{size.get('max_devices')}"
@@ -283,6 +284,14 @@ def pool_sizes(row: dict[str, Any]) -> str:
             text += f" +{size['joining']} joining"
         if size.get("draining"):
             text += f" -{size['draining']} draining"
+        pilot = size.get("autopilot")
+        if pilot is not None:  # elastic.autoscale: whose target the pool follows
+            if pilot.get("manual") is not None:
+                text += f" (manual {pilot['manual']}; --auto hands back)"
+            elif pilot.get("yielding"):
+                text += f" (autopilot {pilot.get('target')}, yielding to a queued job)"
+            else:
+                text += f" (autopilot {pilot.get('target')})"
         parts.append(text)
     return ", ".join(parts)
 

@@ -206,9 +206,10 @@ class ClusterRegistry(JobRecords):
         if held is not None and held.get("holder") == holder:
             _kv()._internal_kv_del(key, namespace=self.namespace)
 
-    def request_scale(self, job_id: str, pool: str, devices: int) -> dict[str, Any]:
-        """Ask job ``job_id``'s elastic ``pool`` to hold ``devices`` devices (its driver applies it)."""
-        row = {"job_id": job_id, "pool": pool, "devices": int(devices), "at": time.time()}
+    def request_scale(self, job_id: str, pool: str, devices: int | None) -> dict[str, Any]:
+        """Ask job ``job_id``'s elastic ``pool`` to hold ``devices`` devices, or (None) to let its autopilot
+        decide again (its driver applies it)."""
+        row = {"job_id": job_id, "pool": pool, "devices": None if devices is None else int(devices), "at": time.time()}
         self._put(f"scale/{job_id}/{pool}", row)
         return row
 

@@ -110,6 +110,35 @@ class RoutingConfig(ConfigModel):
     """KV-cache bytes per token of the served model, for the rooflines (default: Qwen3-8B in BF16)."""
 
 
+class AutoscaleConfig(ConfigModel):
+    """``elastic.autoscale:``: the autopilot, which sets the elastic rollout pool's size from the job's own
+    steps (:mod:`rollart.rollout.autopilot`): it grows the pool while the trainer waits for rollout, shrinks it
+    while generation is held back by the asynchronous bound, and gives devices back to a queued job."""
+
+    grow_above: float = Field(default=0.2, gt=0, lt=1)
+    """Grow when the trainer waited for rollout more than this share of every step of a window."""
+    shrink_below: float = Field(default=0.05, ge=0, lt=1)
+    """Shrink (one worker) when the wait was below this share of every step of a window and generation was held
+    back by the asynchronous bound at each of them; below `grow_above` (the gap keeps the size from oscillating).
+    """
+    window: int = Field(default=3, ge=1)
+    """Steps of evidence a change needs."""
+    cooldown_steps: int = Field(default=2, ge=0)
+    """Steps not measured after a change (workers join or drain meanwhile)."""
+    yield_to_queued: bool = True
+    """Give the pool back down to its smallest size while a job of the same or a higher priority queues for its
+    devices, and grow back once the queue is empty."""
+
+    @model_validator(mode="after")
+    def _gap(self) -> AutoscaleConfig:
+        if self.shrink_below >= self.grow_above:
+            raise ValueError(
+                f"elastic.autoscale.shrink_below ({self.shrink_below}) must be below grow_above ({self.grow_above}): "
+                "the gap keeps the pool from oscillating"
+            )
+        return self
+
+
 class ElasticConfig(ConfigModel):
     """``elastic:``: how an elastic rollout pool (a group with `max_devices`) follows the cluster while the
     job runs (:mod:`rollart.rollout.elastic`)."""
@@ -128,6 +157,19 @@ class ElasticConfig(ConfigModel):
     """
     max_joining: int = Field(default=4, ge=1)
     """Workers started at the same time."""
+    autoscale: AutoscaleConfig | None = None
+    """The autopilot: the job sizes its elastic rollout pool from its own steps (`true` or its settings); null:
+    the pool grows to `max_devices` whenever devices are free and shrinks only on `rollart scale`.
+    """
+
+    @field_validator("autoscale", mode="before")
+    @classmethod
+    def _autoscale_flag(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        return value
 
 
 class EngineConfig(ConfigModel):

@@ -25,6 +25,13 @@ max_devices: 8}}``). :class:`ElasticRollout` watches the Ray cluster (every ``el
   workers leave the pool instead of being restarted in place, and the pool grows back when capacity
   returns.
 
+With ``elastic.autoscale`` the target is the autopilot's (:mod:`rollart.rollout.autopilot`): it starts at
+the size the job started with, and after each training step (:meth:`ElasticRollout.autoscale_step`) it
+grows the pool while the trainer waits for rollout, shrinks it while generation is held back by the
+asynchronous bound, and gives the pool back down to its smallest size while a job of the same or a higher
+priority queues for its devices. A ``rollart scale --devices N`` target holds until
+``rollart scale --auto`` hands the pool back to the autopilot.
+
 Only elastic groups change; workers of a fixed group on a drained node stay (and go through the fault
 path when the node goes). Every join, leave, loss and node event is kept (:attr:`ElasticRollout.events`,
 ``RUN_DIR/elastic.jsonl``); each step's record gets :meth:`ElasticRollout.step_metrics`.
@@ -47,7 +54,8 @@ import ray
 from rollart.cluster.cluster import Cluster
 from rollart.resource_manager.elastic import Claims, ClusterView, NodeEvent, node_events, read_view
 from rollart.resource_manager.manager import ReservedGroup, ResourceManager
-from rollart.rollout.config import ElasticConfig
+from rollart.rollout.autopilot import Autopilot, AutopilotSettings, Demand
+from rollart.rollout.config import AutoscaleConfig, ElasticConfig
 from rollart.rollout.llm_proxy import LLMProxy
 
 log = logging.getLogger(__name__)
@@ -107,6 +115,7 @@ class ElasticRollout:
         self.fixed_devices = sum(g.amount for g in self.spec.groups if not g.elastic)
         self.max_devices = self.fixed_devices + sum(g.max_devices or 0 for g in self.spec.groups if g.elastic)
         self.target = self.max_devices
+        self.autopilot: Autopilot | None = None  # elastic.autoscale: the job sizes the pool (start())
         self.members: dict[int, Member] = {}
         self._starting: Counter[int] = Counter()  # group index -> units placed whose worker has no rank yet
         self._lock = threading.RLock()
@@ -126,6 +135,7 @@ class ElasticRollout:
         self._thread: threading.Thread | None = None
         self.t0 = time.monotonic()
         self._warned_fixed: set[str] = set()
+        self._step = 0  # the last training step the autopilot heard of
         from rollart.resource_manager.registry import ClusterRegistry
 
         registry = rm.store.registry
@@ -148,6 +158,8 @@ class ElasticRollout:
                 state = "serving" if p["alive"] else "joining"
                 self.members[p["rank"]] = Member(p["rank"], unit, p["node_id"], p["node_ip"], state)
         self.cluster.set_awaiting_workers(True)
+        if self.config.autoscale is not None and self.autopilot is None:
+            self._start_autopilot(self.config.autoscale)
         self._view = read_view()
         now = time.monotonic()
         self._node_seen = {nid: now for nid, n in self._view.nodes.items() if n.alive}
@@ -206,6 +218,10 @@ class ElasticRollout:
             self._event("scale", devices=devices, previous=self.target, source=source)
             log.info("elastic pool %s: target %d -> %d devices (%s)", self.pool, self.target, devices, source)
             self.target = devices
+        if self.autopilot is not None:  # a person's target: it holds until `rollart scale --auto`
+            with self._lock:
+                decision = self.autopilot.manual(devices, step=self._step)
+            self._event("autopilot", **decision.as_record())
         return True
 
     # ------------------------------------------------------------------ one poll
@@ -262,7 +278,10 @@ class ElasticRollout:
         req = self.registry.scale_request(self.rm.job_id, self.pool)
         if req is not None and float(req.get("at", 0.0)) > self._scale_at:
             self._scale_at = float(req["at"])
-            self.scale(int(req["devices"]), source="rollart scale")
+            if req.get("devices") is None:  # `rollart scale --auto`: the autopilot decides again
+                self.release_to_autopilot()
+            else:
+                self.scale(int(req["devices"]), source="rollart scale")
 
     def _shrink(self, excess: int) -> None:
         """Workers leave, the last joined first, until the pool is at its target."""
@@ -414,6 +433,82 @@ class ElasticRollout:
         log.info("elastic pool %s: rank %d (%s, host %s) %s %s", self.pool, m.rank, m.hardware, m.node_ip, state, info)
 
     # ------------------------------------------------------------------ records
+    # ------------------------------------------------------------------ the autopilot (elastic.autoscale)
+    def _start_autopilot(self, cfg: AutoscaleConfig) -> None:
+        low = max(self.devices_per_worker, self.fixed_devices)
+        settings = AutopilotSettings(
+            min_devices=low,
+            max_devices=self.max_devices,
+            unit=self.devices_per_worker,
+            grow_above=cfg.grow_above,
+            shrink_below=cfg.shrink_below,
+            window=cfg.window,
+            cooldown_steps=cfg.cooldown_steps,
+        )
+        start = min(self.max_devices, max(low, self.devices()))  # the size the job started with
+        self.autopilot = Autopilot(settings, target=start)
+        self.target = start
+        self._event("autopilot_on", target=start, **settings.model_dump())
+        log.info(
+            "elastic pool %s: the autopilot sizes it (%d..%d devices), from %d", self.pool, low, self.max_devices, start
+        )
+
+    def autoscale_step(self, step: int, step_s: float, rollout_wait_s: float, held_back: bool) -> dict[str, Any] | None:
+        """Give the autopilot one training step's measurements (the pipeline calls this after each step);
+        the decision, when the target changed (also in ``elastic.jsonl``), else None."""
+        if self.autopilot is None:
+            return None
+        assert self.config.autoscale is not None
+        queued = self._queued_for_pool() if self.config.autoscale.yield_to_queued else 0
+        demand = Demand(step, step_s, rollout_wait_s, held_back, self.devices(), queued)
+        with self._lock:
+            self._step = step
+            decision = self.autopilot.observe(demand)
+            if decision is None:
+                return None
+            self.target = decision.target
+        record = decision.as_record()
+        self._event("autopilot", **record)
+        log.info(
+            "elastic pool %s: autopilot %s %d -> %d devices (%s)",
+            self.pool,
+            decision.reason,
+            decision.previous,
+            decision.target,
+            ", ".join(f"{k} {v}" for k, v in decision.measurements.items()),
+        )
+        return record
+
+    def release_to_autopilot(self) -> bool:
+        """End a person's target (``rollart scale --auto``): the autopilot decides again. False without one."""
+        if self.autopilot is None:
+            log.error(
+                "rollart scale --auto: pool %s has no autopilot (elastic.autoscale); nothing to release", self.pool
+            )
+            self._event("scale_refused", source="rollart scale --auto", why="no autopilot (elastic.autoscale)")
+            return False
+        with self._lock:
+            decision = self.autopilot.manual(None, step=self._step)
+        if decision is not None:
+            self._event("autopilot", **decision.as_record())
+        return True
+
+    def _queued_for_pool(self) -> int:
+        """Jobs queued (``rollart submit``) for this pool's hardware with a priority at least this job's."""
+        if self.registry is None:
+            return 0
+        rows = self.registry.jobs()
+        mine = next((r for r in rows if r.get("job_id") == self.rm.job_id), {})
+        priority = int(mine.get("priority") or 0)
+        kinds = {g.hardware for g in self.spec.groups}
+        return sum(
+            1
+            for r in rows
+            if r.get("state") == "queued"
+            and int(r.get("priority") or 0) >= priority
+            and any(float((r.get("asks") or {}).get(hw, 0.0)) > 0 for hw in kinds)
+        )
+
     def _count(self, kind: str) -> None:
         with self._lock:
             self._counts[kind] += 1
@@ -441,7 +536,13 @@ class ElasticRollout:
             "workers": len(serving),
             "joining": states["joining"] + starting,
             "draining": states["draining"],
+            **({"autopilot": self._autopilot_summary()} if self.autopilot is not None else {}),
         }
+
+    def _autopilot_summary(self) -> dict[str, Any]:
+        assert self.autopilot is not None
+        state = self.autopilot.state_dict()
+        return {"target": state["target"], "manual": state["manual"], "yielding": state["before_yield"] is not None}
 
     def _publish(self) -> None:
         """The pool's size in the job's registry row (``rollart jobs``, ``rollart scale`` read it)."""

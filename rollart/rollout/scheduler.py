@@ -84,6 +84,7 @@ class RolloutScheduler:
         self.buffer = SampleBuffer(on_stale=self._requeue_group)
         self.counts: Counter[str] = Counter()
         self.accepted = 0  # groups accepted (buffer + consumed) since the start, minus evicted ones
+        self.held_back = 0  # rounds that had to wait at admission (the asynchronous bound), since the start
         self.running: dict[int, _Round] = {}
         self._retry: dict[int, deque[int]] = {g: deque() for g in range(config.num_env_groups)}
         self._next_round = [0] * config.num_env_groups
@@ -186,6 +187,8 @@ class RolloutScheduler:
     async def _admit(self, group: int) -> None:
         assert self._cond is not None
         async with self._cond:
+            if self._full(group) and not self._stopping:
+                self.held_back += 1  # generation ahead of training: held by the asynchronous bound
             while self._full(group) and not self._stopping:  # stop() wakes the waiters: they end at once
                 await self._cond.wait()
 

@@ -1,0 +1,94 @@
+"""The autopilot on a real local Ray (logical H20 devices): a job whose trainer waits for rollout, started
+at one rollout device of an elastic pool of at most three, grows its pool to three by itself; each decision
+is in ``elastic.jsonl`` and the step records with the measurements that made it, ``rollart jobs`` shows whose
+target the pool follows, and the trajectory ledger is clean. Bad autopilot settings are refused before
+anything starts. (Joins take seconds to tens of seconds of Ray start-up, so the test does not wait for
+the new workers to serve.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollart.cli.jobs import pool_sizes
+from rollart.cli.scale import scale_problem
+from rollart.config import ConfigError, PipelineConfig, validate_config
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 5
+
+
+def config(tmp_path, **elastic) -> dict:
+    return {
+        "name": "autopilot",
+        "pools": {
+            "train": {"hardware": "H800", "devices": 1},
+            "rollout": {"hardware": "H20", "devices": 1, "max_devices": 3},
+        },
+        "envs": [{"name": "reverse", "groups": 4, "kwargs": {"length": 3}}],
+        "rollout": {"num_env_groups": 4, "group_size": 4, "batch_groups": 4, "alpha": 0},
+        "sampling": {"temperature": 1.0, "max_new_tokens": 8, "seed": 0},
+        # one worker decodes 4 sequences at a time, 30 ms a token: 16 trajectories take four rounds of it,
+        # while the tiny model trains in a fraction of that: the trainer waits for rollout
+        "engine": {"kind": "simulated", "options": {"decode_base_s": 0.03, "max_batch_size": 4}},
+        "elastic": {"poll_s": 0.2, "place_timeout_s": 5.0, **elastic},
+        "tiny_model": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64},
+        "steps": STEPS,
+        "checkpoint_every": 0,
+        "output_dir": str(tmp_path / "run"),
+        "cluster": {"metadata_store": str(tmp_path / "meta.sqlite")},
+    }
+
+
+def test_a_rollout_bound_job_grows_its_pool_by_itself(ray_local, tmp_path):
+    from rollart.pipelines.agentic import AgenticPipeline
+
+    cfg = PipelineConfig.model_validate(config(tmp_path, autoscale={"window": 2, "cooldown_steps": 1}))
+    pipe = AgenticPipeline(cfg, progress=False)
+    try:
+        history = pipe.run()
+        shown = pool_sizes({"pools": {"rollout": pipe.elastic.summary()}})
+    finally:
+        pipe.shutdown()
+    decisions = [h["elastic"]["autopilot"] for h in history if h["elastic"]["autopilot"] is not None]
+    assert decisions, [h["elastic"] for h in history]
+    first = decisions[0]
+    # two steps of evidence (window 2), every one of them mostly waiting for rollout
+    assert (first["reason"], first["previous"], first["target"], first["step"]) == ("grow", 1, 3, 2), first
+    assert len(first["measurements"]["wait_share"]) == 2 and min(first["measurements"]["wait_share"]) > 0.2
+    assert all(d["reason"] == "grow" for d in decisions)  # it never shrank: the trainer kept waiting
+    assert history[-1]["elastic"]["devices"] == 3 and history[-1]["elastic"]["target"] == 3
+    # the two new workers were started at once (whether they serve yet depends on how fast Ray starts them:
+    # joining itself is the elastic pool's, tests/test_elastic.py)
+    assert shown.startswith("rollout 3/3") and shown.endswith("(autopilot 3)"), shown
+    events = [json.loads(line) for line in (tmp_path / "run" / "elastic.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "autopilot_on" and events[0]["target"] == 1 and events[0]["max_devices"] == 3
+    (logged,) = [e for e in events if e["event"] == "autopilot"][:1]
+    assert logged["target"] == 3 and logged["measurements"] == first["measurements"]
+    ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert ledger["lost"] == 0 and ledger["trained_twice"] == 0 and ledger["rewards_invented"] == 0, ledger
+
+
+def test_autopilot_settings_are_checked_before_anything_starts(tmp_path):
+    raw = config(tmp_path, autoscale=True)
+    raw["pools"]["rollout"] = {"hardware": "H20", "devices": 1}  # not elastic: nothing to size
+    with pytest.raises(ConfigError, match=r"elastic\.autoscale: the rollout pool .* give pools\.rollout max_devices"):
+        validate_config(raw)
+    raw = config(tmp_path, autoscale={"grow_above": 0.1, "shrink_below": 0.1})
+    with pytest.raises(ConfigError, match=r"elastic\.autoscale.*shrink_below \(0\.1\) must be below grow_above"):
+        validate_config(raw)
+    assert validate_config(config(tmp_path, autoscale=True)).elastic.autoscale.window == 3
+    assert validate_config(config(tmp_path, autoscale=False)).elastic.autoscale is None
+
+
+def test_rollart_scale_auto_needs_an_autopilot():
+    row = {"state": "running", "elastic": {"rollout": {"devices": 2, "max_devices": 4}}}
+    assert "has no autopilot; set elastic.autoscale" in scale_problem(row, "j", "rollout", None)
+    row["elastic"]["rollout"]["autopilot"] = {"target": 2, "manual": 3, "yielding": False}
+    assert scale_problem(row, "j", "rollout", None) is None
+    assert scale_problem(row, "j", "rollout", 3) is None
+    shown = pool_sizes({"pools": row["elastic"]})
+    assert shown == "rollout 2/4 (manual 3; --auto hands back)"
