@@ -36,7 +36,16 @@ from rollart.data.sampler import RoundSeeds
 from rollart.pipeline.checkpoints import Checkpoints
 from rollart.pipeline.interrupt import Interrupt, StopChoice
 from rollart.pipeline.progress import StepProgress
-from rollart.pipeline.records import MetricsFile, StepTimes, batch_statistics, step_record, task_record, write_ledger
+from rollart.pipeline.records import (
+    MetricsFile,
+    StepTimes,
+    batch_statistics,
+    pool_devices,
+    step_cost,
+    step_record,
+    task_record,
+    write_ledger,
+)
 from rollart.pipeline.recovery import TrainerSupervisor
 from rollart.pipeline.rewards import RewardServices
 from rollart.pipeline.startup import StartupTimeline, run_job_id
@@ -647,6 +656,7 @@ class AgenticPipeline:
         stale_before = Counter(self.scheduler.staleness)
         task_stale_before = {t: Counter(c) for t, c in self.scheduler.staleness_by_task.items()}
         held_before = self.scheduler.held_back
+        devices_before = pool_devices(self.rm)
         groups = await self.supervisor.wait_probing(self.controller.get_batch(self.train_version))
         self.startup.mark("first_batch")
         held_back = self.scheduler.buffered_by_task()
@@ -673,6 +683,8 @@ class AgenticPipeline:
         record.update(self.weights.record())
         record.update(task_record(self.scheduler, groups, task_stale_before, held_back, self.quotas))
         record["trainer_restarts"] = len(self.recoveries)
+        # what the step cost: device-seconds per pool, in all and per trained trajectory
+        record["cost"] = step_cost(devices_before, pool_devices(self.rm), record["time"]["step_s"], len(trajs))
         if self.elastic is not None:  # the pool's size, workers joined / left / lost during the step
             record["elastic"] = self.elastic.step_metrics()
             if self.elastic.autopilot is not None:  # elastic.autoscale: the step's demand, and a new target

@@ -1,7 +1,7 @@
 """The autopilot on a real local Ray (logical H20 devices): a job whose trainer waits for rollout, started
 at one rollout device of an elastic pool of at most three, grows its pool to three by itself; each decision
 is in ``elastic.jsonl`` and the step records with the measurements that made it, ``rollart jobs`` shows whose
-target the pool follows, and the trajectory ledger is clean. Bad autopilot settings are refused before
+target the pool follows, each step's record has its device-seconds, and the trajectory ledger is clean. Bad autopilot settings are refused before
 anything starts. (Joins take seconds to tens of seconds of Ray start-up, so the test does not wait for
 the new workers to serve.)"""
 
@@ -68,6 +68,12 @@ def test_a_rollout_bound_job_grows_its_pool_by_itself(ray_local, tmp_path):
     assert kinds[0] == "autopilot_on" and events[0]["target"] == 1 and events[0]["max_devices"] == 3
     (logged,) = [e for e in events if e["event"] == "autopilot"][:1]
     assert logged["target"] == 3 and logged["measurements"] == first["measurements"]
+    # each step's cost: the train pool's one device and the rollout pool's devices over the step's time
+    first_cost, last_cost = history[0]["cost"], history[-1]["cost"]
+    assert first_cost["device_s"]["train"] == pytest.approx(history[0]["time"]["step_s"], rel=1e-3)
+    assert first_cost["device_s"]["rollout"] == pytest.approx(history[0]["time"]["step_s"], rel=1e-3)
+    assert last_cost["device_s"]["rollout"] == pytest.approx(3 * history[-1]["time"]["step_s"], rel=1e-3)
+    assert last_cost["device_s_per_sample"] == pytest.approx(last_cost["device_s_total"] / 16)
     ledger = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert ledger["lost"] == 0 and ledger["trained_twice"] == 0 and ledger["rewards_invented"] == 0, ledger
 

@@ -29,6 +29,29 @@ class StepTimes:
     step_s: float
 
 
+def pool_devices(rm: Any) -> dict[str, int]:
+    """The accelerator devices each pool of the job holds now (CPU groups and colocated pools, which share
+    another pool's devices, are not counted)."""
+    from rollart.resource_manager.specs import CPU
+
+    out: dict[str, int] = {}
+    for name, spec in rm.specs.items():
+        if spec.colocate_with:
+            continue
+        n = sum(rm.group_devices(name, i) for i, g in enumerate(spec.groups) if g.hardware != CPU)
+        if n:
+            out[name] = n
+    return out
+
+
+def step_cost(before: dict[str, int], after: dict[str, int], step_s: float, samples: int) -> dict[str, Any]:
+    """Device-seconds of one step per pool (the devices held at its start and end, averaged, times its
+    wall time), in all, and per trained sample (trajectory)."""
+    per_pool = {p: round((before.get(p, 0) + after.get(p, 0)) / 2 * step_s, 4) for p in sorted({*before, *after})}
+    total = sum(per_pool.values())
+    return {"device_s": per_pool, "device_s_total": round(total, 4), "device_s_per_sample": total / max(samples, 1)}
+
+
 def batch_statistics(batch: Any, trajs: list) -> dict[str, Any]:
     """Per-step learning diagnostics: the advantages of the action tokens (mean, std, fraction exactly
     0: tied groups and tied token positions carry no signal) and, for tags with dense credit, the mean
