@@ -112,3 +112,14 @@ def test_settings_that_would_oscillate_are_refused_and_the_state_round_trips():
     b.load_state_dict(a.state_dict())
     third = steps(3, 1, devices=2, wait=6.0)
     assert feed(a, third) == feed(b, third) and a.target == b.target == 5
+
+
+def test_a_queued_job_seen_at_a_poll_between_steps_is_yielded_to_at_once():
+    pilot = Autopilot(SETTINGS, target=5)
+    y = pilot.on_queue(1, step=7)  # the elastic pool's poll, no training step yet
+    assert (y.reason, y.target, y.step) == ("yield", 1, 7)
+    assert pilot.on_queue(1, step=7) is None  # still queued: nothing new
+    assert feed(pilot, steps(8, 3, devices=1, wait=9.0, queued=1)) == []
+    back = pilot.on_queue(0, step=10)
+    assert (back.reason, back.target) == ("return", 5)
+    assert pilot.on_queue(0, step=10) is None

@@ -18,13 +18,13 @@ trace always gives the same decisions:
   changes over a steady phase to the few steps that find the size.
 - **Cool-down**: after a change the next ``cooldown_steps`` steps are not measured (workers join or
   drain, the measurements are of the old size), then a whole window is needed again.
-- **Yield**: while a job queues for the pool's devices the target is ``min_devices``, at once; once the
-  queue is empty the target goes back to what it was.
+- **Yield**: while a job queues for the pool's devices the target is ``min_devices``, at once (the pool
+  asks :meth:`Autopilot.on_queue` at every poll, not only after a step); once the queue is empty the
+  target goes back to what it was.
 - **Manual**: a target set by a person (``rollart scale``) holds until released, also while a job queues;
   the autopilot decides again from there.
 
-This module is the decision logic only. Wiring it to an elastic pool (its config field, the step
-records, ``elastic.jsonl``, ``rollart jobs``) and ``rollart bench autopilot`` are not built yet.
+:class:`~rollart.rollout.elastic.ElasticRollout` runs it for a pool with ``elastic.autoscale``.
 """
 
 from __future__ import annotations
@@ -124,15 +124,9 @@ class Autopilot:
         s = self.settings
         if self._manual is not None:  # a person's target holds, also against a queued job
             return None
-        if d.queued > 0:
-            if self._before_yield is None and self.target > s.min_devices:
-                self._before_yield = self.target
-                return self._change(d, s.min_devices, "yield", queued=d.queued)
-            return None
-        if self._before_yield is not None:
-            back, self._before_yield = self._before_yield, None
-            if back != self.target:
-                return self._change(d, back, "return")
+        queue = self.on_queue(d.queued, d.step)
+        if queue is not None or d.queued > 0:
+            return queue
         if self._skip > 0:
             self._skip -= 1
             return None
@@ -155,12 +149,28 @@ class Autopilot:
             # whole workers, rounded up unless within a tenth of one (the measurements' jitter)
             target = min(self._clamp(s.unit * math.ceil(want / s.unit - 0.1)), max(self._enough, d.devices))
             if target > self.target:
-                return self._change(d, target, "grow", **evidence)
+                return self._change(d.step, target, "grow", **evidence)
         elif max(shares) < s.shrink_below and all(x.held_back for x in self._window):
             self._enough = min(self._enough, d.devices)
             target = self._clamp(d.devices - s.unit)
             if target < self.target and target > self._short:
-                return self._change(d, target, "shrink", **evidence)
+                return self._change(d.step, target, "shrink", **evidence)
+        return None
+
+    def on_queue(self, queued: int, step: int) -> Decision | None:
+        """The jobs queued for the pool's devices now (the elastic pool asks at every poll, so a queued job
+        need not wait for a training step): yield while any queue, return once none does."""
+        if self._manual is not None:
+            return None
+        if queued > 0:
+            if self._before_yield is None and self.target > self.settings.min_devices:
+                self._before_yield = self.target
+                return self._change(step, self.settings.min_devices, "yield", queued=queued)
+            return None
+        if self._before_yield is not None:
+            back, self._before_yield = self._before_yield, None
+            if back != self.target:
+                return self._change(step, back, "return")
         return None
 
     def manual(self, target: int | None, step: int = 0) -> Decision | None:
@@ -202,11 +212,11 @@ class Autopilot:
     def _clamp(self, devices: int) -> int:
         return max(self.settings.min_devices, min(self.settings.max_devices, devices))
 
-    def _change(self, d: Demand, target: int, reason: Reason, **measurements: Any) -> Decision:
+    def _change(self, step: int, target: int, reason: Reason, **measurements: Any) -> Decision:
         previous, self.target = self.target, target
         self._window.clear()
         self._skip = self.settings.cooldown_steps
-        return Decision(d.step, target, previous, reason, measurements)
+        return Decision(step, target, previous, reason, measurements)
 
 
 __all__ = ["Autopilot", "AutopilotSettings", "Decision", "Demand"]

@@ -233,6 +233,7 @@ class ElasticRollout:
             self._node_event(ev)
         self._view = view
         self._read_scale_request()
+        self._autopilot_queue()
         leaving = view.leaving()
         with self._lock:
             members = [m for m in self.members.values() if m.state in ("joining", "serving")]
@@ -478,6 +479,25 @@ class ElasticRollout:
             ", ".join(f"{k} {v}" for k, v in decision.measurements.items()),
         )
         return record
+
+    def _autopilot_queue(self) -> None:
+        """Every poll: a job queued for the pool's devices gets them at once (the autopilot yields)."""
+        if self.autopilot is None or self.config.autoscale is None or not self.config.autoscale.yield_to_queued:
+            return
+        queued = self._queued_for_pool()
+        with self._lock:
+            decision = self.autopilot.on_queue(queued, self._step)
+            if decision is None:
+                return
+            self.target = decision.target
+        self._event("autopilot", **decision.as_record())
+        log.info(
+            "elastic pool %s: autopilot %s %d -> %d devices",
+            self.pool,
+            decision.reason,
+            decision.previous,
+            decision.target,
+        )
 
     def release_to_autopilot(self) -> bool:
         """End a person's target (``rollart scale --auto``): the autopilot decides again. False without one."""
