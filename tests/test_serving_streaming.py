@@ -121,7 +121,7 @@ def test_a_stream_continues_across_a_weight_update_with_exact_versions(served):
     assert "".join(texts) == tok.decode(reply.token_ids, skip_special_tokens=True)
     assert len(reply.token_ids) == LONG
     switch = reply.versions.index(version)  # the update came mid-reply: older tokens, then the new version's
-    assert 0 < switch and set(reply.versions[:switch]) == {version - 1} and set(reply.versions[switch:]) == {version}
+    assert switch > 0 and set(reply.versions[:switch]) == {version - 1} and set(reply.versions[switch:]) == {version}
     trajectory = _trajectory(served, session)
     assert trajectory["versions"][-LONG:] == reply.versions and trajectory["token_ids"][-LONG:] == reply.token_ids
 
