@@ -9,7 +9,7 @@ test writes into the conversation: it decodes the prompt, takes the directive af
   encoding the text again merges into other ids), then ``<|im_end|>``;
 - ``RAMBLE`` — ``a`` tokens until ``max_new_tokens`` (finish ``length``).
 
-Its log-probs are a fixed function of the token and its position, so a test can check that the
+It streams as the real engines do (a delta per step for a request that asks). Its log-probs are a fixed function of the token and its position, so a test can check that the
 trained trajectory carries the engine's own numbers. Everything else (the inference worker, the
 LLMProxy, the endpoint, the tokenizer and its template) is the real thing.
 """
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollart.engines.base import EngineRequest, InferenceEngine, RequestOutput
+from rollart.engines.base import DeltaTracker, EngineRequest, InferenceEngine, RequestOutput, TokenDelta
 
 SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 
@@ -86,6 +86,7 @@ class ScriptedEngine(InferenceEngine):
         self.end = self.tok.convert_tokens_to_ids("<|im_end|>")
         self.step_s = step_s
         self._running: dict[str, tuple[EngineRequest, RequestOutput, list[int]]] = {}
+        self._streams = DeltaTracker()  # streams like the real engines: a delta per step
 
     def _plan(self, request: EngineRequest) -> list[int]:
         text = self.tok.decode(request.prompt_token_ids, skip_special_tokens=False)
@@ -103,6 +104,10 @@ class ScriptedEngine(InferenceEngine):
     def add_request(self, request: EngineRequest) -> None:
         out = RequestOutput(request.request_id, list(request.prompt_token_ids), weight_version=self.weight_version)
         self._running[request.request_id] = (request, out, self._plan(request))
+        self._streams.watch(request)
+
+    def take_deltas(self) -> list[TokenDelta]:
+        return self._streams.deltas(lambda rid: item[1] if (item := self._running.get(rid)) else None)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         item = self._running.pop(request_id, None)

@@ -251,3 +251,39 @@ def test_prefix_sharing_samples_each_row_independently(tiny):
     alone = TorchEngine(tiny, prefix_sharing=False)
     alone.add_request(EngineRequest("s3", [5, 6, 7], SamplingParams(temperature=1.5, max_new_tokens=6, seed=3)))
     assert run_all(alone)["s3"].output_token_ids == done["s3"].output_token_ids
+
+
+@pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
+def test_streaming_requests_report_each_steps_tokens_and_the_others_none(tiny, kv_cache):
+    """A streaming request's deltas, step by step, are a prefix of its final output (tokens, log-probs
+    and top log-probs, each position once); a request that does not stream is never reported."""
+    engine = TorchEngine(tiny, kv_cache=kv_cache)
+    sampling = SamplingParams(temperature=0.8, seed=5, max_new_tokens=9, top_logprobs=2)
+    engine.add_request(EngineRequest("s", [5, 6, 7], sampling, stream=True))
+    engine.add_request(EngineRequest("quiet", [8, 9], greedy(12)))
+    got: dict[str, list] = {"ids": [], "lps": [], "top": []}
+    per_step = []
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            done[o.request_id] = o
+        deltas = engine.take_deltas()
+        assert all(d.request_id == "s" for d in deltas)
+        for d in deltas:
+            assert d.start == len(got["ids"])  # contiguous: no position repeated or skipped
+            got["ids"] += d.token_ids
+            got["lps"] += d.logprobs
+            got["top"] += d.top_logprobs
+        per_step.append(sum(len(d.token_ids) for d in deltas))
+    final = done["s"]
+    assert len(final.output_token_ids) == 9
+    assert got["ids"] == final.output_token_ids[:8]  # the last step's token comes with the output only
+    assert got["lps"] == final.output_logprobs[:8] and got["top"] == final.output_top_logprobs[:8]
+    assert per_step[:8] == [1] * 8  # one token per step, reported after the step that decoded it
+    # the same request without streaming samples the same tokens (streaming changes nothing it computes;
+    # alone, not beside another row, its log-probs may differ in the last float bits)
+    engine.add_request(EngineRequest("s2", [5, 6, 7], sampling))
+    again = run_all(engine)["s2"]
+    assert engine.take_deltas() == []
+    assert again.output_token_ids == final.output_token_ids
+    assert again.output_logprobs == pytest.approx(final.output_logprobs, abs=1e-4)

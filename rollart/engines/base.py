@@ -16,12 +16,20 @@ top-p and renormalised (greedy decoding reports the log-softmax of the raw logit
 ``top_logprobs = k > 0`` also gets ``output_top_logprobs[i]``: the ``k`` most likely tokens of that same
 distribution at position ``i`` as ``(token, log-prob)``, most likely first (tokens of probability zero
 left out); an engine that cannot report them leaves the list empty.
+
+Streaming: a request added with ``stream=True`` also reports its progress. After each ``step`` the
+caller may call ``take_deltas()``: one :class:`TokenDelta` per streaming request still running that got
+tokens since it was last reported (its new tokens, log-probs and top log-probs, from output position
+``start``). A request that finished in the step is answered by ``step`` only, with its whole output, so
+deltas and the final output never overlap in meaning: the final output is the truth, deltas are its
+prefix. Requests without ``stream`` cost nothing more. An engine that cannot report partial outputs
+keeps the default (no deltas): its streaming requests are answered when they finish, as any other.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -60,6 +68,20 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    stream: bool = False
+    """Report this request's new tokens after each step (:meth:`InferenceEngine.take_deltas`)."""
+
+
+@dataclass
+class TokenDelta:
+    """The tokens a streaming request got since it was last reported: its output positions ``start``,
+    ``start + 1``, ... (``top_logprobs`` only when the request asked for them)."""
+
+    request_id: str
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -72,6 +94,47 @@ class RequestOutput:
     finished: bool = False
     finish_reason: Literal["stop", "length", "abort"] | None = None
     weight_version: int = 0
+
+
+class DeltaTracker:
+    """``take_deltas`` for an engine that keeps each running request's cumulative :class:`RequestOutput`:
+    it remembers, per streaming request, how many of its tokens were reported. Only streaming requests
+    are tracked, so a batch without them pays one empty check per step."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, int] = {}
+
+    def watch(self, request: EngineRequest) -> None:
+        """Call from ``add_request``: track ``request`` if it streams (an id added again starts over)."""
+        if request.stream:
+            self._sent[request.request_id] = 0
+        else:
+            self._sent.pop(request.request_id, None)
+
+    def deltas(self, running: Callable[[str], RequestOutput | None]) -> list[TokenDelta]:
+        """The new tokens of each tracked request; ``running(id)``: its output while it is still in the
+        engine, else None (finished or aborted: forgotten)."""
+        if not self._sent:
+            return []
+        out: list[TokenDelta] = []
+        for rid, sent in list(self._sent.items()):
+            o = running(rid)
+            if o is None or o.finished:
+                del self._sent[rid]
+                continue
+            n = len(o.output_token_ids)
+            if n > sent:
+                out.append(
+                    TokenDelta(
+                        rid,
+                        sent,
+                        o.output_token_ids[sent:n],
+                        o.output_logprobs[sent:n],
+                        o.output_top_logprobs[sent:n],
+                    )
+                )
+                self._sent[rid] = n
+        return out
 
 
 SLEEP_LEVELS = (1, 2)
@@ -115,6 +178,11 @@ class InferenceEngine(ABC):
 
     @abstractmethod
     def has_unfinished(self) -> bool: ...
+
+    def take_deltas(self) -> list[TokenDelta]:
+        """The new tokens of streaming requests (``EngineRequest.stream``) still running, since the last
+        call; call it after ``step``. None here: this engine answers streaming requests when they finish."""
+        return []
 
     @abstractmethod
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:

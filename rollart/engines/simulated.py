@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from rollart.engines.base import EngineRequest, InferenceEngine, RequestOutput
+from rollart.engines.base import DeltaTracker, EngineRequest, InferenceEngine, RequestOutput, TokenDelta
 from rollart.engines.hardware import HardwareProfile, ModelShape, profile_for
 
 
@@ -89,6 +89,7 @@ class SimulatedEngine(InferenceEngine):
         self.busy_s = 0.0  # slept (scaled) seconds
         self.sim_s = 0.0  # modelled seconds
         self.preemptions = 0
+        self._streams = DeltaTracker()
 
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self._requests:
@@ -97,6 +98,7 @@ class SimulatedEngine(InferenceEngine):
         out = RequestOutput(request.request_id, list(request.prompt_token_ids), weight_version=self.weight_version)
         self._requests[request.request_id] = (request, out, target)
         self._waiting.append(request.request_id)
+        self._streams.watch(request)
 
     def target_length(self, request: EngineRequest) -> int:
         """The output length this engine gives ``request``: drawn from ``length_sampler`` (seeded by the
@@ -125,6 +127,9 @@ class SimulatedEngine(InferenceEngine):
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def take_deltas(self) -> list[TokenDelta]:
+        return self._streams.deltas(lambda rid: item[1] if (item := self._requests.get(rid)) else None)
 
     def _context(self, rid: str) -> int:
         req, out, _ = self._requests[rid]

@@ -33,10 +33,12 @@ import torch
 
 from rollart.engines.base import (
     SLEEP_LEVELS,
+    DeltaTracker,
     EngineMemory,
     EngineRequest,
     InferenceEngine,
     RequestOutput,
+    TokenDelta,
 )
 from rollart.engines.sampling import process_logits, top_logprobs
 from rollart.models.kv_cache import cache_kwargs, output_cache
@@ -103,6 +105,7 @@ class DynamicCacheTorchEngine(InferenceEngine):
         self._dropped: list[tuple[torch.nn.Parameter, torch.Size]] = []  # parameters emptied by sleep(2)
         self._kv_peak = 0
         self._freed: int | None = None  # device memory the last sleep gave back (CUDA only)
+        self._streams = DeltaTracker()
         self.stats: dict[str, int] = {
             "prefill_forwards": 0,
             "prefill_tokens": 0,
@@ -128,6 +131,7 @@ class DynamicCacheTorchEngine(InferenceEngine):
             gen.manual_seed(int(request.params.seed))
         out = RequestOutput(request.request_id, list(request.prompt_token_ids), weight_version=self.weight_version)
         self._requests[request.request_id] = _Running(request, out, gen)
+        self._streams.watch(request)
         self._waiting.append(request.request_id)  # joins the batch at the next step; the others keep their rows
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -143,6 +147,9 @@ class DynamicCacheTorchEngine(InferenceEngine):
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def take_deltas(self) -> list[TokenDelta]:
+        return self._streams.deltas(lambda rid: run.output if (run := self._requests.get(rid)) else None)
 
     # ------------------------------------------------------------------ the batched cache
     def _reset_cache(self) -> None:

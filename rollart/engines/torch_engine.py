@@ -42,10 +42,12 @@ import torch
 
 from rollart.engines.base import (
     SLEEP_LEVELS,
+    DeltaTracker,
     EngineMemory,
     EngineRequest,
     InferenceEngine,
     RequestOutput,
+    TokenDelta,
 )
 from rollart.engines.decode_graphs import DecodeGraphs
 from rollart.engines.prefix_cache import PrefixCache
@@ -187,6 +189,7 @@ class TorchEngine(InferenceEngine):
         self._free: set[int] = set()  # free slots below ``_next_slot``
         self._next_slot = 0  # slots at and above are free
         self._added = 0
+        self._streams = DeltaTracker()
         pad = config.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
         self._state_shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
@@ -232,6 +235,7 @@ class TorchEngine(InferenceEngine):
         self._added += 1
         self._requests[request.request_id] = _Request(request, out, gen, RowSampling.of(request.params), self._added)
         self._waiting.append(request.request_id)
+        self._streams.watch(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         run = self._requests.pop(request_id, None)
@@ -247,6 +251,9 @@ class TorchEngine(InferenceEngine):
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def take_deltas(self) -> list[TokenDelta]:
+        return self._streams.deltas(lambda rid: run.output if (run := self._requests.get(rid)) else None)
 
     @property
     def num_running(self) -> int:

@@ -6,7 +6,7 @@ so the inference worker's command loop keeps control between steps exactly as wi
 - ``add_request`` → ``LLMEngine.add_request`` with the prompt as token ids; ``ignore_eos`` with the
   request's ``stop_token_ids``, so both engines stop on the same tokens;
 - ``step`` → one ``LLMEngine.step``; cumulative outputs are remembered, so ``abort`` can return the
-  tokens generated so far;
+  tokens generated so far, and a streaming request's new tokens after each step (``take_deltas``);
 - behaviour logprobs: ``logprobs_mode="processed_logprobs"`` — the log-probability of each sampled
   token under the distribution it was sampled from (after temperature, top-k, top-p), the same
   definition as :mod:`rollart.engines.base`; a request with ``top_logprobs = k`` asks vLLM for
@@ -34,7 +34,15 @@ from typing import Any
 
 import torch
 
-from rollart.engines.base import SLEEP_LEVELS, EngineMemory, EngineRequest, InferenceEngine, RequestOutput
+from rollart.engines.base import (
+    SLEEP_LEVELS,
+    DeltaTracker,
+    EngineMemory,
+    EngineRequest,
+    InferenceEngine,
+    RequestOutput,
+    TokenDelta,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +149,7 @@ class VLLMEngine(InferenceEngine):
         self._prompts: dict[str, list[int]] = {}
         self._partial: dict[str, RequestOutput] = {}
         self._top: dict[str, int] = {}  # request id -> top log-probs asked
+        self._streams = DeltaTracker()  # streaming requests: their tokens reported so far
         self.weight_version = 0
         self.sleep_level = 0
         self._freed: int | None = None
@@ -177,6 +186,7 @@ class VLLMEngine(InferenceEngine):
         self._partial[rid] = RequestOutput(
             request_id=rid, prompt_token_ids=list(request.prompt_token_ids), weight_version=self.weight_version
         )
+        self._streams.watch(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         out = self._partial.pop(request_id, None)
@@ -212,6 +222,12 @@ class VLLMEngine(InferenceEngine):
 
     def has_unfinished(self) -> bool:
         return bool(self._partial)
+
+    def take_deltas(self) -> list[TokenDelta]:
+        """vLLM's step already returns every running request's cumulative output (``RequestOutputKind``
+        ``CUMULATIVE``, its default), kept in ``_partial``: a streaming request's delta is what it holds
+        beyond the tokens reported before."""
+        return self._streams.deltas(self._partial.get)
 
     # ------------------------------------------------------------------ weights
     def check_state(self, weights: Mapping[str, torch.Tensor]) -> None:

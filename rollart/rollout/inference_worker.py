@@ -14,6 +14,13 @@ Invariants:
   again;
 - a request the engine refuses fails its own caller; the loop goes on. Should the loop itself stop on
   an error, every waiting caller gets that error and later calls raise it: nothing waits forever.
+
+Streaming (:meth:`InferenceWorker.generate_stream`): the request enters the engine with ``stream``; after
+each engine step in which it got tokens the worker yields them (a
+:class:`~rollart.rollout.types.GenerateDelta`), and at the end its whole ``GenerateOutput``, answered,
+preempted or aborted exactly as ``generate`` answers it. The worker keeps, per recent streaming request,
+the engine step and the monotonic time at which its first and last tokens were reported
+(:meth:`InferenceWorker.stream_records`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,9 +39,9 @@ from rollart.cluster.worker import Worker
 from rollart.decorators.hw_mapping import hw_mapping
 from rollart.decorators.register import register
 from rollart.decorators.specs import Dispatch
-from rollart.engines.base import EngineRequest, RequestOutput
+from rollart.engines.base import EngineRequest, RequestOutput, TokenDelta
 from rollart.rollout.engine_config import EngineConfig, build_engine
-from rollart.rollout.types import GenerateOutput, GenerateRequest
+from rollart.rollout.types import GenerateDelta, GenerateOutput, GenerateRequest
 from rollart.weights.base import WeightChannel
 
 
@@ -43,6 +51,7 @@ class _Pending:
     future: asyncio.Future[GenerateOutput]
     version: int
     added_at: float = field(default_factory=time.monotonic)
+    deltas: asyncio.Queue[GenerateDelta | None] | None = None  # a streaming request's tokens as they come
 
 
 # ---------------------------------------------------------------------- commands of the loop
@@ -112,6 +121,8 @@ class InferenceWorker(Worker):
         self._pending: dict[str, _Pending] = {}
         self._resumed: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._stream_records: OrderedDict[str, dict[str, Any]] = OrderedDict()  # recent streaming requests
+        self.max_stream_records = 1024
         self.stats = {
             "requests": 0,
             "finished": 0,
@@ -165,7 +176,7 @@ class InferenceWorker(Worker):
             if self.engine.has_unfinished():
                 t0 = time.monotonic()
                 try:
-                    finished = await loop.run_in_executor(self._executor, self._step_engine)
+                    finished, deltas = await loop.run_in_executor(self._executor, self._step_with_deltas)
                 except Exception as err:  # the engine broke: fail every caller, never hang them
                     self.logger.exception("engine step failed")
                     for rid in list(self._pending):
@@ -175,6 +186,8 @@ class InferenceWorker(Worker):
                     continue
                 self.stats["steps"] += 1
                 self.stats["step_time_s"] += time.monotonic() - t0
+                for delta in deltas:  # before the finished ones: a stream's deltas come before its end
+                    self._send_delta(delta)
                 for out in finished:
                     self._finish(out, preempted=False)
             else:
@@ -191,7 +204,10 @@ class InferenceWorker(Worker):
                 try:
                     self.engine.add_request(
                         EngineRequest(
-                            request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.sampling
+                            request_id=req.request_id,
+                            prompt_token_ids=list(req.prompt_token_ids),
+                            params=req.sampling,
+                            stream=pending.deltas is not None,
                         )
                     )
                 except Exception as err:  # the engine refuses this request: its caller gets the error
@@ -229,6 +245,34 @@ class InferenceWorker(Worker):
         """One engine step (in the loop's step thread)."""
         return self.engine.step()
 
+    def _step_with_deltas(self) -> tuple[list[RequestOutput], list[TokenDelta]]:
+        """One engine step and the new tokens of its streaming requests (in the loop's step thread)."""
+        finished = self._step_engine()
+        return finished, self.engine.take_deltas()
+
+    def _send_delta(self, delta: TokenDelta) -> None:
+        pending = self._pending.get(delta.request_id)
+        if pending is None or pending.deltas is None or pending.future.done():
+            return
+        now, step = time.monotonic(), self.stats["steps"]
+        record = self._stream_records.get(delta.request_id)
+        if record is not None:
+            if record["first_step"] is None:
+                record["first_step"], record["first_at"] = step, now
+            record["last_step"], record["last_at"], record["tokens"] = step, now, delta.start + len(delta.token_ids)
+        pending.deltas.put_nowait(
+            GenerateDelta(
+                request_id=delta.request_id,
+                start=delta.start,
+                token_ids=delta.token_ids,
+                logprobs=delta.logprobs,
+                top_logprobs=delta.top_logprobs,
+                version=pending.version,
+                hardware=self.hardware,
+                rank=self.rank,
+            )
+        )
+
     async def _between_steps(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine between two steps, every request in flight preempted first."""
         self._ensure_loop()
@@ -253,6 +297,9 @@ class InferenceWorker(Worker):
         else:
             self.stats["finished"] += 1
         self.stats["output_tokens"] += len(tokens)
+        record = self._stream_records.get(rid) if pending.deltas is not None else None
+        if record is not None and tokens:  # the tokens of the last step reach the caller with the output
+            record["end_step"], record["end_at"], record["tokens"] = self.stats["steps"], time.monotonic(), len(tokens)
         pending.future.set_result(
             GenerateOutput(
                 request_id=rid,
@@ -286,6 +333,44 @@ class InferenceWorker(Worker):
         self.stats["requests"] += 1
         await self._commands.put(AddCommand(pending))
         return await fut
+
+    async def generate_stream(
+        self, request: GenerateRequest, tag_name: str
+    ) -> AsyncIterator[GenerateDelta | GenerateOutput]:
+        """Generate one continuation and stream it: a :class:`GenerateDelta` after each engine step in
+        which it got tokens, then its whole ``GenerateOutput`` (as :meth:`generate` answers it: finished,
+        preempted or aborted). Called as a Ray streaming generator (``num_returns="streaming"``); only
+        requests sent this way make the engine report partial outputs."""
+        self._ensure_loop()
+        assert self._resumed is not None and self._commands is not None
+        await self._resumed.wait()
+        if request.request_id in self._pending:
+            raise ValueError(f"request_id {request.request_id!r} is already running on this worker")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[GenerateOutput] = loop.create_future()
+        queue: asyncio.Queue[GenerateDelta | None] = asyncio.Queue()
+        fut.add_done_callback(lambda _: queue.put_nowait(None))  # after the deltas already queued
+        pending = _Pending(request, fut, self.engine.weight_version, deltas=queue)
+        self._pending[request.request_id] = pending
+        self._stream_records[request.request_id] = {
+            "added_step": self.stats["steps"],
+            "added_at": pending.added_at,
+            "first_step": None,
+            "first_at": None,
+            "last_step": None,
+            "last_at": None,
+            "end_step": None,
+            "end_at": None,
+            "tokens": 0,
+        }
+        self._stream_records.move_to_end(request.request_id)
+        while len(self._stream_records) > self.max_stream_records:
+            self._stream_records.popitem(last=False)
+        self.stats["requests"] += 1
+        await self._commands.put(AddCommand(pending))
+        while (item := await queue.get()) is not None:
+            yield item
+        yield await fut
 
     async def generate_many(
         self, requests: Sequence[GenerateRequest], tag_name: str
@@ -405,6 +490,15 @@ class InferenceWorker(Worker):
         from rollart.weights.host_cache import retire_channel
 
         retire_channel(name)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    async def stream_records(self) -> dict[str, dict[str, Any]]:
+        """Per recent streaming request (the last :attr:`max_stream_records`): the engine step count and
+        ``time.monotonic()`` when it was added (``added_step``, ``added_at``), when its first and last
+        streamed tokens were reported (``first_*``, ``last_*``; None if none were) and when the tokens of
+        its final step were (``end_*``: the step that decoded its last token), and ``tokens``, its tokens
+        so far. What a caller compares its own receipt of the stream against."""
+        return {rid: dict(r) for rid, r in self._stream_records.items()}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     async def metrics(self) -> dict[str, Any]:

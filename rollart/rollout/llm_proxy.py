@@ -15,6 +15,13 @@ With a :class:`~rollart.cluster.fault.WorkerSupervisor`, every weight push recor
 sends under the supervisor's lock, and a restarted worker loads that version before it takes traffic.
 A worker that joins an elastic pool does the same (:meth:`LLMProxy.admit_worker`), and takes traffic
 only while the rollout is not suspended (a worker never serves through a weight swap the others paused for).
+
+Streaming (:meth:`LLMProxy.generate_stream`, the policy endpoint's ``stream: true``): the request goes to
+its worker's ``generate_stream`` and its tokens come back as they are decoded, positioned in the whole
+reply. A preempted stream continues like any request, and a stream whose worker died continues from
+every token it had already received (those are kept, with their versions and log-probs, not generated
+again): tokens sent to the caller stay sent, and the final output holds each token with the version
+that produced it.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import ray
@@ -32,28 +39,41 @@ import ray
 from rollart.cluster import Cluster
 from rollart.cluster.errors import NoLiveWorkerError, WorkerDiedError
 from rollart.cluster.fault import RestartPolicy, WorkerSupervisor
+from rollart.cluster.future import ACTOR_GONE
 from rollart.rollout.affinity import AutoAffinity
-from rollart.rollout.batching import RequestBatcher
-from rollart.rollout.types import GenerateOutput, GenerateRequest
+from rollart.rollout.batching import RequestBatcher, RequestFailedError
+from rollart.rollout.types import GenerateDelta, GenerateOutput, GenerateRequest
 from rollart.weights.base import WeightChannel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _has_generate_many(cluster: Cluster) -> bool:
-    """Whether the cluster's workers answer batched calls (``InferenceWorker.generate_many``) the way
-    their ``generate`` answers single ones: a worker class that overrides ``generate`` keeps one call
-    per request, so its own ``generate`` runs for every request."""
+def _has_generate_many(cluster: Cluster, method: str = "generate_many") -> bool:
+    """Whether the cluster's workers answer batched calls (``InferenceWorker.generate_many``), or
+    streamed ones (``generate_stream``), the way their ``generate`` answers single ones: a worker class
+    that overrides ``generate`` keeps one call per request, so its own ``generate`` runs for every request."""
     from rollart.rollout import inference_worker  # the module whose generate answers like generate_many
 
     cls = cluster.worker_cls
-    if not callable(getattr(cls, "generate_many", None)):
+    if not callable(getattr(cls, method, None)):
         return False
     if getattr(getattr(cls, "generate", None), "__module__", None) != inference_worker.__name__:
-        log.info("batched ADD off for %s: it overrides generate (one Ray call per request)", cls.__name__)
+        log.info("%s off for %s: it overrides generate (one Ray call per request)", method, cls.__name__)
         return False
     return True
+
+
+def _segment(rid: str, deltas: list[GenerateDelta]) -> GenerateOutput:
+    """The tokens a stream received from one worker before it died, as a preempted output."""
+    out = GenerateOutput(request_id=rid, preempted=True)
+    for d in deltas:
+        out.output_token_ids += d.token_ids
+        out.output_logprobs += d.logprobs
+        out.output_top_logprobs += d.top_logprobs
+        out.token_versions += [d.version] * len(d.token_ids)
+        out.hardware, out.rank = d.hardware, d.rank
+    return out
 
 
 class LLMProxy:
@@ -71,6 +91,7 @@ class LLMProxy:
         self.cluster = cluster
         # batched ADD (rollart.rollout.batching): one streaming call per worker per event-loop turn
         self.batcher = RequestBatcher(cluster) if batch_requests and _has_generate_many(cluster) else None
+        self.streams = _has_generate_many(cluster, "generate_stream")  # generate_stream streams (else: one answer)
         # automatic hardware affinity: every finished request's lengths reorder its tag's preference
         self.affinity = affinity
         if affinity is not None:
@@ -162,11 +183,7 @@ class LLMProxy:
                     )
                     continue  # ``req`` is the stored state: prompt + the tokens returned so far
                 out = part if out is None else out.extend(part)
-                if affinity is not None and part.rank >= 0:
-                    self._affinity[affinity] = part.rank
-                    self._affinity.move_to_end(affinity)
-                    while len(self._affinity) > self.max_affinity_keys:
-                        self._affinity.popitem(last=False)
+                self._note_affinity(affinity, part.rank)
                 if not part.preempted or rid in self._aborted:
                     break
                 remaining = budget - len(out.output_token_ids)
@@ -181,16 +198,149 @@ class LLMProxy:
                 )
             if rid in self._aborted:
                 out = out.model_copy(update={"finish_reason": "abort", "preempted": False})
-            if self.affinity is not None and out.finish_reason != "abort":
-                self.affinity.observe(tag, len(request.prompt_token_ids), len(out.output_token_ids))
-            stats = self._by_hw[out.hardware]
-            stats["requests"] += 1
-            stats["output_tokens"] += len(out.output_token_ids)
-            stats["latency_s"] += time.monotonic() - t0
+            self._account(tag, request, out, t0)
             return out
         finally:
             self._inflight.discard(rid)
             self._aborted.discard(rid)
+
+    def _note_affinity(self, affinity: str | None, rank: int) -> None:
+        if affinity is not None and rank >= 0:
+            self._affinity[affinity] = rank
+            self._affinity.move_to_end(affinity)
+            while len(self._affinity) > self.max_affinity_keys:
+                self._affinity.popitem(last=False)
+
+    async def _stream_once(
+        self, request: GenerateRequest, tag: str, prefer: int | None
+    ) -> AsyncIterator[GenerateDelta | GenerateOutput]:
+        """One worker's stream of ``request``: its deltas, then its output. A dead worker raises
+        ``WorkerDiedError`` (it is marked dead), no live one ``NoLiveWorkerError``."""
+        ((rank, actor),) = self.cluster.route_many("generate", tag, 1, [prefer] if prefer is not None else None)
+        try:
+            stream = actor.generate_stream.options(num_returns="streaming").remote(request, tag)
+            async for ref in stream:
+                yield await ref
+        except ACTOR_GONE as err:
+            raise self.cluster.worker_died(rank, err) from err
+        except ray.exceptions.RayTaskError as err:  # the engine refused it, or its id was running already
+            raise RequestFailedError(f"request {request.request_id}: {err.cause!r}") from err
+        finally:
+            self.cluster.release(rank)
+
+    async def generate_stream(
+        self, request: GenerateRequest, tag: str, *, affinity: str | None = None
+    ) -> AsyncIterator[GenerateDelta | GenerateOutput]:
+        """:meth:`generate`, streamed: a :class:`GenerateDelta` whenever tokens were decoded (``start``:
+        their position in the whole reply, across preemptions), then the whole ``GenerateOutput``, as
+        :meth:`generate` returns it. Deltas never repeat or skip a position; the output's tokens begin with
+        every token sent. Workers whose class overrides ``generate`` answer only the output."""
+        if not self.streams:
+            yield await self.generate(request, tag, affinity=affinity)
+            return
+        rid = request.request_id
+        budget = request.sampling.max_new_tokens
+        out: GenerateOutput | None = None  # the segments answered so far, joined
+        sent = 0  # tokens of the reply sent to the caller
+        self._inflight.add(rid)
+        t0 = time.monotonic()
+        try:
+            req = request
+            while True:
+                if rid in self._aborted:
+                    out = (out or GenerateOutput(request_id=rid)).model_copy(
+                        update={"finish_reason": "abort", "preempted": False}
+                    )
+                    break
+                done = len(out.output_token_ids) if out is not None else 0
+                seen: list[GenerateDelta] = []  # this segment's deltas
+                part: GenerateOutput | None = None
+                try:
+                    prefer = self._affinity.get(affinity) if affinity is not None else None
+                    async for item in self._stream_once(req, tag, prefer):
+                        if isinstance(item, GenerateOutput):
+                            part = item
+                            continue
+                        got = sum(len(d.token_ids) for d in seen)
+                        skip = got - item.start  # deltas of one segment are contiguous: nothing to skip
+                        if skip < 0 or skip >= len(item.token_ids):
+                            continue
+                        item = item.model_copy(
+                            update={
+                                "start": got,
+                                "token_ids": item.token_ids[skip:],
+                                "logprobs": item.logprobs[skip:],
+                                "top_logprobs": item.top_logprobs[skip:],
+                            }
+                        )
+                        seen.append(item)
+                        if done + got + len(item.token_ids) > sent:
+                            cut = max(0, sent - done - got)
+                            yield item.model_copy(
+                                update={
+                                    "request_id": rid,
+                                    "start": done + got + cut,
+                                    "token_ids": item.token_ids[cut:],
+                                    "logprobs": item.logprobs[cut:],
+                                    "top_logprobs": item.top_logprobs[cut:],
+                                }
+                            )
+                            sent = done + got + len(item.token_ids)
+                except (NoLiveWorkerError, WorkerDiedError) as err:
+                    if seen:  # what it streamed stays: the request continues after those tokens
+                        kept = _segment(rid, seen)
+                        out = kept if out is None else out.extend(kept)
+                    if not await self._wait_for_worker(rid):
+                        raise
+                    if rid in self._aborted:
+                        continue
+                    self.counts["migrated"] += 1
+                    log.info("stream %s: %r; sent again from its %d received tokens", rid, err, sent)
+                    part = None
+                if part is not None:
+                    out = part if out is None else out.extend(part)
+                    self._note_affinity(affinity, part.rank)
+                    total = len(out.output_token_ids)
+                    if total > sent:  # tokens of the segment's last step (or of an engine that does not stream)
+                        yield GenerateDelta(
+                            request_id=rid,
+                            start=sent,
+                            token_ids=out.output_token_ids[sent:],
+                            logprobs=out.output_logprobs[sent:],
+                            top_logprobs=out.output_top_logprobs[sent:],
+                            version=out.token_versions[-1] if out.token_versions else 0,
+                            hardware=out.hardware,
+                            rank=out.rank,
+                        )
+                        sent = total
+                    if not part.preempted or rid in self._aborted:
+                        break
+                remaining = budget - (len(out.output_token_ids) if out is not None else 0)
+                if remaining <= 0 and out is not None:
+                    out = out.model_copy(update={"finish_reason": "length", "preempted": False})
+                    break
+                req = request.model_copy(
+                    update={
+                        "prompt_token_ids": list(request.prompt_token_ids)
+                        + (out.output_token_ids if out is not None else []),
+                        "sampling": request.sampling.model_copy(update={"max_new_tokens": remaining}),
+                    }
+                )
+            if rid in self._aborted:
+                out = out.model_copy(update={"finish_reason": "abort", "preempted": False})
+            self._account(tag, request, out, t0)
+            yield out
+        finally:
+            self._inflight.discard(rid)
+            self._aborted.discard(rid)
+
+    def _account(self, tag: str, request: GenerateRequest, out: GenerateOutput, t0: float) -> None:
+        if self.affinity is not None and out.finish_reason != "abort":
+            self.affinity.observe(tag, len(request.prompt_token_ids), len(out.output_token_ids))
+        stats = self._by_hw[out.hardware]
+        stats["requests"] += 1
+        stats["output_tokens"] += len(out.output_token_ids)
+        stats["latency_s"] += time.monotonic() - t0
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests for good (their callers get ``finish_reason="abort"`` and partial tokens)."""

@@ -50,6 +50,22 @@ class GenerateOutput(BaseModel):
         )
 
 
+class GenerateDelta(BaseModel):
+    """Tokens a streamed request got before it finished (``InferenceWorker.generate_stream``,
+    ``LLMProxy.generate_stream``): the reply's output positions ``start``, ``start + 1``, ... with their
+    behaviour log-probs, top log-probs (when asked) and the policy version that produced them. The final
+    :class:`GenerateOutput` of the stream holds every token again: the deltas are its prefix."""
+
+    request_id: str
+    start: int
+    token_ids: list[int]
+    logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = Field(default_factory=list)
+    version: int = 0
+    hardware: str = ""
+    rank: int = -1
+
+
 TrajectoryStatus = Literal["ok", "failed", "aborted", "reward_failed"]
 
 

@@ -24,8 +24,9 @@ Bodies are parsed, and replies built, in the service's tokenizer thread (the loo
 string holding a lone surrogate is a 400 naming its field; an unexpected failure is a JSON 500.
 
 ``stream: true`` answers server-sent events (``chat.completion.chunk`` / ``text_completion`` chunks,
-then ``data: [DONE]``) once the generation ends: the engine answers a request when it finishes, so the
-chunks come together (a harness that streams works unchanged; it does not see tokens earlier).
+then ``data: [DONE]``; Responses and Anthropic events on their paths) as the engine decodes the reply
+(:mod:`rollart.serving.streaming`): the response begins with the first text that is final, so an
+error before it (no worker, a refused request) is still an HTTP error; one after it is an error event.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollart.serving import messages as anthropic_events
+from rollart.serving import responses as response_events
 from rollart.serving.detok import pieces
 from rollart.serving.messages import MessagesRequest, message_body, stream_events
 from rollart.serving.messages import to_chat as messages_to_chat
@@ -53,6 +56,7 @@ from rollart.serving.responses import stream_events as responses_events
 from rollart.serving.responses import to_chat as responses_to_chat
 from rollart.serving.service import Choice, PolicyService, Result
 from rollart.serving.sessions import Session, SessionStore
+from rollart.serving.streaming import HoldRule, LiveCall, hold_rule
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +85,17 @@ def _logprobs(tokenizer: Any, choice: Choice) -> list[dict[str, Any]]:
     """One entry per content token (special tokens left out), as OpenAI's chat ``logprobs.content``:
     the token's text, its log-prob, its bytes and its ``top_logprobs`` (the most likely tokens of the
     distribution it was sampled from, each ``{token, logprob, bytes}``; empty unless asked)."""
+    return _entries(tokenizer, choice.token_ids, choice.logprobs, choice.top)
+
+
+def _entries(
+    tokenizer: Any, ids: list[int], logprobs: list[float], tops: list[list[tuple[int, float]]]
+) -> list[dict[str, Any]]:
+    """The ``logprobs.content`` entries of these tokens (special ones left out)."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     out = []
-    tops = choice.top or [[] for _ in choice.token_ids]
-    for t, lp, top in zip(choice.token_ids, choice.logprobs, tops):
+    tops = tops or [[] for _ in ids]
+    for t, lp, top in zip(ids, logprobs, tops):
         if t in special:
             continue
         text = _token_text(tokenizer, t)
@@ -211,11 +222,24 @@ def build_app(
         session_of(session_id)
         return models()
 
+    def chat_rule(body: ChatCompletionRequest) -> HoldRule:
+        """What of a streamed chat reply waits for its end: stop sequences, tool calls (as service.chat parses them)."""
+        tools = bool(body.tools) and body.tool_choice != "none"
+        return hold_rule(body.stop, tools, service.tool_parser, tools and body.forced_tool()[0])
+
     # replies are built in the tokenizer thread (decoding every token of a long reply is no work for the loop)
     async def chat(request: Request, session: Session | None) -> Any:
         body: ChatCompletionRequest = await body_of(request, ChatCompletionRequest)
         check_ready()
-        result = await service.chat(body, session)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            live = LiveCall(tok, chat_rule(body), lambda sink: service.chat(body, session, sink))
+            if await live.first():
+                version = service.version_fn()
+                return _sse(_live_chat_chunks(tok, service.model, version, live, body.logprobs, include_usage))
+            result = live.task.result()
+        else:
+            result = await service.chat(body, session)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             split = await service.offload(_split, tok, result, body.logprobs, True, size=0, tokens=_tokens(result))
@@ -228,8 +252,16 @@ def build_app(
     async def completion(request: Request, session: Session | None) -> Any:
         body: CompletionRequest = await body_of(request, CompletionRequest)
         check_ready()
-        result = await service.complete(body, session)
         logprobs = body.logprobs is not None
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            live = LiveCall(tok, hold_rule(body.stop, False, None, False), lambda s: service.complete(body, session, s))
+            if await live.first():
+                version = service.version_fn()
+                return _sse(_live_completion_chunks(tok, service.model, version, live, logprobs, include_usage))
+            result = live.task.result()
+        else:
+            result = await service.complete(body, session)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             split = await service.offload(_split, tok, result, logprobs, False, size=0, tokens=_tokens(result))
@@ -251,10 +283,21 @@ def build_app(
         sid = session.id if session is not None else None
         history = stored.get(body.previous_response_id, sid) if body.previous_response_id else []
         chat_body, conversation = await service.offload(responses_to_chat, body, history)
-        result = await service.chat(chat_body, session)
+        rid, message_id = completion_id("resp"), completion_id("msg")
+
+        async def run(sink: Any = None) -> Result:
+            result = await service.chat(chat_body, session, sink)
+            stored.put(rid, sid, [*conversation, reply_message(result.choices[0])])
+            return result
+
+        if body.stream:
+            live = LiveCall(tok, chat_rule(chat_body), run)
+            if await live.first():
+                return _named_sse(_live_response_events(service.model, body, rid, message_id, live))
+            result = live.task.result()
+        else:
+            result = await run()
         choice = result.choices[0]
-        rid = completion_id("resp")
-        stored.put(rid, sid, [*conversation, reply_message(choice)])
         reply = response_body(rid, service.model, body, result, choice)
         if not body.stream:
             return JSONResponse(reply)
@@ -268,7 +311,13 @@ def build_app(
         if err is not None:
             raise err
         chat_body = await service.offload(messages_to_chat, body)
-        result = await service.chat(chat_body, session)
+        if body.stream:
+            live = LiveCall(tok, chat_rule(chat_body), lambda sink: service.chat(chat_body, session, sink))
+            if await live.first():
+                return _named_sse(_live_message_events(service.model, live))
+            result = live.task.result()
+        else:
+            result = await service.chat(chat_body, session)
         choice = result.choices[0]
         if not body.stream:
             return JSONResponse(message_body(service.model, result, choice))
@@ -508,12 +557,24 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _named_sse(events: Iterator[tuple[str, dict[str, Any]]]) -> StreamingResponse:
+def _named_sse(
+    events: Iterator[tuple[str, dict[str, Any]]] | AsyncIterator[tuple[str, dict[str, Any]]],
+) -> StreamingResponse:
     """Server-sent events with names (``event: NAME``), as the Anthropic API streams."""
 
+    async def each() -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        if isinstance(events, AsyncIterator):
+            async for event in events:
+                yield event
+        else:
+            for event in events:
+                yield event
+
     async def body() -> AsyncIterator[bytes]:
-        for n, (name, data) in enumerate(events, start=1):
+        n = 0
+        async for name, data in each():
             yield f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+            n += 1
             if n % 32 == 0:
                 await asyncio.sleep(0)
 
@@ -626,3 +687,150 @@ async def _completion_chunks(
         yield {**head, "choices": [{"index": c.index, "text": "", "logprobs": None, "finish_reason": c.finish_reason}]}
     if include_usage:
         yield {**head, "choices": [], "usage": _usage(result)}
+
+
+# ---------------------------------------------------------------------- live streams
+async def _ended(live: LiveCall) -> Result | APIError:
+    """The streamed call's result, or the error it ended with (sent as an event: the response began)."""
+    try:
+        result: Result = live.task.result()
+    except APIError as err:
+        return err
+    except Exception as err:
+        log.warning("a streamed call failed: %s: %s", type(err).__name__, err)
+        return APIError(500, f"the endpoint failed: {type(err).__name__}")
+    return result
+
+
+async def _live_chat_chunks(
+    tok: Any, model: str, version: int, live: LiveCall, logprobs: bool, include_usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    """Chat chunks as the reply is decoded: each choice's role, its text as it becomes final, then
+    (at the end) the rest of its text, its tool calls and its finish reason."""
+    head = {
+        "id": completion_id("chatcmpl"),
+        "object": "chat.completion.chunk",
+        "created": now(),
+        "model": model,
+        "system_fingerprint": f"rollart-v{version}",
+    }
+
+    def chunk(index: int, delta: dict[str, Any], lp: list[dict[str, Any]] | None = None, finish: Any = None) -> Any:
+        logs = {"content": lp} if lp is not None else None
+        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logs, "finish_reason": finish}]}
+
+    for index in sorted(live.replies):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    async for index, text, a, b in live.pieces():
+        reply = live.replies[index]
+        lp = _entries(tok, reply.token_ids[a:b], reply.logprobs[a:b], reply.top[a:b]) if logprobs else None
+        yield chunk(index, {"content": text}, lp)
+    ended = await _ended(live)
+    if isinstance(ended, APIError):
+        yield ended.body()
+        return
+    for c in ended.choices:
+        rest, k = live.rest(c.index, c.text)
+        entries = _logprobs(tok, c)[k:] if logprobs else None
+        if rest or entries:
+            yield chunk(c.index, {"content": rest}, entries)
+        if c.tool_calls:
+            calls = [
+                {"index": i, "id": cid_, "type": "function", "function": {"name": p.name, "arguments": p.arguments}}
+                for i, (cid_, p) in enumerate(c.tool_calls)
+            ]
+            yield chunk(c.index, {"tool_calls": calls})
+        yield chunk(c.index, {}, finish=c.finish_reason)
+    if include_usage:
+        yield {**head, "choices": [], "usage": _usage(ended)}
+
+
+def _legacy_chunk_logprobs(entries: list[dict[str, Any]], top: bool) -> dict[str, Any] | None:
+    if not entries:
+        return None
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [_legacy_top(e) for e in entries] if top else None,
+        "text_offset": [0],
+    }
+
+
+async def _live_completion_chunks(
+    tok: Any, model: str, version: int, live: LiveCall, logprobs: bool, include_usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    """Completion chunks as the text is decoded, then the rest and the finish reason of each choice."""
+    head = {
+        "id": completion_id("cmpl"),
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "system_fingerprint": f"rollart-v{version}",
+    }
+
+    def chunk(index: int, text: str, lp: dict[str, Any] | None = None, finish: Any = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": lp}]}
+
+    async for index, text, a, b in live.pieces():
+        reply = live.replies[index]
+        lp = None
+        if logprobs:
+            entries = _entries(tok, reply.token_ids[a:b], reply.logprobs[a:b], reply.top[a:b])
+            lp = _legacy_chunk_logprobs(entries, any(reply.top[a:b]))
+        yield chunk(index, text, lp)
+    ended = await _ended(live)
+    if isinstance(ended, APIError):
+        yield ended.body()
+        return
+    for c in ended.choices:
+        rest, k = live.rest(c.index, c.text)
+        entries = _logprobs(tok, c)[k:] if logprobs else []
+        if rest or entries:
+            yield chunk(c.index, rest, _legacy_chunk_logprobs(entries, bool(c.top)))
+        yield chunk(c.index, "", None, c.finish_reason)
+    if include_usage:
+        yield {**head, "choices": [], "usage": _usage(ended)}
+
+
+async def _live_response_events(
+    model: str, body: Any, rid: str, message_id: str, live: LiveCall
+) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """Responses events as the text is decoded: the response's opening and its message item's, the
+    text deltas, then (at the end) the rest of the text, its function calls and ``response.completed``."""
+    seq = response_events.EventSeq()
+    for event in response_events.stream_opening(response_events.response_head(rid, model, body), seq):
+        yield event
+    for event in response_events.stream_text_opening(message_id, seq):
+        yield event
+    async for index, text, _, _ in live.pieces():
+        if index == 0:
+            yield response_events.text_delta(message_id, text, seq)
+    ended = await _ended(live)
+    if isinstance(ended, APIError):
+        yield seq("error", code=ended.code, message=ended.message, param=ended.param)
+        return
+    choice = ended.choices[0]
+    reply = response_body(rid, model, body, ended, choice, message_id=message_id)
+    rest, _ = live.rest(0, choice.text)
+    for event in response_events.stream_rest(reply, [rest], seq, text_open=True):
+        yield event
+
+
+async def _live_message_events(model: str, live: LiveCall) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """Anthropic events as the text is decoded: ``message_start``, the text block's start and deltas,
+    then (at the end) the rest of the text, the tool-use blocks, ``message_delta`` and ``message_stop``."""
+    message_id = completion_id("msg")
+    yield anthropic_events.stream_start(model, message_id, live.prompt_tokens)
+    yield anthropic_events.text_block_start(0)
+    async for index, text, _, _ in live.pieces():
+        if index == 0:
+            yield anthropic_events.text_delta(text, 0)
+    ended = await _ended(live)
+    if isinstance(ended, APIError):
+        yield "error", {"type": "error", "error": {"type": ended.body()["error"]["type"], "message": ended.message}}
+        return
+    choice = ended.choices[0]
+    head = message_body(model, ended, choice, message_id=message_id)
+    rest, _ = live.rest(0, choice.text)
+    for event in anthropic_events.stream_rest(head, [rest], text_open=True):
+        yield event

@@ -17,22 +17,40 @@ from typing import Any
 MAX_WINDOW = 16
 
 
+class IncrementalDetokenizer:
+    """The text each pushed token adds (``push``), decoded within a short window of the tokens before it:
+    a token that only begins a character adds nothing until the one that completes it."""
+
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._start = self._emitted = 0
+        self._before = ""  # the text of ids[start:emitted]
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        k = len(self.ids) - 1
+        now = self.tokenizer.decode(self.ids[self._start : k + 1], skip_special_tokens=self.skip)
+        piece = ""
+        if len(now) > len(self._before) and (not now.endswith("\ufffd") or k + 1 - self._start >= MAX_WINDOW):
+            piece = now[len(self._before) :]
+            self._start, self._emitted = self._emitted, k + 1
+            self._before = self.tokenizer.decode(self.ids[self._start : self._emitted], skip_special_tokens=self.skip)
+        elif k + 1 - self._start >= 4 * MAX_WINDOW:  # nothing ever grows (e.g. special tokens only): move on
+            self._start = self._emitted = k + 1
+            self._before = ""
+        return piece
+
+
 def text_ends(tokenizer: Any, ids: list[int], *, skip_special_tokens: bool = True) -> list[int]:
     """``ends[k]``: how many characters the reply's text has once token ``k`` is added (a token that
     only begins a character adds none until the one that completes it)."""
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
     ends: list[int] = []
-    start, emitted, total = 0, 0, 0
-    before = ""  # the text of ids[start:emitted]
-    for k in range(len(ids)):
-        now = tokenizer.decode(ids[start : k + 1], skip_special_tokens=skip_special_tokens)
-        grew = len(now) > len(before)
-        if grew and (not now.endswith("\ufffd") or k + 1 - start >= MAX_WINDOW):
-            total += len(now) - len(before)
-            start, emitted = emitted, k + 1
-            before = tokenizer.decode(ids[start:emitted], skip_special_tokens=skip_special_tokens)
-        elif k + 1 - start >= 4 * MAX_WINDOW:  # nothing ever grows (e.g. special tokens only): move on
-            start = emitted = k + 1
-            before = ""
+    total = 0
+    for t in ids:
+        total += len(detok.push(t))
         ends.append(total)
     return ends
 

@@ -206,9 +206,9 @@ def content_blocks(choice: Choice) -> list[dict[str, Any]]:
     return blocks
 
 
-def message_body(model: str, result: Result, choice: Choice) -> dict[str, Any]:
+def message_body(model: str, result: Result, choice: Choice, *, message_id: str | None = None) -> dict[str, Any]:
     return {
-        "id": completion_id("msg"),
+        "id": message_id or completion_id("msg"),
         "type": "message",
         "role": "assistant",
         "model": model,
@@ -219,23 +219,49 @@ def message_body(model: str, result: Result, choice: Choice) -> dict[str, Any]:
     }
 
 
-def stream_events(
-    model: str, result: Result, choice: Choice, pieces: list[str]
+def stream_start(model: str, message_id: str, prompt_tokens: int) -> tuple[str, dict[str, Any]]:
+    """``message_start``: the message before its content."""
+    start = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+    }
+    return "message_start", {"type": "message_start", "message": start}
+
+
+def text_block_start(index: int = 0) -> tuple[str, dict[str, Any]]:
+    return "content_block_start", {
+        "type": "content_block_start",
+        "index": index,
+        "content_block": {"type": "text", "text": ""},
+    }
+
+
+def text_delta(piece: str, index: int = 0) -> tuple[str, dict[str, Any]]:
+    return "content_block_delta", {
+        "type": "content_block_delta",
+        "index": index,
+        "delta": {"type": "text_delta", "text": piece},
+    }
+
+
+def stream_rest(
+    head: dict[str, Any], pieces: list[str], *, text_open: bool = False
 ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(event name, data)`` of a streamed reply; ``pieces``: the text, one piece per token."""
-    head = message_body(model, result, choice)
-    start = {**head, "content": [], "stop_reason": None, "stop_sequence": None}
-    start["usage"] = {"input_tokens": result.prompt_tokens, "output_tokens": 0}
-    yield "message_start", {"type": "message_start", "message": start}
+    """The events after ``message_start`` (and after the text sent live when ``text_open``: the text
+    block was opened, ``pieces`` are its unsent text); ``head``: the message body."""
     for index, block in enumerate(head["content"]):
-        if block["type"] == "text":
-            yield (
-                "content_block_start",
-                {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
-            )
+        if block["type"] == "text":  # the first block, when there is one
+            if not text_open:
+                yield text_block_start(index)
             for piece in pieces:
-                delta = {"type": "text_delta", "text": piece}
-                yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+                if piece:
+                    yield text_delta(piece, index)
         else:
             opening = {**block, "input": {}}
             yield "content_block_start", {"type": "content_block_start", "index": index, "content_block": opening}
@@ -251,3 +277,12 @@ def stream_events(
         },
     )
     yield "message_stop", {"type": "message_stop"}
+
+
+def stream_events(
+    model: str, result: Result, choice: Choice, pieces: list[str]
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(event name, data)`` of a streamed reply; ``pieces``: the text, one piece per token."""
+    head = message_body(model, result, choice)
+    yield stream_start(model, head["id"], result.prompt_tokens)
+    yield from stream_rest(head, pieces)

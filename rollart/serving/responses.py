@@ -225,13 +225,20 @@ def reply_message(choice: Choice) -> ChatMessage:
 
 
 def response_body(
-    response_id: str, model: str, body: ResponsesRequest, result: Result, choice: Choice
+    response_id: str,
+    model: str,
+    body: ResponsesRequest,
+    result: Result,
+    choice: Choice,
+    *,
+    message_id: str | None = None,
 ) -> dict[str, Any]:
+    """The response; ``message_id``: its message item's id (one a stream announced already)."""
     output: list[dict[str, Any]] = []
     if choice.text or not choice.tool_calls:
         output.append(
             {
-                "id": completion_id("msg"),
+                "id": message_id or completion_id("msg"),
                 "type": "message",
                 "status": "completed",
                 "role": "assistant",
@@ -282,36 +289,72 @@ def response_body(
     }
 
 
-def stream_events(response: dict[str, Any], pieces: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(event type, data)`` of a streamed response; ``pieces``: the message's text, one piece per token."""
-    seq = iter(range(1 << 62))
+def response_head(response_id: str, model: str, body: ResponsesRequest) -> dict[str, Any]:
+    """A response's fields before its reply is known (what ``response.created`` carries)."""
+    return response_body(response_id, model, body, Result([], 0, 0), Choice(0, [], [], "", "stop"))
+
+
+class EventSeq:
+    """Numbers the events of one streamed response (``sequence_number``)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, kind: str, **data: Any) -> tuple[str, dict[str, Any]]:
+        self.n += 1
+        return kind, {"type": kind, "sequence_number": self.n - 1, **data}
+
+
+def stream_opening(response: dict[str, Any], seq: EventSeq) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``response.created`` and ``response.in_progress`` (``response``: its head, or the whole body)."""
     opening = {**response, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+    yield seq("response.created", response=opening)
+    yield seq("response.in_progress", response=opening)
 
-    def event(kind: str, **data: Any) -> tuple[str, dict[str, Any]]:
-        return kind, {"type": kind, "sequence_number": next(seq), **data}
 
-    yield event("response.created", response=opening)
-    yield event("response.in_progress", response=opening)
+def stream_text_opening(item_id: str, seq: EventSeq) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The opening of the message item (output 0) whose text streams."""
+    item = {"id": item_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+    yield seq("response.output_item.added", output_index=0, item=item)
+    part = {"type": "output_text", "text": "", "annotations": []}
+    yield seq("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part)
+
+
+def text_delta(item_id: str, piece: str, seq: EventSeq) -> tuple[str, dict[str, Any]]:
+    return seq("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=piece, logprobs=[])
+
+
+def stream_rest(
+    response: dict[str, Any], pieces: list[str], seq: EventSeq, *, text_open: bool = False
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The events after the opening (and after the text sent live when ``text_open``: the message
+    item was opened, ``pieces`` are its unsent text)."""
     for index, item in enumerate(response["output"]):
         at = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "message":
-            yield event(
-                "response.output_item.added", output_index=index, item={**item, "status": "in_progress", "content": []}
-            )
+        if item["type"] == "message":  # the first item, when there is one
+            if not text_open:
+                yield from stream_text_opening(item["id"], seq)
             part = item["content"][0]
-            yield event("response.content_part.added", **at, content_index=0, part={**part, "text": ""})
             for piece in pieces:
-                yield event("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=[])
-            yield event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[])
-            yield event("response.content_part.done", **at, content_index=0, part=part)
+                if piece:
+                    yield seq("response.output_text.delta", **at, content_index=0, delta=piece, logprobs=[])
+            yield seq("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[])
+            yield seq("response.content_part.done", **at, content_index=0, part=part)
         else:
-            yield event(
+            yield seq(
                 "response.output_item.added",
                 output_index=index,
                 item={**item, "status": "in_progress", "arguments": ""},
             )
-            yield event("response.function_call_arguments.delta", **at, delta=item["arguments"])
-            yield event("response.function_call_arguments.done", **at, arguments=item["arguments"], name=item["name"])
-        yield event("response.output_item.done", output_index=index, item=item)
+            yield seq("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            yield seq("response.function_call_arguments.done", **at, arguments=item["arguments"], name=item["name"])
+        yield seq("response.output_item.done", output_index=index, item=item)
     done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-    yield event(done, response=response)
+    yield seq(done, response=response)
+
+
+def stream_events(response: dict[str, Any], pieces: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(event type, data)`` of a streamed response; ``pieces``: the message's text, one piece per token."""
+    seq = EventSeq()
+    yield from stream_opening(response, seq)
+    yield from stream_rest(response, pieces, seq)

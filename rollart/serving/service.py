@@ -13,6 +13,11 @@ longest token string, so a text longer than ``context × that`` characters is re
 it is tokenised); rendering, tokenising, detokenising and cutting at stop sequences run in one
 tokenizer thread (:meth:`PolicyService.offload`), and detokenising is incremental
 (:mod:`rollart.serving.detok`), linear in the reply's length.
+
+Streaming: a call given a :class:`StreamSink` generates through the backend's ``generate_stream`` and
+hands the sink each choice's deltas as the engine decodes them (:mod:`rollart.serving.streaming` turns
+them into text); the call then ends, is cut, parsed and recorded exactly as an unstreamed one, from the
+final outputs.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import logging
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -31,7 +36,7 @@ from typing import Any, Protocol, TypeVar
 from rollart.cluster.errors import ClusterError
 from rollart.engines.base import SamplingParams
 from rollart.rollout.chat import ChatTemplateError
-from rollart.rollout.types import GenerateOutput, GenerateRequest
+from rollart.rollout.types import GenerateDelta, GenerateOutput, GenerateRequest
 from rollart.serving.detok import cut_after
 from rollart.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from rollart.serving.render import ChatRenderer
@@ -57,6 +62,21 @@ class Backend(Protocol):
     async def abort(self, request_ids: list[str]) -> None: ...
 
 
+class StreamingBackend(Backend, Protocol):
+    """A backend that also streams (the LLMProxy): deltas as tokens are decoded, then the output."""
+
+    def generate_stream(
+        self, request: GenerateRequest, tag: str, *, affinity: str | None = None
+    ) -> AsyncIterator[GenerateDelta | GenerateOutput]: ...
+
+
+class StreamSink(Protocol):
+    """Where a streamed call's progress goes (:class:`rollart.serving.streaming.LiveCall`)."""
+
+    def started(self, prompt_tokens: int, n: int) -> None: ...
+    def delta(self, index: int, delta: GenerateDelta) -> None: ...
+
+
 class ProxyBackend:
     """The LLMProxy as the endpoint's backend."""
 
@@ -70,6 +90,14 @@ class ProxyBackend:
 
     async def abort(self, request_ids: list[str]) -> None:
         await self.proxy.abort(request_ids)
+
+    def generate_stream(
+        self, request: GenerateRequest, tag: str, *, affinity: str | None = None
+    ) -> AsyncIterator[GenerateDelta | GenerateOutput]:
+        stream: AsyncIterator[GenerateDelta | GenerateOutput] = self.proxy.generate_stream(
+            request, tag, affinity=affinity
+        )
+        return stream
 
 
 @dataclass
@@ -132,7 +160,10 @@ class PolicyService:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-tokenizer")
 
     # ------------------------------------------------------------------ requests
-    async def chat(self, body: ChatCompletionRequest, session: Session | None) -> Result:
+    async def chat(
+        self, body: ChatCompletionRequest, session: Session | None, sink: StreamSink | None = None
+    ) -> Result:
+        """A chat call; with ``sink``, its tokens go there as they are decoded (a streamed call)."""
         self._check(body, body.max_completion_tokens or body.max_tokens)
         renderer = self.renderer
         if renderer is None:
@@ -184,9 +215,12 @@ class PolicyService:
                 raise APIError(400, str(err), param="tool_choice") from None
             trace.add_context(await self.offload(self._encode, prefix, size=len(prefix)))
         parse = self.tool_parser if tools else None
-        return await self._run(body, session, "chat", (tools_key, keys), trace, parent, parse, prefix)
+        return await self._run(body, session, "chat", (tools_key, keys), trace, parent, parse, prefix, sink)
 
-    async def complete(self, body: CompletionRequest, session: Session | None) -> Result:
+    async def complete(
+        self, body: CompletionRequest, session: Session | None, sink: StreamSink | None = None
+    ) -> Result:
+        """A completion call; with ``sink``, its tokens go there as they are decoded."""
         self._check(body, body.max_tokens)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
@@ -219,7 +253,7 @@ class PolicyService:
             trace.add_context(await self.offload(self._encode, text[covered:], size=len(text) - covered))
             if not trace.token_ids:
                 raise APIError(400, "prompt is empty", param="prompt")
-        return await self._run(body, session, "completion", key, trace, parent, None, "")
+        return await self._run(body, session, "completion", key, trace, parent, None, "", sink)
 
     async def offload(self, fn: Callable[..., T], *args: Any, size: int | None = None, tokens: int = 0) -> T:
         """``fn(*args)`` in the endpoint's tokenizer thread, so that rendering, tokenising and
@@ -316,6 +350,7 @@ class PolicyService:
         parent: tuple[int, int] | None,
         parse: ToolParser | None,
         forced: str,
+        sink: StreamSink | None = None,
     ) -> Result:
         prompt = list(trace.token_ids)
         sampling = self._sampling(body, len(prompt))
@@ -343,7 +378,13 @@ class PolicyService:
         version = self.version_fn()
         try:
             affinity = session.id if session is not None else None
-            outs = await asyncio.gather(*(self.backend.generate(r, tag, affinity=affinity) for r in requests))
+            if sink is not None:
+                sink.started(len(prompt), len(requests))
+                outs = await asyncio.gather(
+                    *(self._streamed(i, r, tag, affinity, sink) for i, r in enumerate(requests))
+                )
+            else:
+                outs = await asyncio.gather(*(self.backend.generate(r, tag, affinity=affinity) for r in requests))
         except ClusterError as err:
             self.counts["failed"] += 1
             if session is not None:  # the episode cannot go on: its env manager raises this
@@ -395,6 +436,23 @@ class PolicyService:
             session.record(record)
         served = [v for o in outs for v in o.token_versions]
         return Result(choices, len(prompt), max(served, default=version))
+
+    async def _streamed(
+        self, index: int, request: GenerateRequest, tag: str, affinity: str | None, sink: StreamSink
+    ) -> GenerateOutput:
+        """One choice generated through the backend's stream, its deltas handed to ``sink``."""
+        stream = getattr(self.backend, "generate_stream", None)
+        if stream is None:  # a backend that does not stream: the reply comes whole
+            return await self.backend.generate(request, tag, affinity=affinity)
+        final: GenerateOutput | None = None
+        async for item in stream(request, tag, affinity=affinity):
+            if isinstance(item, GenerateOutput):
+                final = item
+            else:
+                sink.delta(index, item)
+        if final is None:
+            raise RuntimeError(f"the stream of {request.request_id} ended without its output")
+        return final
 
     def _choice(
         self, index: int, out: GenerateOutput, stops: list[str], parse: ToolParser | None, forced: str = ""
