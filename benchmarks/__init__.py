@@ -66,6 +66,9 @@ BENCHES: dict[str, BenchEntry] = {
     "elastic": BenchEntry(
         "elastic", "rollout tokens/s over time as a host joins a running job and is drained (needs root)"
     ),
+    "autopilot": BenchEntry(
+        "autopilot", "a job that sizes its own rollout pool against each fixed size; a second job queues (needs root)"
+    ),
     "soak": BenchEntry("soak", "the chaos run for many minutes with random faults, sampling memory (needs root)"),
     "agent-endpoint": BenchEntry(
         "agent_endpoint", "the OpenAI-compatible endpoint's calls/s and added latency against a direct LLMProxy call"
