@@ -371,9 +371,13 @@ def gather_buckets(
                 yield bucket
                 bucket, size = {}, 0
             shape = tuple(t.shape)
-            for (a, _), data in zip(pieces, _pieces(t, pieces, keep, dtype)):
-                yield {name: TensorPiece(data, a, shape)} if data is not None else {}
+            # no zip() or enumerate() over the pieces: their cached result tuple would keep the last piece
+            # alive while the next one is gathered (two pieces held, not one)
+            at = 0
+            for data in _pieces(t, pieces, keep, dtype):
+                yield {name: TensorPiece(data, pieces[at][0], shape)} if data is not None else {}
                 del data  # freed before the next piece is gathered
+                at += 1
             continue
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
