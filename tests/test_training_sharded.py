@@ -24,6 +24,7 @@ from rollart.weights.stream import TensorPiece, merge_buckets, nbytes_of
 pytestmark = pytest.mark.timeout(600)
 
 STEPS = 3
+PROMPTS = [[5, 6, 7], [9, 3], [12, 13, 14, 15]]  # what the engines fed by each trainer generate from, greedily
 LAYOUTS = {  # name: (hardware, ranks, train config); the test session's Ray declares 6 H800 and 6 H20
     "ddp1": ("CPU", 1, {}),
     "fsdp2": ("H20", 2, {"sharding": "fsdp"}),
@@ -79,6 +80,7 @@ def trained(ray_local, tmp_path_factory):
         name: {"hardware": hw, "cpus": n} if hw == "CPU" else {"hardware": hw, "devices": n}
         for name, (hw, n, _) in LAYOUTS.items()
     }
+    pools["rollout"] = {"hardware": "CPU", "cpus": 1}  # an inference worker the trainers' buckets are loaded into
     rm = ResourceManager(pools, store=tmp / "metadata.sqlite")
     clusters = {
         name: ra.Cluster(name, TorchTrainWorker, rm, pool=name, worker_kwargs={"config": {**cfg, **extra}}, wait=False)
@@ -87,19 +89,29 @@ def trained(ray_local, tmp_path_factory):
     for c in clusters.values():
         c.wait_ready()
         start_data_parallel(c)
-    cleanup: list = []
+    from rollart.rollout.inference_worker import inference_worker_class
+
+    infer = ra.Cluster(
+        "sharded_infer",
+        inference_worker_class({"*": ["CPU"]}),
+        rm,
+        pool="rollout",
+        worker_kwargs={"engine": {"kind": "torch", "model": model}},
+    )
+    cleanup: list = [infer.shutdown]
     fed = engines_fed_by(clusters["ddp1"], clusters["fsdp4"], model, tmp, cleanup)  # before training: the same weights
+    fed["worker"] = served_by_a_worker(infer, clusters["fsdp4"])
     out = {}
     for name, c in clusters.items():
         first_logprobs = c.compute_logprobs(batch_of(0))  # a pass without gradients before training
         steps = [c.train_step(batch_of(s)) for s in range(STEPS)]
         out[name] = {"steps": steps, "weights": full_state(c), "logprobs": first_logprobs}
     yield {"model": model, "cfg": cfg, "clusters": clusters, "runs": out, "tmp": tmp, "fed": fed}
+    for step in cleanup:
+        step()
     for c in clusters.values():
         c.shutdown()
     rm.shutdown()
-    for step in cleanup:
-        step()
 
 
 def greedy_outputs(model: str, state: dict[str, torch.Tensor]) -> list[tuple[list[int], list[float]]]:
@@ -109,7 +121,7 @@ def greedy_outputs(model: str, state: dict[str, torch.Tensor]) -> list[tuple[lis
 
     engine = TorchEngine(model)
     engine.update_weights(state, 1)
-    for i, prompt in enumerate([[5, 6, 7], [9, 3], [12, 13, 14, 15]]):
+    for i, prompt in enumerate(PROMPTS):
         engine.add_request(EngineRequest(str(i), prompt, SamplingParams(max_new_tokens=8, temperature=0.0)))
     done = {}
     while engine.has_unfinished():
@@ -143,6 +155,22 @@ def engines_fed_by(ddp: ra.Cluster, fsdp: ra.Cluster, model: str, tmp: Path, cle
         "mooncake": from_mooncake(fsdp, cleanup),
         "hf": fsdp.export_hf(str(tmp / "hf-pieces"), 1 << 12),
     }
+    return out
+
+
+def served_by_a_worker(infer: ra.Cluster, fsdp: ra.Cluster) -> list[list[int]]:
+    """The sharded trainer's buckets (4 KB: the embedding in pieces) loaded into an inference worker from the
+    object store as the ``ray`` weight path does (``update_weights`` with the buckets' ObjectRefs), and the
+    greedy tokens it then generates."""
+    from rollart.rollout.types import GenerateRequest
+
+    refs = fsdp.snapshot_weights(1 << 12)
+    assert infer.update_weights(refs, 1).result() == [1]
+    greedy = {"temperature": 0.0, "max_new_tokens": 8}
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        req = GenerateRequest(request_id=f"w{i}", prompt_token_ids=prompt, sampling=greedy)
+        out.append(infer.generate(req, tag_name="x").result().output_token_ids)
     return out
 
 
@@ -205,6 +233,9 @@ def test_weights_larger_than_a_bucket_leave_in_pieces_and_arrive_bit_identical_o
 
     model = AutoModelForCausalLM.from_pretrained(str(hf))
     assert torch.equal(model.get_input_embeddings().weight.detach(), from_ddp[embed])
+    # an inference worker fed the buckets through the object store (the ``ray`` weight path) generates what an
+    # engine serving the unsharded trainer's weights does
+    assert fed["worker"] == [tokens for tokens, _ in fed["outputs"][0]] and all(fed["worker"])
 
 
 def assert_same_training(ref: dict, got: dict) -> None:

@@ -282,16 +282,16 @@ def row_ranges(rows: int, ranks: int) -> list[tuple[int, int]]:
 
 def _gather_row_pieces(
     t: torch.Tensor, pieces: list[tuple[int, int]], dtype: torch.dtype | None
-) -> Iterator[torch.Tensor | None]:
-    """The rows ``pieces`` (consecutive ranges) of a row-sharded DTensor, one CPU tensor per range on its
+) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """The rows ``pieces`` (consecutive ranges) of a row-sharded DTensor, ``(first row, CPU tensor)`` per range on its
     mesh's rank 0 (None on the other ranks, and on every rank of a sub-mesh without global rank 0, which
     sends nothing): the ranks holding a piece's rows send them point to point, into the piece itself (CPU
     shards of the same dtype) or into one buffer on rank 0's device, then copied (GPU shards, or a cast).
     A piece is freed by the caller before the next one is made: rank 0 holds one piece at a time."""
     mesh = t.device_mesh
     if 0 not in mesh.mesh.flatten().tolist():
-        for _ in pieces:
-            yield None
+        for a, _ in pieces:
+            yield a, None
         return
     group, me, ranks = mesh.get_group(), mesh.get_local_rank(), mesh.size()
     local = t.to_local().detach()
@@ -321,30 +321,30 @@ def _gather_row_pieces(
             else:
                 dist.send(local[lo - s : hi - s].contiguous(), group=group, group_dst=0)
         if out is not None and not direct:
-            out.copy_(buf)  # type: ignore[arg-type]
+            out.copy_(buf)
         del dst
-        yield out
+        yield a, out
         del out  # the caller's piece is the only reference left: freed before the next one is made
 
 
 def _pieces(
     t: torch.Tensor, pieces: list[tuple[int, int]], keep: bool, dtype: torch.dtype | None
-) -> Iterator[torch.Tensor | None]:
-    """The row ranges ``pieces`` of ``t`` (sharded or not) as CPU tensors of their own, one at a time (None
-    where ``keep`` is False). A row-sharded tensor comes straight from its shards; any other sharded one is
+) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """The row ranges ``pieces`` of ``t`` (sharded or not) as ``(first row, CPU tensor of its own)``, one at a
+    time (None where ``keep`` is False). A row-sharded tensor comes straight from its shards; any other sharded one is
     gathered whole first (a tensor-parallel layer's weight, split over the 2-D mesh)."""
     from torch.distributed.tensor import DTensor
 
     if _row_sharded(t):
-        for piece in _gather_row_pieces(t, pieces, dtype):
+        for a, piece in _gather_row_pieces(t, pieces, dtype):
             if (piece is not None) != keep and 0 in t.device_mesh.mesh.flatten().tolist():
                 raise RuntimeError("a row-sharded weight: the rank keeping the weights must be rank 0 of the mesh")
-            yield piece if keep else None
+            yield a, piece if keep else None
             del piece
         return
     whole = _full(t.detach()) if isinstance(t, DTensor) else t.detach()
     for a, b in pieces:
-        yield whole[a:b].to("cpu", dtype=dtype or whole.dtype, copy=True) if keep else None
+        yield a, whole[a:b].to("cpu", dtype=dtype or whole.dtype, copy=True) if keep else None
     del whole
 
 
@@ -371,19 +371,17 @@ def gather_buckets(
                 yield bucket
                 bucket, size = {}, 0
             shape = tuple(t.shape)
-            # no zip() or enumerate() over the pieces: their cached result tuple would keep the last piece
-            # alive while the next one is gathered (two pieces held, not one)
-            at = 0
-            for data in _pieces(t, pieces, keep, dtype):
-                yield {name: TensorPiece(data, pieces[at][0], shape)} if data is not None else {}
+            # the pieces come with their first row from the generator itself: zip() or enumerate() over it
+            # would keep the last piece alive in their cached result tuple while the next one is gathered
+            for first, data in _pieces(t, pieces, keep, dtype):
+                yield {name: TensorPiece(data, first, shape)} if data is not None else {}
                 del data  # freed before the next piece is gathered
-                at += 1
             continue
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = {}, 0
         if _row_sharded(t):
-            for full in _gather_row_pieces(t, pieces, dtype):  # one piece: the whole tensor
+            for _, full in _gather_row_pieces(t, pieces, dtype):  # one piece: the whole tensor
                 if (full is not None) != keep and 0 in t.device_mesh.mesh.flatten().tolist():
                     raise RuntimeError(f"{name}: the rank keeping the weights must be rank 0 of the mesh")
                 if full is not None and keep:
