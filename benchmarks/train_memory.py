@@ -17,8 +17,8 @@ Per layout it reports, as the maximum over the ranks:
   on GPUs also ``peak_gpu_gib`` (``torch.cuda.max_memory_allocated``);
 - ``tokens_per_s``: the global batch's tokens over the median step time;
 - ``publish_extra_rss_gib``: how much the rank's resident memory rises while its weights stream out a
-  bucket of ``--bucket-mb`` at a time (gathered from the shards, copied to the CPU, handed on), against
-  ``bucket_gib``.
+  bucket of ``--bucket-mb`` at a time (gathered from the shards, copied to the CPU, handed on; a tensor
+  larger than a bucket in row pieces of at most a bucket), against ``bucket_gib``.
 
 ``--job`` runs each layout as a whole job on this machine instead (``rollart run``'s pipeline: a local Ray,
 the torch engine on one CPU, the driver, the train ranks; the reverse task for ``--steps`` steps) and reports
@@ -181,11 +181,12 @@ def _publish_extra_rss(worker: Any, bucket_bytes: int) -> int:
     _reset_peak_rss()
     before = _rss()
     metas = worker.weight_metas()
-    for _ in worker._tensor_stream(bucket_bytes, [m.name for m in metas]) if worker.rank == 0 else ():
-        pass
+    # each item dropped before the next is asked for, as a channel does (a loop variable would keep it alive)
+    for item in worker._tensor_stream(bucket_bytes, [m.name for m in metas]) if worker.rank == 0 else ():
+        del item
     if worker.rank != 0 and worker.weights_sharded():
-        for _ in worker.weight_stream(bucket_bytes, [m.name for m in metas]):
-            pass
+        for bucket in worker.weight_stream(bucket_bytes, [m.name for m in metas]):
+            del bucket
     return max(_peak_rss() - before, 0)
 
 

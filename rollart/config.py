@@ -262,7 +262,8 @@ class WeightsConfig(ConfigModel):
     """Channel `mooncake`: the size of one stored chunk of a snapshot, in MB."""
     bucket_mb: int = Field(default=32, ge=1)
     """The weights leave the trainer a bucket of at most this many MB at a time (gathered from the shards of a
-    sharded trainer, copied to the CPU, sent); channel `dist` also broadcasts in buckets of this size.
+    sharded trainer, copied to the CPU, sent; a larger tensor in row pieces of at most this size); channel
+    `dist` also broadcasts in buckets of this size.
     """
     keep: int = Field(default=2, ge=1)
     """Channel `mooncake`: versions kept in the store (older ones are removed once no reader holds them)."""

@@ -82,13 +82,18 @@ def broadcast(channel, pub, receivers, state, version, background=False):
     return ray.get(got, timeout=60)
 
 
-def test_bucket_layout_groups_dtypes_and_gives_big_tensors_their_own_bucket():
+def test_bucket_layout_groups_dtypes_and_splits_big_tensors_into_row_pieces():
     buckets = plan_buckets(sample_state(0), bucket_bytes=1024)
     assert all(len({b["dtype"]}) == 1 for b in buckets)
+    assert all(b["nbytes"] <= 1024 for b in buckets)  # the 2 560-byte embedding too: in pieces
     big = [b for b in buckets if [e[0] for e in b["entries"]] == ["embed.weight"]]
-    assert big and big[0]["nbytes"] == 40 * 16 * 4
-    assert all(b["nbytes"] <= 1024 for b in buckets if b is not big[0])
-    assert sorted(e[0] for b in buckets for e in b["entries"]) == sorted(sample_state(0))
+    # 16 rows of 64 bytes a bucket, in order, each carrying its first row and the whole shape
+    assert [(b["piece"][0], b["entries"][0][2], b["piece"][1]) for b in big] == [
+        (0, [16, 16], [40, 16]),
+        (16, [16, 16], [40, 16]),
+        (32, [8, 16], [40, 16]),
+    ]
+    assert sorted({e[0] for b in buckets for e in b["entries"]}) == sorted(sample_state(0))
 
 
 def test_two_receivers_get_every_version_over_one_group(actors):

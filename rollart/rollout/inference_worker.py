@@ -43,6 +43,9 @@ from rollart.engines.base import EngineRequest, RequestOutput, TokenDelta
 from rollart.rollout.engine_config import EngineConfig, build_engine
 from rollart.rollout.types import GenerateDelta, GenerateOutput, GenerateRequest
 from rollart.weights.base import WeightChannel
+from rollart.weights.stream import Assembler
+
+BUCKETS_AT_ONCE = 8  # a trainer's buckets a worker fetches from the object store together
 
 
 @dataclass
@@ -455,14 +458,17 @@ class InferenceWorker(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL)
     async def update_weights(self, weights: Mapping[str, Any] | list[Any], version: int) -> int:
         """Load a full state dict as ``version`` between two steps (in-flight requests are preempted).
-        ``weights`` may also be a list of ObjectRefs of its buckets (a trainer's ``snapshot_weights``)."""
+        ``weights`` may also be a list of ObjectRefs of its buckets (a trainer's ``snapshot_weights``): they
+        are fetched a few at a time, a piece of a tensor larger than a bucket written into its rows of the
+        whole tensor (so the worker never holds the pieces and their tensor at once)."""
         self._ensure_loop()
         assert self._commands is not None
         if isinstance(weights, list):  # the trainer's buckets, each an object in the object store
-            merged: dict[str, Any] = {}
-            for part in await asyncio.gather(*weights):
-                merged.update(part)
-            weights = merged
+            assembler = Assembler()
+            for at in range(0, len(weights), BUCKETS_AT_ONCE):
+                for bucket in await asyncio.gather(*weights[at : at + BUCKETS_AT_ONCE]):
+                    assembler.add_bucket(bucket)
+            weights = assembler.result()
         reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         await self._commands.put(UpdateCommand(weights, version, reply))
         return await reply

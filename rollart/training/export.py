@@ -4,8 +4,9 @@ with ``model.safetensors.index.json``, tokenizer files, ``generation_config.json
 
 The weights come in the base model's names (a LoRA run's adapters merged, a megatron run's weights
 converted back); config and tokenizer are the base model's. A trainer exports a bucket at a time
-(:class:`HFShardWriter`: one safetensors file per bucket), and so does ``rollart export`` of a sharded
-checkpoint: neither holds the whole model at once.
+(:class:`HFShardWriter`: one safetensors file per bucket, a tensor larger than a bucket written into a file of
+its own piece by piece), and so does ``rollart export`` of a sharded checkpoint: neither holds the whole model
+at once.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from rollart.training.checkpoint_io import latest_checkpoint, load_model_state, read_meta
+from rollart.weights.stream import Part, TensorPiece
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,62 @@ def export_hf(state: dict[str, torch.Tensor], base_model: str | os.PathLike[str]
     return target
 
 
+# safetensors' names of the dtypes a trainer publishes (the format's header spec)
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class SafetensorsPieceFile:
+    """A safetensors file of one tensor written a row range at a time: the header (its name, dtype, shape and
+    byte range, which the pieces' full shape gives) first, then the rows in order; what
+    ``safetensors.safe_open`` reads back is the whole tensor."""
+
+    def __init__(self, path: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype):
+        import json
+        import struct
+
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"export: {key!r} has dtype {dtype}, which this writer does not write")
+        self.key, self.shape, self.dtype = key, tuple(shape), dtype
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        self.nbytes = numel * dtype.itemsize
+        header = {
+            "__metadata__": {"format": "pt"},
+            key: {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(self.shape), "data_offsets": [0, self.nbytes]},
+        }
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self._file = open(path, "wb")  # noqa: SIM115 (closed by close(), after the last piece)
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self.rows = 0
+
+    def write(self, piece: TensorPiece) -> None:
+        if piece.start != self.rows or tuple(piece.shape) != self.shape or piece.data.dtype != self.dtype:
+            raise ValueError(f"export: a piece of {self.key!r} at row {piece.start}, expected row {self.rows}")
+        data = piece.data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(data.numpy()))
+        self.rows = piece.stop
+
+    def close(self) -> int:
+        """Close the file once every row is in; returns the tensor's bytes."""
+        self._file.close()
+        if self.rows != self.shape[0]:
+            raise ValueError(f"export: only the first {self.rows} rows of {self.key!r} came")
+        return self.nbytes
+
+
 class HFShardWriter:
     """A Hugging Face folder written a bucket of weights at a time: each :meth:`add` writes one safetensors
     file; :meth:`finish` names them ``model-0000i-of-0000n.safetensors`` (one file: ``model.safetensors``),
@@ -69,20 +128,46 @@ class HFShardWriter:
         self.files: list[str] = []
         self.weight_map: dict[str, str] = {}
         self.total = 0
+        self._open: SafetensorsPieceFile | None = None  # the file of a tensor whose pieces are coming
 
-    def add(self, bucket: dict[str, torch.Tensor]) -> None:
+    def add(self, bucket: Mapping[str, Part]) -> None:
+        """Write a bucket's whole tensors as one file; a piece of a tensor larger than a bucket goes into that
+        tensor's own file at its rows (:class:`SafetensorsPieceFile`: the file is written piece by piece, the
+        tensor is never whole in memory)."""
         from safetensors.torch import save_file
 
-        if not bucket:
+        whole = {k: v.contiguous() for k, v in bucket.items() if not isinstance(v, TensorPiece)}
+        for key, piece in bucket.items():
+            if isinstance(piece, TensorPiece):
+                self._add_piece(key, piece)
+        if not whole:
             return
         name = f"part-{len(self.files):05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in bucket.items()}, str(self.tmp / name), metadata={"format": "pt"})
+        save_file(whole, str(self.tmp / name), metadata={"format": "pt"})
         self.files.append(name)
-        self.weight_map.update(dict.fromkeys(bucket, name))
-        self.total += sum(v.numel() * v.element_size() for v in bucket.values())
+        self.weight_map.update(dict.fromkeys(whole, name))
+        self.total += sum(v.numel() * v.element_size() for v in whole.values())
+
+    def _add_piece(self, key: str, piece: TensorPiece) -> None:
+        if piece.start == 0:
+            if self._open is not None:
+                raise ValueError(f"export: {key!r} starts before the last rows of {self._open.key!r} came")
+            name = f"part-{len(self.files):05d}.safetensors"
+            self._open = SafetensorsPieceFile(self.tmp / name, key, piece.shape, piece.data.dtype)
+            self.files.append(name)
+            self.weight_map[key] = name
+        if self._open is None or self._open.key != key:
+            raise ValueError(f"export: a piece of {key!r} at row {piece.start} before its first piece")
+        self._open.write(piece)
+        if piece.last:
+            self.total += self._open.close()
+            self._open = None
 
     def finish(self) -> Path:
         import json
+
+        if self._open is not None:
+            raise ValueError(f"export: only the first {self._open.rows} rows of {self._open.key!r} came")
 
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 

@@ -14,10 +14,10 @@ into each rank's shard: no rank ever holds the whole model.
 
 Weights leaving the trainer (:func:`gather_buckets`): every rank takes part in gathering the same
 tensors in the same order; rank 0 keeps the CPU copies and hands them out a bucket (at most
-``bucket_bytes``, or one tensor if larger) at a time. A tensor sharded by rows over a 1-D mesh (FSDP's
-layout) is not all-gathered: the ranks holding its rows send them to rank 0 point to point, a piece of at
-most ``bucket_bytes`` at a time, straight into rank 0's CPU copy, so the other ranks hold nothing extra
-and rank 0 the bucket it hands out plus one piece.
+``bucket_bytes``) at a time; a tensor larger than a bucket goes as row pieces of at most ``bucket_bytes``
+(:class:`~rollart.weights.stream.TensorPiece`), one a bucket. A tensor sharded by rows over a 1-D mesh
+(FSDP's layout) is not all-gathered: the ranks holding a piece's rows send them to rank 0 point to point,
+straight into the piece, so the other ranks hold nothing extra and rank 0 the one bucket it hands out.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from rollart.weights.stream import Part, TensorPiece, row_pieces
 
 log = logging.getLogger(__name__)
 
@@ -256,16 +258,19 @@ def unique_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _row_sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is split by rows over a 1-D mesh of every rank (FSDP's ``Shard(0)``), the layout
-    :func:`_gather_rows` takes apart."""
+    """Whether ``t`` is split by rows over a 1-D mesh (FSDP's ``Shard(0)``) that :func:`_gather_row_pieces`
+    takes apart: a mesh of every rank, or a sub-mesh (the dp ranks of one tensor-parallel index) whose
+    first rank is rank 0 (the rank that keeps the weights) or that does not hold rank 0 at all (its ranks
+    hold a replica of what rank 0's sub-mesh holds and take no part)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(t, DTensor) or t.device_mesh.ndim != 1 or len(t.placements) != 1 or t.dim() == 0:
         return False
-    if t.device_mesh.size() != dist.get_world_size():  # a sub-mesh (the dp rows of a 2-D mesh): its rank 0
-        return False  # is not always the rank that keeps the weights
     placement = t.placements[0]
-    return isinstance(placement, Shard) and placement.dim == 0
+    if not (isinstance(placement, Shard) and placement.dim == 0):
+        return False
+    ranks = t.device_mesh.mesh.flatten().tolist()
+    return 0 not in ranks or ranks[0] == 0
 
 
 def row_ranges(rows: int, ranks: int) -> list[tuple[int, int]]:
@@ -275,12 +280,19 @@ def row_ranges(rows: int, ranks: int) -> list[tuple[int, int]]:
     return [(min(r * per, rows), min((r + 1) * per, rows)) for r in range(ranks)]
 
 
-def _gather_rows(t: torch.Tensor, piece_bytes: int, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """The whole of a row-sharded DTensor as a CPU tensor on its mesh's rank 0 (None on the others): each
-    piece of at most ``piece_bytes`` is sent point to point by the ranks holding its rows, into the result
-    itself (CPU shards) or into one piece buffer on rank 0's device, then copied into the result (GPU
-    shards, or a cast). The other ranks send views of their own shards."""
+def _gather_row_pieces(
+    t: torch.Tensor, pieces: list[tuple[int, int]], dtype: torch.dtype | None
+) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """The rows ``pieces`` (consecutive ranges) of a row-sharded DTensor, ``(first row, CPU tensor)`` per range on its
+    mesh's rank 0 (None on the other ranks, and on every rank of a sub-mesh without global rank 0, which
+    sends nothing): the ranks holding a piece's rows send them point to point, into the piece itself (CPU
+    shards of the same dtype) or into one buffer on rank 0's device, then copied (GPU shards, or a cast).
+    A piece is freed by the caller before the next one is made: rank 0 holds one piece at a time."""
     mesh = t.device_mesh
+    if 0 not in mesh.mesh.flatten().tolist():
+        for a, _ in pieces:
+            yield a, None
+        return
     group, me, ranks = mesh.get_group(), mesh.get_local_rank(), mesh.size()
     local = t.to_local().detach()
     rows = int(t.shape[0])
@@ -290,55 +302,91 @@ def _gather_rows(t: torch.Tensor, piece_bytes: int, dtype: torch.dtype | None) -
             f"a row-sharded tensor of {rows} rows holds {local.shape[0]} rows on rank {me}, "
             f"not torch.chunk's {ranges[me][1] - ranges[me][0]}"
         )
-    row_numel = t.numel() // max(rows, 1)
-    step = max(1, piece_bytes // max(row_numel * t.dtype.itemsize, 1))
-    out = torch.empty(tuple(t.shape), dtype=dtype or t.dtype, device="cpu") if me == 0 else None
-    # CPU shards of the same dtype are received into the result itself; else through one piece buffer
-    direct = out is not None and local.device.type == "cpu" and out.dtype == t.dtype
+    # CPU shards of the same dtype are received into the piece itself; else through one device buffer
+    direct = local.device.type == "cpu" and (dtype is None or dtype == t.dtype)
     buf: torch.Tensor | None = None
-    for a in range(0, rows, step):
-        b = min(rows, a + step)
-        if direct:
-            buf = out[a:b]  # type: ignore[index]
-        elif out is not None and (buf is None or buf.shape[0] != b - a):
+    for a, b in pieces:
+        out = torch.empty((b - a, *t.shape[1:]), dtype=dtype or t.dtype, device="cpu") if me == 0 else None
+        if out is not None and not direct and (buf is None or buf.shape[0] != b - a):
             buf = torch.empty((b - a, *t.shape[1:]), dtype=t.dtype, device=local.device)
+        dst = out if direct else buf
         for r, (s, e) in enumerate(ranges):
             lo, hi = max(a, s), min(b, e)
             if lo >= hi or (r != me and me != 0):
                 continue
             if r == me == 0:
-                buf[lo - a : hi - a].copy_(local[lo - s : hi - s])  # type: ignore[index]
+                dst[lo - a : hi - a].copy_(local[lo - s : hi - s])  # type: ignore[index]
             elif me == 0:
-                dist.recv(buf[lo - a : hi - a], group=group, group_src=r)  # type: ignore[index]
+                dist.recv(dst[lo - a : hi - a], group=group, group_src=r)  # type: ignore[index]
             else:
                 dist.send(local[lo - s : hi - s].contiguous(), group=group, group_dst=0)
         if out is not None and not direct:
-            out[a:b].copy_(buf)  # type: ignore[arg-type]
-    return out
+            out.copy_(buf)
+        del dst
+        yield a, out
+        del out  # the caller's piece is the only reference left: freed before the next one is made
+
+
+def _pieces(
+    t: torch.Tensor, pieces: list[tuple[int, int]], keep: bool, dtype: torch.dtype | None
+) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """The row ranges ``pieces`` of ``t`` (sharded or not) as ``(first row, CPU tensor of its own)``, one at a
+    time (None where ``keep`` is False). A row-sharded tensor comes straight from its shards; any other sharded one is
+    gathered whole first (a tensor-parallel layer's weight, split over the 2-D mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    if _row_sharded(t):
+        for a, piece in _gather_row_pieces(t, pieces, dtype):
+            if (piece is not None) != keep and 0 in t.device_mesh.mesh.flatten().tolist():
+                raise RuntimeError("a row-sharded weight: the rank keeping the weights must be rank 0 of the mesh")
+            yield a, piece if keep else None
+            del piece
+        return
+    whole = _full(t.detach()) if isinstance(t, DTensor) else t.detach()
+    for a, b in pieces:
+        yield a, whole[a:b].to("cpu", dtype=dtype or whole.dtype, copy=True) if keep else None
+    del whole
 
 
 def gather_buckets(
     items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, keep: bool, dtype: torch.dtype | None = None
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Full CPU copies of ``items`` (sharded or not), a bucket of at most ``bucket_bytes`` at a time (a
-    larger tensor alone). Every rank must iterate it to the end (the gathers are collectives); only
-    ranks with ``keep`` get the tensors, the others get empty buckets at the same points. A row-sharded
-    tensor goes to rank 0 point to point (:func:`_gather_rows`): ``keep`` must then be rank 0's."""
+) -> Iterator[dict[str, Part]]:
+    """CPU copies of ``items`` (sharded or not), a bucket of at most ``bucket_bytes`` at a time: small tensors
+    whole, several to a bucket; a tensor larger than a bucket as :class:`~rollart.weights.stream.TensorPiece`
+    s (row ranges of at most ``bucket_bytes``, at least one row), one piece a bucket, so no rank holds more
+    than a bucket of gathered weights. Every rank must iterate it to the end (the gathers are collectives),
+    freeing each bucket before it asks for the next; only ranks with ``keep`` get the tensors, the others
+    get empty buckets at the same points. A row-sharded tensor goes to rank 0 point to point
+    (:func:`_gather_row_pieces`): ``keep`` must then be rank 0's."""
     from torch.distributed.tensor import DTensor
 
-    bucket: dict[str, torch.Tensor] = {}
+    bucket: dict[str, Part] = {}
     size = 0
     for name, t in items:
-        nbytes = t.numel() * (dtype.itemsize if dtype is not None else t.element_size())
+        itemsize = dtype.itemsize if dtype is not None else t.element_size()
+        nbytes = t.numel() * itemsize
+        pieces = row_pieces(tuple(t.shape), itemsize, bucket_bytes)
+        if len(pieces) > 1:
+            if bucket or size:
+                yield bucket
+                bucket, size = {}, 0
+            shape = tuple(t.shape)
+            # the pieces come with their first row from the generator itself: zip() or enumerate() over it
+            # would keep the last piece alive in their cached result tuple while the next one is gathered
+            for first, data in _pieces(t, pieces, keep, dtype):
+                yield {name: TensorPiece(data, first, shape)} if data is not None else {}
+                del data  # freed before the next piece is gathered
+            continue
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = {}, 0
         if _row_sharded(t):
-            full = _gather_rows(t, bucket_bytes, dtype)
-            if (full is not None) != keep:
-                raise RuntimeError(f"{name}: the rank keeping the weights must be rank 0 of the mesh")
-            if full is not None:
-                bucket[name] = full
+            for _, full in _gather_row_pieces(t, pieces, dtype):  # one piece: the whole tensor
+                if (full is not None) != keep and 0 in t.device_mesh.mesh.flatten().tolist():
+                    raise RuntimeError(f"{name}: the rank keeping the weights must be rank 0 of the mesh")
+                if full is not None and keep:
+                    bucket[name] = full
+                del full
         else:
             gathered = isinstance(t, DTensor)  # full_tensor() is a new tensor: no second copy of it is needed
             whole = _full(t.detach())

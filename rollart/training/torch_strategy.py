@@ -73,7 +73,7 @@ from rollart.training.shared_prefix import (
     shared_positions,
     shared_token_logprobs,
 )
-from rollart.training.weights_out import EVERY_RANK, WeightsOut
+from rollart.training.weights_out import DEFAULT_BUCKET_BYTES, EVERY_RANK, WeightsOut
 
 
 def token_logprobs(
@@ -608,10 +608,10 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         return "peft" if self.config.lora is not None else "hf"
 
     @register(dispatch=EVERY_RANK)
-    def export_hf(self, out: str) -> str | None:
-        """The current policy as a Hugging Face folder (see :meth:`WeightsOut.export_to`); rank 0 writes it
-        and answers its path."""
-        return self.export_to(out, model_path(self.config.model))
+    def export_hf(self, out: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str | None:
+        """The current policy as a Hugging Face folder (see :meth:`WeightsOut.export_to`), gathered and written
+        ``bucket_bytes`` at a time; rank 0 writes it and answers its path."""
+        return self.export_to(out, model_path(self.config.model), bucket_bytes)
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         cfg = self.config

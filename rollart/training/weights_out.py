@@ -1,11 +1,12 @@
 """How weights leave a trainer: a bucket at a time, in Hugging Face names, from every rank.
 
 Every way out (the Ray object store, a weight channel, a Hugging Face export) goes through
-:meth:`WeightsOut.weight_stream`: the trainer's tensors, whole (gathered from the shards on a sharded
-trainer, where every rank takes part in each gather), copied to the CPU a bucket of at most
-``bucket_bytes`` at a time; rank 0 keeps the copies, the other ranks only take part. So no rank holds
-more than one bucket of gathered weights beside its own shards, and what an engine receives is the same,
-bit for bit, as what an unsharded trainer with the same weights sends.
+:meth:`WeightsOut.weight_stream`: the trainer's tensors (gathered from the shards on a sharded trainer,
+where every rank takes part in each gather), copied to the CPU a bucket of at most ``bucket_bytes`` at a
+time, a tensor larger than a bucket in row pieces (:class:`~rollart.weights.stream.TensorPiece`); rank 0
+keeps the copies, the other ranks only take part. So no rank holds more than one bucket of gathered
+weights beside its own shards, and what an engine receives (the pieces written into their rows) is the
+same, bit for bit, as what an unsharded trainer with the same weights sends.
 
 A tensor shared under two names (tied input and output embeddings) goes once, under its first name; the
 engines and the export tie the other. The methods are called on every rank (``EVERY_RANK``): a sharded
@@ -23,7 +24,7 @@ import torch
 from rollart.decorators.register import register
 from rollart.training.sharding import gather_buckets
 from rollart.weights.base import WeightChannel
-from rollart.weights.stream import TensorMeta, channel_order, publish_stream
+from rollart.weights.stream import Part, TensorMeta, channel_order, merge_buckets, publish_stream
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,9 @@ class WeightsOut:
         """Name, full shape and dtype of every weight (known on every rank without a gather)."""
         return [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in self.weight_items()]
 
-    def weight_stream(self, bucket_bytes: int, order: list[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
-        """Buckets of whole CPU tensors, in ``order`` (names; default: the trainer's). Rank 0 gets the tensors;
+    def weight_stream(self, bucket_bytes: int, order: list[str] | None = None) -> Iterator[dict[str, Part]]:
+        """Buckets of CPU tensors, in ``order`` (names; default: the trainer's): whole tensors, or one piece of a
+        tensor larger than ``bucket_bytes`` (:func:`~rollart.training.sharding.gather_buckets`). Rank 0 gets them;
         on a sharded trainer the other ranks get empty buckets at the same points (each must iterate to the
         end); on an unsharded one they get nothing at all."""
         if not self.weights_sharded() and self.rank != 0:
@@ -74,21 +76,24 @@ class WeightsOut:
             items = [(name, by_name[name]) for name in order]
         return gather_buckets(items, bucket_bytes, keep=self.rank == 0)
 
-    def _tensor_stream(self, bucket_bytes: int, order: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensor_stream(self, bucket_bytes: int, order: list[str]) -> Iterator[tuple[str, Part]]:
         for bucket in self.weight_stream(bucket_bytes, order):
             while bucket:
                 name = next(iter(bucket))
                 yield name, bucket.pop(name)  # the channel's copy is the only one left once it moves on
+            del bucket
 
     @register(dispatch=EVERY_RANK, by_ref=True)
-    def snapshot_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict[str, torch.Tensor]]:
-        """The weights (CPU, Hugging Face names) as buckets. Through the Cluster the answer is the list of
-        rank 0's buckets as ObjectRefs that the caller owns: each bucket goes into the object store as soon as
-        it is gathered (the trainer holds one at a time), inference workers load them from there, and they
-        are freed when the caller drops the refs."""
+    def snapshot_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[dict[str, Part]]:
+        """The weights (CPU, Hugging Face names) as buckets (a tensor larger than ``bucket_bytes`` in row
+        pieces, one a bucket: :func:`~rollart.weights.stream.merge_buckets` puts them together). Through the
+        Cluster the answer is the list of rank 0's buckets as ObjectRefs that the caller owns: each bucket goes
+        into the object store as soon as it is gathered (the trainer holds one at a time), inference workers
+        load them from there, and they are freed when the caller drops the refs."""
         for bucket in self.weight_stream(bucket_bytes):
             if self.rank == 0:
                 yield bucket
+            del bucket
 
     @register(dispatch=EVERY_RANK)
     def publish_to(self, channel: WeightChannel, wait: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
@@ -130,10 +135,7 @@ class WeightsOut:
 
     def cpu_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole weights as CPU copies on rank 0 (unsharded trainers; tests and background publishes)."""
-        out: dict[str, torch.Tensor] = {}
-        for bucket in self.weight_stream(DEFAULT_BUCKET_BYTES):
-            out.update(bucket)
-        return out
+        return merge_buckets(self.weight_stream(DEFAULT_BUCKET_BYTES))
 
     @register(dispatch=EVERY_RANK)
     def wait_published(self) -> None:
@@ -144,14 +146,16 @@ class WeightsOut:
             pending.result()
 
     def export_to(self, out: str, base_model: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str | None:
-        """The weights as a Hugging Face folder at ``out``, one safetensors file per bucket (rank 0 writes;
-        every rank takes part); returns the folder on rank 0."""
+        """The weights as a Hugging Face folder at ``out``, one safetensors file per bucket, a tensor larger
+        than a bucket written into its own file piece by piece (rank 0 writes; every rank takes part);
+        returns the folder on rank 0."""
         from rollart.training.export import HFShardWriter
 
         writer = HFShardWriter(base_model, out) if self.rank == 0 else None
         for bucket in self.weight_stream(bucket_bytes):
             if writer is not None:
                 writer.add(bucket)
+            del bucket
         return str(writer.finish()) if writer is not None else None
 
 

@@ -15,12 +15,14 @@ order: a broadcast is a collective, so ``publish`` returns only once all receive
 
 Bucket layout: tensors are taken in name order and grouped by dtype; each dtype's tensors are laid
 back to back (flattened, contiguous) into buckets of at most ``bucket_bytes``, and a tensor larger
-than a bucket gets a bucket of its own. A bucket goes over the wire as one flat ``uint8`` tensor; the
-manifest lists, per bucket, its dtype, byte size and ``(name, element offset, shape)`` per tensor, so
-a receiver views the received bytes back into tensors without further messages::
+than a bucket is split over buckets of its own, one row range (along its first dimension, at most
+``bucket_bytes``, at least one row) each. A bucket goes over the wire as one flat ``uint8`` tensor; the
+manifest lists, per bucket, its dtype, byte size and ``(name, element offset, shape)`` per tensor (a
+piece's bucket also its first row and the whole tensor's shape), so a receiver views the received bytes
+back into tensors, or receives a piece straight into its rows of the tensor, without further messages::
 
     manifest = {version, seq, backend, store: [ip, port],
-                buckets: [{dtype, nbytes, entries: [(name, offset, shape)]}]}
+                buckets: [{dtype, nbytes, entries: [(name, offset, shape)], piece?: [first row, full shape]}]}
 
 The manifest needs only names, shapes and dtypes, so a publisher can post it before it has any bytes and
 send each bucket as soon as its tensors are gathered (:meth:`TorchBroadcastChannel.publish_stream`, what
@@ -55,7 +57,7 @@ import torch.distributed as dist
 
 from rollart.resource_manager.net import interface_of, node_ip
 from rollart.weights.snapshot import ChecksumMismatch
-from rollart.weights.stream import TensorMeta, metas_of, take_in_order
+from rollart.weights.stream import Part, PartReader, TensorMeta, metas_of, row_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +76,9 @@ def _dtype(name: str) -> torch.dtype:
 def plan_buckets(state: Mapping[str, torch.Tensor] | Sequence[TensorMeta], bucket_bytes: int) -> list[dict[str, Any]]:
     """Bucket layout of ``state`` (a state dict, or the :class:`TensorMeta` of its tensors): per dtype
     (first seen in name order), tensors in name order packed into buckets of at most ``bucket_bytes``; a
-    larger tensor gets a bucket of its own. Each bucket is ``{"dtype": str, "nbytes": int, "entries":
-    [(name, element offset, shape)]}``."""
+    larger tensor is split into row pieces of at most ``bucket_bytes``, a bucket each. Each bucket is
+    ``{"dtype": str, "nbytes": int, "entries": [(name, element offset, shape)]}``; a piece's bucket has one
+    entry, the piece's shape, and ``"piece": [first row, the whole tensor's shape]``."""
     metas = metas_of(state) if isinstance(state, Mapping) else list(state)
     by_dtype: dict[torch.dtype, list[TensorMeta]] = {}
     for meta in sorted(metas, key=lambda m: m.name):
@@ -88,7 +91,17 @@ def plan_buckets(state: Mapping[str, torch.Tensor] | Sequence[TensorMeta], bucke
             nbytes = meta.nbytes
             entry_shape = list(meta.shape)
             if nbytes > bucket_bytes:
-                buckets.append({"dtype": str(dtype), "nbytes": nbytes, "entries": [(meta.name, 0, entry_shape)]})
+                pieces = row_pieces(meta.shape, size, bucket_bytes)
+                row_bytes = nbytes // max(meta.shape[0], 1) if meta.shape else nbytes
+                for a, b in pieces:
+                    buckets.append(
+                        {
+                            "dtype": str(dtype),
+                            "nbytes": (b - a) * row_bytes,
+                            "entries": [(meta.name, 0, [b - a, *entry_shape[1:]] if entry_shape else entry_shape)],
+                            **({"piece": [a, entry_shape]} if len(pieces) > 1 else {}),
+                        }
+                    )
                 continue
             if open_bucket is None or open_bucket["nbytes"] + nbytes > bucket_bytes:
                 open_bucket = {"dtype": str(dtype), "nbytes": 0, "entries": []}
@@ -320,20 +333,19 @@ class TorchBroadcastChannel:
     # ------------------------------------------------------------------ publisher
     def order(self, metas: Sequence[TensorMeta]) -> list[str]:
         """The order :meth:`publish_stream` takes the tensors in: its buckets' (by dtype, then name)."""
-        return [name for bucket in plan_buckets(metas, self.bucket_bytes) for name, _, _ in bucket["entries"]]
+        names = (name for bucket in plan_buckets(metas, self.bucket_bytes) for name, _, _ in bucket["entries"])
+        return list(dict.fromkeys(names))
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Broadcast ``state`` as ``version`` to every receiver (see :meth:`publish_stream`)."""
         metas = metas_of(state)
         self.publish_stream(metas, ((name, state[name]) for name in self.order(metas)), version)
 
-    def publish_stream(
-        self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]], version: int
-    ) -> None:
-        """Broadcast the tensors of ``metas``, given one at a time in :meth:`order`, as ``version``: each
-        bucket is packed and sent as soon as its tensors are in, then a 16-byte digest of every bucket's
-        bytes; returns once everything is sent. Blocks until all receivers have joined this broadcast
-        (each calls ``fetch(version)``)."""
+    def publish_stream(self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, Part]], version: int) -> None:
+        """Broadcast the tensors of ``metas``, given one at a time in :meth:`order` (whole, or in row pieces
+        with any boundaries), as ``version``: each bucket is packed and sent as soon as its rows are in, then
+        a 16-byte digest of every bucket's bytes; returns once everything is sent. Blocks until all
+        receivers have joined this broadcast (each calls ``fetch(version)``)."""
         ep = self._endpoint(_PUBLISHER)
         with ep.lock:
             self._check(ep)
@@ -363,14 +375,22 @@ class TorchBroadcastChannel:
                     self._connect(ep, backend, ep.store_addr)
                 sent = 0
                 digest = _wire_digest()
+                reader = PartReader(tensors)
                 for bucket in buckets:
-                    part = take_in_order(tensors, [name for name, _, _ in bucket["entries"]])
+                    if "piece" in bucket:
+                        (name, _, shape), first = bucket["entries"][0], bucket["piece"][0]
+                        part = {name: reader.rows(name, first, first + shape[0])}
+                    else:
+                        part = {name: reader.whole(name, shape) for name, _, shape in bucket["entries"]}
                     if bucket["nbytes"]:
                         buf = self._pack(part, bucket, ep.device)
+                        del part  # a piece's wire buffer is a view of it: one bucket held, not two
                         digest.update(buf.cpu().numpy().tobytes() if buf.is_cuda else memoryview(buf.numpy()))
                         self._broadcast(ep, buf)
                         sent += bucket["nbytes"]
-                    del part
+                        del buf
+                    else:
+                        del part
                 seal = torch.frombuffer(bytearray(self._seal(digest.digest())), dtype=torch.uint8).to(ep.device)
                 self._broadcast(ep, seal)
                 if ep.backend == "nccl":
@@ -444,11 +464,27 @@ class TorchBroadcastChannel:
 
     def _receive(self, ep: _Endpoint, manifest: dict[str, Any]) -> tuple[dict[str, torch.Tensor], bool]:
         """Every bucket of a broadcast, then its digest: the tensors, and whether the bytes received
-        hash to the digest the publisher sent."""
+        hash to the digest the publisher sent. A piece is received into its rows of the whole tensor
+        (allocated at its first piece), straight there on the CPU."""
         state: dict[str, torch.Tensor] = {}
         digest = _wire_digest()
         for bucket in manifest["buckets"]:
             dtype = _dtype(bucket["dtype"])
+            if "piece" in bucket:
+                (name, _, shape), (first, full) = bucket["entries"][0], bucket["piece"]
+                if first == 0:
+                    state[name] = torch.empty(full, dtype=dtype)
+                rows = state[name][first : first + shape[0]]
+                wire = rows.view(-1).view(torch.uint8)
+                if ep.device.type == "cpu":
+                    self._broadcast(ep, wire)
+                else:
+                    buf = torch.empty(bucket["nbytes"], dtype=torch.uint8, device=ep.device)
+                    self._broadcast(ep, buf)
+                    wire.copy_(buf)
+                    del buf
+                digest.update(memoryview(wire.numpy()))
+                continue
             if not bucket["nbytes"]:
                 for name, _, shape in bucket["entries"]:
                     state[name] = torch.empty(shape, dtype=dtype)

@@ -49,7 +49,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rollart.resource_manager.net import node_ip
 from rollart.weights.base import WeightChannel
 from rollart.weights.snapshot import pack_state, unpack_state
-from rollart.weights.stream import TensorMeta, channel_order, publish_stream
+from rollart.weights.stream import Part, TensorMeta, channel_order, publish_stream
 
 logger = logging.getLogger(__name__)
 
@@ -404,9 +404,7 @@ class HostSharedChannel:
     def order(self, metas: Sequence[TensorMeta]) -> list[str]:
         return channel_order(self.inner, metas)
 
-    def publish_stream(
-        self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]], version: int
-    ) -> Any:
+    def publish_stream(self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, Part]], version: int) -> Any:
         return publish_stream(self.inner, metas, tensors, version)
 
     @property

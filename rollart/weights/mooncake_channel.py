@@ -49,7 +49,7 @@ from rollart.weights.snapshot import (
     unpack_state,
     verify_flat,
 )
-from rollart.weights.stream import TensorMeta
+from rollart.weights.stream import Part, TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -398,13 +398,13 @@ class MooncakeChannel:
         """The order :meth:`publish_stream` takes the tensors in: by name (the packed layout's)."""
         return sorted(m.name for m in metas)
 
-    def publish_stream(
-        self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]], version: int
-    ) -> int:
-        """Write the tensors of ``metas``, given one at a time in :meth:`order`, as ``version``: each is packed
-        into a reused chunk-sized buffer and every full chunk is written at once, so the publisher holds one
-        chunk, never the snapshot (a sharded trainer's path). Same keys, layout and checksum as
-        :meth:`publish`. Waits for a background publish of this channel first."""
+    def publish_stream(self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, Part]], version: int) -> int:
+        """Write the tensors of ``metas``, given one at a time in :meth:`order` (whole, or a tensor larger than
+        a bucket in row pieces, each written at its offset of the packed layout), as ``version``: each is
+        packed into a reused chunk-sized buffer and every full chunk is written at once, so the publisher
+        holds one chunk, never the snapshot (a sharded trainer's path). Same keys, layout and checksum as
+        :meth:`publish` (the CRC-32 runs over the chunks as they go). Waits for a background publish of this
+        channel first."""
         publisher = _Publisher.of(self.master, self.name)
         with publisher.lock:
             if publisher.pending is not None:

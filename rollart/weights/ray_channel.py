@@ -14,7 +14,7 @@ import ray
 import torch
 
 from rollart.weights.snapshot import StateDigest, state_checksum, verify
-from rollart.weights.stream import TensorMeta
+from rollart.weights.stream import Assembler, Part, TensorMeta, TensorPiece
 
 
 @ray.remote(num_cpus=0)
@@ -60,16 +60,22 @@ class RayObjectChannel:
         """By name: the order the checksum hashes them in."""
         return sorted(m.name for m in metas)
 
-    def publish_stream(
-        self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]], version: int
-    ) -> None:
+    def publish_stream(self, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, Part]], version: int) -> None:
         """Publish tensors given one at a time: each into the object store as it comes (one object per
-        tensor), the version registered once all are in."""
-        refs: dict[str, ray.ObjectRef] = {}
+        tensor, or per piece of a tensor that comes in pieces), the version registered once all are in. The
+        checksum is the whole snapshot's (:func:`~rollart.weights.snapshot.state_checksum`), computed piece
+        by piece."""
+        refs: dict[str, ray.ObjectRef | list[ray.ObjectRef]] = {}
         digest = StateDigest()
-        for name, t in tensors:
-            digest.update(name, t)
-            refs[name] = ray.put(t)
+        for name, part in tensors:
+            digest.update(name, part)
+            if isinstance(part, TensorPiece):
+                pieces = refs.setdefault(name, [])
+                assert isinstance(pieces, list)
+                pieces.append(ray.put(part))
+            else:
+                refs[name] = ray.put(part)
+            del part  # dropped before the stream gathers the next one
         ray.get(self._registry.put.remote(version, [refs], digest.hexdigest()))
 
     def fetch(self, version: int) -> dict[str, torch.Tensor]:
@@ -78,8 +84,15 @@ class RayObjectChannel:
             raise KeyError(f"weight channel {self.name!r} has no version {version}")
         boxed, checksum = entry
         stored = boxed[0]
-        if isinstance(stored, dict):  # a streamed publish: one object per tensor
-            state = dict(zip(stored, ray.get(list(stored.values()))))
+        if isinstance(stored, dict):  # a streamed publish: one object per tensor, or per piece
+            whole = {name: ref for name, ref in stored.items() if not isinstance(ref, list)}
+            assembler = Assembler()
+            for name, t in zip(whole, ray.get(list(whole.values()))):
+                assembler.add(name, t)
+            for name, pieces in stored.items():
+                for ref in pieces if isinstance(pieces, list) else ():
+                    assembler.add(name, ray.get(ref))  # one piece at a time into its rows of the tensor
+            state = dict(sorted(assembler.result().items()))
         else:
             state = ray.get(stored)
         verify(state, checksum, version)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rollart.weights.stream import TensorMeta, metas_of
+from rollart.weights.stream import Part, PartReader, TensorMeta, TensorPiece, metas_of
 
 DTYPES = {
     str(d): d
@@ -115,15 +115,16 @@ def unpack_state(flat: torch.Tensor, layout: list[dict[str, Any]]) -> dict[str, 
 
 def packed_chunks(
     layout: list[dict[str, Any]],
-    tensors: Iterator[tuple[str, torch.Tensor]],
+    tensors: Iterator[tuple[str, Part]],
     chunk_bytes: int,
     staging: torch.Tensor,
     align: int = 64,
 ) -> Iterator[memoryview]:
     """The packed form of a snapshot (:func:`pack_into`'s bytes) cut in chunks of ``chunk_bytes``, built from
-    tensors that arrive one at a time in ``layout``'s order: each is copied into ``staging`` (a CPU
-    ``uint8`` tensor of at least ``chunk_bytes``, reused) and a chunk is yielded as soon as it is full, so
-    nothing larger than one chunk is ever held. A yielded view is valid until the next one is asked for."""
+    tensors that arrive one at a time (whole or in row pieces) in ``layout``'s order: each is copied into
+    ``staging`` (a CPU ``uint8`` tensor of at least ``chunk_bytes``, reused) and a chunk is yielded as soon as
+    it is full, so nothing larger than one chunk is ever held. A yielded view is valid until the next one is
+    asked for."""
     total = packed_nbytes(layout, align)
     buf = staging[:chunk_bytes]
     fill = 0
@@ -140,15 +141,15 @@ def packed_chunks(
                 fill = 0
 
     end = 0
+    reader = PartReader(tensors)
     for item in layout:
-        name, t = next(tensors)
-        if name != item["name"]:
-            raise ValueError(f"weight stream out of order: got {name!r}, expected {item['name']!r}")
         if item["offset"] > end:
             yield from put(torch.zeros(item["offset"] - end, dtype=torch.uint8))
         end = item["offset"] + item["nbytes"]
-        if item["nbytes"]:
-            yield from put(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+        for data in reader.parts(item["name"], item["shape"]):
+            if data.numel():
+                yield from put(data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+            del data  # dropped before the stream gathers the next piece
     if total > end:
         yield from put(torch.zeros(total - end, dtype=torch.uint8))
     if fill:
@@ -185,15 +186,24 @@ class StateDigest:
     def __init__(self) -> None:
         self._h = hashlib.blake2b(digest_size=16)
         self._last: str | None = None
+        self._rows = 0  # rows of the last tensor hashed so far (pieces)
 
-    def update(self, name: str, t: torch.Tensor) -> None:
-        if self._last is not None and name <= self._last:
-            raise ValueError(f"StateDigest: tensors must come in name order ({name!r} after {self._last!r})")
-        self._last = name
-        t = t.detach().to("cpu").contiguous()
-        self._h.update(name.encode())
-        self._h.update(str(t.dtype).encode())
-        self._h.update(str(tuple(t.shape)).encode())
+    def update(self, name: str, part: Part) -> None:
+        """Add a tensor, or a piece of one (its pieces one after the other, in row order: the same digest as
+        the whole tensor's)."""
+        if isinstance(part, TensorPiece) and part.start > 0:
+            if name != self._last or part.start != self._rows:
+                raise ValueError(f"StateDigest: a piece of {name!r} at row {part.start} out of order")
+        else:
+            if self._last is not None and name <= self._last:
+                raise ValueError(f"StateDigest: tensors must come in name order ({name!r} after {self._last!r})")
+            self._last = name
+            dtype = part.data.dtype if isinstance(part, TensorPiece) else part.dtype
+            self._h.update(name.encode())
+            self._h.update(str(dtype).encode())
+            self._h.update(str(tuple(part.shape)).encode())
+        t = (part.data if isinstance(part, TensorPiece) else part).detach().to("cpu").contiguous()
+        self._rows = part.stop if isinstance(part, TensorPiece) else 0
         self._h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
     def hexdigest(self) -> str:
