@@ -17,7 +17,7 @@ from statistics import mean
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "calculator_agent"
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_the_calculator_agents_reward_rises(ray_local, tmp_path, monkeypatch):

@@ -42,7 +42,7 @@ async def solve(client: openai.AsyncOpenAI, task: dict) -> float:
     messages: list = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
     last = ""  # the calculator's last result
     for _ in range(MAX_TURNS):
-        reply = await client.chat.completions.create(model="calculator", messages=messages, tools=[CALC], max_tokens=80)
+        reply = await client.chat.completions.create(model="calculator", messages=messages, tools=[CALC], max_tokens=64)
         message = reply.choices[0].message
         messages.append(message)
         if not message.tool_calls:

@@ -22,12 +22,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None, help="training steps (default: config.yaml's)")
     p.add_argument("--out", default="runs", help="where the model and the run go")
-    p.add_argument("--warmup-steps", type=int, default=300, help="supervised warm-up steps of the starting policy")
+    p.add_argument("--warmup-steps", type=int, default=200, help="supervised warm-up steps of the starting policy")
     p.add_argument(
         "--cache",
         default=os.environ.get("ROLLART_CACHE", str(Path.home() / ".cache" / "rollart")),
         help="where the starting policy is built once and reused",
     )
+    p.add_argument("--seed", type=int, default=None, help="the sampler's seed (default: config.yaml's)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("httpx", "httpx2"):  # the openai client logs every call
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     }
     if args.steps is not None:
         overrides["steps"] = args.steps
+    if args.seed is not None:
+        overrides["sampling.seed"] = args.seed
     cfg = load_config(HERE / "config.yaml", overrides)
     from rollart.pipeline.startup import set_command_started
 

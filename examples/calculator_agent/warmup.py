@@ -1,5 +1,8 @@
-"""The starting policy: rollart's tiny character-level model (built offline) with a ChatML template that
-renders tools, after a short supervised warm-up on transcripts of the agent's format.
+"""The starting policy: rollart's tiny character-level model (built offline; two layers) with a ChatML
+template that renders tools and ``<tool_call>`` / ``</tool_call>`` as one token each (as in Qwen's
+vocabulary: a call is then 54 tokens, not 75), after a short supervised warm-up on transcripts of the
+agent's format. Every token of a transcript costs time in the warm-up, in rollout and in training,
+which is why the model is this small and the markers are single tokens.
 
 The transcripts show the format — a ``<tool_call>`` to ``calc`` with the two quantities of the
 question, then the tool's result as the answer — but their operator is a coin flip: the warm-up teaches
@@ -28,8 +31,10 @@ from tasks import make_task
 
 log = logging.getLogger("calculator_agent")
 
-MODEL = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 384}
-RECIPE = 3  # the warm-up's loss and data: a cached policy is rebuilt when they change
+MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 384}
+RECIPE = 4  # the warm-up's loss, data and tokens: a cached policy is rebuilt when they change
+POOL = 2048  # distinct warm-up transcripts, rendered once
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # added to the character-level vocabulary
 CALL = '<tool_call>{{"name": "calc", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
 
 
@@ -82,9 +87,11 @@ def warm_up(folder: Path, steps: int, batch: int, lr: float, seed: int) -> list[
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
+    # rendered once (rendering a batch takes about half as long as its training pass), then drawn from
+    pool = [transcript(renderer, tok, make_task(10**9 + rng.randrange(10**9)), rng) for _ in range(POOL)]
     losses = []
     for step in range(steps):
-        rows = [transcript(renderer, tok, make_task(10**9 + rng.randrange(10**9)), rng) for _ in range(batch)]
+        rows = rng.sample(pool, batch)
         width = max(len(row[0]) for row in rows)
         ids = torch.full((batch, width), tok.pad_token_id)
         labels = torch.full((batch, width), -100)
@@ -117,7 +124,7 @@ def warm_up(folder: Path, steps: int, batch: int, lr: float, seed: int) -> list[
 
 
 def build_policy(
-    root: str | os.PathLike[str], steps: int = 400, batch: int = 32, lr: float = 3e-3, seed: int = 0
+    root: str | os.PathLike[str], steps: int = 200, batch: int = 32, lr: float = 3e-3, seed: int = 0
 ) -> Path:
     """The warmed-up model folder under ``root`` (built once per setting, then reused)."""
     from rollart.models.tiny import build_tiny
@@ -130,7 +137,7 @@ def build_policy(
     if (target / "warmup.json").exists():
         return target
     log.info(
-        "building the starting policy: %d supervised warm-up steps (about 3 minutes on an idle 2-core CPU; "
+        "building the starting policy: %d supervised warm-up steps (a few minutes at most on a 2-core CPU; "
         "once: later runs reuse %s)",
         steps,
         target,
@@ -145,11 +152,15 @@ def build_policy(
             task["question"] + " " + CALL.format(expression=task["expression"]) + f" {task['answer']} error: write\n"
         )
     build_tiny(tmp, corpus=corpus, vocab_size=280, chat=True, seed=seed, max_position_embeddings=512, **MODEL)
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tmp))
     tok.chat_template = CHATML_TOOLS_TEMPLATE  # ChatML that renders tools and tool calls
+    tok.add_tokens(TOOL_TOKENS)
     tok.save_pretrained(str(tmp))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp))
+    model.resize_token_embeddings(len(tok), mean_resizing=False)  # random like the rest: the model is untrained
+    model.save_pretrained(str(tmp), safe_serialization=True)
     losses = warm_up(tmp, steps, batch, lr, rng.randrange(2**31))
     (tmp / "warmup.json").write_text(json.dumps({"steps": steps, "batch": batch, "lr": lr, "loss": losses}))
     shutil.rmtree(target, ignore_errors=True)
