@@ -193,5 +193,6 @@ def timeline(life: Life) -> str:
     rows = [f"{life.traj_id}  ({life.tag}, {life.outcome}, {life.duration_s:.3f}s)"]
     for e in life.events:
         fields = "  ".join(f"{k}={_fmt(v)}" for k, v in e.items() if k not in _SKIP and v is not None)
-        rows.append(f"  +{e['t'] - t0:8.3f}s  {e['event']:<10} {fields}".rstrip())
+        since = f"+{e['t'] - t0:.3f}s"
+        rows.append(f"  {since:>10}  {e['event']:<10} {fields}".rstrip())
     return "\n".join(rows)
