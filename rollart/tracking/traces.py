@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 TRACES = "traces.jsonl"
 RUN = ""
-"""The ``traj_id`` of the run's own events (``trace_started``, ``trace_capped``)."""
+"""The ``traj_id`` of the run's own events (``trace_started``)."""
 ENDS = {"trained": "trained", "failed": "failed", "dropped": "dropped", "filtered": "dropped", "evicted": "dropped"}
 """Events that end a trajectory's life, and the outcome each counts as (``rollart trace --status``)."""
 
