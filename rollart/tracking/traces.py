@@ -2,8 +2,8 @@
 
 One JSON object per line: ``traj_id``, ``event``, ``t`` (Unix time, seconds) and the event's fields (the
 schema: ``docs/traces.md``). The rollout emits events into a :class:`TraceWriter`, which keeps them in
-memory; the pipeline writes them out once per step (:meth:`TraceWriter.flush`), so nothing on the rollout's
-path touches the file. ``sample`` picks the traced trajectories by a hash of the run's seed and the
+memory; the pipeline hands them over once per step (:meth:`TraceWriter.flush`) to a thread that encodes and
+appends them, so nothing on the rollout's path or the step loop touches the file. ``sample`` picks the traced trajectories by a hash of the run's seed and the
 trajectory id (:func:`sampled`: the same ids in every run with that seed); ``max_mb`` caps the file, past
 which tracing stops with one log line (the ledger's counts do not depend on traces).
 
@@ -17,6 +17,7 @@ import logging
 import time
 import zlib
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,9 @@ def sampled(traj_id: str, seed: int, fraction: float) -> bool:
 
 
 class TraceWriter:
-    """Buffers trace events and appends them to ``run_dir/traces.jsonl`` on :meth:`flush`; a fresh (not
-    resumed) run starts the file anew. Not thread-safe: the rollout and the step loop share one event loop."""
+    """Buffers trace events and appends them to ``run_dir/traces.jsonl`` on :meth:`flush` (in its own
+    thread); a fresh (not resumed) run starts the file anew. ``emit`` and ``flush`` are called from one
+    thread (the rollout and the step loop share one event loop)."""
 
     def __init__(
         self, run_dir: Path, *, sample: float = 1.0, seed: int = 0, max_mb: float = 256.0, resume: bool = False
@@ -57,6 +59,9 @@ class TraceWriter:
         self.capped = False
         self.events = 0  # events written to the file
         self._buffer: list[dict[str, Any]] = []
+        self._encoder = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollart-traces")
+        self._pending: Future[None] | None = None
         self.emit(RUN, "trace_started", sample=sample, seed=seed, max_mb=max_mb, resumed=resume)
 
     def wants(self, traj_id: str) -> bool:
@@ -88,15 +93,22 @@ class TraceWriter:
                         reward=traj.reward,
                     )
 
-    def flush(self) -> None:
-        """Append the buffered events (the pipeline calls it once per step and at the end of the run)."""
-        if not self._buffer:
+    def flush(self, wait: bool = False) -> None:
+        """Hand the buffered events to the writing thread (the pipeline calls it once per step); ``wait``:
+        return once every event handed over is in the file."""
+        if self._buffer:
+            events, self._buffer = self._buffer, []
+            self._pending = self._thread.submit(self._write, events)
+        if wait and self._pending is not None:
+            self._pending.result()
+
+    def _write(self, events: list[dict[str, Any]]) -> None:
+        if self.capped:
             return
-        lines, self._buffer = self._buffer, []
         text: list[str] = []
         size = 0
-        for event in lines:
-            line = json.dumps(event, separators=(",", ":"), default=str) + "\n"
+        for event in events:
+            line = self._encoder.encode(event) + "\n"
             if self.written + size + len(line) > self.max_bytes:
                 self.capped = True
                 log.warning(
@@ -115,7 +127,9 @@ class TraceWriter:
             self.events += len(text)
 
     def close(self) -> None:
-        self.flush()
+        """Write what is buffered and wait for it (the end of the run; tracing may go on after it, e.g.
+        when the steps resume after a trainer restore)."""
+        self.flush(wait=True)
 
 
 # ---------------------------------------------------------------------------------------------- reading
