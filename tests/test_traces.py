@@ -43,7 +43,8 @@ def run_pipeline(cfg, trained=None):
 
 
 def test_a_runs_trace_holds_every_trained_trajectorys_life_and_rollart_trace_prints_it(ray_local, tmp_path, capsys):
-    cfg = small_config(tmp_path, steps=3, checkpoint_every=0)  # alpha 1, 4 groups of 4, 2 groups a batch
+    # alpha 1, 4 groups of 4, 2 groups a batch
+    cfg = small_config(tmp_path, steps=3, checkpoint_every=0, traces={"enabled": True})
     run_pipeline(cfg)
     run = tmp_path / "run"
     ledger = json.loads((run / "ledger.json").read_text())
@@ -99,14 +100,14 @@ def test_a_runs_trace_holds_every_trained_trajectorys_life_and_rollart_trace_pri
 
 def test_sampling_traces_the_seeds_choice_and_the_cap_stops_tracing_with_the_ledger_exact(ray_local, tmp_path, caplog):
     trained: list[str] = []
-    cfg = small_config(tmp_path, steps=3, checkpoint_every=0, traces={"sample": 0.5}, seed=7)
+    cfg = small_config(tmp_path, steps=3, checkpoint_every=0, traces={"enabled": True, "sample": 0.5}, seed=7)
     run_pipeline(cfg, trained)
     traced = {life.traj_id for life in lives(read_traces(tmp_path / "run")) if life.outcome == "trained"}
     chosen = {t for t in trained if sampled(t, 7, 0.5)}
     assert traced == chosen and 0 < len(chosen) < len(trained)  # exactly the seed's choice: about half
 
     cap_mb = 0.01  # about 10 KiB: a few trajectories' lives
-    capped = small_config(tmp_path / "capped", steps=3, checkpoint_every=0, traces={"max_mb": cap_mb})
+    capped = small_config(tmp_path / "capped", steps=3, checkpoint_every=0, traces={"enabled": True, "max_mb": cap_mb})
     with caplog.at_level(logging.WARNING, logger="rollart.tracking.traces"):
         run_pipeline(capped)
     path = tmp_path / "capped" / "run" / TRACES
