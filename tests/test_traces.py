@@ -6,6 +6,7 @@ exact; ``rollart trace`` prints a trajectory's timeline."""
 import asyncio
 import json
 import logging
+import re
 
 import pytest
 from rollout_fixtures import CharCodec, CountEnv, simulated_cluster
@@ -61,7 +62,7 @@ def test_a_runs_trace_holds_every_trained_trajectorys_life_and_rollart_trace_pri
         assert names[:3] == ["created", "admitted", "env_reset"], names
         assert names[-3:] == ["reward", "buffered", "trained"], names
         turns = names[3:-3]
-        assert turns and turns == ["generate", "env_step"] * (len(turns) // 2), names
+        assert re.fullmatch(r"((generate,)+env_step,?)+", ",".join(turns)), names  # a preempted call: 2 generates
         times = [e["t"] for e in life.events]
         assert times == sorted(times)
         created, end = life.events[0], life.events[-1]
@@ -72,10 +73,12 @@ def test_a_runs_trace_holds_every_trained_trajectorys_life_and_rollart_trace_pri
         assert end["step"] == step_of_group[life.traj_id.rsplit(":", 2)[0]]
         assert 0 <= end["staleness"] <= cfg.rollout.alpha and end["reward"] is not None
         start_version = life.events[1]["start_version"]
-        for gen in (e for e in life.events if e["event"] == "generate"):
+        gens = [e for e in life.events if e["event"] == "generate"]
+        for gen in gens:  # a call preempted by a weight swap may answer no token; its continuation follows
             assert gen["rank"] == 0 and gen["hardware"] == "CPU" and gen["node_ip"]
-            assert gen["versions"] and all(start_version <= v <= end["version"] for v in gen["versions"])
-            assert gen["prompt_tokens"] > 0 and 0 < gen["response_tokens"] <= 3 and gen["latency_s"] >= 0
+            assert all(start_version <= v <= end["version"] for v in gen["versions"])
+            assert gen["prompt_tokens"] > 0 and 0 <= gen["response_tokens"] <= 3 and gen["latency_s"] >= 0
+        assert 0 < sum(g["response_tokens"] for g in gens) <= 3 and any(g["versions"] for g in gens)
         step = next(e for e in life.events if e["event"] == "env_step")
         assert step["latency_s"] >= 0 and "error" not in step
         reward = life.events[-3]
