@@ -58,6 +58,7 @@ from rollart.rollout.inference_worker import inference_worker_class
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.sample_buffer import Group
 from rollart.rollout.scheduler import RolloutScheduler
+from rollart.tracking.traces import TraceWriter
 from rollart.training import columns as C
 from rollart.training.data import add_advantages, trajectories_to_batch
 from rollart.training.export import write_chat_template
@@ -110,6 +111,14 @@ class AgenticPipeline:
             self.metrics.drop_from(self.start_step)
         else:
             self.metrics.reset()
+        # trajectory traces (traces:): the rollout emits into the writer, the step loop writes them out
+        tc = config.traces
+        self.traces = (
+            TraceWriter(self.out_dir, sample=tc.sample, seed=config.seed, max_mb=tc.max_mb, resume=resume)
+            if tc.enabled
+            else None
+        )
+        self.scheduler.traces = self.traces
         self._saved_through = self.start_step  # steps done when the last checkpoint was written
 
     # ------------------------------------------------------------------ wiring
@@ -587,6 +596,7 @@ class AgenticPipeline:
         else:  # no checkpoint yet: the rebuilt ranks hold the initial weights; the run starts over
             self._restore_initial()
         new.carry_counts(old)  # the live counters go on; what the rewind undid is counted, not erased
+        new.traces = old.traces
         self.scheduler = new
         self.controller = AsyncController(new, self.proxy)
         await self.weights.reset()  # a load of the dead trainer's versions goes nowhere now
@@ -634,6 +644,8 @@ class AgenticPipeline:
                 if len(history) > 2 * cfg.history_keep:  # bounded memory: trimmed in batches, O(1) per step
                     del history[: len(history) - cfg.history_keep]
                 tracker.log(record, record["step"])
+                if self.traces is not None:  # the step's trace events, written once per step
+                    self.traces.flush()
                 if bar is not None:
                     bar.update(record)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
@@ -662,6 +674,8 @@ class AgenticPipeline:
         held_back = self.scheduler.buffered_by_task()
         # the order groups finished in depends on timing; a fixed order keeps a seeded run repeatable
         groups = sorted((Group(sorted(g, key=lambda t: t.traj_id), g.gid) for g in groups), key=lambda g: g.gid)
+        if self.traces is not None:
+            self.traces.trained(groups, step=step + 1, version=self.scheduler.last_batch_version)
         t_rollout = time.monotonic() - t0
         staleness = Counter(self.scheduler.staleness) - stale_before
         t1 = time.monotonic()
@@ -713,6 +727,8 @@ class AgenticPipeline:
             finally:  # rewards in flight are answered (and counted) first
                 await self.rewards.aclose()
         finally:  # whatever failed above, the run's account is written
+            if self.traces is not None:  # with the events of the rounds the stop ended
+                self.traces.close()
             write_ledger(self.out_dir, self.scheduler, self.proxy, self.rewards)
 
     def _record(

@@ -30,6 +30,7 @@ PARTIAL_RUN = frozenset(
         "metrics.jsonl",
         "startup.json",
         "ledger.json",
+        "traces.jsonl",
         "elastic.jsonl",
         "checkpoint",
         "tensorboard",

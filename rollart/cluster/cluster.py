@@ -577,6 +577,10 @@ class Cluster:
     def hardware_of(self, rank: int) -> str:
         return self._slot(rank).hardware
 
+    def node_ip_of(self, rank: int) -> str:
+        """The host address of a rank's node ("" before it started)."""
+        return self._slot(rank).node_ip
+
     def placement(self) -> list[dict[str, Any]]:
         """Rank, hardware, node id, slot ids (its device slots in the pool), device ids (the GPUs Ray
         gave its actor; empty on the CPU) and liveness of every worker."""

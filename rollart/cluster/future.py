@@ -8,6 +8,7 @@ worker surfaces as :class:`WorkerDiedError` naming the cluster, rank and hardwar
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
@@ -53,6 +54,8 @@ class ClusterFuture(Generic[T]):
         self._calls = calls
         self._collect = collect
         self._on_dead = on_dead
+        # calls sent again to another rank after theirs died: (dead rank, its error, Unix time, new rank)
+        self.reroutes: list[tuple[int, BaseException, float, int]] = []
 
     @property
     def refs(self) -> list[ray.ObjectRef]:
@@ -83,7 +86,9 @@ class ClusterFuture(Generic[T]):
         nxt = self._on_dead(rank, err)  # raises WorkerDiedError when it cannot reroute
         if nxt is SKIPPED:
             return SKIPPED
-        return nxt if isinstance(nxt, tuple) else (rank, nxt)
+        nxt = nxt if isinstance(nxt, tuple) else (rank, nxt)
+        self.reroutes.append((rank, err, time.time(), nxt[0]))
+        return nxt
 
     def _finish(self, values: list[Any]) -> T:
         return self._collect([v for v in values if v is not SKIPPED])

@@ -53,6 +53,7 @@ class RewardServices:
         """Score a finished trajectory with ``client``'s service: its first prompt, its last answer and
         the env's ground truth. A failure raises (the trajectory becomes ``reward_failed``)."""
         codec = self.codec
+        tenant = getattr(client, "tenant", None)
 
         async def reward(traj: Any) -> float:
             steps = traj.info.get("steps") or [{}]
@@ -67,6 +68,8 @@ class RewardServices:
                 }
             )
 
+        # what a trajectory trace names as the reward's source
+        reward.trace_source = f"service {client.url}" + (f" (tenant {tenant})" if tenant else "")  # type: ignore[attr-defined]
         return reward
 
     def counts(self) -> dict[str, Any]:

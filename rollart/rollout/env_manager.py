@@ -38,7 +38,7 @@ from rollart.rollout.chat import ChatFormat, ChatTemplateError, chat_format
 from rollart.rollout.config import EnvManagerConfig
 from rollart.rollout.failures import FailureLog
 from rollart.rollout.llm_proxy import LLMProxy
-from rollart.rollout.types import GenerateRequest, Trajectory
+from rollart.rollout.types import GenerateRequest, TraceSink, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ class EnvManager:
         self.current_request: str | None = None
         self._env_call: asyncio.Task | None = None
         self._aborting = False
+        self._sink: TraceSink | None = None  # the episode's trace, when it is traced
 
     @staticmethod
     def _chat_format(codec: TextCodec, config: EnvManagerConfig) -> ChatFormat | None:
@@ -199,12 +200,16 @@ class EnvManager:
                     raise
         raise AssertionError("unreachable")
 
-    async def run(self, seed: int | None = None, group_id: str = "", traj_id: str | None = None) -> Trajectory:
-        """One episode. Never raises for env or reward faults: they come back as the trajectory status."""
+    async def run(
+        self, seed: int | None = None, group_id: str = "", traj_id: str | None = None, *, trace: TraceSink | None = None
+    ) -> Trajectory:
+        """One episode. Never raises for env or reward faults: they come back as the trajectory status.
+        ``trace``: where its events go (env calls, generate calls, the reward), when it is traced."""
         traj = Trajectory(
             traj_id=traj_id or uuid.uuid4().hex, group_id=group_id, tag=self.tag, start_version=self.version_fn()
         )
         self._aborting = False
+        self._sink = trace
         t0 = time.monotonic()
         try:
             return await self._episode(traj, seed)
@@ -213,9 +218,15 @@ class EnvManager:
             return traj
         finally:
             self._aborting = False
+            self._sink = None
             traj.info["duration_s"] = time.monotonic() - t0  # reset to reward, wall clock
 
+    def _emit(self, traj: Trajectory, event: str, **fields: Any) -> None:
+        if self._sink is not None:
+            self._sink.emit(traj.traj_id, event, **fields)
+
     async def _episode(self, traj: Trajectory, seed: int | None) -> Trajectory:
+        t0 = time.monotonic()
         try:
             obs, info = await self._reset(seed)
         except _Aborted:
@@ -223,7 +234,9 @@ class EnvManager:
         except Exception as err:
             traj.status, traj.error = "failed", f"reset: {type(err).__name__}: {err}"
             self.failures.record("reset", f"{type(err).__name__}: {err}", err, tag=self.tag)
+            self._emit(traj, "env_reset", latency_s=time.monotonic() - t0, error=traj.error)
             return traj
+        self._emit(traj, "env_reset", latency_s=time.monotonic() - t0)
         traj.info["reset"] = info
         traj.info["prompt_text"] = obs  # the env's own text, before any chat template
         prompt = self._first_prompt(traj, obs)
@@ -242,7 +255,10 @@ class EnvManager:
                 sampling=self._turn_sampling(seed, traj.traj_id, turn),
             )
             try:
-                out = await self.proxy.generate(req, self.tag)
+                if self._sink is None:
+                    out = await self.proxy.generate(req, self.tag)
+                else:
+                    out = await self.proxy.generate(req, self.tag, trace=self._proxy_trace(traj, turn))
             except ClusterError:
                 raise  # no worker can serve it: the rollout cannot go on
             except Exception as err:
@@ -263,6 +279,7 @@ class EnvManager:
                 traj.status = "aborted"
                 return traj
             action = self.codec.decode(out.output_token_ids)
+            t_step = time.monotonic()
             try:
                 obs, reward, terminated, truncated, step_info = await self._step(action)
             except _Aborted:
@@ -270,7 +287,17 @@ class EnvManager:
             except Exception as err:
                 traj.status, traj.error = "failed", f"step {turn}: {type(err).__name__}: {err}"
                 self.failures.record("step", f"{type(err).__name__}: {err}", err, tag=self.tag)
+                self._emit(traj, "env_step", turn=turn, latency_s=time.monotonic() - t_step, error=traj.error)
                 return traj
+            if self._sink is not None:
+                self._emit(
+                    traj,
+                    "env_step",
+                    turn=turn,
+                    latency_s=time.monotonic() - t_step,
+                    reward=float(reward),
+                    done=bool(terminated or truncated),
+                )
             traj.env_return += float(reward)
             traj.info.setdefault("steps", []).append(step_info)
             if isinstance(step_info, dict) and "char_rewards" in step_info:
@@ -309,16 +336,39 @@ class EnvManager:
         """The trajectory's reward: the env's return, or the reward function's score of it (a failure makes
         it ``reward_failed``, never a reward of 0)."""
         traj.reward = traj.env_return
-        if self.reward_fn is not None:
-            try:
-                value = self.reward_fn(traj)
-                value = await value if inspect.isawaitable(value) else value
-                if value is None:
-                    raise TypeError("the reward function returned None: return the trajectory's reward (a number)")
-                traj.reward = float(value)
-            except Exception as err:
-                traj.reward, traj.status, traj.error = None, "reward_failed", f"{type(err).__name__}: {err}"
-                self.failures.record("reward", f"{type(err).__name__}: {err}", err, tag=self.tag)
+        if self.reward_fn is None:
+            self._emit(traj, "reward", source="env", latency_s=0.0, status="ok", reward=traj.reward)
+            return
+        t0 = time.monotonic()
+        try:
+            value = self.reward_fn(traj)
+            value = await value if inspect.isawaitable(value) else value
+            if value is None:
+                raise TypeError("the reward function returned None: return the trajectory's reward (a number)")
+            traj.reward = float(value)
+        except Exception as err:
+            traj.reward, traj.status, traj.error = None, "reward_failed", f"{type(err).__name__}: {err}"
+            self.failures.record("reward", f"{type(err).__name__}: {err}", err, tag=self.tag)
+        if self._sink is not None:
+            self._emit(
+                traj,
+                "reward",
+                source=getattr(self.reward_fn, "trace_source", "function"),
+                latency_s=time.monotonic() - t0,
+                status="ok" if traj.status == "ok" else "failed",
+                reward=traj.reward,
+                error=traj.error,
+            )
+
+    def _proxy_trace(self, traj: Trajectory, turn: int) -> Callable[[str, dict[str, Any]], None]:
+        """The LLMProxy's events of one generate call (each worker's answer, each migration) as trace events."""
+        sink, tid = self._sink, traj.traj_id
+        assert sink is not None
+
+        def emit(event: str, fields: dict[str, Any]) -> None:
+            sink.emit(tid, event, turn=turn, **fields)
+
+        return emit
 
     def _turn_sampling(self, env_seed: int | None, traj_id: str, turn: int) -> SamplingParams:
         """With ``sampling.seed`` set, each request samples from its own seed, derived from that seed,

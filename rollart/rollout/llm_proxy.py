@@ -149,12 +149,22 @@ class LLMProxy:
                 return False
         return rid in self._aborted
 
-    async def generate(self, request: GenerateRequest, tag: str, *, affinity: str | None = None) -> GenerateOutput:
+    async def generate(
+        self,
+        request: GenerateRequest,
+        tag: str,
+        *,
+        affinity: str | None = None,
+        trace: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> GenerateOutput:
         """Generate until the request stops or runs out of tokens, continuing across preemptions.
 
         ``affinity``: a key (e.g. a session) whose requests go to the worker that served its last one
         while that worker is alive and of the tag's hardware, so an engine with a prefix cache still
-        holds the earlier turns (with batched ADD; one Ray call per request routes by load alone)."""
+        holds the earlier turns (with batched ADD; one Ray call per request routes by load alone).
+        ``trace(event, fields)`` hears each worker's answer (``generate``: the worker, its host, the
+        versions and counts of its tokens, the call's latency; a preempted answer is followed by the
+        continuation's) and each move to another worker after a death (``migrate``)."""
         rid = request.request_id
         budget = request.sampling.max_new_tokens
         out: GenerateOutput | None = None
@@ -166,13 +176,19 @@ class LLMProxy:
                 if rid in self._aborted:
                     base = out or GenerateOutput(request_id=rid)
                     return base.model_copy(update={"finish_reason": "abort", "preempted": False})
+                t_call = time.monotonic()
                 try:
                     if self.batcher is not None:
                         prefer = self._affinity.get(affinity) if affinity is not None else None
                         part: GenerateOutput = await self.batcher.submit(req, tag, prefer)
                     else:
-                        part = await self.cluster.generate(req, tag_name=tag)
+                        call = self.cluster.generate(req, tag_name=tag)
+                        part = await call
+                        if trace is not None:  # the Cluster sent it again to a live worker after a death
+                            for rank, why, when, _ in getattr(call, "reroutes", ()):
+                                trace("migrate", {**self._rerouted(rank, why, req, request), "t": when})
                 except (NoLiveWorkerError, WorkerDiedError) as err:
+                    t_wait = time.monotonic()
                     if not await self._wait_for_worker(rid):
                         raise
                     if rid in self._aborted:
@@ -181,7 +197,11 @@ class LLMProxy:
                     log.info(
                         "request %s: %r; sent again from its %d stored tokens", rid, err, len(req.prompt_token_ids)
                     )
+                    if trace is not None:
+                        trace("migrate", self._migration(err, req, request, t_call, t_wait))
                     continue  # ``req`` is the stored state: prompt + the tokens returned so far
+                if trace is not None:
+                    trace("generate", self._segment_fields(req, part, t_call))
                 out = part if out is None else out.extend(part)
                 self._note_affinity(affinity, part.rank)
                 if not part.preempted or rid in self._aborted:
@@ -203,6 +223,59 @@ class LLMProxy:
         finally:
             self._inflight.discard(rid)
             self._aborted.discard(rid)
+
+    def _segment_fields(self, req: GenerateRequest, part: GenerateOutput, t_call: float) -> dict[str, Any]:
+        """A ``generate`` trace event: who answered one call, with what, how long the call took."""
+        versions = sorted(set(part.token_versions))
+        return {
+            "rank": part.rank,
+            "hardware": part.hardware,
+            "node_ip": self._node_ip(part.rank),
+            "versions": versions,
+            "prompt_tokens": len(req.prompt_token_ids),
+            "response_tokens": len(part.output_token_ids),
+            "latency_s": time.monotonic() - t_call,  # queue, decode and the round trip, as the proxy sees it
+            "finish_reason": part.finish_reason,
+            "preempted": part.preempted,
+        }
+
+    def _node_ip(self, rank: int) -> str:
+        try:
+            return self.cluster.node_ip_of(rank) if rank >= 0 else ""
+        except IndexError:  # a worker of an elastic pool that is gone
+            return ""
+
+    def _rerouted(
+        self, rank: int, err: BaseException, req: GenerateRequest, request: GenerateRequest
+    ) -> dict[str, Any]:
+        """A ``migrate`` trace event of a call the Cluster sent again to another worker (the dead one's
+        tokens of that call are generated again; those of earlier calls are kept)."""
+        try:
+            hardware = self.cluster.hardware_of(rank)
+        except IndexError:
+            hardware = ""
+        return {
+            "from_rank": rank,
+            "from_hardware": hardware,
+            "from_node_ip": self._node_ip(rank),
+            "error": type(err).__name__,
+            "tokens_kept": len(req.prompt_token_ids) - len(request.prompt_token_ids),
+        }
+
+    def _migration(
+        self, err: BaseException, req: GenerateRequest, request: GenerateRequest, t_call: float, t_wait: float
+    ) -> dict[str, Any]:
+        """A ``migrate`` trace event: the worker that died under the request and what the request keeps."""
+        dead = err if isinstance(err, WorkerDiedError) else None
+        return {
+            "from_rank": dead.rank if dead is not None else -1,
+            "from_hardware": dead.hardware if dead is not None else "",
+            "from_node_ip": dead.node_ip if dead is not None else "",
+            "error": type(err).__name__,
+            "tokens_kept": len(req.prompt_token_ids) - len(request.prompt_token_ids),
+            "lost_s": t_wait - t_call,  # the call that died
+            "wait_s": time.monotonic() - t_wait,  # waiting for a live worker
+        }
 
     def _note_affinity(self, affinity: str | None, rank: int) -> None:
         if affinity is not None and rank >= 0:

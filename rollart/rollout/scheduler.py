@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -47,7 +48,7 @@ from rollart.rollout.env_manager import EnvManager
 from rollart.rollout.failures import FailureLog
 from rollart.rollout.ledger import RoundLedger, trajectory_ledger
 from rollart.rollout.sample_buffer import Group, RolloutError, SampleBuffer
-from rollart.rollout.types import GroupId, Trajectory
+from rollart.rollout.types import GroupId, TraceSink, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class _Round:
     def __init__(self, group: int, index: int, seed: int, version: int):
         self.group, self.index, self.seed, self.start_version = group, index, seed, version
         self.aborted = False
+        self.abort_reason = ""  # why it was aborted: stale (the asynchronous bound), stop, reward failure
+        self.asked_at = time.time()  # when it asked for admission (its trajectories' ``created`` time)
+        self.waited_s = 0.0  # how long admission held it (the asynchronous bound)
+        self.held = False  # whether the asynchronous bound held it back
         self.kept: list[Trajectory] = []  # members ended ok so far (the round is completing)
 
 
@@ -106,6 +111,18 @@ class RolloutScheduler:
                     manager.failures = self.failures
         self._notify_tasks: set[asyncio.Task] = set()
         self.in_flight = 0  # member episodes started and not ended (an independent count for the ledger)
+        self.traces: TraceSink | None = None  # trajectory traces (rollart.tracking.traces), when on
+        self.last_batch_version = 0  # the policy version the last batch was taken for
+
+    def _trace(self, trajs: list[Trajectory], event: str, **fields: Any) -> None:
+        """An event of each traced trajectory of ``trajs``."""
+        sink = self.traces
+        if sink is None:
+            return
+        now = time.time()
+        for traj in trajs:
+            if sink.wants(traj.traj_id):
+                sink.emit(traj.traj_id, event, t=now, **fields)
 
     def _check_quotas(self, quotas: Mapping[str, int]) -> dict[str, int]:
         tasks = set(self.task_of_group)
@@ -156,7 +173,7 @@ class RolloutScheduler:
         """Abort every running round and end the group loops (each ends its round first, so every
         started trajectory is counted; ``timeout_s`` bounds the wait, then the loops are cancelled)."""
         self._stopping = True
-        await self._abort_rounds(lambda r: True)
+        await self._abort_rounds(lambda r: True, "stop")
         if self._cond is not None:
             await self._notify()
         if self._tasks:
@@ -184,13 +201,17 @@ class RolloutScheduler:
         running = sum(1 for g in self.running if self.task_of_group[g] == task)
         return self.accepted_by_task[task] + running >= self._task_capacity(task)
 
-    async def _admit(self, group: int) -> None:
+    async def _admit(self, group: int) -> bool:
+        """Wait until ``group`` may start a round; True when the asynchronous bound held it back."""
         assert self._cond is not None
+        held = False
         async with self._cond:
             if self._full(group) and not self._stopping:
                 self.held_back += 1  # generation ahead of training: held by the asynchronous bound
+                held = True
             while self._full(group) and not self._stopping:  # stop() wakes the waiters: they end at once
                 await self._cond.wait()
+        return held
 
     async def _notify(self) -> None:
         assert self._cond is not None
@@ -205,6 +226,7 @@ class RolloutScheduler:
         for counts in (self.counts, self.counts_by_task[task]):
             counts["groups_evicted_stale"] += 1
             counts["trajectories_evicted"] += len(group)
+        self._trace(list(group), "evicted", reason="stale in the buffer: begun more than alpha versions ago")
         self._retry[group.gid.env_group].appendleft(group.gid.round)
         if self._cond is not None:  # capacity freed: wake the group loops waiting for admission
             task_ref = asyncio.get_running_loop().create_task(self._notify())
@@ -213,11 +235,13 @@ class RolloutScheduler:
 
     async def _group_loop(self, g: int) -> None:
         while not self._stopping:
-            await self._admit(g)
+            asked, asked_m = time.time(), time.monotonic()
+            held = await self._admit(g)
             if self._stopping:
                 break
             r = self._retry[g].popleft() if self._retry[g] else self._take_round(g)
             rnd = _Round(g, r, self.seed_fn(g, r), self.version)
+            rnd.asked_at, rnd.waited_s, rnd.held = asked, time.monotonic() - asked_m, held
             self.running[g] = rnd
             try:
                 kept = await self._run_round(rnd)
@@ -244,6 +268,7 @@ class RolloutScheduler:
                 self.counts["groups_filtered"] += 1
                 task_counts["groups_filtered"] += 1
                 self.counts["trajectories_filtered"] += len(kept)
+                self._trace(kept, "filtered", reason="every reward of the group equal (rollout.filter_zero_variance)")
                 self.settled.settle(g, r)
                 await self._notify()  # the round left without a group: a slot is free
             else:
@@ -255,6 +280,7 @@ class RolloutScheduler:
                 self._failed_in_row = 0
                 # no _notify(): the round moved from running to accepted, so no slot was freed (waking
                 # every waiting group loop to find that out costs O(groups) per round)
+                self._trace(kept, "buffered")
                 await self.buffer.put(Group(kept, GroupId(g, r)))
 
     def _ended(self, _task: asyncio.Future) -> None:
@@ -268,9 +294,19 @@ class RolloutScheduler:
     async def _run_round(self, rnd: _Round) -> list[Trajectory] | None:
         members = self.groups[rnd.group]
         gid = str(GroupId(rnd.group, rnd.index))
+        ids = [f"{gid}:{i}:v{rnd.start_version}" for i in range(len(members))]
+        sink = self.traces
+        traced = [sink if sink is not None and sink.wants(tid) else None for tid in ids]
+        for i, (tid, s) in enumerate(zip(ids, traced)):
+            if s is not None:
+                task = self.task_of_group[rnd.group]
+                s.emit(tid, "created", t=rnd.asked_at, tag=task, group=rnd.group, round=rnd.index, member=i)
+                s.emit(
+                    tid, "admitted", seed=rnd.seed, start_version=rnd.start_version, wait_s=rnd.waited_s, held=rnd.held
+                )
         tasks = {
-            asyncio.ensure_future(m.run(rnd.seed, gid, f"{gid}:{i}:v{rnd.start_version}")): m
-            for i, m in enumerate(members)
+            asyncio.ensure_future(m.run(rnd.seed, gid, tid) if s is None else m.run(rnd.seed, gid, tid, trace=s)): m
+            for m, tid, s in zip(members, ids, traced)
         }
         kept = rnd.kept
         pending = set(tasks)
@@ -292,11 +328,17 @@ class RolloutScheduler:
                         self._last_error = f"{traj.traj_id}: {traj.error}"
                     if traj.status == "ok" and not rnd.aborted:
                         kept.append(traj)
-                    elif traj.status == "ok":
-                        self.counts["trajectories_dropped"] += 1  # its round was aborted: played again
-                    elif traj.status == "reward_failed" and self.config.requeue_reward_failures:
-                        rnd.aborted = True  # the whole round is played again: no group trains without it
-                        self.counts["rounds_requeued_reward"] += 1
+                    elif traj.status == "ok" or traj.status == "aborted":  # its round was aborted: played again
+                        if traj.status == "ok":
+                            self.counts["trajectories_dropped"] += 1
+                        why = f"round aborted ({rnd.abort_reason or 'stop'})" if rnd.aborted else "aborted"
+                        self._trace([traj], "dropped", reason=why)
+                    else:
+                        self._trace([traj], "failed", status=traj.status, error=traj.error)
+                        if traj.status == "reward_failed" and self.config.requeue_reward_failures:
+                            rnd.aborted = True  # the whole round is played again: no group trains without it
+                            rnd.abort_reason = "a member's reward failed (reward.on_failure: requeue)"
+                            self.counts["rounds_requeued_reward"] += 1
         finally:
             if pending:  # redundant members of a complete round, or the round was aborted
                 await asyncio.gather(*(tasks[t].abort() for t in pending))
@@ -307,15 +349,22 @@ class RolloutScheduler:
                         self.completed_trajectories.append(late)
                         if late.status == "ok" and len(kept) < self.config.keep and not rnd.aborted:
                             kept.append(late)
-                        elif late.status == "ok":
-                            self.counts["trajectories_dropped"] += 1  # redundant, or its round was aborted
+                        elif late.status in ("ok", "aborted"):
+                            if late.status == "ok":
+                                self.counts["trajectories_dropped"] += 1  # redundant, or its round was aborted
+                            why = f"round aborted ({rnd.abort_reason or 'stop'})" if rnd.aborted else "redundant"
+                            self._trace([late], "dropped", reason=why)
+                        else:
+                            self._trace([late], "failed", status=late.status, error=late.error)
         if rnd.aborted:
             self.counts["rounds_aborted"] += 1
             self.counts["trajectories_dropped"] += len(kept)
+            self._trace(kept, "dropped", reason=f"round aborted ({rnd.abort_reason or 'stop'})")
             return None
         if len(kept) < self.config.keep:
             self.counts["rounds_failed"] += 1
             self.counts["trajectories_dropped"] += len(kept)
+            self._trace(kept, "dropped", reason=f"round failed: {len(kept)} of {self.config.keep} members ended ok")
             self._failures[(rnd.group, rnd.index)] += 1
             if self._failures[(rnd.group, rnd.index)] >= self.config.max_round_failures:
                 self.counts["seeds_given_up"] += 1
@@ -330,12 +379,14 @@ class RolloutScheduler:
                 return []  # counted, not retried again
             return None
         self.counts["trajectories_dropped"] += len(kept) - self.config.keep  # redundant members past keep
+        self._trace(kept[self.config.keep :], "dropped", reason="redundant")
         return kept[: self.config.keep]
 
-    async def _abort_rounds(self, which: Callable[[_Round], bool]) -> None:
+    async def _abort_rounds(self, which: Callable[[_Round], bool], reason: str) -> None:
         victims = [r for r in list(self.running.values()) if which(r)]
         for rnd in victims:
             rnd.aborted = True
+            rnd.abort_reason = rnd.abort_reason or reason
         await asyncio.gather(*(m.abort() for rnd in victims for m in self.groups[rnd.group]))
 
     # ------------------------------------------------------------------ checkpoints
@@ -393,6 +444,7 @@ class RolloutScheduler:
         train (default: the served version; the trainer's own when the served one lags, e.g. while
         workers still fetch it); with quotas, exactly ``quotas[t]`` groups of every task ``t``."""
         version = self.version if version is None else max(version, self.version)
+        self.last_batch_version = version
         groups = await self.buffer.get_batch(
             self.config.batch_groups, version, self.config.alpha, quotas=self.quotas, task_of=self.task_of
         )
@@ -445,6 +497,8 @@ class RolloutScheduler:
     async def set_version(self, version: int) -> None:
         """The policy advanced: abort rounds that can no longer be trained on, admit new ones."""
         self.version = version
-        await self._abort_rounds(lambda r: version - r.start_version > self.config.alpha)
+        await self._abort_rounds(
+            lambda r: version - r.start_version > self.config.alpha, f"stale: more than alpha versions behind {version}"
+        )
         await self.buffer.notify()
         await self._notify()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -116,3 +116,12 @@ class Trajectory(BaseModel):
         """The oldest policy version that produced any action token (``start_version`` if none)."""
         vs = [v for v in self.versions if v >= 0]
         return min(vs) if vs else self.start_version
+
+
+class TraceSink(Protocol):
+    """Where the rollout sends trajectory events (``rollart.tracking.traces.TraceWriter``): ``wants`` says
+    whether a trajectory is traced (sampled, and the file under its cap), ``emit`` records one event."""
+
+    def wants(self, traj_id: str) -> bool: ...
+
+    def emit(self, traj_id: str, event: str, /, t: float | None = None, **fields: Any) -> None: ...

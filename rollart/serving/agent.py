@@ -205,9 +205,13 @@ class AgentEnvManager:
             return openai.AsyncOpenAI(**kwargs, http_client=openai.DefaultAsyncHttpxClient(verify=tls_context()))
         return openai.OpenAI(**kwargs, http_client=openai.DefaultHttpxClient(verify=tls_context()))
 
-    async def run(self, seed: int | None = None, group_id: str = "", traj_id: str | None = None) -> Trajectory:
+    async def run(
+        self, seed: int | None = None, group_id: str = "", traj_id: str | None = None, *, trace: Any = None
+    ) -> Trajectory:
         """One episode. Harness and reward faults come back as the trajectory's status; only a rollout
-        that cannot go on (no inference worker) raises."""
+        that cannot go on (no inference worker) raises. ``trace`` is taken for the EnvManager's signature:
+        an agent's own calls through the policy endpoint are not traced in this version (its trajectory's
+        scheduler events are)."""
         traj_id = traj_id or uuid.uuid4().hex
         start_version = self.version_fn()
         self._aborting = False

@@ -1,0 +1,212 @@
+"""Trajectory traces: ``RUN_DIR/traces.jsonl``, every traced trajectory's events with their times.
+
+One JSON object per line: ``traj_id``, ``event``, ``t`` (Unix time, seconds) and the event's fields (the
+schema: ``docs/traces.md``). The rollout emits events into a :class:`TraceWriter`, which keeps them in
+memory; the pipeline hands them over once per step (:meth:`TraceWriter.flush`) to a thread that encodes and
+appends them, so nothing on the rollout's path or the step loop touches the file. ``sample`` picks the traced trajectories by a hash of the run's seed and the
+trajectory id (:func:`sampled`: the same ids in every run with that seed); ``max_mb`` caps the file, past
+which tracing stops with one log line (the ledger's counts do not depend on traces).
+
+The reader side (:func:`read_traces`, :func:`lives`, :func:`timeline`) serves ``rollart trace``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import zlib
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TRACES = "traces.jsonl"
+RUN = ""
+"""The ``traj_id`` of the run's own events (``trace_started``)."""
+ENDS = {"trained": "trained", "failed": "failed", "dropped": "dropped", "filtered": "dropped", "evicted": "dropped"}
+"""Events that end a trajectory's life, and the outcome each counts as (``rollart trace --status``)."""
+
+
+def sampled(traj_id: str, seed: int, fraction: float) -> bool:
+    """Whether ``traj_id`` is traced at sampling ``fraction`` under the run's ``seed``: the trajectory's
+    hash (CRC-32 of ``"seed:traj_id"``) below ``fraction`` of its range. Deterministic across runs."""
+    if fraction >= 1.0:
+        return True
+    if fraction <= 0.0:
+        return False
+    return zlib.crc32(f"{seed}:{traj_id}".encode()) < fraction * 2**32
+
+
+class TraceWriter:
+    """Buffers trace events and appends them to ``run_dir/traces.jsonl`` on :meth:`flush` (in its own
+    thread); a fresh (not resumed) run starts the file anew. ``emit`` and ``flush`` are called from one
+    thread (the rollout and the step loop share one event loop)."""
+
+    def __init__(
+        self, run_dir: Path, *, sample: float = 1.0, seed: int = 0, max_mb: float = 256.0, resume: bool = False
+    ):
+        self.path = Path(run_dir) / TRACES
+        self.sample, self.seed = sample, seed
+        self.max_bytes = int(max_mb * 2**20)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not resume and self.path.exists():
+            self.path.unlink()
+        self.written = self.path.stat().st_size if self.path.exists() else 0
+        self.capped = False
+        self.events = 0  # events written to the file
+        self._buffer: list[dict[str, Any]] = []
+        self._encoder = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollart-traces")
+        self._pending: Future[None] | None = None
+        self.emit(RUN, "trace_started", sample=sample, seed=seed, max_mb=max_mb, resumed=resume)
+
+    def wants(self, traj_id: str) -> bool:
+        return not self.capped and sampled(traj_id, self.seed, self.sample)
+
+    def emit(self, traj_id: str, event: str, /, t: float | None = None, **fields: Any) -> None:
+        """One event of ``traj_id`` at ``t`` (default: now); dropped once the file reached its cap."""
+        if not self.capped:
+            self._buffer.append({"traj_id": traj_id, "event": event, "t": time.time() if t is None else t, **fields})
+
+    def trained(self, groups: Iterable[Iterable[Any]], *, step: int, version: int) -> None:
+        """The trajectories of one batch, trained at ``step`` (counted from 1, as ``metrics.jsonl``) by the
+        policy ``version``; staleness as the step record counts it (``version`` minus the group's start)."""
+        if self.capped:
+            return
+        now = time.time()
+        for group in groups:
+            members = list(group)
+            start = min(t.start_version for t in members)
+            for traj in members:
+                if self.wants(traj.traj_id):
+                    self.emit(
+                        traj.traj_id,
+                        "trained",
+                        t=now,
+                        step=step,
+                        version=version,
+                        staleness=version - start,
+                        reward=traj.reward,
+                    )
+
+    def flush(self, wait: bool = False) -> None:
+        """Hand the buffered events to the writing thread (the pipeline calls it once per step); ``wait``:
+        return once every event handed over is in the file."""
+        if self._buffer:
+            events, self._buffer = self._buffer, []
+            self._pending = self._thread.submit(self._write, events)
+        if wait and self._pending is not None:
+            self._pending.result()
+
+    def _write(self, events: list[dict[str, Any]]) -> None:
+        if self.capped:
+            return
+        text: list[str] = []
+        size = 0
+        for event in events:
+            line = self._encoder.encode(event) + "\n"
+            if self.written + size + len(line) > self.max_bytes:
+                self.capped = True
+                log.warning(
+                    "traces: %s reached traces.max_mb=%.0f; no more trajectories are traced in this run "
+                    "(the ledger's counts are unaffected)",
+                    self.path,
+                    self.max_bytes / 2**20,
+                )
+                break
+            text.append(line)
+            size += len(line)
+        if text:
+            with self.path.open("a") as f:
+                f.write("".join(text))
+            self.written += size
+            self.events += len(text)
+
+    def close(self) -> None:
+        """Write what is buffered and wait for it (the end of the run; tracing may go on after it, e.g.
+        when the steps resume after a trainer restore)."""
+        self.flush(wait=True)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def read_traces(path: Path) -> Iterator[dict[str, Any]]:
+    """The events of a traces file (a run folder or the file), in the order they were written; a last
+    line cut short (a run killed while writing) is skipped."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TRACES
+    with path.open() as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+@dataclass
+class Life:
+    """One trajectory's life: its events from ``created`` to its end (a trajectory id played again, e.g.
+    a failed round retried at the same version, has one life per ``created``)."""
+
+    traj_id: str
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def tag(self) -> str:
+        return str(self.events[0].get("tag", "")) if self.events else ""
+
+    @property
+    def end(self) -> dict[str, Any] | None:
+        last = self.events[-1] if self.events else None
+        return last if last is not None and last["event"] in ENDS else None
+
+    @property
+    def outcome(self) -> str:
+        """``trained``, ``failed``, ``dropped`` (also filtered and evicted), or ``open`` (no end recorded:
+        running or buffered when the run stopped, or the file was capped)."""
+        end = self.end
+        return ENDS[end["event"]] if end is not None else "open"
+
+    @property
+    def duration_s(self) -> float:
+        return float(self.events[-1]["t"] - self.events[0]["t"]) if self.events else 0.0
+
+
+def lives(events: Iterable[dict[str, Any]]) -> list[Life]:
+    """Every trajectory's lives, in the order they were created."""
+    out: list[Life] = []
+    current: dict[str, Life] = {}
+    for e in events:
+        tid = e.get("traj_id", RUN)
+        if tid == RUN:
+            continue
+        life = current.get(tid)
+        if life is None or (e["event"] == "created" and life.events):
+            life = current[tid] = Life(tid)
+            out.append(life)
+        life.events.append(e)
+    return out
+
+
+_SKIP = {"traj_id", "event", "t"}
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return json.dumps(value) if isinstance(value, list | dict) else str(value)
+
+
+def timeline(life: Life) -> str:
+    """A trajectory's life as text: one line per event, its time since ``created`` and its fields."""
+    t0 = life.events[0]["t"] if life.events else 0.0
+    rows = [f"{life.traj_id}  ({life.tag}, {life.outcome}, {life.duration_s:.3f}s)"]
+    for e in life.events:
+        fields = "  ".join(f"{k}={_fmt(v)}" for k, v in e.items() if k not in _SKIP and v is not None)
+        since = f"+{e['t'] - t0:.3f}s"
+        rows.append(f"  {since:>10}  {e['event']:<10} {fields}".rstrip())
+    return "\n".join(rows)

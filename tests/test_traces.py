@@ -1,0 +1,197 @@
+"""Trajectory traces (``RUN_DIR/traces.jsonl``): a real run's trace holds every trained trajectory's life
+in order and agrees with the step records and the ledger; a request whose worker is killed shows its
+migration; sampling traces exactly the seed's choice; the size cap stops tracing while the ledger stays
+exact; ``rollart trace`` prints a trajectory's timeline."""
+
+import asyncio
+import json
+import logging
+import re
+
+import pytest
+from rollout_fixtures import CharCodec, CountEnv, simulated_cluster
+
+# imported (and assertion-rewritten) at collection, before any Ray thread runs
+from test_fault_tolerance import kill, running_on
+from test_pipeline import read, small_config
+
+from rollart.cli import main
+from rollart.cluster.config import RestartPolicy
+from rollart.rollout.config import RolloutConfig
+from rollart.rollout.env_manager import EnvManager
+from rollart.rollout.llm_proxy import LLMProxy
+from rollart.rollout.scheduler import RolloutScheduler
+from rollart.tracking.traces import TRACES, TraceWriter, lives, read_traces, sampled
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def run_pipeline(cfg, trained=None):
+    from rollart.pipelines.agentic import AgenticPipeline
+
+    class Recording(AgenticPipeline):
+        def _record(self, step, version, trajs, *rest):
+            if trained is not None:
+                trained.extend(t.traj_id for t in trajs)
+            return super()._record(step, version, trajs, *rest)
+
+    pipe = Recording(cfg, progress=False)
+    try:
+        pipe.run()
+    finally:
+        pipe.shutdown()
+    return pipe
+
+
+def test_a_runs_trace_holds_every_trained_trajectorys_life_and_rollart_trace_prints_it(ray_local, tmp_path, capsys):
+    # alpha 1, 4 groups of 4, 2 groups a batch
+    cfg = small_config(tmp_path, steps=3, checkpoint_every=0, traces={"enabled": True})
+    run_pipeline(cfg)
+    run = tmp_path / "run"
+    ledger = json.loads((run / "ledger.json").read_text())
+    step_of_group = {g: rec["step"] for rec in read(run / "metrics.jsonl") for g in rec["groups"]}
+    events = list(read_traces(run))
+    assert events[0]["event"] == "trace_started" and events[0]["sample"] == 1.0
+    all_lives = lives(events)
+    trained = [life for life in all_lives if life.outcome == "trained"]
+    assert len(trained) == ledger["trained"] == 3 * 2 * 4
+    assert len({life.traj_id for life in trained}) == len(trained)
+    for life in trained:
+        names = [e["event"] for e in life.events]
+        # created -> admitted -> reset -> (generate -> env step)+ -> reward -> buffered -> trained
+        assert names[:3] == ["created", "admitted", "env_reset"], names
+        assert names[-3:] == ["reward", "buffered", "trained"], names
+        turns = names[3:-3]
+        assert re.fullmatch(r"((generate,)+env_step,?)+", ",".join(turns)), names  # a preempted call: 2 generates
+        times = [e["t"] for e in life.events]
+        assert times == sorted(times)
+        created, end = life.events[0], life.events[-1]
+        assert (
+            created["tag"] == "reverse-3" and f"{created['group']}:{created['round']}" == life.traj_id.rsplit(":", 2)[0]
+        )
+        # trained at the step whose record lists its group, within the asynchronous bound
+        assert end["step"] == step_of_group[life.traj_id.rsplit(":", 2)[0]]
+        assert 0 <= end["staleness"] <= cfg.rollout.alpha and end["reward"] is not None
+        start_version = life.events[1]["start_version"]
+        gens = [e for e in life.events if e["event"] == "generate"]
+        for gen in gens:  # a call preempted by a weight swap may answer no token; its continuation follows
+            assert gen["rank"] == 0 and gen["hardware"] == "CPU" and gen["node_ip"]
+            assert all(start_version <= v <= end["version"] for v in gen["versions"])
+            assert gen["prompt_tokens"] > 0 and 0 <= gen["response_tokens"] <= 3 and gen["latency_s"] >= 0
+        assert 0 < sum(g["response_tokens"] for g in gens) <= 3 and any(g["versions"] for g in gens)
+        step = next(e for e in life.events if e["event"] == "env_step")
+        assert step["latency_s"] >= 0 and "error" not in step
+        reward = life.events[-3]
+        assert reward["source"] == "env" and reward["status"] == "ok" and reward["reward"] == end["reward"]
+    # every other life that ended was dropped or failed, with its reason
+    for life in all_lives:
+        if life.outcome in ("dropped", "failed"):
+            assert life.end is not None and (life.end.get("reason") or life.end.get("error"))
+
+    # the reader: one trajectory's timeline, and the list filtered by outcome
+    one = trained[0]
+    assert main(["trace", str(run), one.traj_id]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{one.traj_id}  (reverse-3, trained,")
+    assert [line.split()[1] for line in out.splitlines()[1:]] == [e["event"] for e in one.events]
+    assert "rank=0" in out and f"step={one.events[-1]['step']}" in out
+    assert main(["trace", str(run), "--status", "trained", "--tag", "reverse-3"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert len(rows) == 1 + len(trained) and all(" trained " in r for r in rows[1:])
+    assert main(["trace", str(run), "9:9:9:v9"]) == 2  # no such trajectory: a clear error
+
+
+def test_sampling_traces_the_seeds_choice_and_the_cap_stops_tracing_with_the_ledger_exact(ray_local, tmp_path, caplog):
+    trained: list[str] = []
+    cfg = small_config(tmp_path, steps=3, checkpoint_every=0, traces={"enabled": True, "sample": 0.5}, seed=7)
+    run_pipeline(cfg, trained)
+    traced = {life.traj_id for life in lives(read_traces(tmp_path / "run")) if life.outcome == "trained"}
+    chosen = {t for t in trained if sampled(t, 7, 0.5)}
+    assert traced == chosen and 0 < len(chosen) < len(trained)  # exactly the seed's choice: about half
+
+    cap_mb = 0.01  # about 10 KiB: a few trajectories' lives
+    capped = small_config(tmp_path / "capped", steps=3, checkpoint_every=0, traces={"enabled": True, "max_mb": cap_mb})
+    with caplog.at_level(logging.WARNING, logger="rollart.tracking.traces"):
+        run_pipeline(capped)
+    path = tmp_path / "capped" / "run" / TRACES
+    assert 0 < path.stat().st_size <= cap_mb * 2**20
+    assert [r for r in caplog.records if "traces.max_mb" in r.getMessage()] != []
+    assert len([r for r in caplog.records if "traces.max_mb" in r.getMessage()]) == 1
+    done = [life for life in lives(read_traces(path)) if life.outcome == "trained"]
+    ledger = json.loads((tmp_path / "capped" / "run" / "ledger.json").read_text())
+    assert len(done) < ledger["trained"] == 3 * 2 * 4 and ledger["lost"] == 0  # the counts do not depend on traces
+
+
+class LongEnv(CountEnv):
+    """One turn of 400 tokens (long enough to kill its worker mid-generation)."""
+
+    max_new_tokens = 400
+
+    def __init__(self):
+        super().__init__(turns=1)
+
+
+class NoEosCodec(CharCodec):
+    eos_token_id = None
+
+
+async def test_a_trajectory_whose_worker_died_mid_generation_shows_the_migration(make_rm, tmp_path):
+    rm = make_rm({"rollout": [{"hardware": "H800", "devices": 1}, {"hardware": "H20", "devices": 1}]})
+    cluster = simulated_cluster(rm, "rollout", {"Count": ["H800", "H20"]}, decode_base_s=0.01)
+    proxy = LLMProxy(cluster, restart=RestartPolicy(max_restarts=0))
+    writer = TraceWriter(tmp_path)
+    sched = RolloutScheduler(
+        [[EnvManager(LongEnv(), proxy, NoEosCodec())]], RolloutConfig(num_env_groups=1, group_size=1, batch_groups=1)
+    )
+    sched.traces = writer
+    sched.start()
+    try:
+        assert await running_on(cluster) == 0
+        kill(cluster, 0)
+        groups = await asyncio.wait_for(sched.get_batch(), timeout=120)
+        writer.trained(groups, step=1, version=sched.last_batch_version)
+    finally:
+        await sched.stop()
+        proxy.close()
+        cluster.shutdown()
+    writer.close()
+    (life,) = [x for x in lives(read_traces(tmp_path)) if x.outcome == "trained"]
+    names = [e["event"] for e in life.events]
+    assert names == [
+        "created",
+        "admitted",
+        "env_reset",
+        "migrate",
+        "generate",
+        "env_step",
+        "reward",
+        "buffered",
+        "trained",
+    ]
+    moved, gen = life.events[3], life.events[4]
+    assert (
+        moved["from_rank"] == 0
+        and moved["from_hardware"] == "H800"
+        and moved["error"] in ("ActorDiedError", "WorkerDiedError")
+    )
+    assert moved["turn"] == gen["turn"] == 0
+    assert gen["rank"] == 1 and gen["hardware"] == "H20" and gen["response_tokens"] == 400 - moved["tokens_kept"]
+    assert cluster.fault_counts["rerouted"] == 1  # the Cluster sent the call again: one move, traced
+
+
+def test_sampling_is_seeded_and_lives_split_where_an_id_is_played_again(tmp_path):
+    ids = [f"{g}:{r}:{m}:v{r}" for g in range(10) for r in range(10) for m in range(8)]
+    half = [t for t in ids if sampled(t, 3, 0.5)]
+    assert half == [t for t in ids if sampled(t, 3, 0.5)] and 300 < len(half) < 500
+    assert half != [t for t in ids if sampled(t, 4, 0.5)]  # another seed chooses others
+    assert all(sampled(t, 3, 1.0) for t in ids) and not any(sampled(t, 3, 0.0) for t in ids)
+    writer = TraceWriter(tmp_path, sample=0.5, seed=3)
+    for t in ids:
+        if writer.wants(t):
+            writer.emit(t, "created", tag="x")
+    writer.emit(half[0], "failed", status="failed", error="step 0: boom")
+    writer.emit(half[0], "created", tag="x")  # the same round played again at the same version
+    writer.close()
+    got = lives(read_traces(tmp_path))
+    assert [x.traj_id for x in got] == half + [half[0]]
+    assert got[0].outcome == "failed" and got[-1].outcome == "open"
