@@ -30,13 +30,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 import pytest  # noqa: E402
 
-# The test files that take minutes, longest first (measured on the 2-core CI machine kind; the calculator agent
-# builds its starting policy on a fresh machine). They run first: under pytest-xdist's ``--dist loadfile``
+# The test files that take minutes, longest first (measured on the 2-core CI machine kind; the calculator agent,
+# ~5 minutes, builds its starting policy on a fresh machine). They run first: under pytest-xdist's ``--dist loadfile``
 # (scripts/test.sh, with ``--no-loadscope-reorder``) files are handed out in collection order, so a long file
 # never starts last while the other worker has nothing left to do. The rest keep their order.
 SLOW_FILES_FIRST = (
-    "test_calculator_agent.py",
     "test_colocated.py",
+    "test_calculator_agent.py",
     "test_chaos.py",
     "test_multihost_weights.py",
     "test_core_cluster.py",
