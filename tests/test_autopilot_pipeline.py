@@ -67,6 +67,7 @@ def test_a_rollout_bound_job_grows_its_pool_by_itself(ray_local, tmp_path):
     events = [json.loads(line) for line in (tmp_path / "run" / "elastic.jsonl").read_text().splitlines()]
     kinds = [e["event"] for e in events]
     assert kinds[0] == "autopilot_on" and events[0]["target"] == 1 and events[0]["max_devices"] == 3
+    assert events[0]["start_from"] == "start"  # no advise.json given: the size the job started with
     (logged,) = [e for e in events if e["event"] == "autopilot"][:1]
     assert logged["target"] == first["target"] and logged["measurements"] == first["measurements"]
     # each step's cost: the train pool's one device and the rollout pool's devices over the step's time
@@ -99,3 +100,26 @@ def test_rollart_scale_auto_needs_an_autopilot():
     assert scale_problem(row, "j", "rollout", 3) is None
     shown = pool_sizes({"pools": row["elastic"]})
     assert shown == "rollout 2/4 (manual 3; --auto hands back)"
+
+
+def test_the_first_target_comes_from_rollart_advise_when_given(tmp_path):
+    from rollart.rollout.config import AutoscaleConfig
+    from rollart.rollout.elastic import first_target
+
+    advice = tmp_path / "advise.json"  # as `rollart advise CONFIG --out DIR` writes it (its advice part)
+    advice.write_text(
+        json.dumps({"config": "autopilot", "advice": {"mode": "async", "train_devices": 1, "rollout_devices": 3}})
+    )
+    cfg = AutoscaleConfig(advise=str(advice))
+    assert first_target(cfg, low=1, high=4, current=1, unit=1) == (3, "advise")
+    assert first_target(cfg, low=1, high=2, current=1, unit=1) == (2, "advise")  # within the pool's range
+    assert first_target(cfg, low=2, high=8, current=2, unit=2) == (4, "advise")  # whole workers of 2 devices
+    assert first_target(AutoscaleConfig(), low=1, high=4, current=2, unit=1) == (2, "start")
+    # a missing or foreign file is refused by name before anything starts
+    raw = config(tmp_path, autoscale={"advise": str(tmp_path / "missing.json")})
+    with pytest.raises(ConfigError, match=r"elastic\.autoscale\.advise: .*missing\.json is not an advise\.json"):
+        validate_config(raw)
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"run `rollart advise CONFIG --out DIR`"):
+        validate_config(config(tmp_path, autoscale={"advise": str(tmp_path / "other.json")}))
+    assert validate_config(config(tmp_path, autoscale={"advise": str(advice)})).elastic.autoscale.advise == str(advice)

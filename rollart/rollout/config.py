@@ -110,6 +110,24 @@ class RoutingConfig(ConfigModel):
     """KV-cache bytes per token of the served model, for the rooflines (default: Qwen3-8B in BF16)."""
 
 
+def advised_rollout_devices(path: str) -> int:
+    """The rollout devices ``rollart advise`` advised in its ``advise.json`` at ``path``."""
+    import json
+    from pathlib import Path
+
+    try:
+        advice = json.loads(Path(path).read_text())["advice"]
+        devices = advice["rollout_devices"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"{path} is not an advise.json of `rollart advise` ({type(err).__name__}: {err}); run "
+            "`rollart advise CONFIG --out DIR` and give DIR/advise.json, or drop elastic.autoscale.advise"
+        ) from None
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"{path}: advice.rollout_devices is {devices!r}, not a whole number of devices")
+    return devices
+
+
 class AutoscaleConfig(ConfigModel):
     """``elastic.autoscale:``: the autopilot, which sets the elastic rollout pool's size from the job's own
     steps (:mod:`rollart.rollout.autopilot`): it grows the pool while the trainer waits for rollout, shrinks it
@@ -128,6 +146,16 @@ class AutoscaleConfig(ConfigModel):
     yield_to_queued: bool = True
     """Give the pool back down to its smallest size while a job of the same or a higher priority queues for its
     devices, and grow back once the queue is empty."""
+    advise: str | None = None
+    """An `advise.json` that `rollart advise` wrote for this job: the pool starts at its advised rollout devices
+    (within the pool's range) instead of the size the job started with; null: the starting size."""
+
+    @field_validator("advise")
+    @classmethod
+    def _advice_readable(cls, value: str | None) -> str | None:
+        if value is not None:
+            advised_rollout_devices(value)  # a missing or foreign file is refused before anything starts
+        return value
 
     @model_validator(mode="after")
     def _gap(self) -> AutoscaleConfig:

@@ -55,7 +55,7 @@ from rollart.cluster.cluster import Cluster
 from rollart.resource_manager.elastic import Claims, ClusterView, NodeEvent, node_events, read_view
 from rollart.resource_manager.manager import ReservedGroup, ResourceManager
 from rollart.rollout.autopilot import Autopilot, AutopilotSettings, Demand
-from rollart.rollout.config import AutoscaleConfig, ElasticConfig
+from rollart.rollout.config import AutoscaleConfig, ElasticConfig, advised_rollout_devices
 from rollart.rollout.llm_proxy import LLMProxy
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,17 @@ class Member:
     @property
     def hardware(self) -> str:
         return self.unit.group.hardware
+
+
+def first_target(cfg: AutoscaleConfig, low: int, high: int, current: int, unit: int) -> tuple[int, str]:
+    """The autopilot's first target and where it came from: ``rollart advise``'s advised rollout devices
+    (``cfg.advise``), else the size the pool started with; whole workers within ``low..high``."""
+    if cfg.advise is not None:
+        wanted, source = advised_rollout_devices(cfg.advise), "advise"
+    else:
+        wanted, source = current, "start"
+    wanted = unit * -(-wanted // unit)  # whole workers, rounded up
+    return min(high, max(low, wanted)), source
 
 
 class ElasticRollout:
@@ -446,10 +457,10 @@ class ElasticRollout:
             window=cfg.window,
             cooldown_steps=cfg.cooldown_steps,
         )
-        start = min(self.max_devices, max(low, self.devices()))  # the size the job started with
+        start, source = first_target(cfg, low, self.max_devices, self.devices(), self.devices_per_worker)
         self.autopilot = Autopilot(settings, target=start)
         self.target = start
-        self._event("autopilot_on", target=start, **settings.model_dump())
+        self._event("autopilot_on", target=start, start_from=source, **settings.model_dump())
         log.info(
             "elastic pool %s: the autopilot sizes it (%d..%d devices), from %d", self.pool, low, self.max_devices, start
         )
