@@ -1,13 +1,15 @@
 """The autopilot on a real local Ray (logical H20 devices): a job whose trainer waits for rollout, started
 at one rollout device of an elastic pool of at most three, grows its pool to three by itself; each decision
 is in ``elastic.jsonl`` and the step records with the measurements that made it, ``rollart jobs`` shows whose
-target the pool follows, each step's record has its device-seconds, and the trajectory ledger is clean. Bad autopilot settings are refused before
+target the pool follows, each step's record has its device-seconds, and the trajectory ledger is clean; a
+seeded synchronous run's reward curve is the fixed pool's step for step while the autopilot resizes. Bad autopilot settings are refused before
 anything starts. (Joins take seconds to tens of seconds of Ray start-up, so the test does not wait for
 the new workers to serve.)"""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -123,3 +125,48 @@ def test_the_first_target_comes_from_rollart_advise_when_given(tmp_path):
     with pytest.raises(ConfigError, match=r"run `rollart advise CONFIG --out DIR`"):
         validate_config(config(tmp_path, autoscale={"advise": str(tmp_path / "other.json")}))
     assert validate_config(config(tmp_path, autoscale={"advise": str(advice)})).elastic.autoscale.advise == str(advice)
+
+
+def test_a_seeded_synchronous_run_learns_step_for_step_as_on_a_fixed_pool_while_the_autopilot_resizes(
+    ray_local, tmp_path
+):
+    import asyncio
+
+    from rollart.pipelines.agentic import AgenticPipeline
+
+    class WaitsForTheNewWorkers(AgenticPipeline):
+        """After its first step the run waits until the pool serves the autopilot's target, so the
+        following steps are generated on more workers than the fixed run's one."""
+
+        async def _step(self, step: int):
+            out = await super()._step(step)
+            if self.elastic is not None and step == 0:
+                deadline = time.monotonic() + 180
+                while self.elastic.summary()["serving_devices"] < self.elastic.target:
+                    assert time.monotonic() < deadline, "the autopilot's new workers did not serve within 180 s"
+                    await asyncio.sleep(0.1)  # the elastic thread starts them meanwhile
+            return out
+
+    curves, records = {}, {}
+    for name, autoscale in (("fixed", None), ("autopilot", {"grow_above": 0.01, "shrink_below": 0.0, "window": 1})):
+        raw = config(tmp_path / name, **({"autoscale": {**autoscale, "cooldown_steps": 0}} if autoscale else {}))
+        raw["output_dir"] = str(tmp_path / name / "run")
+        raw["engine"] = {"kind": "torch"}  # seeded sampling: the same tokens on whichever worker serves
+        raw["sampling"]["max_new_tokens"] = 3
+        raw["train"] = {"lr": 0.02}
+        raw["steps"] = 6
+        if autoscale is None:
+            raw["pools"]["rollout"] = {"hardware": "H20", "devices": 1}
+        pipe = WaitsForTheNewWorkers(PipelineConfig.model_validate(raw), progress=False)
+        try:
+            history = pipe.run()
+        finally:
+            pipe.shutdown()
+        curves[name] = [h["reward_mean"] for h in history]
+        records[name] = history
+    assert max(h["elastic"]["serving_devices"] for h in records["autopilot"]) > 1  # it did resize
+    assert curves["autopilot"] == curves["fixed"], curves
+    assert len(set(curves["fixed"])) > 1, curves  # a curve that moves: the equality is not of constants
+    for name in curves:
+        ledger = json.loads((tmp_path / name / "run" / "ledger.json").read_text())
+        assert ledger["lost"] == 0 and ledger["trained_twice"] == 0, (name, ledger)
