@@ -170,3 +170,41 @@ def test_a_seeded_synchronous_run_learns_step_for_step_as_on_a_fixed_pool_while_
     for name in curves:
         ledger = json.loads((tmp_path / name / "run" / "ledger.json").read_text())
         assert ledger["lost"] == 0 and ledger["trained_twice"] == 0, (name, ledger)
+
+
+def test_rollart_status_shows_whose_target_an_elastic_pool_follows(capsys):
+    from rollart.cli.status import _print_tables
+
+    state = {
+        "jobs": [
+            {
+                "job_id": "j1",
+                "name": "a",
+                "state": "running",
+                "started_at": 0.0,
+                "output_dir": "/r/a",
+                "ended_at": None,
+            },
+            {
+                "job_id": "j2",
+                "name": "b",
+                "state": "running",
+                "started_at": 0.0,
+                "output_dir": "/r/b",
+                "ended_at": None,
+            },
+        ],
+        "pools": [
+            {"job_id": "j1", "pool": "rollout", "hardware": "H20", "devices": 2, "max_devices": 8, "state": "reserved"},
+            {"job_id": "j2", "pool": "rollout", "hardware": "H20", "devices": 1, "max_devices": 4, "state": "reserved"},
+        ],
+        "bindings": [],
+        "endpoints": [],
+    }
+    state["jobs"][0]["elastic"] = {
+        "rollout": {"devices": 2, "max_devices": 8, "autopilot": {"target": 4, "manual": None}}
+    }
+    state["jobs"][1]["elastic"] = {"rollout": {"devices": 1, "max_devices": 4, "autopilot": {"target": 1, "manual": 3}}}
+    _print_tables(state, "cluster: test")
+    out = capsys.readouterr().out
+    assert "2/8 (autopilot 4)" in out and "1/4 (manual 3)" in out, out

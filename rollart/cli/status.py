@@ -89,11 +89,25 @@ def _node(row: dict[str, Any]) -> str:
 
 
 def _size(row: dict[str, Any]) -> str:
-    """A pool group's size: ``4 CPUs``, ``2`` devices, or ``2/8`` (elastic: now / at most)."""
+    """A pool group's size: ``4 CPUs``, ``2`` devices, or ``2/8`` (elastic: now / at most), with the autopilot's
+    target where one sizes the pool (``2/8 (autopilot 4)``, ``2/8 (manual 2)``)."""
     if row.get("devices") is None:
         cpus = row.get("cpus")
         return "" if cpus is None else f"{float(cpus):g} CPU" + ("s" if float(cpus) != 1 else "")
-    return f"{row['devices']}/{row['max_devices']}" if row.get("max_devices") else str(row["devices"])
+    size = f"{row['devices']}/{row['max_devices']}" if row.get("max_devices") else str(row["devices"])
+    pilot = row.get("autopilot")
+    if row.get("max_devices") and isinstance(pilot, dict):
+        size += f" (manual {pilot['manual']})" if pilot.get("manual") is not None else f" (autopilot {pilot['target']})"
+    return size
+
+
+def _with_autopilots(state: dict[str, Any]) -> None:
+    """Each elastic pool row gets its job's autopilot (the job's registry row publishes it), if any."""
+    elastic = {j.get("job_id"): j.get("elastic") or {} for j in state.get("jobs", [])}
+    for row in state.get("pools", []):
+        pilot = (elastic.get(row.get("job_id")) or {}).get(row.get("pool"), {}).get("autopilot")
+        if pilot is not None:
+            row["autopilot"] = pilot
 
 
 def _print_tables(state: dict[str, Any], where: str, wide: bool = False) -> None:
@@ -104,6 +118,7 @@ def _print_tables(state: dict[str, Any], where: str, wide: bool = False) -> None
 
     console = Console(soft_wrap=True)  # a long line is the terminal's to wrap; table rows fit (cli.tables)
     console.print(where)
+    _with_autopilots(state)
     if "gpus" in state:
         console.print(f"GPUs on this machine (Ray's detection, declared by a local run): {state['gpus']['detected']}")
     for node in state.get("nodes", []):
