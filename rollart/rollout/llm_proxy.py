@@ -210,12 +210,7 @@ class LLMProxy:
                 if remaining <= 0:
                     out = out.model_copy(update={"finish_reason": "length", "preempted": False})
                     break
-                req = request.model_copy(
-                    update={
-                        "prompt_token_ids": list(request.prompt_token_ids) + out.output_token_ids,
-                        "sampling": request.sampling.model_copy(update={"max_new_tokens": remaining}),
-                    }
-                )
+                req = _continuation(request, out.output_token_ids, remaining)
             if rid in self._aborted:
                 out = out.model_copy(update={"finish_reason": "abort", "preempted": False})
             self._account(tag, request, out, t0)
@@ -392,13 +387,7 @@ class LLMProxy:
                 if remaining <= 0 and out is not None:
                     out = out.model_copy(update={"finish_reason": "length", "preempted": False})
                     break
-                req = request.model_copy(
-                    update={
-                        "prompt_token_ids": list(request.prompt_token_ids)
-                        + (out.output_token_ids if out is not None else []),
-                        "sampling": request.sampling.model_copy(update={"max_new_tokens": remaining}),
-                    }
-                )
+                req = _continuation(request, out.output_token_ids if out is not None else [], remaining)
             if rid in self._aborted:
                 out = out.model_copy(update={"finish_reason": "abort", "preempted": False})
             self._account(tag, request, out, t0)
@@ -506,3 +495,14 @@ class LLMProxy:
                 "mean_latency_s": s["latency_s"] / n,
             }
         return out
+
+
+def _continuation(request: GenerateRequest, tokens: list[int], remaining: int) -> GenerateRequest:
+    """``request`` resumed after a preemption: its prompt followed by the ``tokens`` generated so far, with
+    the ``remaining`` new-token budget."""
+    return request.model_copy(
+        update={
+            "prompt_token_ids": list(request.prompt_token_ids) + list(tokens),
+            "sampling": request.sampling.model_copy(update={"max_new_tokens": remaining}),
+        }
+    )
