@@ -11,6 +11,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray Serve kills and restarts an HTTP proxy that is not ready within 3 checks of 5 s; on a loaded 2-core machine
+# a fresh proxy process takes longer than that to import, and serve.start() then fails on the killed one. The
+# local Ray of the tests (and so Serve's controller) inherits this process's environment.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 # the metadata store of this test process, never the user's ~/.rollart/metadata.sqlite (a store written by
 # another rollart version, or another run's jobs and pools, must not leak into a test); drivers and CLI
 # subprocesses that the tests start inherit it

@@ -96,19 +96,24 @@ def test_an_asynchronous_run_on_three_hosts_survives_the_chaos_schedule(hosts3, 
 def test_soak_names_the_mappings_where_a_process_grew():
     """``mappings_mb`` / ``mapping_growth`` (what the soak reports per train rank): 48 MB allocated and
     touched between two samples of this process show up as anonymous memory grown by about that much."""
+    import mmap
     import os
 
     from rollart.benchmarks.chaos import mappings_mb
     from rollart.benchmarks.soak import mapping_growth
 
     before = mappings_mb(os.getpid())
-    block = bytearray(48 << 20)  # zero-filled by the allocator: its pages are touched
+    # a new anonymous mapping, each page written (memory from the allocator may reuse pages this process
+    # already has resident, and so not grow at all)
+    block = mmap.mmap(-1, 48 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
     after = mappings_mb(os.getpid())
     grown = mapping_growth({"train0:1": [(0.0, before), (1.0, before), (2.0, after)]})["train0:1"]
     first, last = grown["[anon] all"]
     assert 40 <= last - first <= 60, grown
     assert mappings_mb(2**22 + 7) is None  # a process that is gone
-    del block
+    block.close()
 
 
 def test_soak_slopes_drop_start_up_and_short_series():

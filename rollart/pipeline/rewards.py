@@ -69,7 +69,8 @@ class RewardServices:
             )
 
         # what a trajectory trace names as the reward's source
-        reward.trace_source = f"service {client.url}" + (f" (tenant {tenant})" if tenant else "")  # type: ignore[attr-defined]
+        source = f"service {getattr(client, 'url', type(client).__name__)}"
+        reward.trace_source = source + (f" (tenant {tenant})" if tenant else "")  # type: ignore[attr-defined]
         return reward
 
     def counts(self) -> dict[str, Any]:
