@@ -1,5 +1,5 @@
 """The ``rollart`` command: ``--version``, ``status``, ``run``, ``submit``/``jobs``/``logs``/``stop``, ``scale``, ``serve``,
-``bench``, ``export``, ``plot``, ``trace``, ``advise``.
+``bench``, ``export``, ``plot``, ``trace``, ``view``, ``advise``.
 
 One module of this package per command; this one only mounts them. Every command module imports only
 the standard library when it loads (its work imports the rest when it runs), so ``rollart --version``
@@ -26,6 +26,7 @@ from rollart.cli.scale import add_scale_parser
 from rollart.cli.serve import add_serve_parser
 from rollart.cli.status import add_status_parser
 from rollart.cli.trace import add_trace_parser
+from rollart.cli.view import add_view_parser
 
 DESCRIPTION = (
     "rollart: reinforcement-learning post-training of LLM agents on heterogeneous, disaggregated clusters. "
@@ -74,6 +75,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         add_export_parser,
         add_plot_parser,
         add_trace_parser,
+        add_view_parser,
         add_job_parsers,
         add_scale_parser,
         add_advise_parser,

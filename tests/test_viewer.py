@@ -1,0 +1,300 @@
+"""``rollart view RUN_DIR``: the page of a real run's folder (a small job with traces on), served by the
+command itself on 127.0.0.1. Its JSON API agrees with the run's files and follows a run that is still
+writing them; in a real browser (Debian's chromium, headless, driven by Playwright) the page draws the
+reward curve, filters the trajectories by reward, opens one and shows its tokens and events, with every
+request that is not to 127.0.0.1 blocked and none attempted."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+from test_pipeline import small_config
+
+from rollart.tracking.traces import lives, read_traces
+
+pytestmark = pytest.mark.timeout(300)
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(ray_local, tmp_path_factory):
+    """A real run's folder: 2 steps of two reverse tasks (alpha 1, groups of 4), every trajectory traced."""
+    from rollart.pipelines.agentic import AgenticPipeline
+
+    tmp = tmp_path_factory.mktemp("viewed")
+    cfg = small_config(
+        tmp,
+        steps=2,
+        checkpoint_every=0,
+        traces={"enabled": True},
+        envs=[
+            {"name": "reverse", "groups": 2, "kwargs": {"length": 3}},
+            {"name": "reverse", "groups": 2, "kwargs": {"length": 2}},
+        ],
+    )
+    pipe = AgenticPipeline(cfg, progress=False)
+    try:
+        pipe.run()
+    finally:
+        pipe.shutdown()
+    return tmp / "run"
+
+
+class Viewer:
+    """``rollart view RUN_DIR --port 0`` in its own process; ``url`` from the line it logs."""
+
+    def __init__(self, folder: Path):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollart.cli", "view", str(folder), "--port", "0"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        lines: queue.Queue[str] = queue.Queue()
+        assert self.proc.stderr is not None
+        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stderr], daemon=True).start()
+        seen = []
+        while True:
+            try:
+                line = lines.get(timeout=60)
+            except queue.Empty:
+                pytest.fail(f"rollart view logged no URL; it wrote: {seen}")
+            seen.append(line)
+            found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+            if found:
+                self.url = found.group(0)
+                return
+
+    def get(self, path: str, **params):
+        r = httpx.get(self.url + path.lstrip("/"), params=params, timeout=30)
+        return r
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _reward(life) -> float | None:
+    rewards = [e["reward"] for e in life.events if e["event"] in ("reward", "trained") and "reward" in e]
+    return rewards[-1] if rewards else None
+
+
+def expected_rows(folder: Path, lo: float | None, hi: float | None) -> set[str]:
+    """The trajectories a reward filter keeps, from traces.jsonl: the reward of its last reward or trained
+    event, within [lo, hi] (one without a reward is left out)."""
+    out = set()
+    for life in lives(read_traces(folder)):
+        r = _reward(life)
+        if r is not None and (lo is None or r >= lo) and (hi is None or r <= hi):
+            out.add(life.traj_id)
+    return out
+
+
+def test_the_api_reads_the_run_folder_and_follows_a_run_still_writing_it(run_dir, tmp_path):
+    v = Viewer(run_dir)
+    try:
+        assert urlparse(v.url).hostname == "127.0.0.1"
+        run = v.get("/api/run").json()
+        all_lives = lives(read_traces(run_dir))
+        assert run["steps"] == 2 and run["trajectories"] == len(all_lives) > 0
+        assert run["tags"] == ["reverse-2", "reverse-3"] and run["ledger"]["trained"] == 2 * 2 * 4
+        assert run["live"] is False  # no run holds the folder
+        recs = records(run_dir)
+        curves = v.get("/api/curves").json()
+        assert curves["steps"] == [1, 2]
+        assert curves["series"]["reward"]["mean"] == [r["reward_mean"] for r in recs]
+        assert curves["series"]["step_time"]["train_s"] == [r["time"]["train_s"] for r in recs]
+        assert curves["series"]["throughput"]["tokens/s"] == [r["tokens_per_s"] for r in recs]
+        assert curves["series"]["staleness"]["max"] == [r["max_staleness"] for r in recs]
+
+        # every generate call is on its worker's lane, and each step's training on the trainer's
+        tl = v.get("/api/timeline").json()
+        gens = [e for life in all_lives for e in life.events if e["event"] == "generate"]
+        assert len([s for s in tl["spans"] if s["kind"] == "generate"]) == len(gens)
+        assert "trainer" in tl["lanes"] and len([s for s in tl["spans"] if s["kind"] == "train"]) == 2
+        assert all(s["start"] <= s["end"] for s in tl["spans"])
+
+        # filters: by task, status and reward, exactly the traces' trajectories that pass
+        rows = v.get("/api/trajectories", tag="reverse-2", status="trained").json()["rows"]
+        assert len(rows) == 1 * 2 * 4 and {r["tag"] for r in rows} == {"reverse-2"}
+        for lo, hi in ((0.0, 0.0), (0.5, None), (None, 1.0)):
+            params = {k: x for k, x in (("reward_min", lo), ("reward_max", hi)) if x is not None}
+            got = v.get("/api/trajectories", limit=5000, **params).json()
+            assert {r["traj_id"] for r in got["rows"]} == expected_rows(run_dir, lo, hi)
+            assert got["total"] == len(got["rows"])
+        stale = v.get("/api/trajectories", staleness_min=1).json()["rows"]
+        assert all(r["staleness"] >= 1 and r["outcome"] == "trained" for r in stale)
+
+        # one trajectory: its events as traced, its turns with their token counts
+        first = next(r for r in v.get("/api/trajectories", status="trained").json()["rows"])
+        one = v.get(f"/api/trajectories/{first['id']}").json()
+        life = all_lives[first["id"]]
+        assert one["traj_id"] == life.traj_id and [e["event"] for e in one["events"]] == [
+            e["event"] for e in life.events
+        ]
+        calls = [c for turn in one["turns"] for c in turn["calls"]]
+        assert [c["response_tokens"] for c in calls] == [
+            e["response_tokens"] for e in life.events if e["event"] == "generate"
+        ]
+        assert one["per_token_note"] and one["content"] == []  # per-token data is not in the traces
+        assert v.get("/api/trajectories/100000").status_code == 404
+        assert v.get("/api/trajectories", status="nonsense").status_code == 422
+        assert v.get("/static/../data.py").status_code == 404 and v.get("/static/secrets").status_code == 404
+    finally:
+        v.close()
+
+    # live: a copy of the folder a run goes on writing; the API shows each new step once its line is whole
+    live = tmp_path / "live"
+    shutil.copytree(run_dir, live)
+    v = Viewer(live)
+    try:
+        before = v.get("/api/run").json()
+        record = {**recs[-1], "step": 3, "reward_mean": 0.75}
+        line = json.dumps(record) + "\n"
+        with (live / "metrics.jsonl").open("a") as f:
+            f.write(line[:40])  # a line being written is not read yet
+        assert v.get("/api/run").json()["steps"] == 2
+        with (live / "metrics.jsonl").open("a") as f:
+            f.write(line[40:])
+        after = v.get("/api/run").json()
+        assert after["steps"] == 3 and after["stamp"] != before["stamp"]
+        assert v.get("/api/curves").json()["series"]["reward"]["mean"][-1] == 0.75
+    finally:
+        v.close()
+
+
+def _browser():
+    """Playwright and Debian's chromium, or a skip (a failure under CI=true) saying what is missing."""
+    problem = None
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        problem = "playwright is not installed (the dev extra: pip install -e '.[dev]')"
+        sync_playwright = None
+    if problem is None and not os.path.exists(CHROMIUM):
+        problem = f"{CHROMIUM} is missing (Debian's chromium: apt-get install chromium; scripts/test.sh does it)"
+    if problem is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the viewer's browser test must run in CI: {problem}")
+        pytest.skip(problem)
+    return sync_playwright
+
+
+def test_the_page_draws_the_curves_filters_by_reward_and_opens_a_trajectory_offline(run_dir, tmp_path):
+    sync_playwright = _browser()
+    folder = tmp_path / "run"  # a copy the test goes on writing, as a live run would
+    shutil.copytree(run_dir, folder)
+    recs = records(folder)
+    steps = len(recs)
+    scored = {r for life in lives(read_traces(folder)) for r in [_reward(life)] if r is not None}
+    lo = min((r for r in scored if r > 0), default=0.0)  # the lowest reward above 0, when one is
+    wanted = expected_rows(folder, lo, None)
+    assert 0 < len(wanted) < 200 and (lo == 0.0 or len(wanted) < len(expected_rows(folder, None, None)))
+    viewer = Viewer(folder)
+    blocked: list[str] = []
+    errors: list[str] = []
+    with viewer, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            context = browser.new_context()
+
+            def route(r):
+                if urlparse(r.request.url).hostname == "127.0.0.1":
+                    r.continue_()
+                else:
+                    blocked.append(r.request.url)
+                    r.abort()
+
+            context.route("**/*", route)
+            page = context.new_page()
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            page.goto(viewer.url)
+            page.wait_for_selector("body[data-loaded=true]", timeout=60_000)
+
+            # the reward curve: one point per step, for the mean and each task
+            mean = page.locator("#chart-reward polyline[data-name=mean]")
+            assert len(mean.get_attribute("points").split()) == steps
+            assert page.locator("#chart-reward polyline").count() == 3  # mean, reverse-2, reverse-3
+            for chart in ("throughput", "step_time", "staleness"):
+                assert page.locator(f"#chart-{chart} polyline").count() >= 1
+            assert page.locator("#timeline-svg rect.span-generate").count() > 0
+
+            # filter by reward: exactly the traced trajectories scored within the bound
+            page.fill("input[name=reward_min]", str(lo))
+            page.fill("input[name=reward_max]", "")
+            page.click("#filters button[type=submit]")
+            page.wait_for_function(
+                "n => document.getElementById('traj-count').textContent.startsWith(n + ' trajectories')",
+                arg=len(wanted),
+            )
+            ids = page.locator("#traj-table tbody tr td:first-child").all_text_contents()
+            assert set(ids) == wanted
+            page.fill("input[name=reward_min]", "2")  # no reward is above 1
+            page.click("#filters button[type=submit]")
+            page.wait_for_function("() => document.getElementById('traj-count').textContent.startsWith('0 ')")
+            assert page.locator("#traj-table tbody tr").count() == 0
+            page.fill("input[name=reward_min]", str(lo))
+            page.select_option("select[name=status]", "trained")
+            page.click("#filters button[type=submit]")
+            page.wait_for_function("() => !document.getElementById('traj-count').textContent.startsWith('0 ')")
+
+            # open one: its tokens per turn and its events, as traced
+            row = page.locator("#traj-table tbody tr").first
+            traj_id = row.locator("td").first.text_content()
+            row.click()
+            page.wait_for_selector("#traj-title")
+            assert page.text_content("#traj-title") == traj_id
+            (life,) = [x for x in lives(read_traces(run_dir)) if x.traj_id == traj_id]
+            gens = [e for e in life.events if e["event"] == "generate"]
+            shown = page.locator("#traj-turns td.response-tokens").all_text_contents()
+            assert shown == [str(e["response_tokens"]) for e in gens]
+            events = page.locator("#traj-events tbody tr td:nth-child(2)").all_text_contents()
+            assert events == [e["event"] for e in life.events]
+            assert "not recorded" in page.text_content("#per-token-note")
+
+            # live: a step the run records later is drawn without reloading the page
+            with (folder / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps({**recs[-1], "step": steps + 1}) + "\n")
+            page.wait_for_function(
+                "n => document.querySelector('#chart-reward polyline[data-name=mean]')"
+                ".getAttribute('points').split(' ').length === n",
+                arg=steps + 1,
+            )
+        finally:
+            browser.close()
+    assert errors == []
+    assert blocked == []  # the page asked nothing of any other host
