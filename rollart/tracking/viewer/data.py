@@ -20,7 +20,7 @@ from rollart.tracking.traces import ENDS, RUN, TRACES, Life
 METRICS = "metrics.jsonl"
 ELASTIC = "elastic.jsonl"
 LEDGER = "ledger.json"
-SPANS_KEPT = 20_000
+SPANS_KEPT = 5_000
 """The newest generate calls the worker timeline returns (older ones are counted, not sent)."""
 PER_TOKEN_FIELDS = ("tokens", "token_ids", "logprobs", "loss_mask", "observation", "tool_calls", "text")
 """Fields of a trace event the trajectory page shows as per-token or content data when present (the
@@ -93,6 +93,7 @@ class RunFolder:
         self._lives: list[Life] = []
         self._current: dict[str, Life] = {}
         self._run_events: list[dict[str, Any]] = []
+        self._rows: dict[int, tuple[int, dict[str, Any]]] = {}  # life -> (its events then, its row)
 
     # ------------------------------------------------------------------------------------------ reading
     def _refresh(self) -> None:
@@ -100,7 +101,7 @@ class RunFolder:
         self._elastic.read_new(self.path / ELASTIC)
         new, reset = self._traces.read_new(self.path / TRACES)
         if reset:
-            self._lives, self._current, self._run_events = [], {}, []
+            self._lives, self._current, self._run_events, self._rows = [], {}, [], {}
             new = list(self._traces.rows)
         for e in new:  # as rollart.tracking.traces.lives, kept up to date line by line
             tid = e.get("traj_id", RUN)
@@ -300,10 +301,9 @@ class RunFolder:
         ones without that value), newest first: ``total`` matching, ``rows`` from ``offset``."""
         with self._lock:
             self._refresh()
-            lives = list(enumerate(self._lives))
+            every = [self._row(n) for n in range(len(self._lives))]
         rows = []
-        for n, life in reversed(lives):
-            row = _row(n, life)
+        for row in reversed(every):
             if tag is not None and row["tag"] != tag:
                 continue
             if status is not None and row["outcome"] != status:
@@ -319,6 +319,14 @@ class RunFolder:
                 continue
             rows.append(row)
         return {"total": len(rows), "rows": rows[offset : offset + limit]}
+
+    def _row(self, n: int) -> dict[str, Any]:
+        """The list row of life ``n``, made again only when the life got new events (under the lock)."""
+        life = self._lives[n]
+        cached = self._rows.get(n)
+        if cached is None or cached[0] != len(life.events):
+            cached = self._rows[n] = (len(life.events), _row(n, life))
+        return cached[1]
 
     def trajectory(self, n: int) -> dict[str, Any] | None:
         """One trajectory's life (its number in the list: ``id`` of a row): the summary row, its turns
