@@ -11,6 +11,7 @@ import os
 import queue
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ import httpx
 import pytest
 from test_pipeline import small_config
 
+from rollart.cli.run_dir import LOCK
 from rollart.tracking.traces import lives, read_traces
 
 pytestmark = pytest.mark.timeout(300)
@@ -104,6 +106,11 @@ class Viewer:
             self.proc.wait()
 
 
+def append_events(folder: Path, *events: dict) -> None:
+    with (folder / "traces.jsonl").open("a") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in events))
+
+
 def records(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -183,6 +190,8 @@ def test_the_api_reads_the_run_folder_and_follows_a_run_still_writing_it(run_dir
     v = Viewer(live)
     try:
         before = v.get("/api/run").json()
+        (live / LOCK).write_text(f"{v.proc.pid}\n")  # a live rollart process names itself in the lock
+        assert v.get("/api/run").json()["live"] is True
         record = {**recs[-1], "step": 3, "reward_mean": 0.75}
         line = json.dumps(record) + "\n"
         with (live / "metrics.jsonl").open("a") as f:
@@ -193,8 +202,70 @@ def test_the_api_reads_the_run_folder_and_follows_a_run_still_writing_it(run_dir
         after = v.get("/api/run").json()
         assert after["steps"] == 3 and after["stamp"] != before["stamp"]
         assert v.get("/api/curves").json()["series"]["reward"]["mean"][-1] == 0.75
+
+        # faults and joins on the timeline: a worker that died under a call (its lane), a failed
+        # trajectory (the env lane), a worker joining the elastic pool (its lane)
+        t = max(e["t"] for e in read_traces(live)) + 1
+        append_events(
+            live,
+            {
+                "traj_id": "9:0:0:v3",
+                "event": "created",
+                "t": t,
+                "tag": "reverse-3",
+                "group": 9,
+                "round": 0,
+                "member": 0,
+            },
+            {
+                "traj_id": "9:0:0:v3",
+                "event": "migrate",
+                "t": t + 0.1,
+                "turn": 0,
+                "from_rank": 7,
+                "from_hardware": "H20",
+                "from_node_ip": "127.0.0.1",
+                "error": "ActorDiedError",
+                "tokens_kept": 0,
+            },
+            {"traj_id": "9:0:0:v3", "event": "failed", "t": t + 0.2, "status": "failed", "error": "step 0: boom"},
+        )
+        with (live / "elastic.jsonl").open("a") as f:
+            f.write(
+                json.dumps({"event": "joined", "time": t + 0.3, "rank": 8, "hardware": "H800", "node_ip": "127.0.0.1"})
+                + "\n"
+            )
+        tl = v.get("/api/timeline").json()
+        marks = {(m["lane"], m["kind"]) for m in tl["marks"]}
+        assert marks == {
+            ("rollout 7 (H20, 127.0.0.1)", "fault"),
+            ("env", "fault"),
+            ("rollout 8 (H800, 127.0.0.1)", "join"),
+        }
+        assert {"rollout 7 (H20, 127.0.0.1)", "rollout 8 (H800, 127.0.0.1)"} <= set(tl["lanes"])
+        (failed,) = v.get("/api/trajectories", status="failed").json()["rows"]
+        assert failed["traj_id"] == "9:0:0:v3" and failed["why"] == "step 0: boom" and failed["migrated"]
+
+        # a new run in the folder (traces.jsonl started anew): read from its start
+        (live / "traces.jsonl").unlink()
+        append_events(live, {"traj_id": "", "event": "trace_started", "t": t, "sample": 1.0, "seed": 0})
+        assert v.get("/api/run").json()["trajectories"] == 0
     finally:
         v.close()
+
+
+def test_rollart_view_refuses_a_missing_folder_and_a_port_in_use(run_dir, caplog):
+    from rollart.cli import main
+
+    assert main(["view", str(run_dir / "nope")]) == 2
+    assert "is not a folder" in caplog.text
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["view", str(run_dir), "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in caplog.text and "--port" in caplog.text
+    assert main(["view", str(run_dir), "--port", "70000"]) == 2
 
 
 def _browser():
@@ -224,6 +295,14 @@ def test_the_page_draws_the_curves_filters_by_reward_and_opens_a_trajectory_offl
     lo = min((r for r in scored if r > 0), default=0.0)  # the lowest reward above 0, when one is
     wanted = expected_rows(folder, lo, None)
     assert 0 < len(wanted) < 200 and (lo == 0.0 or len(wanted) < len(expected_rows(folder, None, None)))
+    # a trajectory whose error holds markup: shown as text, never run as part of the page
+    hostile = '<img src=x onerror="document.body.dataset.pwned=1">'
+    t = max(e["t"] for e in read_traces(folder)) + 1
+    append_events(
+        folder,
+        {"traj_id": "9:0:0:v3", "event": "created", "t": t, "tag": "reverse-3", "group": 9, "round": 0, "member": 0},
+        {"traj_id": "9:0:0:v3", "event": "failed", "t": t + 0.1, "status": "failed", "error": hostile},
+    )
     viewer = Viewer(folder)
     blocked: list[str] = []
     errors: list[str] = []
@@ -267,7 +346,7 @@ def test_the_page_draws_the_curves_filters_by_reward_and_opens_a_trajectory_offl
             page.click("#filters button[type=submit]")
             page.wait_for_function("() => document.getElementById('traj-count').textContent.startsWith('0 ')")
             assert page.locator("#traj-table tbody tr").count() == 0
-            page.fill("input[name=reward_min]", str(lo))
+            page.fill("input[name=reward_min]", "")
             page.select_option("select[name=status]", "trained")
             page.click("#filters button[type=submit]")
             page.wait_for_function("() => !document.getElementById('traj-count').textContent.startsWith('0 ')")
@@ -285,6 +364,17 @@ def test_the_page_draws_the_curves_filters_by_reward_and_opens_a_trajectory_offl
             events = page.locator("#traj-events tbody tr td:nth-child(2)").all_text_contents()
             assert events == [e["event"] for e in life.events]
             assert "not recorded" in page.text_content("#per-token-note")
+
+            # the hostile trajectory: its error as text
+            page.select_option("select[name=status]", "failed")
+            page.click("#filters button[type=submit]")
+            page.wait_for_function("() => document.getElementById('traj-count').textContent.startsWith('1 ')")
+            page.locator("#traj-table tbody tr").first.click()
+            page.wait_for_function("() => document.getElementById('traj-title').textContent === '9:0:0:v3'")
+            assert hostile in page.text_content("#traj-detail")
+            assert (
+                page.locator("#traj-detail img").count() == 0 and page.evaluate("document.body.dataset.pwned") is None
+            )
 
             # live: a step the run records later is drawn without reloading the page
             with (folder / "metrics.jsonl").open("a") as f:

@@ -11,6 +11,20 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def writing(run_dir: Path) -> bool:
+    """Whether a run on this machine holds ``run_dir`` now: the pid its lock file names is a live rollart
+    process. The lock itself is not tried (a try, however short, could make a run starting at that moment
+    find the folder in use)."""
+    from rollart.cli.run_dir import LOCK
+
+    try:
+        text = (run_dir / LOCK).read_text().strip()
+        cmdline = Path(f"/proc/{int(text)}/cmdline").read_bytes() if text.isdigit() else b""
+    except (OSError, ValueError):
+        return False
+    return b"rollart" in cmdline
+
+
 def cmd_view(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
@@ -18,7 +32,6 @@ def cmd_view(args: argparse.Namespace) -> int:
     except ImportError as err:
         log.error("rollart view needs the 'serve' extra (%s): pip install 'rollart[serve]'", err)
         return 2
-    from rollart.cli.run_dir import lock_holder
     from rollart.tracking.viewer.server import serve
 
     run_dir = Path(args.run_dir)
@@ -35,7 +48,7 @@ def cmd_view(args: argparse.Namespace) -> int:
         log.error("rollart view: --port %d is not a port; give 0 (a free one) or 1-65535", args.port)
         return 2
     try:
-        serve(run_dir, port=args.port, live=lambda: lock_holder(run_dir) is not None)
+        serve(run_dir, port=args.port, live=lambda: writing(run_dir))
     except OSError as err:
         log.error(
             "rollart view: cannot listen on 127.0.0.1:%d (%s); give another --port, or 0 for a free one", args.port, err
