@@ -91,9 +91,13 @@ class RunFolder:
         self._traces = _Tail()
         self._elastic = _Tail()
         self._lives: list[Life] = []
-        self._current: dict[str, Life] = {}
+        self._current: dict[str, tuple[int, Life]] = {}  # trajectory id -> its newest life and its number
         self._run_events: list[dict[str, Any]] = []
         self._rows: dict[int, tuple[int, dict[str, Any]]] = {}  # life -> (its events then, its row)
+        self._gens: list[dict[str, Any]] = []  # the timeline's generate calls and marks, from the events read
+        self._marks: list[dict[str, Any]] = []
+        self._trained_at: dict[int, float] = {}  # step -> its first trained event
+        self._tags: set[str] = set()
 
     # ------------------------------------------------------------------------------------------ reading
     def _refresh(self) -> None:
@@ -102,17 +106,55 @@ class RunFolder:
         new, reset = self._traces.read_new(self.path / TRACES)
         if reset:
             self._lives, self._current, self._run_events, self._rows = [], {}, [], {}
+            self._gens, self._marks, self._trained_at, self._tags = [], [], {}, set()
             new = list(self._traces.rows)
         for e in new:  # as rollart.tracking.traces.lives, kept up to date line by line
             tid = e.get("traj_id", RUN)
             if tid == RUN or "event" not in e:
                 self._run_events.append(e)
                 continue
-            life = self._current.get(tid)
-            if life is None or (e["event"] == "created" and life.events):
-                life = self._current[tid] = Life(tid)
-                self._lives.append(life)
-            life.events.append(e)
+            found = self._current.get(tid)
+            if found is None or (e["event"] == "created" and found[1].events):
+                found = self._current[tid] = (len(self._lives), Life(tid))
+                self._lives.append(found[1])
+            found[1].events.append(e)
+            if len(found[1].events) == 1 and found[1].tag:
+                self._tags.add(found[1].tag)
+            self._on_timeline(*found, e)
+
+    def _on_timeline(self, n: int, life: Life, e: dict[str, Any]) -> None:
+        """What one event of life ``n`` puts on the workers' timeline (under the lock)."""
+        kind, t = e.get("event"), _num(e.get("t"))
+        if t is None:
+            return
+        if kind == "generate":
+            lat = _num(e.get("latency_s")) or 0.0
+            self._gens.append(
+                {
+                    "lane": _worker(e.get("rank"), e.get("hardware"), e.get("node_ip")),
+                    "start": t - lat,
+                    "end": t,
+                    "kind": "generate",
+                    "traj": n,
+                    "label": f"{life.traj_id} turn {e.get('turn')}: {e.get('response_tokens')} tokens",
+                }
+            )
+        elif kind == "migrate":
+            self._marks.append(
+                {
+                    "lane": _worker(e.get("from_rank"), e.get("from_hardware"), e.get("from_node_ip")),
+                    "t": t,
+                    "kind": "fault",
+                    "traj": n,
+                    "label": f"worker died under {life.traj_id}: {e.get('error')}",
+                }
+            )
+        elif kind == "trained" and isinstance(e.get("step"), int):
+            self._trained_at[e["step"]] = min(self._trained_at.get(e["step"], t), t)
+        elif kind in ("failed", "env_reset", "env_step") and e.get("error"):
+            self._marks.append(
+                {"lane": "env", "t": t, "kind": "fault", "traj": n, "label": f"{life.traj_id}: {e['error']}"}
+            )
 
     def _records(self) -> list[dict[str, Any]]:
         """Every step's record in step order (a step done again after a trainer restore: its last)."""
@@ -152,7 +194,7 @@ class RunFolder:
                 "steps": len(records),
                 "last_step": records[-1]["step"] if records else None,
                 "trajectories": len(self._lives),
-                "tags": sorted({life.tag for life in self._lives if life.tag}),
+                "tags": sorted(self._tags),
                 "ledger": ledger or (records[-1].get("ledger") if records else None),
                 "traces": None if started is None else {k: started.get(k) for k in ("sample", "seed", "max_mb")},
                 "per_token_note": PER_TOKEN_NOTE,
@@ -219,44 +261,13 @@ class RunFolder:
         with self._lock:
             self._refresh()
             records = {r["step"]: r for r in self._records()}
-            lives = list(self._lives)
+            gens, marks = list(self._gens), list(self._marks)
+            trained_at = dict(self._trained_at)
             elastic = list(self._elastic.rows)
-        spans: list[dict[str, Any]] = []
-        marks: list[dict[str, Any]] = []
-        trained_at: dict[int, float] = {}
-        for n, life in enumerate(lives):
-            for e in life.events:
-                kind, t = e.get("event"), _num(e.get("t"))
-                if t is None:
-                    continue
-                if kind == "generate":
-                    lat = _num(e.get("latency_s")) or 0.0
-                    spans.append(
-                        {
-                            "lane": _worker(e.get("rank"), e.get("hardware"), e.get("node_ip")),
-                            "start": t - lat,
-                            "end": t,
-                            "kind": "generate",
-                            "traj": n,
-                            "label": f"{life.traj_id} turn {e.get('turn')}: {e.get('response_tokens')} tokens",
-                        }
-                    )
-                elif kind == "migrate":
-                    marks.append(
-                        {
-                            "lane": _worker(e.get("from_rank"), e.get("from_hardware"), e.get("from_node_ip")),
-                            "t": t,
-                            "kind": "fault",
-                            "traj": n,
-                            "label": f"worker died under {life.traj_id}: {e.get('error')}",
-                        }
-                    )
-                elif kind == "trained" and isinstance(e.get("step"), int):
-                    trained_at[e["step"]] = min(trained_at.get(e["step"], t), t)
-                elif kind in ("failed", "env_reset", "env_step") and e.get("error"):
-                    marks.append(
-                        {"lane": "env", "t": t, "kind": "fault", "traj": n, "label": f"{life.traj_id}: {e['error']}"}
-                    )
+        dropped = max(0, len(gens) - SPANS_KEPT)
+        if dropped:
+            gens = sorted(gens, key=lambda x: x["end"])[-SPANS_KEPT:]
+        spans = list(gens)
         for step, t in sorted(trained_at.items()):
             times = (records.get(step) or {}).get("time") or {}
             train_s, sync_s = _num(times.get("train_s")) or 0.0, _num(times.get("weight_sync_s")) or 0.0
@@ -278,10 +289,6 @@ class RunFolder:
             lane = _worker(row.get("rank"), row.get("hardware"), row.get("node_ip")) if "rank" in row else "pool"
             label = f"{kind}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("event", "time"))
             marks.append({"lane": lane, "t": t, "kind": "join" if kind.endswith("joined") else "fault", "label": label})
-        dropped = max(0, sum(s["kind"] == "generate" for s in spans) - SPANS_KEPT)
-        if dropped:
-            gens = sorted((s for s in spans if s["kind"] == "generate"), key=lambda s: s["end"])[dropped:]
-            spans = gens + [s for s in spans if s["kind"] != "generate"]
         lanes = sorted({s["lane"] for s in spans} | {m["lane"] for m in marks}, key=_lane_order)
         return {"lanes": lanes, "spans": spans, "marks": marks, "spans_not_shown": dropped}
 
