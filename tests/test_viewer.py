@@ -246,6 +246,14 @@ def test_the_api_reads_the_run_folder_and_follows_a_run_still_writing_it(run_dir
         (failed,) = v.get("/api/trajectories", status="failed").json()["rows"]
         assert failed["traj_id"] == "9:0:0:v3" and failed["why"] == "step 0: boom" and failed["migrated"]
 
+        # lines that are not trace events are passed over
+        with (live / "traces.jsonl").open("a") as f:
+            f.write(
+                '[1, 2]\n{"traj_id": "9:0:1:v3", "event": "created"}\n{"traj_id": 5, "event": "x", "t": 1}\nnot json\n'
+            )
+        assert v.get("/api/trajectories").json()["total"] == len(all_lives) + 1
+        assert v.get("/api/timeline").status_code == 200
+
         # a new run in the folder (traces.jsonl started anew): read from its start
         (live / "traces.jsonl").unlink()
         append_events(live, {"traj_id": "", "event": "trace_started", "t": t, "sample": 1.0, "seed": 0})

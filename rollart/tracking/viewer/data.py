@@ -110,9 +110,11 @@ class RunFolder:
             new = list(self._traces.rows)
         for e in new:  # as rollart.tracking.traces.lives, kept up to date line by line
             tid = e.get("traj_id", RUN)
-            if tid == RUN or "event" not in e:
+            if tid == RUN:
                 self._run_events.append(e)
                 continue
+            if not isinstance(tid, str) or not isinstance(e.get("event"), str) or _num(e.get("t")) is None:
+                continue  # not a trace event (the schema: docs/traces.md)
             found = self._current.get(tid)
             if found is None or (e["event"] == "created" and found[1].events):
                 found = self._current[tid] = (len(self._lives), Life(tid))
