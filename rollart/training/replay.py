@@ -143,6 +143,10 @@ def replay(
     cfg = _train_config(trainer["train"], sets or {})
     if cfg.strategy != "torch":
         raise ReplayError(f"train.strategy: {cfg.strategy}: replay trains with the torch strategy only")
+    if cfg.sharding != "ddp":
+        raise ReplayError(
+            f"train.sharding: {cfg.sharding}: replay reproduces one-rank runs trained with train.sharding: ddp"
+        )
     if int(trainer.get("ranks", 1)) != 1:
         raise ReplayError(
             f"{run} trained on {trainer['ranks']} ranks; replay trains on one rank in this process and reproduces "
@@ -202,11 +206,6 @@ def replay(
         return result
     finally:
         torch.set_num_threads(threads)
-        if worker is not None and worker.layout.sharded:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
 
 
 def _optimizer_settings(worker: Any, cfg: Any) -> None:
