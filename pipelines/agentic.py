@@ -147,7 +147,7 @@ class AgenticPipeline:
             "colocated": cfg.colocated,
             "critic": self.critic is not None,
         }
-        return BatchRecorder(self.out_dir, trainer, resume=resume)
+        return BatchRecorder(self.out_dir, trainer, keep_through=self.start_step if resume else 0)
 
     def _load_tasks(self, seeds: RoundSeeds) -> list:
         """The dataset tasks (``data:``; a task's ``sampling.max_new_tokens`` is its generation budget)
@@ -629,6 +629,8 @@ class AgenticPipeline:
             await self.weights.retire(old_channel)
         await self.proxy.resume()  # in case the death came between a suspend and its resume
         history[:] = [h for h in history if h["step"] <= self.start_step]
+        if self.batch_record is not None:  # the steps after the restored checkpoint are trained again
+            self.batch_record.drop_after(self.start_step)
         checkpoint = str(ckpt) if ckpt is not None else None
         self.supervisor.recovered(record, restored_step=self.start_step, checkpoint=checkpoint, version=version)
 

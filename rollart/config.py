@@ -403,8 +403,8 @@ class PipelineConfig(ConfigModel):
     """Checkpoint folders kept (the newest K; older ones are deleted)."""
     record_batches: bool = False
     """Record every training batch losslessly in `RUN_DIR/batches/` (one file per step, written off the step
-    loop) so `rollart replay RUN_DIR --to STEP` can train the same data again; about 20 bytes per trained
-    token (the quickstart: 0.2 MB per step). Off by default.
+    loop) so `rollart replay RUN_DIR --to STEP` can train the same data again; about 20 bytes per token of the
+    batch and 150 per row (the quickstart: 75 KB per step). Off by default.
     """
     history_keep: int = Field(default=1000, ge=1)
     """Step records the driver keeps in memory (what `run()` returns); `metrics.jsonl` and the plot have every

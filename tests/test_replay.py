@@ -171,3 +171,22 @@ def test_the_record_gives_back_every_column_exactly():
             assert [type(v) for r in back[key] if isinstance(r, list) for v in r] == [
                 type(v) for r in batch[key] if isinstance(r, list) for v in r
             ]
+
+
+def test_a_resumed_run_keeps_the_record_through_its_checkpoint_only(tmp_path):
+    from rollart.training.batch_record import BatchRecorder
+
+    batch = Batch({"input_ids": [[1, 2]], "advantages": [[0.5, 0.5]]})
+    first = BatchRecorder(tmp_path, {"train": {}})
+    for step in (1, 2, 3):
+        first.record(step, batch, {"version": step, "extra": {"step": step - 1}})
+    first.close()
+    assert recorded_steps(tmp_path / "batches") == [1, 2, 3]
+    # resumed from the checkpoint after step 1: steps 2 and 3 are trained again (or not at all)
+    BatchRecorder(tmp_path, {"train": {}}, keep_through=1).close()
+    assert recorded_steps(tmp_path / "batches") == [1]
+    back, info = read_step(tmp_path / "batches", 1)
+    assert back["advantages"] == [[0.5, 0.5]] and info["version"] == 1
+    # a fresh run in the folder: nothing of the older run's is left
+    BatchRecorder(tmp_path, {"train": {}}).close()
+    assert recorded_steps(tmp_path / "batches") == []

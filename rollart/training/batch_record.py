@@ -167,17 +167,16 @@ class BatchRecorder:
     thread (steps are written in order); :meth:`close` waits for every write. A write that fails is logged
     and raised at the next :meth:`record` or :meth:`close` (a record with a hole would not replay)."""
 
-    def __init__(self, out_dir: Path, trainer: dict[str, Any], *, resume: bool = False):
+    def __init__(self, out_dir: Path, trainer: dict[str, Any], *, keep_through: int = 0):
         self.root = Path(out_dir) / FOLDER
         self.root.mkdir(parents=True, exist_ok=True)
-        if not resume:  # a fresh run in this folder: an older run's batches are not this one's
-            for step in recorded_steps(self.root):
-                step_file(self.root, step).unlink(missing_ok=True)
-        write_trainer(self.root, trainer)
         self._pool: ThreadPoolExecutor | None = None  # started by the first record, ended by close
         self._pending: list[Future] = []
         self._lock = threading.Lock()
         self.bytes_written = 0
+        # a fresh run (0) or a resumed one (its checkpoint's step): the steps after it are trained again
+        self.drop_after(keep_through)
+        write_trainer(self.root, trainer)
 
     def _write(self, step: int, batch: Batch, info: dict[str, Any]) -> None:
         path = write_step(self.root, step, batch, info)
@@ -201,6 +200,14 @@ class BatchRecorder:
         fut = self._pool.submit(self._write, step, batch, info)
         with self._lock:
             self._pending.append(fut)
+
+    def drop_after(self, step: int) -> None:
+        """Delete the record of the steps after ``step`` (a resume or a trainer restore trains them again,
+        maybe fewer of them: an older step file past the run's last would not be this run's)."""
+        self.close()
+        for s in recorded_steps(self.root):
+            if s > step:
+                step_file(self.root, s).unlink(missing_ok=True)
 
     def close(self) -> None:
         """Wait for every write (the end of the steps; a later :meth:`record` starts writing again, e.g.

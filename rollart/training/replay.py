@@ -90,6 +90,8 @@ def _steps_to_train(root: Path, start_step: int, to: int) -> None:
     """Refuse a ``to`` past the record, or a record with a hole between ``start_step`` and ``to``."""
     from rollart.training.batch_record import recorded_steps
 
+    if to < 1:
+        raise ReplayError(f"--to {to}: steps count from 1 (as in metrics.jsonl and checkpoint/step-N)")
     steps = recorded_steps(root)
     if not steps:
         raise ReplayError(f"{root} holds no recorded batch (step-*.pt); the run stopped before its first step")
@@ -160,8 +162,8 @@ def replay(
     target = Path(out) if out is not None else step_dir(run / "replay", to)
     if target.exists() and any(target.iterdir()):
         raise ReplayError(f"--out {target}: the folder exists and is not empty; remove it or give another --out")
-    first, _ = read_step(root, start_step + 1)
-    if cfg.kl_coef > 0 and C.REF_LOGPROBS not in first:
+    first = read_step(root, start_step + 1)
+    if cfg.kl_coef > 0 and C.REF_LOGPROBS not in first[0]:
         raise ReplayError(
             f"train.kl_coef: {cfg.kl_coef}: the recorded batches hold no reference log-probs (the run trained "
             "with kl_coef 0); a replay cannot add a KL term, keep train.kl_coef: 0"
@@ -183,7 +185,7 @@ def replay(
         result = ReplayResult(out=target, start_step=start_step, to=to, version=0)
         info: dict[str, Any] = {}
         for step in range(start_step + 1, to + 1):
-            batch, info = (first, read_step(root, step)[1]) if step == start_step + 1 else read_step(root, step)
+            batch, info = first if step == start_step + 1 else read_step(root, step)
             metrics = worker.train_step(batch) or {}
             result.metrics.append({"step": step, **metrics})
             if on_step is not None:
