@@ -15,10 +15,10 @@ import torch
 from rollart.cli import main
 from rollart.cluster.batch import Batch
 from rollart.config import load_config
+from rollart.pipeline.replay import compare_checkpoints
 from rollart.pipelines.agentic import AgenticPipeline
 from rollart.training.batch_record import decode_batch, encode_batch, read_step, read_trainer, recorded_steps
 from rollart.training.checkpoint_io import load_checkpoint_any, step_dir
-from rollart.training.replay import compare_checkpoints
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from rollart.config import ConfigError, parse_sets
+    from rollart.pipeline.replay import ReplayError, compare_checkpoints, replay
     from rollart.training.checkpoint_io import META_FILE, step_dir
-    from rollart.training.replay import ReplayError, compare_checkpoints, replay
 
     sets = parse_sets(args.set)
 

@@ -1,5 +1,5 @@
 """The batch record of a run (``record_batches: true``): every training batch exactly as the trainer got
-it, one file per step, for ``rollart replay`` (:mod:`rollart.training.replay`).
+it, one file per step, for ``rollart replay`` (:mod:`rollart.pipeline.replay`).
 
 ``RUN_DIR/batches/``:
 
