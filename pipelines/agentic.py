@@ -21,6 +21,7 @@ version that produced it.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections import Counter
@@ -60,6 +61,7 @@ from rollart.rollout.sample_buffer import Group
 from rollart.rollout.scheduler import RolloutScheduler
 from rollart.tracking.traces import TraceWriter
 from rollart.training import columns as C
+from rollart.training.batch_record import BatchRecorder
 from rollart.training.data import add_advantages, trajectories_to_batch
 from rollart.training.export import write_chat_template
 from rollart.training.placement import start_data_parallel
@@ -119,6 +121,9 @@ class AgenticPipeline:
             else None
         )
         self.scheduler.traces = self.traces
+        # the batch record (record_batches:): every trained batch, for `rollart replay`
+        self.batch_record = self._batch_recorder(resume) if config.record_batches else None
+        self._trained_batch: Any = None  # the last step's batch, handed to the record after the step
         self._saved_through = self.start_step  # steps done when the last checkpoint was written
 
     # ------------------------------------------------------------------ wiring
@@ -129,6 +134,20 @@ class AgenticPipeline:
         from rollart.models import default_tiny_path
 
         return str(default_tiny_path(**self.config.tiny_model))
+
+    def _batch_recorder(self, resume: bool) -> BatchRecorder:
+        """``RUN_DIR/batches/``: the trainer's resolved config and ranks first, then each step's batch."""
+        cfg = self.config
+        train_cfg = cfg.train.model_copy(update={"model": cfg.train.model or self.model_path})
+        trainer = {
+            "name": cfg.name,
+            "train": train_cfg.model_dump(mode="json"),
+            "ranks": self.train.world_size,
+            "threads": self.train.torch_threads()[0],  # a CPU rank's sums depend on its thread count
+            "colocated": cfg.colocated,
+            "critic": self.critic is not None,
+        }
+        return BatchRecorder(self.out_dir, trainer, keep_through=self.start_step if resume else 0)
 
     def _load_tasks(self, seeds: RoundSeeds) -> list:
         """The dataset tasks (``data:``; a task's ``sampling.max_new_tokens`` is its generation budget)
@@ -610,6 +629,8 @@ class AgenticPipeline:
             await self.weights.retire(old_channel)
         await self.proxy.resume()  # in case the death came between a suspend and its resume
         history[:] = [h for h in history if h["step"] <= self.start_step]
+        if self.batch_record is not None:  # the steps after the restored checkpoint are trained again
+            self.batch_record.drop_after(self.start_step)
         checkpoint = str(ckpt) if ckpt is not None else None
         self.supervisor.recovered(record, restored_step=self.start_step, checkpoint=checkpoint, version=version)
 
@@ -637,6 +658,10 @@ class AgenticPipeline:
                 self.interrupt.check()
                 t_step = time.monotonic()
                 record = await self._step(step)
+                if self.batch_record is not None:  # written by a background thread while the next step runs
+                    info = {"version": self.train_version, "extra": copy.deepcopy(self._checkpoint_extra(step))}
+                    self.batch_record.record(step + 1, self._trained_batch, info)
+                    self._trained_batch = None
                 self.stop_choice.step_done(time.monotonic() - t_step)
                 if self.startup.mark("first_step"):
                     self.startup.write(self.out_dir)
@@ -684,6 +709,8 @@ class AgenticPipeline:
         if self.ref is not None:
             batch[C.REF_LOGPROBS] = await self.ref.compute_logprobs(batch, blocking=False)
         train_metrics = await self.train.train_step(batch, blocking=False)
+        if self.batch_record is not None:
+            self._trained_batch = batch
         if critic_step is not None:
             train_metrics.update({f"critic_{k}": v for k, v in (await critic_step).items()})
         t_train = time.monotonic() - t1
@@ -730,6 +757,8 @@ class AgenticPipeline:
             if self.traces is not None:  # with the events of the rounds the stop ended
                 self.traces.close()
             write_ledger(self.out_dir, self.scheduler, self.proxy, self.rewards)
+            if self.batch_record is not None:  # every step's batch is on disk when the run returns
+                self.batch_record.close()
 
     def _record(
         self,

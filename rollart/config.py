@@ -401,6 +401,11 @@ class PipelineConfig(ConfigModel):
     """Save a checkpoint every this many steps (`RUN_DIR/checkpoint/step-N`); 0: none."""
     checkpoint_keep: int = Field(default=1, ge=1)
     """Checkpoint folders kept (the newest K; older ones are deleted)."""
+    record_batches: bool = False
+    """Record every training batch losslessly in `RUN_DIR/batches/` (one file per step, written off the step
+    loop) so `rollart replay RUN_DIR --to STEP` can train the same data again; about 20 bytes per token of the
+    batch and 150 per row (the quickstart: 75 KB per step). Off by default.
+    """
     history_keep: int = Field(default=1000, ge=1)
     """Step records the driver keeps in memory (what `run()` returns); `metrics.jsonl` and the plot have every
     step.

@@ -1,5 +1,5 @@
 """The ``rollart`` command: ``--version``, ``status``, ``run``, ``submit``/``jobs``/``logs``/``stop``, ``scale``, ``serve``,
-``bench``, ``export``, ``plot``, ``trace``, ``view``, ``advise``.
+``bench``, ``export``, ``plot``, ``trace``, ``view``, ``replay``, ``advise``.
 
 One module of this package per command; this one only mounts them. Every command module imports only
 the standard library when it loads (its work imports the rest when it runs), so ``rollart --version``
@@ -21,6 +21,7 @@ from rollart.cli.export import add_export_parser
 from rollart.cli.jobs import add_job_parsers
 from rollart.cli.output import setup_console
 from rollart.cli.plot import add_plot_parser
+from rollart.cli.replay import add_replay_parser
 from rollart.cli.run import add_run_parser
 from rollart.cli.scale import add_scale_parser
 from rollart.cli.serve import add_serve_parser
@@ -76,6 +77,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         add_plot_parser,
         add_trace_parser,
         add_view_parser,
+        add_replay_parser,
         add_job_parsers,
         add_scale_parser,
         add_advise_parser,

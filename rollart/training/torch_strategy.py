@@ -157,6 +157,11 @@ def batch_logprobs(
     return out  # type: ignore[return-value]
 
 
+def step_seed(seed: int, optimizer_steps: int) -> int:
+    """The seed of a train step: ``train.seed`` and the optimizer steps taken before it, mixed."""
+    return (seed * 1_000_003 + optimizer_steps) % (2**63 - 1)
+
+
 def one_token_pass(model: torch.nn.Module, device: torch.device) -> None:
     """A forward pass that computes nothing of use but takes part in a sharded model's gathers."""
     ids = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -477,7 +482,16 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
     @register(dispatch=DP_SPLIT_EVERY_RANK)
     def train_step(self, batch: Batch) -> dict[str, float] | None:
         """One policy update on this rank's share; returns this rank's metrics (``None`` for an empty
-        share, which still takes part in the step's collectives: see ``rollart.training.placement``)."""
+        share, which still takes part in the step's collectives: see ``rollart.training.placement``).
+        The step's random state (dropout, if the model has any) is seeded from ``train.seed`` and the
+        optimizer steps taken so far (restored with a checkpoint), so a resumed run and ``rollart replay``
+        draw what the run drew; the worker's own random state is left as it was."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(step_seed(self.config.seed, self.scheduler.last_epoch))
+            return self._train_step(batch)
+
+    def _train_step(self, batch: Batch) -> dict[str, float] | None:
         cfg = self.config
         batch = self._group_rows(batch)[0]
         if len(batch):
@@ -724,6 +738,12 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         return out
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def torch_threads(self) -> int:
+        """The threads this rank's CPU operations use (a CPU rank's sums depend on it: ``rollart replay``
+        trains with as many)."""
+        return torch.get_num_threads()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def weight_checksum(self) -> float:
         """Sum of |w| over all parameters: equal across DDP ranks after every step (a sharded trainer's
         ranks all answer the sum over the whole model)."""
@@ -733,4 +753,4 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
             return float(sum(full_value(p.detach().abs().sum()) for p in self.module.parameters()))
 
 
-__all__ = ["TorchTrainWorker", "batch_logprobs"]
+__all__ = ["TorchTrainWorker", "batch_logprobs", "step_seed"]
