@@ -232,14 +232,16 @@ class TurnsEnv(CountEnv):
     max_new_tokens = 30
 
 
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-call-per-request"])
 async def test_a_job_with_a_killed_worker_and_a_join_traces_every_trained_life_and_its_cost_sums_to_busy_time(
-    make_rm, tmp_path
+    make_rm, tmp_path, batched
 ):
     """The rollout side of a job (2 workers, 4 groups of 2, alpha 1, a weight version per step) loses a
     worker mid-generation and gains one through an elastic join; every trained trajectory's trace is a
     complete, ordered life that agrees with the ledger (a migrated one shows the dead worker and the one
     that finished its turn), and the workers' time charged to the traced lives sums to the pool's busy
-    time measured by the proxy."""
+    time measured by the proxy. Batched (the pipeline's default): a dead worker's requests fail and the
+    proxy sends them again; one call per request: the Cluster reroutes the call."""
     from ray.util.placement_group import remove_placement_group
     from test_elastic import FAST, block_h20, serving, wait_until
 
@@ -248,7 +250,7 @@ async def test_a_job_with_a_killed_worker_and_a_join_traces_every_trained_life_a
     rm = make_rm({"rollout": {"hardware": "H20", "devices": 2, "max_devices": 3}})
     blocker, _ = block_h20()  # the other H20 devices are taken: the pool stays at 2 until they come free
     cluster = simulated_cluster(rm, "rollout", {"Count": ["H20"]}, decode_base_s=0.01)
-    proxy = LLMProxy(cluster, restart=RestartPolicy(max_restarts=0))  # a dead worker is removed
+    proxy = LLMProxy(cluster, restart=RestartPolicy(max_restarts=0), batch_requests=batched)  # the dead: removed
     elastic = ElasticRollout(rm, cluster, proxy, FAST, out_dir=tmp_path)
     writer = TraceWriter(tmp_path)
     sched = RolloutScheduler(
