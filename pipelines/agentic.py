@@ -45,6 +45,8 @@ from rollart.pipeline.records import (
     step_cost,
     step_record,
     task_record,
+    trajectory_cost,
+    write_cost,
     write_ledger,
 )
 from rollart.pipeline.recovery import TrainerSupervisor
@@ -694,6 +696,7 @@ class AgenticPipeline:
         task_stale_before = {t: Counter(c) for t, c in self.scheduler.staleness_by_task.items()}
         held_before = self.scheduler.held_back
         devices_before = pool_devices(self.rm)
+        busy_before = self.proxy.meter.busy()
         groups = await self.supervisor.wait_probing(self.controller.get_batch(self.train_version))
         self.startup.mark("first_batch")
         held_back = self.scheduler.buffered_by_task()
@@ -726,6 +729,8 @@ class AgenticPipeline:
         record["trainer_restarts"] = len(self.recoveries)
         # what the step cost: device-seconds per pool, in all and per trained trajectory
         record["cost"] = step_cost(devices_before, pool_devices(self.rm), record["time"]["step_s"], len(trajs))
+        # the cost ledger: what the trained trajectories were charged, per task and tag; the pool's busy time
+        record["cost"].update(trajectory_cost(groups, self.scheduler, busy_before, self.proxy.meter.busy()))
         if self.elastic is not None:  # the pool's size, workers joined / left / lost during the step
             record["elastic"] = self.elastic.step_metrics()
             if self.elastic.autopilot is not None:  # elastic.autoscale: the step's demand, and a new target
@@ -757,6 +762,7 @@ class AgenticPipeline:
             if self.traces is not None:  # with the events of the rounds the stop ended
                 self.traces.close()
             write_ledger(self.out_dir, self.scheduler, self.proxy, self.rewards)
+            write_cost(self.out_dir, self.metrics.read())
             if self.batch_record is not None:  # every step's batch is on disk when the run returns
                 self.batch_record.close()
 

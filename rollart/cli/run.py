@@ -212,6 +212,7 @@ def _train(args: argparse.Namespace, cfg: Any, out_dir: Path, gpus: Any = None) 
     records = pipe.step_records() if hasattr(pipe, "step_records") else history  # every step, not just the kept
     last = records[-1] if records else {}
     metrics, plot = getattr(pipe, "metrics_path", None), getattr(pipe, "plot_path", None)
+    cost = _cost_summary(records)
     summary = {
         "steps": len(records),
         "final_reward": last.get("reward_mean"),
@@ -220,6 +221,7 @@ def _train(args: argparse.Namespace, cfg: Any, out_dir: Path, gpus: Any = None) 
         "metrics": str(metrics) if metrics else None,
         "plot": str(plot) if plot else None,
         "hf": str(getattr(pipe, "export_path", None) or "") or None,
+        "cost": cost,
     }
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")  # the run finished
     if args.json:  # the summary once, on stdout (the log lines go to stderr)
@@ -232,7 +234,29 @@ def _train(args: argparse.Namespace, cfg: Any, out_dir: Path, gpus: Any = None) 
             "n/a" if reward is None else f"{reward:.3f}",
             summary["output_dir"],
         )
+        if cost["trained_trajectories"]:
+            log.info(
+                "cost: %.1f device-s held (%s per trained sample), inference busy %.1f worker-s; by task in cost.json",
+                cost["device_s_total"],
+                f"{cost['device_s_per_trained_sample']:.3g}",
+                cost["busy_worker_s"],
+            )
     return 0
+
+
+def _cost_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run summary's cost: the totals of ``cost.json`` (the run's cost from its step records)."""
+    from rollart.pipeline.records import run_cost
+
+    full = run_cost(records)
+    return {
+        "trained_trajectories": full["trained_trajectories"],
+        "device_s_total": full["device_s_total"],
+        "device_s_per_trained_sample": full["device_s_per_trained_sample"],
+        "busy_worker_s": sum(b.get("worker_s", 0.0) for b in full["busy"].values()),
+        "busy_device_s": sum(b.get("device_s", 0.0) for b in full["busy"].values()),
+        "busy_device_s_per_trained_sample": full["busy_device_s_per_trained_sample"],
+    }
 
 
 def add_run_parser(sub: Any) -> None:

@@ -1,6 +1,6 @@
-"""``rollart trace RUN_DIR [TRAJ_ID] [--tag T] [--status trained|failed|dropped|open] [--json]``: a run's
-trajectory traces (``RUN_DIR/traces.jsonl``): the traced trajectories with their outcome and duration, or one
-trajectory's life as a timeline."""
+"""``rollart trace RUN_DIR [TRAJ_ID] [--tag T] [--status trained|failed|dropped|open] [--cost] [--json]``: a
+run's trajectory traces (``RUN_DIR/traces.jsonl``): the traced trajectories with their outcome and duration,
+their cost per tag and outcome, or one trajectory's life as a timeline."""
 
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         for life in found
         if (args.tag is None or life.tag == args.tag) and (args.status is None or life.outcome == args.status)
     ]
+    if args.cost:
+        return _print_cost(chosen, args.json)
     if args.json:
         rows = [
             {"traj_id": x.traj_id, "tag": x.tag, "outcome": x.outcome, "duration_s": x.duration_s, "end": x.end}
@@ -77,6 +79,25 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_cost(chosen: list[Any], as_json: bool) -> int:
+    from rollart.tracking.traces import cost_table
+
+    rows = cost_table(chosen)
+    if as_json:
+        sys.stdout.write("".join(json.dumps(r) + "\n" for r in rows))
+        return 0
+    tags = max([len(r["tag"]) for r in rows] + [len("tag")])
+    head = f"{'tag':<{tags}} {'outcome':<8} {'trajs':>6} {'worker_s':>10} {'device_s':>10} {'env_s':>9} {'reward_s':>9}"
+    lines = [head]
+    lines += [
+        f"{r['tag']:<{tags}} {r['outcome']:<8} {r['trajectories']:>6} {r['worker_s']:>10.3f} {r['device_s']:>10.3f} "
+        f"{r['env_s']:>9.3f} {r['reward_s']:>9.3f}"
+        for r in rows
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
 def add_trace_parser(sub: Any) -> None:
     p = sub.add_parser("trace", help="show a run's trajectory traces: the list, or one trajectory's timeline")
     p.add_argument("run_dir", help="the run's output folder (output_dir of its config, e.g. runs/quickstart)")
@@ -84,4 +105,9 @@ def add_trace_parser(sub: Any) -> None:
     p.add_argument("--tag", default=None, help="only the trajectories of this task tag")
     p.add_argument("--status", choices=OUTCOMES, default=None, help="only the trajectories with this outcome")
     p.add_argument("--json", action="store_true", help="print JSON lines (the events, or one row per trajectory)")
+    p.add_argument(
+        "--cost",
+        action="store_true",
+        help="what the traced trajectories cost, summed per tag and outcome (worker, device, env, reward seconds)",
+    )
     p.set_defaults(func=cmd_trace)

@@ -56,6 +56,8 @@ class ClusterFuture(Generic[T]):
         self._on_dead = on_dead
         # calls sent again to another rank after theirs died: (dead rank, its error, Unix time, new rank)
         self.reroutes: list[tuple[int, BaseException, float, int]] = []
+        # told ``(dead rank, new rank)`` when a call is sent again (the LLMProxy's cost ledger)
+        self.on_reroute: Callable[[int, int], None] | None = None
 
     @property
     def refs(self) -> list[ray.ObjectRef]:
@@ -88,6 +90,8 @@ class ClusterFuture(Generic[T]):
             return SKIPPED
         nxt = nxt if isinstance(nxt, tuple) else (rank, nxt)
         self.reroutes.append((rank, err, time.time(), nxt[0]))
+        if self.on_reroute is not None:
+            self.on_reroute(rank, nxt[0])
         return nxt
 
     def _finish(self, values: list[Any]) -> T:

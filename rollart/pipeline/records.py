@@ -52,6 +52,84 @@ def step_cost(before: dict[str, int], after: dict[str, int], step_s: float, samp
     return {"device_s": per_pool, "device_s_total": round(total, 4), "device_s_per_sample": total / max(samples, 1)}
 
 
+def trajectory_cost(
+    groups: list[Group], scheduler: Any, busy_before: dict[str, Any], busy_after: dict[str, Any]
+) -> dict[str, Any]:
+    """The cost ledger's part of a step's ``cost``: what the trained trajectories were charged
+    (:mod:`rollart.rollout.cost`), in all (``trained``), per task (``by_task``) and per env tag (``by_tag``),
+    and the inference pool's busy seconds during the step (``busy``: every request's share, also those of
+    trajectories that were not trained)."""
+    from rollart.rollout.cost import cost_by, empty_row
+
+    trained = [(scheduler.task_of(g), t) for g in groups for t in g]
+    pool = busy_after.get("pool", "")
+    return {
+        "trained": cost_by(("all", t.cost) for _, t in trained).get("all", empty_row()),
+        "by_task": cost_by((task, t.cost) for task, t in trained),
+        "by_tag": cost_by((t.tag, t.cost) for _, t in trained),
+        "busy": {
+            pool: {
+                k: round(busy_after[k] - busy_before.get(k, 0.0), 6)
+                for k in ("worker_s", "device_s", "unattributed_worker_s")
+            }
+        },
+    }
+
+
+def run_cost(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's cost from its step records (``cost.json``, the run summary): device-seconds the pools held
+    (``device_s``, ``device_s_total``), the inference pool's busy seconds (``busy``), what the trained
+    trajectories were charged (``trained``, and ``by_task``, ``by_tag``), and per trained sample."""
+    held: dict[str, float] = defaultdict(float)
+    busy: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    sums: dict[str, dict[str, dict[str, Any]]] = {"by_task": {}, "by_tag": {}}
+    trained: dict[str, Any] = {}
+    for rec in records:
+        cost = rec.get("cost", {})
+        for pool, v in cost.get("device_s", {}).items():
+            held[pool] += v
+        for pool, parts in cost.get("busy", {}).items():
+            for k, v in parts.items():
+                busy[pool][k] += v
+        if "trained" in cost:
+            _add_row(trained, cost["trained"])
+        for key in sums:
+            for name, row in cost.get(key, {}).items():
+                _add_row(sums[key].setdefault(name, {}), row)
+    samples = int(trained.get("trajectories", 0))
+    total = sum(held.values())
+    busy_device = sum(b["device_s"] for b in busy.values())
+    return {
+        "steps": len(records),
+        "trained_trajectories": samples,
+        "device_s": dict(held),
+        "device_s_total": total,
+        "device_s_per_trained_sample": total / samples if samples else None,
+        "busy": {p: dict(b) for p, b in busy.items()},
+        "busy_device_s_per_trained_sample": busy_device / samples if samples else None,
+        "trained": trained,
+        **sums,
+    }
+
+
+def _add_row(into: dict[str, Any], row: dict[str, Any]) -> None:
+    """Add one :func:`~rollart.rollout.cost.cost_by` row to ``into`` (numbers added, per-pool maps merged)."""
+    for k, v in row.items():
+        if isinstance(v, dict):
+            sub = into.setdefault(k, {})
+            for p, x in v.items():
+                sub[p] = sub.get(p, 0.0) + x
+        else:
+            into[k] = into.get(k, 0) + v
+
+
+def write_cost(out_dir: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``cost.json``: the run's cost (:func:`run_cost`) from every step's record."""
+    cost = run_cost(records)
+    (out_dir / "cost.json").write_text(json.dumps(cost, indent=2))
+    return cost
+
+
 def batch_statistics(batch: Any, trajs: list) -> dict[str, Any]:
     """Per-step learning diagnostics: the advantages of the action tokens (mean, std, fraction exactly
     0: tied groups and tied token positions carry no signal) and, for tags with dense credit, the mean

@@ -30,6 +30,7 @@ from ray.exceptions import RayTaskError
 
 from rollart.cluster import Cluster
 from rollart.cluster.future import ACTOR_GONE
+from rollart.rollout.cost import BusyMeter
 from rollart.rollout.types import GenerateOutput, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,15 @@ class RequestFailedError(RuntimeError):
 class RequestBatcher:
     """Coalesces ``generate`` calls per event-loop turn into one streaming call per worker."""
 
-    def __init__(self, cluster: Cluster, method: str = "generate", batch_method: str = "generate_many"):
+    def __init__(
+        self,
+        cluster: Cluster,
+        method: str = "generate",
+        batch_method: str = "generate_many",
+        meter: BusyMeter | None = None,
+    ):
         self.cluster = cluster
+        self.meter = meter  # each request's time on its worker (the LLMProxy's cost ledger)
         self.method = method  # the routed method whose @hw_mapping routes each request
         self.batch_method = batch_method
         self._queued: dict[str, list[tuple[GenerateRequest, asyncio.Future[GenerateOutput]]]] = defaultdict(list)
@@ -88,6 +96,8 @@ class RequestBatcher:
             by_rank: dict[int, tuple[Any, list[tuple[GenerateRequest, asyncio.Future[GenerateOutput]]]]] = {}
             for (rank, actor), item in zip(routes, items):
                 by_rank.setdefault(rank, (actor, []))[1].append(item)
+                if self.meter is not None:
+                    self.meter.begin(item[0].request_id, rank)
             loop = asyncio.get_running_loop()
             for rank, (actor, share) in by_rank.items():
                 send = (
@@ -116,6 +126,8 @@ class RequestBatcher:
             failure = err
         finally:
             self.cluster.release(rank)
+            if self.meter is not None:
+                self.meter.end(req.request_id)
         if fut.done():
             return
         if failure is not None:
@@ -147,6 +159,8 @@ class RequestBatcher:
                     if not waiting:
                         del futures[out.request_id]
                     self.cluster.release(rank)
+                    if self.meter is not None:
+                        self.meter.end(out.request_id)
                     if fut.done():
                         continue
                     if isinstance(out, GenerateOutput):
@@ -164,5 +178,8 @@ class RequestBatcher:
             left = sum(len(w) for w in futures.values())
             if left:
                 self.cluster.release(rank, left)
+            if self.meter is not None:
+                for rid in futures:
+                    self.meter.end(rid)
             for fut in _unanswered(futures):
                 fut.set_exception(RuntimeError(f"rank {rank}: the batched call ended without answering"))

@@ -115,6 +115,11 @@ class EnvManager:
     ):
         self.env = env
         self.proxy = proxy
+        # whether the proxy charges each call's share of its worker to the trajectory (the cost ledger)
+        try:
+            self._proxy_costs = "cost" in inspect.signature(proxy.generate).parameters
+        except (TypeError, ValueError, AttributeError):
+            self._proxy_costs = False
         self.codec = codec
         self.config = config or EnvManagerConfig()
         self.chat = self._chat_format(codec, self.config)
@@ -218,6 +223,8 @@ class EnvManager:
             return traj
         finally:
             self._aborting = False
+            if trace is not None:  # what the episode cost, before the scheduler's end of its life
+                trace.emit(traj.traj_id, "cost", **traj.cost.fields())
             self._sink = None
             traj.info["duration_s"] = time.monotonic() - t0  # reset to reward, wall clock
 
@@ -230,12 +237,15 @@ class EnvManager:
         try:
             obs, info = await self._reset(seed)
         except _Aborted:
+            traj.cost.env_s += time.monotonic() - t0
             raise
         except Exception as err:
             traj.status, traj.error = "failed", f"reset: {type(err).__name__}: {err}"
             self.failures.record("reset", f"{type(err).__name__}: {err}", err, tag=self.tag)
+            traj.cost.env_s += time.monotonic() - t0
             self._emit(traj, "env_reset", latency_s=time.monotonic() - t0, error=traj.error)
             return traj
+        traj.cost.env_s += time.monotonic() - t0
         self._emit(traj, "env_reset", latency_s=time.monotonic() - t0)
         traj.info["reset"] = info
         traj.info["prompt_text"] = obs  # the env's own text, before any chat template
@@ -255,10 +265,10 @@ class EnvManager:
                 sampling=self._turn_sampling(seed, traj.traj_id, turn),
             )
             try:
-                if self._sink is None:
-                    out = await self.proxy.generate(req, self.tag)
-                else:
-                    out = await self.proxy.generate(req, self.tag, trace=self._proxy_trace(traj, turn))
+                extra: dict[str, Any] = {"cost": traj.cost} if self._proxy_costs else {}
+                if self._sink is not None:
+                    extra["trace"] = self._proxy_trace(traj, turn)
+                out = await self.proxy.generate(req, self.tag, **extra)
             except ClusterError:
                 raise  # no worker can serve it: the rollout cannot go on
             except Exception as err:
@@ -283,12 +293,15 @@ class EnvManager:
             try:
                 obs, reward, terminated, truncated, step_info = await self._step(action)
             except _Aborted:
+                traj.cost.env_s += time.monotonic() - t_step
                 raise
             except Exception as err:
+                traj.cost.env_s += time.monotonic() - t_step
                 traj.status, traj.error = "failed", f"step {turn}: {type(err).__name__}: {err}"
                 self.failures.record("step", f"{type(err).__name__}: {err}", err, tag=self.tag)
                 self._emit(traj, "env_step", turn=turn, latency_s=time.monotonic() - t_step, error=traj.error)
                 return traj
+            traj.cost.env_s += time.monotonic() - t_step
             if self._sink is not None:
                 self._emit(
                     traj,
@@ -349,6 +362,7 @@ class EnvManager:
         except Exception as err:
             traj.reward, traj.status, traj.error = None, "reward_failed", f"{type(err).__name__}: {err}"
             self.failures.record("reward", f"{type(err).__name__}: {err}", err, tag=self.tag)
+        traj.cost.reward_s += time.monotonic() - t0
         if self._sink is not None:
             self._emit(
                 traj,

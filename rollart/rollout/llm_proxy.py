@@ -42,6 +42,7 @@ from rollart.cluster.fault import RestartPolicy, WorkerSupervisor
 from rollart.cluster.future import ACTOR_GONE
 from rollart.rollout.affinity import AutoAffinity
 from rollart.rollout.batching import RequestBatcher, RequestFailedError
+from rollart.rollout.cost import BusyMeter, TrajectoryCost
 from rollart.rollout.types import GenerateDelta, GenerateOutput, GenerateRequest
 from rollart.weights.base import WeightChannel
 
@@ -89,8 +90,12 @@ class LLMProxy:
         batch_requests: bool = False,
     ):
         self.cluster = cluster
+        # the cost ledger: each worker's busy time, split among the requests in flight on it
+        self.meter = BusyMeter(getattr(cluster, "pool", None) or getattr(cluster, "name", ""), self._devices_of)
         # batched ADD (rollart.rollout.batching): one streaming call per worker per event-loop turn
-        self.batcher = RequestBatcher(cluster) if batch_requests and _has_generate_many(cluster) else None
+        self.batcher = (
+            RequestBatcher(cluster, meter=self.meter) if batch_requests and _has_generate_many(cluster) else None
+        )
         self.streams = _has_generate_many(cluster, "generate_stream")  # generate_stream streams (else: one answer)
         # automatic hardware affinity: every finished request's lengths reorder its tag's preference
         self.affinity = affinity
@@ -116,6 +121,12 @@ class LLMProxy:
                 cluster, restart, prepare=self._load_serving, current_version=lambda: self._serving[2]
             )
             self._push_lock = self.supervisor.version_lock
+
+    def _devices_of(self, rank: int) -> int:
+        """A worker's accelerator devices (a CPU worker: 0)."""
+        if self.cluster.hardware_of(rank) == "CPU":
+            return 0
+        return int(getattr(self.cluster, "devices_per_worker", 1))
 
     def _load_serving(self, actor: Any) -> int:
         """Load the served weights into a restarted worker (runs in the supervisor's thread)."""
@@ -156,6 +167,7 @@ class LLMProxy:
         *,
         affinity: str | None = None,
         trace: Callable[[str, dict[str, Any]], None] | None = None,
+        cost: TrajectoryCost | None = None,
     ) -> GenerateOutput:
         """Generate until the request stops or runs out of tokens, continuing across preemptions.
 
@@ -164,7 +176,9 @@ class LLMProxy:
         holds the earlier turns (with batched ADD; one Ray call per request routes by load alone).
         ``trace(event, fields)`` hears each worker's answer (``generate``: the worker, its host, the
         versions and counts of its tokens, the call's latency; a preempted answer is followed by the
-        continuation's) and each move to another worker after a death (``migrate``)."""
+        continuation's) and each move to another worker after a death (``migrate``). ``cost``: where its
+        share of its workers' busy time goes (:mod:`rollart.rollout.cost`; without one it is counted as
+        unattributed)."""
         rid = request.request_id
         budget = request.sampling.max_new_tokens
         out: GenerateOutput | None = None
@@ -183,7 +197,12 @@ class LLMProxy:
                         part: GenerateOutput = await self.batcher.submit(req, tag, prefer)
                     else:
                         call = self.cluster.generate(req, tag_name=tag)
-                        part = await call
+                        self.meter.begin(rid, call.ranks[0])
+                        call.on_reroute = lambda _dead, new, rid=rid: self.meter.move(rid, new)
+                        try:
+                            part = await call
+                        finally:
+                            self.meter.end(rid)
                         if trace is not None:  # the Cluster sent it again to a live worker after a death
                             for rank, why, when, _ in getattr(call, "reroutes", ()):
                                 trace("migrate", {**self._rerouted(rank, why, req, request), "t": when})
@@ -216,6 +235,7 @@ class LLMProxy:
             self._account(tag, request, out, t0)
             return out
         finally:
+            self.meter.settle(rid, cost)
             self._inflight.discard(rid)
             self._aborted.discard(rid)
 
@@ -285,6 +305,7 @@ class LLMProxy:
         """One worker's stream of ``request``: its deltas, then its output. A dead worker raises
         ``WorkerDiedError`` (it is marked dead), no live one ``NoLiveWorkerError``."""
         ((rank, actor),) = self.cluster.route_many("generate", tag, 1, [prefer] if prefer is not None else None)
+        self.meter.begin(request.request_id, rank)
         try:
             stream = actor.generate_stream.options(num_returns="streaming").remote(request, tag)
             async for ref in stream:
@@ -295,6 +316,7 @@ class LLMProxy:
             raise RequestFailedError(f"request {request.request_id}: {err.cause!r}") from err
         finally:
             self.cluster.release(rank)
+            self.meter.end(request.request_id)
 
     async def generate_stream(
         self, request: GenerateRequest, tag: str, *, affinity: str | None = None
@@ -393,6 +415,7 @@ class LLMProxy:
             self._account(tag, request, out, t0)
             yield out
         finally:
+            self.meter.settle(rid, None)  # a stream's caller has no trajectory here: unattributed
             self._inflight.discard(rid)
             self._aborted.discard(rid)
 

@@ -7,6 +7,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollart.engines.base import SamplingParams
+from rollart.rollout.cost import TrajectoryCost
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -106,6 +107,7 @@ class Trajectory(BaseModel):
     error: str | None = None
     hardware: list[str] = Field(default_factory=list)
     info: dict[str, Any] = Field(default_factory=dict)
+    cost: TrajectoryCost = Field(default_factory=TrajectoryCost)  # the cost ledger (rollart.rollout.cost)
 
     @property
     def num_action_tokens(self) -> int:

@@ -175,6 +175,34 @@ class Life:
     def duration_s(self) -> float:
         return float(self.events[-1]["t"] - self.events[0]["t"]) if self.events else 0.0
 
+    @property
+    def cost(self) -> dict[str, Any] | None:
+        """Its ``cost`` event (what its episode was charged), or None (still running, or not recorded)."""
+        return next((e for e in reversed(self.events) if e["event"] == "cost"), None)
+
+
+def cost_table(chosen: Iterable[Life]) -> list[dict[str, Any]]:
+    """The lives' cost summed per tag and outcome: trajectories, ``worker_s`` and ``device_s`` (all
+    pools), ``env_s``, ``reward_s``; a life without a ``cost`` event counts in ``uncosted``."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for life in chosen:
+        key = (life.tag, life.outcome)
+        row = rows.setdefault(
+            key,
+            {"tag": key[0], "outcome": key[1], "trajectories": 0, "uncosted": 0}
+            | dict.fromkeys(("worker_s", "device_s", "env_s", "reward_s"), 0.0),
+        )
+        row["trajectories"] += 1
+        c = life.cost
+        if c is None:
+            row["uncosted"] += 1
+            continue
+        row["worker_s"] += sum(c.get("worker_s", {}).values())
+        row["device_s"] += sum(c.get("device_s", {}).values())
+        row["env_s"] += c.get("env_s", 0.0)
+        row["reward_s"] += c.get("reward_s", 0.0)
+    return [rows[k] for k in sorted(rows)]
+
 
 def lives(events: Iterable[dict[str, Any]]) -> list[Life]:
     """Every trajectory's lives, in the order they were created."""
