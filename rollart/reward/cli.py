@@ -234,7 +234,7 @@ def add_rewards_parser(what: Any) -> None:
         "--idempotency-cache-mb",
         type=float,
         default=32.0,
-        help="and at most this many MB of them (encoded answers plus ~0.3 KB per answer)",
+        help="and at most this many MB of them (encoded answers plus ~0.5 KB per answer)",
     )
     p.add_argument(
         "--max-tenants",

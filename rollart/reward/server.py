@@ -122,7 +122,7 @@ class ServerSettings(BaseModel):
     timeout_s: float = Field(default=60.0, gt=0)
     max_concurrency: int = Field(default=64, gt=0)
     idempotency_cache: int = Field(default=10_000, ge=0)  # answers kept for repeated Idempotency-Keys (0: none)
-    # and at most this many MB of them (the encoded answers plus ~0.3 KB per entry): a count alone lets
+    # and at most this many MB of them (the encoded answers plus ~0.5 KB per entry): a count alone lets
     # requests of many trajectories hold gigabytes
     idempotency_cache_mb: float = Field(default=32.0, ge=0)
     retry_after_s: int = Field(default=1, ge=0)
@@ -190,7 +190,7 @@ class AnswerCache:
     (each entry counts its body, digest and key plus :attr:`ENTRY_OVERHEAD`), the oldest evicted first.
     An answer larger than ``max_bytes`` on its own is not kept. Used from the event loop only."""
 
-    ENTRY_OVERHEAD = 300  # bytes of the entry's tuples, str headers and dict slot, roughly (CPython 3.11)
+    ENTRY_OVERHEAD = 512  # bytes of the entry's tuples, str and bytes headers and dict slot, roughly (CPython 3.11)
 
     def __init__(self, max_entries: int, max_bytes: int):
         self.max_entries, self.max_bytes = max_entries, max_bytes
