@@ -266,6 +266,22 @@ def test_malformed_payloads_get_422_never_500():
         )
 
 
+def test_serve_rewards_takes_the_idempotency_cache_bounds_from_its_flags():
+    """``--idempotency-cache-mb 0`` reaches the served app: nothing is kept, so a key reused with
+    another body is scored (200) instead of refused as a replay (422, the default)."""
+    port = free_port()
+    proc = start_reward_server(["rollart.envs.rewards:reverse", "--idempotency-cache-mb", "0"], port, dict(os.environ))
+    try:
+        url, key = f"http://127.0.0.1:{port}/rewards/reverse", {"Idempotency-Key": "reused-1"}
+        one = {"trajectories": [{"response": "ba", "ground_truth": "ab"}]}
+        other = {"trajectories": [{"response": "xy", "ground_truth": "ab"}]}
+        assert httpx.post(url, json=one, headers=key).status_code == 200
+        assert httpx.post(url, json=other, headers=key).status_code == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_server_killed_and_restarted_mid_stream_loses_no_reward(tmp_path):
     port = free_port()
 
