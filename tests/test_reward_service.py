@@ -16,7 +16,7 @@ from reward_fixtures import ThreadServer, free_port, start_reward_server
 from rollart.cluster.serverless import RetryPolicy
 from rollart.reward.builtin import exact_match
 from rollart.reward.client import RewardClient, RewardFailed
-from rollart.reward.server import ServerSettings, build_app
+from rollart.reward.server import AnswerCache, ServerSettings, build_app
 
 pytestmark = pytest.mark.timeout(300)
 TRAJ = {"trajectories": [{"response": "abc"}, {"response": "abcdefghij"}]}
@@ -123,6 +123,45 @@ def test_the_idempotency_cache_keeps_only_the_newest_answers():
         assert rf.CALLS["count"] - before == 2  # evicted: both trajectories scored again
 
 
+def test_the_idempotency_cache_is_bounded_by_bytes_too():
+    """A count bound alone lets big answers hold gigabytes: past ``idempotency_cache_mb`` the oldest
+    answers are forgotten (scored again on a retry) although far fewer than ``idempotency_cache`` are
+    kept, the newest is still answered from the cache, byte for byte, and an answer over the bound on
+    its own is not kept at all."""
+    big = {"trajectories": [{"response": "abc"}] * 300}  # its answer: over 1.5 KB encoded
+    with ThreadServer(app(idempotency_cache=1000, idempotency_cache_mb=0.01)) as srv:  # 10 KB
+
+        def post(key: str, body: dict = big) -> httpx.Response:
+            r = httpx.post(srv.url("/rewards/length"), json=body, headers={"Idempotency-Key": key})
+            assert r.status_code == 200 and r.json()["result"] == [0.3] * len(body["trajectories"])
+            return r
+
+        first = [post(f"k{i}") for i in range(10)]  # 15 KB or more of answers
+        before = rf.CALLS["count"]
+        assert post("k9").content == first[9].content and rf.CALLS["count"] == before  # the newest: cached
+        post("k0")
+        assert rf.CALLS["count"] - before == 300  # the oldest: forgotten, scored again
+        huge = {"trajectories": [{"response": "abc"}] * 3000}  # over 10 KB on its own
+        post("h1", huge)
+        before = rf.CALLS["count"]
+        post("h1", huge)
+        assert rf.CALLS["count"] - before == 3000  # never cached
+
+
+def test_answer_cache_never_holds_more_than_its_bounds():
+    cache = AnswerCache(max_entries=4, max_bytes=2000)
+    for i in range(50):
+        cache.put(("t", "f", f"k{i}"), "d" * 64, b"x" * (i * 37 % 900))
+        assert len(cache) <= 4 and cache.nbytes <= 2000
+    assert cache.get(("t", "f", "k49")) == ("d" * 64, b"x" * (49 * 37 % 900))  # the newest kept
+    before = cache.nbytes
+    cache.put(("t", "f", "k49"), "e" * 64, b"y")  # a key stored again: its new answer, its new size
+    assert cache.get(("t", "f", "k49")) == ("e" * 64, b"y") and len(cache) <= 4
+    assert cache.nbytes == before - (49 * 37 % 900 - 1)
+    cache.put(("t", "f", "big"), "d" * 64, b"x" * 2000)  # over the bound on its own: not kept
+    assert cache.get(("t", "f", "big")) is None and cache.nbytes <= 2000
+
+
 def test_tenant_labels_are_bounded_and_validated():
     with ThreadServer(app(max_tenants=2)) as srv:
         for tenant in ("job-a", "job-b", "job-c", "job-d", "job-a"):
@@ -225,6 +264,22 @@ def test_malformed_payloads_get_422_never_500():
             ).status_code
             == 422
         )
+
+
+def test_serve_rewards_takes_the_idempotency_cache_bounds_from_its_flags():
+    """``--idempotency-cache-mb 0`` reaches the served app: nothing is kept, so a key reused with
+    another body is scored (200) instead of refused as a replay (422, the default)."""
+    port = free_port()
+    proc = start_reward_server(["rollart.envs.rewards:reverse", "--idempotency-cache-mb", "0"], port, dict(os.environ))
+    try:
+        url, key = f"http://127.0.0.1:{port}/rewards/reverse", {"Idempotency-Key": "reused-1"}
+        one = {"trajectories": [{"response": "ba", "ground_truth": "ab"}]}
+        other = {"trajectories": [{"response": "xy", "ground_truth": "ab"}]}
+        assert httpx.post(url, json=one, headers=key).status_code == 200
+        assert httpx.post(url, json=other, headers=key).status_code == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_server_killed_and_restarted_mid_stream_loses_no_reward(tmp_path):

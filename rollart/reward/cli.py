@@ -148,6 +148,8 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         tenant_slots=args.tenant_slots,
         max_connections=args.max_connections,
         read_timeout_s=args.read_timeout_s,
+        idempotency_cache=args.idempotency_cache,
+        idempotency_cache_mb=args.idempotency_cache_mb,
     )
     if args.judge_url is not None:
         from rollart.reward.builtin.judge import URL_ENV
@@ -222,6 +224,18 @@ def add_rewards_parser(what: Any) -> None:
     p.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout (504 past it)")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests computed at once (429 past it)")
     add_connection_arguments(p)
+    p.add_argument(
+        "--idempotency-cache",
+        type=int,
+        default=10_000,
+        help="answers kept for a retry with the same Idempotency-Key (0: none), the oldest forgotten first",
+    )
+    p.add_argument(
+        "--idempotency-cache-mb",
+        type=float,
+        default=32.0,
+        help="and at most this many MB of them (encoded answers plus ~0.5 KB per answer)",
+    )
     p.add_argument(
         "--max-tenants",
         type=int,

@@ -64,8 +64,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -97,6 +98,7 @@ from rollart.reward.schemas import RewardRequest, RewardResponse
 
 __all__ = [
     "TENANT_FORMAT",
+    "AnswerCache",
     "BodyLimit",
     "RewardFn",
     "ServerSettings",
@@ -119,7 +121,10 @@ class ServerSettings(BaseModel):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     timeout_s: float = Field(default=60.0, gt=0)
     max_concurrency: int = Field(default=64, gt=0)
-    idempotency_cache: int = Field(default=10_000, ge=0)
+    idempotency_cache: int = Field(default=10_000, ge=0)  # answers kept for repeated Idempotency-Keys (0: none)
+    # and at most this many MB of them (the encoded answers plus ~0.5 KB per entry): a count alone lets
+    # requests of many trajectories hold gigabytes
+    idempotency_cache_mb: float = Field(default=32.0, ge=0)
     retry_after_s: int = Field(default=1, ge=0)
     max_tenants: int = Field(default=100, ge=0)
     tenants_file: str | None = None  # YAML/JSON: tenants: {NAME: {token_env | token, max_concurrency}}
@@ -177,6 +182,39 @@ def _score_of(value: Any) -> tuple[float, dict[str, Any]]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"a reward function must return a number or a dict with 'score', got {type(value).__name__}")
     return float(value), {}
+
+
+class AnswerCache:
+    """The idempotency cache: the newest answers, as their encoded JSON bodies, per ``(tenant, function,
+    key)`` with the digest of the request they answered; bounded by ``max_entries`` and by ``max_bytes``
+    (each entry counts its body, digest and key plus :attr:`ENTRY_OVERHEAD`), the oldest evicted first.
+    An answer larger than ``max_bytes`` on its own is not kept. Used from the event loop only."""
+
+    ENTRY_OVERHEAD = 512  # bytes of the entry's tuples, str and bytes headers and dict slot, roughly (CPython 3.11)
+
+    def __init__(self, max_entries: int, max_bytes: int):
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._entries: OrderedDict[tuple[str, str, str], tuple[str, bytes, int]] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple[str, str, str]) -> tuple[str, bytes] | None:
+        entry = self._entries.get(key)
+        return None if entry is None else (entry[0], entry[1])
+
+    def put(self, key: tuple[str, str, str], digest: str, body: bytes) -> None:
+        size = len(body) + len(digest) + sum(len(k) for k in key) + self.ENTRY_OVERHEAD
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= old[2]
+        if self.max_entries <= 0 or size > self.max_bytes:
+            return
+        self._entries[key] = (digest, body, size)
+        self.nbytes += size
+        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+            self.nbytes -= self._entries.popitem(last=False)[1][2]
 
 
 def _body_digest(body: RewardRequest) -> str:
@@ -291,7 +329,7 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
     per_tenant: dict[str, int] = {}  # requests in flight per tenant label (bounded like the labels)
     slots = FairSlots(settings.slots, settings.tenant_slots) if settings.slots else None
     tenants = TenantLabels(settings.max_tenants, reserved=set(tenant_tokens))
-    cache: OrderedDict[tuple[str, str, str], tuple[str, dict[str, Any]]] = OrderedDict()
+    cache = AnswerCache(settings.idempotency_cache, int(settings.idempotency_cache_mb * 1024 * 1024))
 
     def quota(tenant: str) -> int | None:
         spec = tenant_tokens.get(tenant)
@@ -404,8 +442,9 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
             raise HTTPException(404, f"no reward function {name!r}; served: {sorted(functions)}")
         key = (x_rollart_tenant or "", name, idempotency_key) if idempotency_key else None
         digest = _body_digest(body) if key is not None else ""
-        if key is not None and key in cache:
-            seen_digest, answer = cache[key]
+        cached = cache.get(key) if key is not None else None
+        if cached is not None:
+            seen_digest, encoded = cached
             if seen_digest != digest:
                 count(name, 422, tenant)
                 raise HTTPException(
@@ -414,7 +453,7 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
                     "send a new key for a new request",
                 )
             count(name, 200, tenant)
-            return answer
+            return Response(encoded, media_type="application/json")
         limit = quota(tenant)
         if limit is not None and per_tenant.get(tenant, 0) >= limit:
             count(name, 429, tenant)
@@ -454,14 +493,17 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
                 count(name, 500, tenant)
                 log.warning("reward function %s raised %s: %s", name, type(err).__name__, err)
                 raise HTTPException(500, f"reward function {name!r} raised {type(err).__name__}: {err}") from None
-            answer = {"result": [s for s, _ in pairs], "details": [d for _, d in pairs]}
-            if key is not None and settings.idempotency_cache > 0:
-                cache[key] = (digest, answer)
-                while len(cache) > settings.idempotency_cache:
-                    cache.popitem(last=False)
+            answer = RewardResponse(result=[s for s, _ in pairs], details=[d for _, d in pairs])
+            # encoded once: the cache keeps these bytes, not the answer's Python objects (a float and a
+            # dict per trajectory: ~3 KB for a request of 18 trajectories against ~0.4 KB encoded)
+            encoded = json.dumps(
+                jsonable_encoder(answer), ensure_ascii=False, allow_nan=False, separators=(",", ":")
+            ).encode()
+            if key is not None:
+                cache.put(key, digest, encoded)
             count(name, 200, tenant)
             scored.labels(function=name, tenant=tenant).inc(len(trajs))
-            return answer
+            return Response(encoded, media_type="application/json")
         finally:
             if work is not None and not work.done():  # one trajectory failed: the others stop too
                 work.cancel()
