@@ -216,11 +216,11 @@ function batchTokensView(b) {
   b.token_ids.forEach((id, i) => {
     const text = b.text ? b.text[i] : `#${id}`;
     const action = Boolean(mask[i]);
-    const chip = el("span", { class: `btok ${action ? "action" : "context"}`, "data-mask": mask[i] ?? "", "data-logprob": lps[i] ?? "" },
+    const chip = el("span", { class: `btok ${action ? "action" : "context"}`, "data-mask": mask[i] ?? "", "data-logprob": action ? lps[i] ?? "" : "" },
       el("span", { class: "btok-text" }, text === "" ? "\u2205" : text),
       el("span", { class: "btok-lp" }, action && lps[i] !== undefined ? fmt(lps[i], 3) : ""));
     chip.title = `token ${i}: id ${id}` + (b.text ? ` ${JSON.stringify(text)}` : "") + `, loss mask ${fmt(mask[i])}` +
-      (lps[i] !== undefined ? `, log-prob ${fmt(lps[i])}` : "") + (vers[i] !== undefined ? `, version ${fmt(vers[i])}` : "") +
+      (!action ? " (prompt or observation: not sampled, no log-prob)" : lps[i] !== undefined ? `, log-prob ${fmt(lps[i])}` : "") + (vers[i] !== undefined ? `, version ${fmt(vers[i])}` : "") +
       (adv[i] !== undefined ? `, advantage ${fmt(adv[i])}` : "");
     row.append(chip);
   });
