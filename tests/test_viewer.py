@@ -219,10 +219,20 @@ def test_the_api_reads_the_run_folder_and_follows_a_run_still_writing_it(run_dir
     shutil.copytree(run_dir, live)
     v = Viewer(live)
     try:
-        # a trajectory the record does not hold (its step's file gone) says where tokens come from
-        (live / "batches" / f"step-{first['step']:08d}.pt").unlink()
+        # a trajectory the record does not hold (its step's file unreadable) says where tokens come from
+        (live / "batches" / f"step-{first['step']:08d}.pt").write_bytes(b"not a step file")
         gone = v.get(f"/api/trajectories/{first['id']}").json()
         assert gone["tokens"] is None and "record_batches: true" in gone["per_token_note"]
+        # a model folder gone since the run: the token ids, and why there is no text
+        trainer = json.loads((live / "batches" / "trainer.json").read_text())
+        trainer["train"]["model"] = str(tmp_path / "moved")
+        (live / "batches" / "trainer.json").write_text(json.dumps(trainer))
+        other = next(
+            r for r in v.get("/api/trajectories", status="trained").json()["rows"] if r["step"] != first["step"]
+        )
+        ids = v.get(f"/api/trajectories/{other['id']}").json()["tokens"]
+        assert ids["text"] is None and "tokenizer could not be loaded" in ids["tokenizer_error"]
+        assert ids["token_ids"] == batch_row(run_dir, other["traj_id"], other["step"])[C.INPUT_IDS]
         before = v.get("/api/run").json()
         (live / LOCK).write_text(f"{v.proc.pid}\n")  # a live rollart process names itself in the lock
         assert v.get("/api/run").json()["live"] is True
