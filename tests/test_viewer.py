@@ -233,6 +233,9 @@ def test_the_api_reads_the_run_folder_and_follows_a_run_still_writing_it(run_dir
         ids = v.get(f"/api/trajectories/{other['id']}").json()["tokens"]
         assert ids["text"] is None and "tokenizer could not be loaded" in ids["tokenizer_error"]
         assert ids["token_ids"] == batch_row(run_dir, other["traj_id"], other["step"])[C.INPUT_IDS]
+        # a step file written again (a resumed run records its steps anew) is read again, not served from memory
+        (live / "batches" / f"step-{other['step']:08d}.pt").write_bytes(b"recorded again, cut short")
+        assert v.get(f"/api/trajectories/{other['id']}").json()["tokens"] is None
         before = v.get("/api/run").json()
         (live / LOCK).write_text(f"{v.proc.pid}\n")  # a live rollart process names itself in the lock
         assert v.get("/api/run").json()["live"] is True

@@ -34,6 +34,7 @@ class BatchTokens:
         self.root = Path(run_dir) / FOLDER
         self._lock = threading.Lock()
         self._steps: OrderedDict[int, tuple[Any, dict[str, int]]] = OrderedDict()  # step -> (batch, traj_id -> row)
+        self._stamps: dict[int, tuple[int, int]] = {}  # step -> (size, mtime) of the file read
         self._tokenizer: Any = _UNLOADED
         self._tokenizer_error: str | None = None
         self._texts: dict[int, str] = {}
@@ -63,21 +64,25 @@ class BatchTokens:
         from rollart.training import columns as C
         from rollart.training.batch_record import read_step, step_file
 
-        if step in self._steps:
+        try:  # a step recorded again (a run resumed from an earlier checkpoint) is read again
+            st = step_file(self.root, step).stat()
+        except FileNotFoundError:
+            return None
+        stamp = (st.st_size, st.st_mtime_ns)
+        if step in self._steps and self._stamps.get(step) == stamp:
             self._steps.move_to_end(step)
             return self._steps[step]
-        if not step_file(self.root, step).is_file():
-            return None
         try:
             batch, _ = read_step(self.root, step)
-        except Exception as err:  # a file cut short or written by another version: no tokens, said once
+        except Exception as err:  # a file cut short or written by another version: no tokens (logged)
             log.warning("rollart view: cannot read the batch record of step %d in %s: %s", step, self.root, err)
             return None
         ids = batch.get(C.TRAJ_ID, [])
         found = (batch, {str(t): r for r, t in enumerate(ids)})
-        self._steps[step] = found
+        self._steps[step], self._stamps[step] = found, stamp
+        self._steps.move_to_end(step)
         while len(self._steps) > STEPS_KEPT:
-            self._steps.popitem(last=False)
+            self._stamps.pop(self._steps.popitem(last=False)[0], None)
         return found
 
     def _row(self, batch: Any, r: int, step: int) -> dict[str, Any]:
