@@ -24,6 +24,8 @@ from test_pipeline import small_config
 
 from rollart.cli.run_dir import LOCK
 from rollart.tracking.traces import lives, read_traces
+from rollart.tracking.viewer import tokens as viewer_tokens
+from rollart.training import batch_record
 from rollart.training import columns as C
 from rollart.training.batch_record import read_step, read_trainer
 
@@ -194,6 +196,7 @@ def test_the_api_reads_the_run_folder_and_follows_a_run_still_writing_it(run_dir
 
         # ... the batch record does: the trajectory's row of the step that trained it, token by token
         assert run["batch_record"] is True and one["per_token_note"] is None
+        assert (viewer_tokens.FOLDER, viewer_tokens.TRAINER_FILE) == (batch_record.FOLDER, batch_record.TRAINER_FILE)
         tokens = one["tokens"]
         row = batch_row(run_dir, life.traj_id, first["step"])
         assert tokens["step"] == first["step"] and tokens["token_ids"] == row[C.INPUT_IDS]

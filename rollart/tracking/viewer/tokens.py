@@ -22,6 +22,9 @@ STEPS_KEPT = 4
 """Step files kept in memory (a step's batch can be large; the record is read a step at a time)."""
 TOKENS_NOTE = "tokens are recorded for trained trajectories with record_batches: true"
 """What the trajectory page says where it has no tokens to show."""
+FOLDER, TRAINER_FILE = "batches", "trainer.json"
+"""The record's folder and its trainer file, as :mod:`rollart.training.batch_record` names them (which
+imports torch: the viewer starts without it, and imports it when it first reads a step file)."""
 _UNLOADED = object()
 
 
@@ -29,20 +32,16 @@ class BatchTokens:
     """The batch record under ``run_dir/batches`` as the viewer reads it; safe across threads (one lock)."""
 
     def __init__(self, run_dir: Path):
-        from rollart.training.batch_record import FOLDER
-
         self.root = Path(run_dir) / FOLDER
         self._lock = threading.Lock()
         self._steps: OrderedDict[int, tuple[Any, dict[str, int]]] = OrderedDict()  # step -> (batch, traj_id -> row)
         self._stamps: dict[int, tuple[int, int]] = {}  # step -> (size, mtime) of the file read
-        self._tokenizer: Any = _UNLOADED
+        self._tokenizer: Any = _UNLOADED  # then a decoder of id lists (None: it could not be loaded)
         self._tokenizer_error: str | None = None
         self._texts: dict[int, str] = {}
 
     def recorded(self) -> bool:
         """Whether the run folder holds a batch record."""
-        from rollart.training.batch_record import TRAINER_FILE
-
         return (self.root / TRAINER_FILE).is_file()
 
     def tokens(self, traj_id: str, step: int | None) -> dict[str, Any] | None:
@@ -112,14 +111,27 @@ class BatchTokens:
 
     # -------------------------------------------------------------------------------------- decoding
     def _load_tokenizer(self) -> None:
+        """The run's tokenizer: its ``tokenizer.json`` through ``tokenizers`` (quick to import), else
+        ``AutoTokenizer`` from the model folder (local files only: nothing is downloaded)."""
         from rollart.training.batch_record import read_trainer
 
         self._tokenizer = None
         try:
-            model = read_trainer(self.root)["train"]["model"]
-            from transformers import AutoTokenizer
+            model = str(read_trainer(self.root)["train"]["model"])
+            if Path(model).is_absolute() and not Path(model).is_dir():
+                raise FileNotFoundError(f"the model folder {model} is not there (moved or deleted since the run?)")
+            if (Path(model) / "tokenizer.json").is_file():
+                from tokenizers import Tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(str(model))
+                fast = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+                self._tokenizer = lambda seqs: fast.decode_batch(seqs, skip_special_tokens=False)
+            else:
+                from transformers import AutoTokenizer
+
+                slow = AutoTokenizer.from_pretrained(model, local_files_only=True)
+                self._tokenizer = lambda seqs: slow.batch_decode(
+                    seqs, skip_special_tokens=False, clean_up_tokenization_spaces=False
+                )
         except Exception as err:  # a moved or deleted model folder: the ids are still shown
             self._tokenizer_error = f"the run's tokenizer could not be loaded ({err}); token ids shown"
             log.warning("rollart view: %s", self._tokenizer_error)
@@ -132,10 +144,7 @@ class BatchTokens:
             return None, self._tokenizer_error
         new = sorted({i for i in ids if i not in self._texts})
         if new:
-            texts = self._tokenizer.batch_decode(
-                [[i] for i in new], skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
-            self._texts.update(zip(new, (str(t) for t in texts)))
+            self._texts.update(zip(new, (str(t) for t in self._tokenizer([[i] for i in new]))))
         return [self._texts[i] for i in ids], None
 
 
