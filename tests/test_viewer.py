@@ -24,6 +24,10 @@ from test_pipeline import small_config
 
 from rollart.cli.run_dir import LOCK
 from rollart.tracking.traces import lives, read_traces
+from rollart.tracking.viewer import tokens as viewer_tokens
+from rollart.training import batch_record
+from rollart.training import columns as C
+from rollart.training.batch_record import read_step, read_trainer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,7 +44,8 @@ CHROMIUM_ARGS = [
 
 @pytest.fixture(scope="module")
 def run_dir(ray_local, tmp_path_factory):
-    """A real run's folder: 2 steps of two reverse tasks (alpha 1, groups of 4), every trajectory traced."""
+    """A real run's folder: 2 steps of two reverse tasks (alpha 1, groups of 4), every trajectory traced,
+    every trained batch recorded (``record_batches``)."""
     from rollart.pipelines.agentic import AgenticPipeline
 
     tmp = tmp_path_factory.mktemp("viewed")
@@ -49,6 +54,7 @@ def run_dir(ray_local, tmp_path_factory):
         steps=2,
         checkpoint_every=0,
         traces={"enabled": True},
+        record_batches=True,
         envs=[
             {"name": "reverse", "groups": 2, "kwargs": {"length": 3}},
             {"name": "reverse", "groups": 2, "kwargs": {"length": 2}},
@@ -115,6 +121,13 @@ def records(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def batch_row(folder: Path, traj_id: str, step: int) -> dict:
+    """The row of ``traj_id`` in the batch record of ``step``, one list or number per column."""
+    batch, _ = read_step(folder / "batches", step)
+    r = batch[C.TRAJ_ID].index(traj_id)
+    return {k: (batch[k][r].tolist() if hasattr(batch[k][r], "tolist") else batch[k][r]) for k in batch}
+
+
 def _reward(life) -> float | None:
     rewards = [e["reward"] for e in life.events if e["event"] in ("reward", "trained") and "reward" in e]
     return rewards[-1] if rewards else None
@@ -132,6 +145,8 @@ def expected_rows(folder: Path, lo: float | None, hi: float | None) -> set[str]:
 
 
 def test_the_api_reads_the_run_folder_and_follows_a_run_still_writing_it(run_dir, tmp_path):
+    from transformers import AutoTokenizer
+
     v = Viewer(run_dir)
     try:
         assert urlparse(v.url).hostname == "127.0.0.1"
@@ -177,7 +192,25 @@ def test_the_api_reads_the_run_folder_and_follows_a_run_still_writing_it(run_dir
         assert [c["response_tokens"] for c in calls] == [
             e["response_tokens"] for e in life.events if e["event"] == "generate"
         ]
-        assert one["per_token_note"] and one["content"] == []  # per-token data is not in the traces
+        assert one["content"] == []  # the traces hold no per-token data ...
+
+        # ... the batch record does: the trajectory's row of the step that trained it, token by token
+        assert run["batch_record"] is True and one["per_token_note"] is None
+        assert (viewer_tokens.FOLDER, viewer_tokens.TRAINER_FILE) == (batch_record.FOLDER, batch_record.TRAINER_FILE)
+        tokens = one["tokens"]
+        row = batch_row(run_dir, life.traj_id, first["step"])
+        assert tokens["step"] == first["step"] and tokens["token_ids"] == row[C.INPUT_IDS]
+        assert tokens["logprobs"] == row[C.BEHAVIOUR_LOGPROBS] and tokens["loss_mask"] == row[C.LOSS_MASK]
+        assert tokens["versions"] == row[C.VERSIONS] and tokens["advantages"] == row[C.ADVANTAGES]
+        assert tokens["reward"] == row[C.REWARDS] == first["reward"]
+        assert 0 < sum(tokens["loss_mask"]) < len(tokens["token_ids"])  # prompt and action tokens both
+        tokenizer = AutoTokenizer.from_pretrained(read_trainer(run_dir / "batches")["train"]["model"])
+        assert tokens["tokenizer_error"] is None and tokens["text"] == [
+            tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            for i in row[C.INPUT_IDS]
+        ]
+        actions = [t for t, m in zip(tokens["text"], tokens["loss_mask"]) if m]
+        assert "".join(actions).strip() != ""  # the response, as text
         assert v.get("/api/trajectories/100000").status_code == 404
         assert v.get("/api/trajectories", status="nonsense").status_code == 422
         assert v.get("/static/../data.py").status_code == 404 and v.get("/static/secrets").status_code == 404
@@ -189,6 +222,23 @@ def test_the_api_reads_the_run_folder_and_follows_a_run_still_writing_it(run_dir
     shutil.copytree(run_dir, live)
     v = Viewer(live)
     try:
+        # a trajectory the record does not hold (its step's file unreadable) says where tokens come from
+        (live / "batches" / f"step-{first['step']:08d}.pt").write_bytes(b"not a step file")
+        gone = v.get(f"/api/trajectories/{first['id']}").json()
+        assert gone["tokens"] is None and "record_batches: true" in gone["per_token_note"]
+        # a model folder gone since the run: the token ids, and why there is no text
+        trainer = json.loads((live / "batches" / "trainer.json").read_text())
+        trainer["train"]["model"] = str(tmp_path / "moved")
+        (live / "batches" / "trainer.json").write_text(json.dumps(trainer))
+        other = next(
+            r for r in v.get("/api/trajectories", status="trained").json()["rows"] if r["step"] != first["step"]
+        )
+        ids = v.get(f"/api/trajectories/{other['id']}").json()["tokens"]
+        assert ids["text"] is None and "tokenizer could not be loaded" in ids["tokenizer_error"]
+        assert ids["token_ids"] == batch_row(run_dir, other["traj_id"], other["step"])[C.INPUT_IDS]
+        # a step file written again (a resumed run records its steps anew) is read again, not served from memory
+        (live / "batches" / f"step-{other['step']:08d}.pt").write_bytes(b"recorded again, cut short")
+        assert v.get(f"/api/trajectories/{other['id']}").json()["tokens"] is None
         before = v.get("/api/run").json()
         (live / LOCK).write_text(f"{v.proc.pid}\n")  # a live rollart process names itself in the lock
         assert v.get("/api/run").json()["live"] is True
@@ -245,6 +295,8 @@ def test_the_api_reads_the_run_folder_and_follows_a_run_still_writing_it(run_dir
         assert {"rollout 7 (H20, 127.0.0.1)", "rollout 8 (H800, 127.0.0.1)"} <= set(tl["lanes"])
         (failed,) = v.get("/api/trajectories", status="failed").json()["rows"]
         assert failed["traj_id"] == "9:0:0:v3" and failed["why"] == "step 0: boom" and failed["migrated"]
+        untrained = v.get(f"/api/trajectories/{failed['id']}").json()  # not trained: no tokens, the same note
+        assert untrained["tokens"] is None and "record_batches: true" in untrained["per_token_note"]
 
         # lines that are not trace events are passed over
         with (live / "traces.jsonl").open("a") as f:
@@ -295,6 +347,8 @@ def _browser():
 
 def test_the_page_draws_the_curves_filters_by_reward_and_opens_a_trajectory_offline(run_dir, tmp_path):
     sync_playwright = _browser()
+    from transformers import AutoTokenizer
+
     folder = tmp_path / "run"  # a copy the test goes on writing, as a live run would
     shutil.copytree(run_dir, folder)
     recs = records(folder)
@@ -371,7 +425,27 @@ def test_the_page_draws_the_curves_filters_by_reward_and_opens_a_trajectory_offl
             assert shown == [str(e["response_tokens"]) for e in gens]
             events = page.locator("#traj-events tbody tr td:nth-child(2)").all_text_contents()
             assert events == [e["event"] for e in life.events]
-            assert "not recorded" in page.text_content("#per-token-note")
+            # its tokens from the batch record: each token's text, its log-prob, action tokens apart
+            row = batch_row(folder, traj_id, life.end["step"])
+            chips = page.locator("#batch-tokens .btok")
+            assert chips.count() == len(row[C.INPUT_IDS])
+            assert page.locator("#batch-tokens .btok.action").count() == sum(row[C.LOSS_MASK])
+            masks = [
+                int(x) for x in page.eval_on_selector_all("#batch-tokens .btok", "els => els.map(e => e.dataset.mask)")
+            ]
+            assert masks == row[C.LOSS_MASK]
+            a = row[C.LOSS_MASK].index(1)
+            chip = chips.nth(a)
+            assert float(chip.get_attribute("data-logprob")) == row[C.BEHAVIOUR_LOGPROBS][a]
+            assert f"id {row[C.INPUT_IDS][a]}" in chip.get_attribute("title") and "log-prob" in chip.get_attribute(
+                "title"
+            )
+            assert chip.locator(".btok-lp").text_content() != ""  # the log-prob under an action token
+            tokenizer = AutoTokenizer.from_pretrained(read_trainer(folder / "batches")["train"]["model"])
+            shown = chip.locator(".btok-text").text_content()
+            assert shown == tokenizer.decode([row[C.INPUT_IDS][a]], skip_special_tokens=False) or shown == "\u2205"
+            assert chips.nth(row[C.LOSS_MASK].index(0)).locator(".btok-lp").text_content() == ""  # none: a prompt token
+            assert page.locator("#per-token-note").count() == 0
 
             # the hostile trajectory: its error as text
             page.select_option("select[name=status]", "failed")

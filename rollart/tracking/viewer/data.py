@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart.tracking.traces import ENDS, RUN, TRACES, Life
+from rollart.tracking.viewer.tokens import TOKENS_NOTE, BatchTokens
 
 METRICS = "metrics.jsonl"
 ELASTIC = "elastic.jsonl"
@@ -26,9 +27,9 @@ PER_TOKEN_FIELDS = ("tokens", "token_ids", "logprobs", "loss_mask", "observation
 """Fields of a trace event the trajectory page shows as per-token or content data when present (the
 traces of this version record token counts, not the tokens: see ``per_token_note``)."""
 PER_TOKEN_NOTE = (
-    "Per-token data (token ids, per-token log-probs, the loss mask) and the env's observations and tool "
-    "calls are not recorded in traces.jsonl in this version: each generate call records its token counts "
-    "and the policy versions of its tokens, each env step its latency, reward and errors."
+    f"No tokens for this trajectory: {TOKENS_NOTE} (the run's batches/ folder). traces.jsonl records each "
+    "generate call's token counts and the policy versions of its tokens, each env step its latency, reward "
+    "and errors; the env's observations and tool calls are not recorded in this version."
 )
 
 
@@ -98,6 +99,7 @@ class RunFolder:
         self._marks: list[dict[str, Any]] = []
         self._trained_at: dict[int, float] = {}  # step -> its first trained event
         self._tags: set[str] = set()
+        self._batches = BatchTokens(self.path)  # the tokens of trained trajectories (record_batches: true)
 
     # ------------------------------------------------------------------------------------------ reading
     def _refresh(self) -> None:
@@ -193,6 +195,7 @@ class RunFolder:
                 "run_dir": str(self.path.resolve()),
                 "name": self.path.resolve().name,
                 "files": {n: (self.path / n).is_file() for n in (METRICS, TRACES, ELASTIC, LEDGER)},
+                "batch_record": self._batches.recorded(),
                 "steps": len(records),
                 "last_step": records[-1]["step"] if records else None,
                 "trajectories": len(self._lives),
@@ -340,7 +343,8 @@ class RunFolder:
     def trajectory(self, n: int) -> dict[str, Any] | None:
         """One trajectory's life (its number in the list: ``id`` of a row): the summary row, its turns
         (the generate calls, migrations and env step of each), its reward call, its events with their
-        time since ``created``, and the per-token or content fields its events hold (none in this version)."""
+        time since ``created``, the per-token or content fields its events hold (none in this version), and
+        ``tokens``: a trained trajectory's row of the batch record (:class:`BatchTokens`), or None."""
         with self._lock:
             self._refresh()
             if not 0 <= n < len(self._lives):
@@ -363,13 +367,16 @@ class RunFolder:
             for e in events
             if any(k in e for k in PER_TOKEN_FIELDS)
         ]
+        row = _row(n, life)
+        tokens = self._batches.tokens(life.traj_id, row["step"]) if row["outcome"] == "trained" else None
         return {
-            **_row(n, life),
+            **row,
             "turns": [turns[k] for k in sorted(turns)],
             "reward_call": next((e for e in events if e.get("event") == "reward"), None),
             "events": [{**e, "since_s": (_num(e.get("t")) or t0) - t0} for e in events],
             "content": content,
-            "per_token_note": None if content else PER_TOKEN_NOTE,
+            "tokens": tokens,
+            "per_token_note": None if content or tokens else PER_TOKEN_NOTE,
         }
 
 
@@ -413,4 +420,4 @@ def _row(n: int, life: Life) -> dict[str, Any]:
     }
 
 
-__all__ = ["ENDS", "PER_TOKEN_NOTE", "RunFolder"]
+__all__ = ["ENDS", "PER_TOKEN_NOTE", "TOKENS_NOTE", "RunFolder"]

@@ -195,6 +195,39 @@ function tokensView(item) {
   return row;
 }
 
+// A trained trajectory's row of the batch record: one chip per token, its text (or id), action tokens
+// (loss mask 1) apart from prompt and observation tokens (mask 0); the log-prob under each token and,
+// with the id, version and advantage, in its tooltip.
+function batchTokensView(b) {
+  const mask = b.loss_mask || [];
+  const lps = b.logprobs || [];
+  const vers = b.versions || [];
+  const adv = b.advantages || [];
+  const actions = mask.filter((m) => m).length;
+  const parts = [el("p", { id: "batch-tokens-summary" },
+    `step ${b.step}, row ${b.row} of the batch record · ${b.token_ids.length} tokens, ${actions} action tokens (trained, loss mask 1) · reward ${fmt(b.reward)}` +
+    (adv.length ? ` · advantage ${fmt(adv.find((_, i) => mask[i]) ?? adv[0])}` : ""),
+  )];
+  if (b.tokenizer_error) parts.push(el("p", { class: "note" }, b.tokenizer_error));
+  const legend = el("p", { class: "hint" }, el("span", { class: "btok action" }, "action token"), " ",
+    el("span", { class: "btok context" }, "prompt / observation token"), " · the number under a token: its behaviour log-prob; hover for its id, version and advantage");
+  parts.push(legend);
+  const row = el("div", { id: "batch-tokens", class: "tokens" });
+  b.token_ids.forEach((id, i) => {
+    const text = b.text ? b.text[i] : `#${id}`;
+    const action = Boolean(mask[i]);
+    const chip = el("span", { class: `btok ${action ? "action" : "context"}`, "data-mask": mask[i] ?? "", "data-logprob": action ? lps[i] ?? "" : "" },
+      el("span", { class: "btok-text" }, text === "" ? "\u2205" : text),
+      el("span", { class: "btok-lp" }, action && lps[i] !== undefined ? fmt(lps[i], 3) : ""));
+    chip.title = `token ${i}: id ${id}` + (b.text ? ` ${JSON.stringify(text)}` : "") + `, loss mask ${fmt(mask[i])}` +
+      (!action ? " (prompt or observation: not sampled, no log-prob)" : lps[i] !== undefined ? `, log-prob ${fmt(lps[i])}` : "") + (vers[i] !== undefined ? `, version ${fmt(vers[i])}` : "") +
+      (adv[i] !== undefined ? `, advantage ${fmt(adv[i])}` : "");
+    row.append(chip);
+  });
+  parts.push(row);
+  return parts;
+}
+
 async function openTrajectory(id) {
   openId = id;
   const d = await api(`/api/trajectories/${id}`);
@@ -223,6 +256,7 @@ async function openTrajectory(id) {
   }
   turns.append(tb);
   parts.push(turns);
+  if (d.tokens) parts.push(el("h4", {}, "Tokens, log-probs and loss mask (batch record)"), ...batchTokensView(d.tokens));
   if (d.content.length) {
     parts.push(el("h4", {}, "Tokens, log-probs and loss mask"));
     for (const item of d.content) {
