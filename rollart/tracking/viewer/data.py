@@ -288,12 +288,14 @@ class RunFolder:
                     }
                 )
         for row in elastic:
-            kind, t = row.get("event"), _num(row.get("time"))
-            if t is None or kind not in ("joined", "left", "lost", "draining", "node_joined", "node_left"):
+            kind, when = row.get("event"), _num(row.get("time"))
+            if when is None or kind not in ("joined", "left", "lost", "draining", "node_joined", "node_left"):
                 continue
             lane = _worker(row.get("rank"), row.get("hardware"), row.get("node_ip")) if "rank" in row else "pool"
             label = f"{kind}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("event", "time"))
-            marks.append({"lane": lane, "t": t, "kind": "join" if kind.endswith("joined") else "fault", "label": label})
+            marks.append(
+                {"lane": lane, "t": when, "kind": "join" if kind.endswith("joined") else "fault", "label": label}
+            )
         lanes = sorted({s["lane"] for s in spans} | {m["lane"] for m in marks}, key=_lane_order)
         return {"lanes": lanes, "spans": spans, "marks": marks, "spans_not_shown": dropped}
 
