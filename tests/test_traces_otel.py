@@ -16,6 +16,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from test_pipeline import small_config
 
+from rollart.tracking import otel
 from rollart.tracking.otel import SpanExport, ns, trace_id
 from rollart.tracking.traces import TRACES, TraceWriter, lives, read_traces
 
@@ -39,10 +40,13 @@ class Collector:
     def __init__(self):
         self.spans: list[dict] = []
         self.requests: list[dict] = []
+        self.gate = threading.Event()  # answers once set (a collector that does not keep up until then)
+        self.gate.set()
         collector = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
+                collector.gate.wait(60)
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 if self.path != "/v1/traces" or self.headers["Content-Type"] != "application/x-protobuf":
                     self.send_error(404)
@@ -183,6 +187,26 @@ def test_a_collector_that_is_down_costs_one_warning_and_the_file_stays_complete(
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "traces.otlp_endpoint" in warnings[0].getMessage()
     assert f"127.0.0.1:{port}" in warnings[0].getMessage()
+
+
+def test_a_collector_that_does_not_keep_up_costs_one_warning(otel_run, monkeypatch, caplog):
+    run, _ = otel_run
+    events = list(read_traces(run))
+    monkeypatch.setattr(otel, "QUEUE_SPANS", 4)  # 4 spans queued at most: the first batch blocks the rest
+    collector = Collector()
+    collector.gate.clear()
+    spans = SpanExport(collector.url, seed=5)
+    try:
+        with caplog.at_level(logging.WARNING):
+            spans.add(events)  # far more than 4 spans while the collector holds its first request
+            collector.gate.set()
+            spans.close()
+    finally:
+        collector.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "does not keep up" in warnings[0], warnings
+    assert spans.queue_full_warned and 0 < len(collector.spans) < 5 * spans.lives_exported
+    assert spans.lives_exported == len(lives(events)) and spans.failed_exports == 0
 
 
 def test_an_otlp_endpoint_without_the_otel_extra_is_refused_naming_the_field_and_the_fix(tmp_path, monkeypatch):

@@ -14,12 +14,13 @@ that cannot be reached is logged once; spans are dropped while it is down (the J
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -41,6 +42,10 @@ TRACES_PATH = "/v1/traces"
 TIMED = ("env_reset", "generate", "env_step", "reward")
 # the exporter's own logger (its retries and failures): quieted inside SpanExport's exports, which log once
 _EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+# the batch processor's logger (a full queue drops spans): quieted while SpanExport makes spans, logged once
+_PROCESSOR_LOGGER = "opentelemetry.sdk._shared_internal"
+QUEUE_SPANS = 2**15
+"""Spans queued for the collector at most (about 25 steps of the quickstart, every trajectory traced)."""
 RETRY_S = 60.0
 """While the collector is down, how long spans are dropped before the next try."""
 
@@ -210,6 +215,8 @@ class SpanExport:
         self._guard: _Guarded | None = None
         self._tracer: trace.Tracer | None = None
         self._ids = _PlannedIds()
+        self._full = _Quiet()  # the processor's "queue full" lines while spans are made
+        self.queue_full_warned = False
 
     def _start(self) -> trace.Tracer:
         if self._tracer is None:  # first use, or events after close
@@ -221,25 +228,53 @@ class SpanExport:
                 id_generator=self._ids,
                 sampler=ALWAYS_ON,
             )
-            self._provider.add_span_processor(BatchSpanProcessor(self._guard))
+            self._provider.add_span_processor(
+                BatchSpanProcessor(self._guard, max_queue_size=QUEUE_SPANS, max_export_batch_size=min(512, QUEUE_SPANS))
+            )
             self._tracer = self._provider.get_tracer("rollart.tracking.otel")
         return self._tracer
 
     def add(self, events: Iterable[Mapping[str, Any]]) -> None:
         """Events as ``traces.jsonl`` holds them, in order: each life is exported when its end arrives."""
-        for e in events:
-            tid = e.get("traj_id", RUN)
-            if tid == RUN:
-                continue
-            life = self._open.get(tid)
-            if life is not None and e["event"] == "created" and life:
-                self._export(life)  # the id is played again: the earlier life ended without an end event
-                life = None
-            if life is None:
-                life = self._open[tid] = []
-            life.append(dict(e))
-            if e["event"] in ENDS:
-                self._export(self._open.pop(tid))
+        with self._making_spans():
+            for e in events:
+                self._add(e)
+
+    def _add(self, e: Mapping[str, Any]) -> None:
+        tid = e.get("traj_id", RUN)
+        if tid == RUN:
+            return
+        life = self._open.get(tid)
+        if life is not None and e["event"] == "created" and life:
+            self._export(life)  # the id is played again: the earlier life ended without an end event
+            life = None
+        if life is None:
+            life = self._open[tid] = []
+        life.append(dict(e))
+        if e["event"] in ENDS:
+            self._export(self._open.pop(tid))
+
+    @contextlib.contextmanager
+    def _making_spans(self) -> Iterator[None]:
+        """The processor's "queue full" lines while spans are made: one warning for the run."""
+        self._full.last = ""
+        self._full.local.on = True
+        processor = logging.getLogger(_PROCESSOR_LOGGER)
+        processor.addFilter(self._full)
+        try:
+            yield
+        finally:
+            self._full.local.on = False
+            processor.removeFilter(self._full)
+        if self._full.last and not self.queue_full_warned:
+            self.queue_full_warned = True
+            log.warning(
+                "traces: the OpenTelemetry collector at %s does not keep up (%d spans queued): spans are dropped "
+                "(%s); traces.jsonl stays complete",
+                self.url,
+                QUEUE_SPANS,
+                self._full.last,
+            )
 
     def _export(self, life: list[dict[str, Any]]) -> None:
         tracer = self._start()
@@ -301,8 +336,9 @@ class SpanExport:
     def close(self) -> None:
         """Send the lives still open (as ``open``), flush and shut the provider down: quickly when the
         collector is down (what is left is dropped), else once the collector took every span."""
-        for life in list(self._open.values()):
-            self._export(life)
+        with self._making_spans():
+            for life in list(self._open.values()):
+                self._export(life)
         self._open.clear()
         if self._provider is None or self._guard is None:
             return
