@@ -118,7 +118,14 @@ class AgenticPipeline:
         # trajectory traces (traces:): the rollout emits into the writer, the step loop writes them out
         tc = config.traces
         self.traces = (
-            TraceWriter(self.out_dir, sample=tc.sample, seed=config.seed, max_mb=tc.max_mb, resume=resume)
+            TraceWriter(
+                self.out_dir,
+                sample=tc.sample,
+                seed=config.seed,
+                max_mb=tc.max_mb,
+                resume=resume,
+                spans=self._span_export(config),
+            )
             if tc.enabled
             else None
         )
@@ -129,6 +136,22 @@ class AgenticPipeline:
         self._saved_through = self.start_step  # steps done when the last checkpoint was written
 
     # ------------------------------------------------------------------ wiring
+    @staticmethod
+    def _span_export(config: PipelineConfig) -> Any:
+        """The traces' OpenTelemetry export (``traces.otlp_endpoint``), or None."""
+        tc = config.traces
+        if tc.otlp_endpoint is None:
+            return None
+        from rollart.tracking.otel import SpanExport
+
+        return SpanExport(
+            tc.otlp_endpoint,
+            seed=config.seed,
+            service_name=tc.otlp_service_name or config.name,
+            headers=tc.otlp_headers,
+            timeout_s=tc.otlp_timeout_s,
+        )
+
     def _model_path(self) -> str:
         """``model:``, or the built-in tiny model (built offline on first use)."""
         if self.config.model is not None:

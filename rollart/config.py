@@ -292,6 +292,19 @@ class ExportConfig(ConfigModel):
     """Write `RUN_DIR/hf`, a Hugging Face folder of the final policy, when the run finishes."""
 
 
+OTEL_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter")
+"""What ``traces.otlp_endpoint`` imports (the ``otel`` extra)."""
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or blocked
+        return False
+
+
 class TracesConfig(ConfigModel):
     """Trajectory traces: every traced trajectory's events with their times, in ``RUN_DIR/traces.jsonl``
     (its schema: the Trajectory traces page); ``rollart trace RUN_DIR`` reads them."""
@@ -309,6 +322,37 @@ class TracesConfig(ConfigModel):
     """The most the file may hold (MiB); past it tracing stops for the run, with one log line (the ledger's
     counts stay exact).
     """
+    otlp_endpoint: str | None = None
+    """Also send the traced trajectories to an OpenTelemetry collector as spans, over OTLP/HTTP: its URL,
+    e.g. `http://127.0.0.1:4318` (spans go to `/v1/traces` under it). Needs the `otel` extra
+    (`pip install 'rollart[otel]'`). Spans are sent from a background thread; a collector that is down is
+    logged once and never fails or slows the run (`traces.jsonl` stays the record).
+    """
+    otlp_headers: dict[str, str] = Field(default_factory=dict)
+    """HTTP headers sent with every export (e.g. a collector's API key)."""
+    otlp_service_name: str | None = None
+    """The spans' `service.name`; null: the run's `name`."""
+    otlp_timeout_s: float = Field(default=10.0, gt=0)
+    """How long one export may take, its retries included (seconds)."""
+
+    @model_validator(mode="after")
+    def _check_otlp(self) -> TracesConfig:
+        if self.otlp_endpoint is None:
+            return self
+        if not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ValueError(
+                f"traces.otlp_endpoint: {self.otlp_endpoint!r} is not an http(s) URL; give the collector's "
+                "OTLP/HTTP address, e.g. http://127.0.0.1:4318"
+            )
+        if not self.enabled:
+            raise ValueError("traces.otlp_endpoint exports the traced trajectories: set traces.enabled: true too")
+        missing = [m for m in OTEL_MODULES if not _importable(m)]
+        if missing:
+            raise ValueError(
+                f"traces.otlp_endpoint needs the OpenTelemetry SDK and its OTLP/HTTP exporter ({', '.join(missing)} "
+                "not found); install them with pip install 'rollart[otel]' or remove traces.otlp_endpoint"
+            )
+        return self
 
 
 class PipelineConfig(ConfigModel):

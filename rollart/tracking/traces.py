@@ -5,7 +5,9 @@ schema: ``docs/traces.md``). The rollout emits events into a :class:`TraceWriter
 memory; the pipeline hands them over once per step (:meth:`TraceWriter.flush`) to a thread that encodes and
 appends them, so nothing on the rollout's path or the step loop touches the file. ``sample`` picks the traced trajectories by a hash of the run's seed and the
 trajectory id (:func:`sampled`: the same ids in every run with that seed); ``max_mb`` caps the file, past
-which tracing stops with one log line (the ledger's counts do not depend on traces).
+which tracing stops with one log line (the ledger's counts do not depend on traces). With a span export
+(``traces.otlp_endpoint``: :class:`rollart.tracking.otel.SpanExport`) the writing thread also hands the
+events it wrote to it, which sends them to an OpenTelemetry collector as spans.
 
 The reader side (:func:`read_traces`, :func:`lives`, :func:`timeline`) serves ``rollart trace``.
 """
@@ -20,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,15 @@ RUN = ""
 """The ``traj_id`` of the run's own events (``trace_started``)."""
 ENDS = {"trained": "trained", "failed": "failed", "dropped": "dropped", "filtered": "dropped", "evicted": "dropped"}
 """Events that end a trajectory's life, and the outcome each counts as (``rollart trace --status``)."""
+
+
+class SpanSink(Protocol):
+    """Where the written events also go (:class:`rollart.tracking.otel.SpanExport`): ``add`` is called in the
+    writing thread after each write, ``close`` at the end of the run."""
+
+    def add(self, events: Iterable[dict[str, Any]]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def sampled(traj_id: str, seed: int, fraction: float) -> bool:
@@ -44,10 +55,18 @@ def sampled(traj_id: str, seed: int, fraction: float) -> bool:
 class TraceWriter:
     """Buffers trace events and appends them to ``run_dir/traces.jsonl`` on :meth:`flush` (in its own
     thread); a fresh (not resumed) run starts the file anew. ``emit`` and ``flush`` are called from one
-    thread (the rollout and the step loop share one event loop)."""
+    thread (the rollout and the step loop share one event loop). ``spans``: also export the written events
+    (as OpenTelemetry spans); a failure there is logged once and never stops the file."""
 
     def __init__(
-        self, run_dir: Path, *, sample: float = 1.0, seed: int = 0, max_mb: float = 256.0, resume: bool = False
+        self,
+        run_dir: Path,
+        *,
+        sample: float = 1.0,
+        seed: int = 0,
+        max_mb: float = 256.0,
+        resume: bool = False,
+        spans: SpanSink | None = None,
     ):
         self.path = Path(run_dir) / TRACES
         self.sample, self.seed = sample, seed
@@ -62,6 +81,7 @@ class TraceWriter:
         self._encoder = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollart-traces")
         self._pending: Future[None] | None = None
+        self.spans = spans
         self.emit(RUN, "trace_started", sample=sample, seed=seed, max_mb=max_mb, resumed=resume)
 
     def wants(self, traj_id: str) -> bool:
@@ -125,11 +145,30 @@ class TraceWriter:
                 f.write("".join(text))
             self.written += size
             self.events += len(text)
+            self._export(events[: len(text)])
+
+    def _export(self, events: list[dict[str, Any]]) -> None:
+        if self.spans is None:
+            return
+        try:
+            self.spans.add(events)
+        except Exception:  # the file is the record: a span export that breaks is turned off, once
+            log.warning("traces: exporting spans failed; no more spans are exported in this run", exc_info=True)
+            self.spans = None
 
     def close(self) -> None:
         """Write what is buffered and wait for it (the end of the run; tracing may go on after it, e.g.
-        when the steps resume after a trainer restore)."""
+        when the steps resume after a trainer restore); the span export sends what it holds."""
         self.flush(wait=True)
+        if self.spans is not None:
+            self._thread.submit(self._close_spans).result()
+
+    def _close_spans(self) -> None:
+        try:
+            if self.spans is not None:
+                self.spans.close()
+        except Exception:
+            log.warning("traces: closing the span export failed", exc_info=True)
 
 
 # ---------------------------------------------------------------------------------------------- reading
