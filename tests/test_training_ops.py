@@ -3,6 +3,7 @@ gradient checkpointing, LoRA; checkpoint folders (safetensors + weights-only tra
 earlier single-file format) and the Hugging Face export that ``from_pretrained`` loads."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -195,6 +196,31 @@ def test_checkpoint_folder_round_trip_keep_k_and_the_earlier_single_file(tiny, t
     assert export_run(tmp_path / "old", tmp_path / "hf_old", base_model=tiny).exists()
     with pytest.raises(ValueError, match="--base-model"):
         export_run(tmp_path / "old", tmp_path / "hf_old")
+
+
+def test_a_resumed_trainer_takes_the_runs_learning_rate_not_the_checkpoints(tiny, tmp_path, caplog):
+    """``rollart run --resume --set train.lr=...``: the restored optimizer trains at the new rate (at the
+    warm-up's current point), its moments and step count kept; the change is logged. Same settings: as saved."""
+    a = local_worker(model=tiny, lr=1e-2, warmup_steps=4, max_tokens_per_microbatch=24)
+    root = tmp_path / "checkpoint"
+    a.train_step(batch_of(6, 0))
+    folder = a.save_checkpoint(str(step_dir(root, 1)), {"step": 0})
+    moments = [s["exp_avg"].clone() for s in a.optimizer.state.values()]
+
+    same = local_worker(model=tiny, lr=1e-2, warmup_steps=4, max_tokens_per_microbatch=24)
+    same.load_checkpoint(folder)
+    faster = local_worker(model=tiny, lr=4e-2, warmup_steps=4, weight_decay=0.1, max_tokens_per_microbatch=24)
+    with caplog.at_level(logging.INFO):
+        faster.load_checkpoint(folder)
+    assert "train.lr=0.04 (was 0.01)" in caplog.text and "train.weight_decay=0.1" in caplog.text
+    for restored in (same, faster):  # the moments are the checkpoint's
+        states = list(restored.optimizer.state.values())
+        assert all(torch.equal(x["exp_avg"], m) for x, m in zip(states, moments, strict=True))
+    batch = batch_of(6, 1)
+    ma, ms, mf = a.train_step(batch), same.train_step(batch), faster.train_step(batch)
+    assert ms["lr"] == ma["lr"] < 1e-2  # still in the warm-up
+    assert mf["lr"] == pytest.approx(4 * ma["lr"])  # the new rate at the same point of the warm-up
+    assert all(g["weight_decay"] == 0.1 for g in faster.optimizer.param_groups)
 
 
 def test_a_new_run_in_the_same_folder_drops_the_later_steps_of_the_old_one(tmp_path):

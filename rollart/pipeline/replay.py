@@ -179,9 +179,7 @@ def replay(
         worker = host_class(TorchTrainWorker)(ctx, (), {"config": cfg.model_dump()})
         worker.setup_distributed("127.0.0.1", free_port())
         if ckpt is not None:
-            worker.load_checkpoint(str(ckpt))
-            if sets:  # the checkpoint's optimizer holds the run's hyper-parameters: the replay's win
-                _optimizer_settings(worker, cfg)
+            worker.load_checkpoint(str(ckpt))  # with the replay's train.lr / weight_decay / betas (--set)
         result = ReplayResult(out=target, start_step=start_step, to=to, version=0)
         info: dict[str, Any] = {}
         for step in range(start_step + 1, to + 1):
@@ -208,19 +206,6 @@ def replay(
         return result
     finally:
         torch.set_num_threads(threads)
-
-
-def _optimizer_settings(worker: Any, cfg: Any) -> None:
-    """``train.lr``, ``weight_decay`` and ``betas`` of ``cfg`` in a trainer restored from a checkpoint
-    (its optimizer's state dict brought the run's), at the warm-up's current point."""
-    scheduler = worker.scheduler
-    scheduler.base_lrs = [cfg.lr for _ in worker.optimizer.param_groups]
-    for group, factor in zip(worker.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-        group["initial_lr"] = cfg.lr
-        group["lr"] = cfg.lr * factor(scheduler.last_epoch)
-        group["weight_decay"] = cfg.weight_decay
-        group["betas"] = tuple(cfg.betas)
-    scheduler._last_lr = [g["lr"] for g in worker.optimizer.param_groups]
 
 
 def compare_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> dict[str, float]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -85,6 +85,42 @@ def init_process_group(backend: str, *, rank: int, world_size: int, master_addr:
 def linear_warmup(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """The learning rate rises linearly over the first ``steps`` optimizer steps (none for 0), then stays."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0)
+
+
+def apply_optimizer_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: Sequence[float],
+) -> dict[str, tuple[Any, Any]]:
+    """Give a restored AdamW (whose state dict brought the checkpoint's settings) the run's ``lr``,
+    ``weight_decay`` and ``betas``, at the warm-up's current point; the moments and the step count stay.
+    Returns what changed, ``{name: (checkpoint's, run's)}`` (empty when they were equal)."""
+    groups = optimizer.param_groups
+    before = {
+        "lr": groups[0].get("initial_lr", lr),
+        "weight_decay": groups[0]["weight_decay"],
+        "betas": groups[0]["betas"],
+    }
+    after = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas)}
+    changed = {k: (before[k], after[k]) for k in after if _floats(before[k]) != _floats(after[k])}
+    if not changed:
+        return {}
+    scheduler.base_lrs = [lr for _ in groups]
+    for group, factor in zip(groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+        group["weight_decay"] = weight_decay
+        group["betas"] = tuple(betas)
+    scheduler._last_lr = [g["lr"] for g in groups]  # type: ignore[attr-defined]
+    return changed
+
+
+def _floats(value: Any) -> list[float]:
+    """A number or a sequence of numbers as a list of floats (settings compared by value)."""
+    return [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)]
 
 
 class DataParallelTraining:

@@ -50,6 +50,7 @@ from rollart.training.placement import (
     DP_SPLIT_EVERY_RANK,
     DataParallelRank,
     DataParallelTraining,
+    apply_optimizer_settings,
     init_process_group,
     microbatch_count,
     model_path,
@@ -705,6 +706,18 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
             self.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # the run's train.lr / weight_decay / betas, not the ones stored with the optimizer (a resume with
+        # --set train.lr=... trains at the new rate from here, at the warm-up's current point)
+        cfg = self.config
+        changed = apply_optimizer_settings(
+            self.optimizer, self.scheduler, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas
+        )
+        if changed and self.rank == 0:
+            self.logger.info(
+                "checkpoint %s: the run's %s replace the checkpoint's",
+                path,
+                ", ".join(f"train.{k}={new} (was {old})" for k, (old, new) in changed.items()),
+            )
         self.version = int(state["version"])
         return {"version": self.version, "extra": state.get("extra", {})}
 
