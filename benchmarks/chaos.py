@@ -137,7 +137,10 @@ class RewardService:
         self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{port}/rewards/reverse"
 
-    def start(self, deadline_s: float = 60.0) -> RewardService:
+    def start(self, deadline_s: float = 180.0) -> RewardService:
+        """Start the service and wait for its ``/healthz``: it answers in ~3 s on an idle 2-core machine; the
+        deadline is for a machine loaded by the chaos around it (a restart under a load average of 20+ once
+        took more than 60 s), and a service that exits is reported at once."""
         import httpx
 
         cmd = [
