@@ -1106,12 +1106,18 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
     p = resolve_config_path(path)
     raw = read_yaml(p)
     for dotted, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+        set_dotted(raw, dotted, value)
     return validate_config(raw, source=p)
+
+
+def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """Put ``value`` at the dotted key ``dotted`` (``"train.lr"``) of a raw config mapping, making the
+    mappings on the way."""
+    node = raw
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
 
 
 def _where(loc: tuple[Any, ...]) -> str:

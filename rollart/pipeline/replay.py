@@ -62,7 +62,7 @@ def _train_config(recorded: Mapping[str, Any], sets: Mapping[str, Any]) -> Any:
     """The run's trainer config with ``sets`` (dotted ``train.*`` keys) over it."""
     from pydantic import ValidationError
 
-    from rollart.config import ConfigError, _problem
+    from rollart.config import ConfigError, _problem, set_dotted
     from rollart.training.config import TrainConfig
 
     raw: dict[str, Any] = json.loads(json.dumps(recorded))
@@ -74,11 +74,7 @@ def _train_config(recorded: Mapping[str, Any], sets: Mapping[str, Any]) -> Any:
                 "give train.* keys (e.g. --set train.lr=0.002, --set train.loss=cispo). Rollout, data and "
                 "advantage settings shaped the recorded batches: run again with them instead"
             )
-        node = raw
-        *parents, leaf = rest.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+        set_dotted(raw, rest, value)
     try:
         return TrainConfig.model_validate(raw)
     except ValidationError as err:
