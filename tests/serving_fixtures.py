@@ -7,7 +7,9 @@ test writes into the conversation: it decodes the prompt, takes the directive af
 - ``SAY:text`` — the ids of ``text`` as the tokenizer encodes it, then ``<|im_end|>``;
 - ``SPLIT:text`` — every character of ``text`` as its own token (what a model may sample, and what
   encoding the text again merges into other ids), then ``<|im_end|>``;
-- ``RAMBLE`` — ``a`` tokens until ``max_new_tokens`` (finish ``length``).
+- ``RAMBLE`` — ``a`` tokens until ``max_new_tokens`` (finish ``length``);
+- ``GATE:path`` — ``a`` tokens until ``max_new_tokens``, but after the first one the request waits until
+  the file ``path`` exists (the test creates it): a reply that cannot end before the test acts.
 
 It streams as the real engines do (a delta per step for a request that asks). Its log-probs are a fixed function of the token and its position, so a test can check that the
 trained trajectory carries the engine's own numbers. Everything else (the inference worker, the
@@ -16,6 +18,7 @@ LLMProxy, the endpoint, the tokenizer and its template) is the real thing.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -87,6 +90,7 @@ class ScriptedEngine(InferenceEngine):
         self.step_s = step_s
         self._running: dict[str, tuple[EngineRequest, RequestOutput, list[int]]] = {}
         self._streams = DeltaTracker()  # streams like the real engines: a delta per step
+        self._gates: dict[str, str] = {}  # request id -> the file its reply waits for after one token
 
     def _plan(self, request: EngineRequest) -> list[int]:
         text = self.tok.decode(request.prompt_token_ids, skip_special_tokens=False)
@@ -97,13 +101,20 @@ class ScriptedEngine(InferenceEngine):
         if directive.startswith("SPLIT:"):
             ids = [i for ch in directive[6:] for i in self.tok.encode(ch, add_special_tokens=False)]
             return [*ids, self.end]
-        if directive.startswith("RAMBLE"):
+        if directive.startswith(("RAMBLE", "GATE:")):
             return self.tok.encode("a", add_special_tokens=False) * 100_000
         return [*self.tok.encode(directive, add_special_tokens=False), self.end]
+
+    def _gate(self, request: EngineRequest) -> str | None:
+        text = self.tok.decode(request.prompt_token_ids, skip_special_tokens=False)
+        cut = text.rfind("SAY:GATE:")
+        return text[cut + 9 :].split("<|im_end|>")[0].strip() if cut >= 0 else None
 
     def add_request(self, request: EngineRequest) -> None:
         out = RequestOutput(request.request_id, list(request.prompt_token_ids), weight_version=self.weight_version)
         self._running[request.request_id] = (request, out, self._plan(request))
+        if (gate := self._gate(request)) is not None:
+            self._gates[request.request_id] = gate
         self._streams.watch(request)
 
     def take_deltas(self) -> list[TokenDelta]:
@@ -111,6 +122,7 @@ class ScriptedEngine(InferenceEngine):
 
     def abort(self, request_id: str) -> RequestOutput | None:
         item = self._running.pop(request_id, None)
+        self._gates.pop(request_id, None)
         if item is None:
             return None
         item[1].finished, item[1].finish_reason = True, "abort"
@@ -123,8 +135,15 @@ class ScriptedEngine(InferenceEngine):
         if self.step_s:
             time.sleep(self.step_s)
         done = []
+        waiting = 0
         for rid, (req, out, plan) in list(self._running.items()):
             k = len(out.output_token_ids)
+            gate = self._gates.get(rid)
+            if gate is not None and k >= 1:
+                if not os.path.exists(gate):
+                    waiting += 1
+                    continue
+                del self._gates[rid]
             tok = plan[k]
             out.output_token_ids.append(tok)
             out.output_logprobs.append(script_logprob(tok, len(req.prompt_token_ids) + k))
@@ -135,6 +154,8 @@ class ScriptedEngine(InferenceEngine):
             if out.finished:
                 del self._running[rid]
                 done.append(out)
+        if waiting and waiting == len(self._running):
+            time.sleep(0.005)  # every request waits for its gate file: poll it, not the CPU
         return done
 
     def update_weights(self, weights: Any, version: int) -> None:

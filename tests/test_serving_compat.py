@@ -465,3 +465,47 @@ def test_anthropic_streaming_and_errors(scripted):
         _anthropic(scripted, session).with_options(api_key="wrong-token-0123456789").messages.create(
             model="policy", max_tokens=8, messages=[{"role": "user", "content": "x"}]
         )
+
+
+# ---------------------------------------------------------------------- streaming, shown by a held reply
+def _first_text_then_rest(protocol: str, policy, session, directive: str, max_tokens: int):
+    """Open a stream of ``protocol`` and return (an iterator of its text pieces, a closer). The client's
+    timeout is short: an endpoint that held the text back until the reply ended would block forever."""
+    messages = [{"role": "user", "content": directive}]
+    if protocol == "anthropic":
+        client = _anthropic(policy, session, timeout=60)
+        manager = client.messages.stream(model="policy", max_tokens=max_tokens, messages=messages)
+        stream = manager.__enter__()
+        return (e.delta.text for e in stream if e.type == "content_block_delta"), lambda: manager.__exit__(
+            None, None, None
+        )
+    client = policy.client(session).with_options(timeout=60, max_retries=0)
+    if protocol == "completions":
+        stream = client.completions.create(model="policy", prompt=directive, max_tokens=max_tokens, stream=True)
+        return (c.choices[0].text for c in stream if c.choices and c.choices[0].text), stream.close
+    if protocol == "chat":
+        stream = client.chat.completions.create(model="policy", messages=messages, max_tokens=max_tokens, stream=True)
+        return (c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content), stream.close
+    stream = client.responses.create(model="policy", input=directive, max_output_tokens=max_tokens, stream=True)
+    return (e.delta for e in stream if e.type == "response.output_text.delta"), stream.close
+
+
+@pytest.mark.parametrize("protocol", ["completions", "chat", "responses", "anthropic"])
+def test_a_streams_first_text_reaches_the_client_while_the_engine_still_holds_the_reply(scripted, protocol, tmp_path):
+    """The scripted engine decodes one token, then holds the request until the test creates a file: the
+    client has the first text of each protocol's stream while the reply cannot have ended (no timing),
+    and the rest follows once the test lets the engine go on."""
+    gate = tmp_path / "gate"
+    session = scripted.open_session()
+    pieces, close = _first_text_then_rest(protocol, scripted, session, f"SAY:GATE:{gate}", max_tokens=8)
+    try:
+        first = next(pieces)
+        assert first == "a" and not session.calls  # the call is still running: nothing recorded yet
+        gate.touch()
+        rest = list(pieces)
+    finally:
+        close()
+    assert first + "".join(rest) == "a" * 8
+    [reply] = session.calls[0].choices
+    tok = scripted.endpoint.service.tokenizer
+    assert tok.decode(reply.token_ids) == "a" * 8
