@@ -17,7 +17,6 @@ import torch
 import rollart as ra
 from rollart.models import build_tiny
 from rollart.training import columns as C
-from rollart.training.placement import start_data_parallel
 from rollart.training.torch_strategy import TorchTrainWorker
 from rollart.weights.stream import TensorPiece, merge_buckets, nbytes_of
 
@@ -88,7 +87,15 @@ def trained(ray_local, tmp_path_factory):
     }
     for c in clusters.values():
         c.wait_ready()
-        start_data_parallel(c)
+    # every layout's ranks meet at once (one rendezvous each, started together, then awaited)
+    addresses: dict[str, tuple[str, int]] = {}
+    for name, c in clusters.items():
+        while (address := c.rendezvous_address()) in addresses.values():  # a port free now, and none other's
+            pass
+        addresses[name] = address
+    joined = [c.setup_distributed(*addresses[name], blocking=False) for name, c in clusters.items()]
+    for future in joined:
+        future.result()
     from rollart.rollout.inference_worker import inference_worker_class
 
     infer = ra.Cluster(
