@@ -81,7 +81,7 @@ class ScriptedProxy:
         self.outputs = list(outputs)
         self.prompts: list[list[int]] = []
 
-    async def generate(self, request: GenerateRequest, tag: str) -> GenerateOutput:
+    async def generate(self, request: GenerateRequest, tag: str, *, trace=None, cost=None) -> GenerateOutput:
         ids, reason = self.outputs.pop(0)
         self.prompts.append(list(request.prompt_token_ids))
         return GenerateOutput(

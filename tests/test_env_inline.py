@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 class EchoProxy:
     """Answers every request with two tokens at once (no engine: the env calls are what is looked at)."""
 
-    async def generate(self, request: GenerateRequest, tag: str) -> GenerateOutput:
+    async def generate(self, request: GenerateRequest, tag: str, *, trace=None, cost=None) -> GenerateOutput:
         return GenerateOutput(
             request_id=request.request_id,
             output_token_ids=[3, 4],

@@ -52,7 +52,7 @@ class Proxy:
     def __init__(self, ids: list[int], at: int = -1, before: Any = None):
         self.ids, self.at, self.before, self.turn = ids, at, before, 0
 
-    async def generate(self, request: GenerateRequest, tag: str) -> GenerateOutput:
+    async def generate(self, request: GenerateRequest, tag: str, *, trace=None, cost=None) -> GenerateOutput:
         if self.turn == self.at and self.before is not None:
             await asyncio.to_thread(self.before)
         self.turn += 1

@@ -16,7 +16,7 @@ class RecordingProxy:
     def __init__(self):
         self.seeds: list[int | None] = []
 
-    async def generate(self, req, tag):
+    async def generate(self, req, tag, *, trace=None, cost=None):
         self.seeds.append(req.sampling.seed)
         return SimpleNamespace(
             output_token_ids=[3, 4],

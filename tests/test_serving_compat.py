@@ -493,14 +493,18 @@ def _first_text_then_rest(protocol: str, policy, session, directive: str, max_to
 @pytest.mark.parametrize("protocol", ["completions", "chat", "responses", "anthropic"])
 def test_a_streams_first_text_reaches_the_client_while_the_engine_still_holds_the_reply(scripted, protocol, tmp_path):
     """The scripted engine decodes one token, then holds the request until the test creates a file: the
-    client has the first text of each protocol's stream while the reply cannot have ended (no timing),
-    and the rest follows once the test lets the engine go on."""
+    client has the first text of each protocol's stream while the worker's step records show the reply
+    not yet ended (no timing), and the rest follows once the test lets the engine go on."""
     gate = tmp_path / "gate"
     session = scripted.open_session()
     pieces, close = _first_text_then_rest(protocol, scripted, session, f"SAY:GATE:{gate}", max_tokens=8)
     try:
         first = next(pieces)
         assert first == "a" and not session.calls  # the call is still running: nothing recorded yet
+        # the worker's own step records: the request's first token was handed out, its end not decoded
+        records = {k: v for per_worker in scripted.cluster.stream_records().result() for k, v in per_worker.items()}
+        record = records[f"{session.id}:0:0"]
+        assert record["first_step"] is not None and record["end_step"] is None
         gate.touch()
         rest = list(pieces)
     finally:

@@ -37,8 +37,8 @@ from rollart.engines.base import SamplingParams
 from rollart.rollout.chat import ChatFormat, ChatTemplateError, chat_format
 from rollart.rollout.config import EnvManagerConfig
 from rollart.rollout.failures import FailureLog
-from rollart.rollout.llm_proxy import LLMProxy
-from rollart.rollout.types import GenerateRequest, TraceSink, Trajectory
+from rollart.rollout.cost import TrajectoryCost
+from rollart.rollout.types import GenerateOutput, GenerateRequest, TraceSink, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,23 @@ RewardFn = Callable[[Trajectory], Awaitable[float] | float]
 
 class _Aborted(Exception):
     """The episode was aborted by its owner."""
+
+
+class PolicyGenerator(Protocol):
+    """What an EnvManager generates through: the :class:`~rollart.rollout.llm_proxy.LLMProxy` (or anything
+    with its ``generate`` and ``abort``). ``trace`` hears each worker's answer; ``cost`` is the trajectory's
+    cost ledger, charged its share of the workers' busy time (a generator that measures none leaves it)."""
+
+    async def generate(
+        self,
+        request: GenerateRequest,
+        tag: str,
+        *,
+        trace: Callable[[str, dict[str, Any]], None] | None = None,
+        cost: TrajectoryCost | None = None,
+    ) -> GenerateOutput: ...
+
+    async def abort(self, request_ids: list[str]) -> Any: ...
 
 
 class TextCodec(Protocol):
@@ -105,7 +122,7 @@ class EnvManager:
     def __init__(
         self,
         env: Any,
-        proxy: LLMProxy,
+        proxy: PolicyGenerator,
         codec: TextCodec,
         *,
         sampling: SamplingParams | None = None,
@@ -115,11 +132,6 @@ class EnvManager:
     ):
         self.env = env
         self.proxy = proxy
-        # whether the proxy charges each call's share of its worker to the trajectory (the cost ledger)
-        try:
-            self._proxy_costs = "cost" in inspect.signature(proxy.generate).parameters
-        except (TypeError, ValueError, AttributeError):
-            self._proxy_costs = False
         self.codec = codec
         self.config = config or EnvManagerConfig()
         self.chat = self._chat_format(codec, self.config)
@@ -265,10 +277,8 @@ class EnvManager:
                 sampling=self._turn_sampling(seed, traj.traj_id, turn),
             )
             try:
-                extra: dict[str, Any] = {"cost": traj.cost} if self._proxy_costs else {}
-                if self._sink is not None:
-                    extra["trace"] = self._proxy_trace(traj, turn)
-                out = await self.proxy.generate(req, self.tag, **extra)
+                trace = self._proxy_trace(traj, turn) if self._sink is not None else None
+                out = await self.proxy.generate(req, self.tag, trace=trace, cost=traj.cost)
             except ClusterError:
                 raise  # no worker can serve it: the rollout cannot go on
             except Exception as err:
