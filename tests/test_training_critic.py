@@ -260,3 +260,30 @@ def test_critic_checkpoint_round_trips_model_optimizer_and_warmup_weights_only(t
     resumed_state = fresh.state_summary()
     for name, values in critic.state_summary().items():
         assert resumed_state[name] == pytest.approx(values, abs=1e-6)
+
+
+def test_a_resumed_critic_takes_the_runs_learning_rate_not_the_checkpoints(tiny, tmp_path, caplog):
+    """``rollart run --resume --set critic.lr=...``: the restored critic trains at the new rate, at the
+    warm-up's current point, its AdamW moments kept; the change is logged. The same lr: as saved."""
+    import logging
+
+    groups = agentic_groups(4)
+    critic = local_critic(model=tiny, lr=1e-2, epochs=1, warmup_steps=6)
+    batch = gae_batch(
+        groups, critic.compute_values(ra.Batch({C.INPUT_IDS: [t.token_ids for g in groups for t in g]})), lam=1.0
+    )
+    critic.train_step(batch)
+    path = critic.save_checkpoint(str(tmp_path / "critic.pt"), step=1)
+    moments = [s["exp_avg"].clone() for s in critic.optimizer.state.values()]
+    same, faster = (
+        local_critic(model=tiny, lr=1e-2, epochs=1, warmup_steps=6),
+        local_critic(model=tiny, lr=3e-2, epochs=1, warmup_steps=6),
+    )
+    same.load_checkpoint(path)
+    with caplog.at_level(logging.INFO):
+        faster.load_checkpoint(path)
+    assert "critic.lr=0.03 replaces the checkpoint's 0.01" in caplog.text
+    assert all(torch.equal(x["exp_avg"], m) for x, m in zip(faster.optimizer.state.values(), moments, strict=True))
+    ma, ms, mf = critic.train_step(batch), same.train_step(batch), faster.train_step(batch)
+    assert ms["lr"] == ma["lr"] < 1e-2  # still in the warm-up
+    assert mf["lr"] == pytest.approx(3 * ma["lr"])  # the new rate at the same point of the warm-up

@@ -64,6 +64,7 @@ from rollart.training.placement import (
     DP_SPLIT_EVERY_RANK,
     DataParallelRank,
     DataParallelTraining,
+    apply_optimizer_settings,
     model_path,
 )
 
@@ -268,6 +269,17 @@ class CriticWorker(DataParallelRank, Worker):
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # the run's critic.lr, not the one stored with the optimizer (a resume with --set critic.lr=...
+        # trains the critic at the new rate from here, at the warm-up's current point)
+        group = self.optimizer.param_groups[0]
+        changed = apply_optimizer_settings(
+            self.optimizer, self.scheduler, lr=self.config.lr, weight_decay=group["weight_decay"], betas=group["betas"]
+        )
+        if changed and self.rank == 0:
+            old, new = changed["lr"]
+            self.logger.info(
+                "critic checkpoint %s: the run's critic.lr=%s replaces the checkpoint's %s", path, new, old
+            )
         self.steps = int(state["steps"])
         return {"step": int(state["step"]), "steps": self.steps}
 
