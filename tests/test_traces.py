@@ -226,6 +226,23 @@ def test_sampling_is_seeded_and_lives_split_where_an_id_is_played_again(tmp_path
     assert got[0].outcome == "failed" and got[-1].outcome == "open"
 
 
+def test_event_values_are_written_as_json_numbers_lists_and_strings(tmp_path):
+    """numpy numbers stay numbers, tuples lists, int keys strings, an unknown object its str(); each event one
+    line, and the file's size is what the writer counted against the cap."""
+    import numpy as np
+
+    writer = TraceWriter(tmp_path)
+    writer.emit("a", "reward", reward=np.float64(0.25), tokens=np.int64(7), versions=(1, 2), by={3: 1.5})
+    writer.emit("a", "failed", error=ValueError("boom"), status="failed")
+    writer.close()
+    events = [e for e in read_traces(tmp_path) if e["traj_id"] == "a"]
+    assert [e["event"] for e in events] == ["reward", "failed"]
+    assert events[0]["reward"] == 0.25 and isinstance(events[0]["reward"], float) and events[0]["tokens"] == 7
+    assert events[0]["versions"] == [1, 2] and events[0]["by"] == {"3": 1.5}
+    assert events[1]["error"] == "boom"
+    assert writer.written == (tmp_path / "traces.jsonl").stat().st_size
+
+
 class TurnsEnv(CountEnv):
     """Two turns of 30 tokens each (a few engine steps, so a killed worker has requests in flight)."""
 

@@ -24,9 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import orjson
+
 log = logging.getLogger(__name__)
 
 TRACES = "traces.jsonl"
+# one line per event; numpy numbers written as numbers and keys that are not strings (a dict keyed by int) as
+# strings, as json does; anything else orjson does not know is written as its str()
+ENCODE_OPTIONS = orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 RUN = ""
 """The ``traj_id`` of the run's own events (``trace_started``)."""
 ENDS = {"trained": "trained", "failed": "failed", "dropped": "dropped", "filtered": "dropped", "evicted": "dropped"}
@@ -78,7 +83,6 @@ class TraceWriter:
         self.capped = False
         self.events = 0  # events written to the file
         self._buffer: list[dict[str, Any]] = []
-        self._encoder = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollart-traces")
         self._pending: Future[None] | None = None
         self.spans = spans
@@ -125,10 +129,10 @@ class TraceWriter:
     def _write(self, events: list[dict[str, Any]]) -> None:
         if self.capped:
             return
-        text: list[str] = []
+        text: list[bytes] = []
         size = 0
         for event in events:
-            line = self._encoder.encode(event) + "\n"
+            line = orjson.dumps(event, default=str, option=ENCODE_OPTIONS)
             if self.written + size + len(line) > self.max_bytes:
                 self.capped = True
                 log.warning(
@@ -141,8 +145,8 @@ class TraceWriter:
             text.append(line)
             size += len(line)
         if text:
-            with self.path.open("a") as f:
-                f.write("".join(text))
+            with self.path.open("ab") as f:
+                f.write(b"".join(text))
             self.written += size
             self.events += len(text)
             self._export(events[: len(text)])
