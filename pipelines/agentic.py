@@ -24,7 +24,7 @@ import asyncio
 import copy
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,7 @@ class AgenticPipeline:
         self.metrics_path = self.metrics.path
         self.plot_path: Path | None = None
         self.export_path: Path | None = None  # RUN_DIR/hf once the run finished (export.hf)
+        self.stopped_at: int | None = None  # the step (from 1) after which stop_at ended the run early
         self.checkpoints = Checkpoints(self.out_dir, config.checkpoint_keep)
         # trainer supervision (fault.train / reference / critic): one entry per recovery
         self.supervisor = TrainerSupervisor(
@@ -676,6 +677,7 @@ class AgenticPipeline:
         await self.weights.start(self.controller)
         self.controller.start()
         bar = StepProgress(cfg.name, cfg.steps, self.start_step) if self.progress else None
+        rewards: deque[float] = deque(maxlen=cfg.stop_at.window)  # stop_at's trailing window
         try:
             for step in range(self.start_step, cfg.steps):
                 if self.interrupt.finishing:  # a Ctrl-C let the last step finish: its checkpoint, then stop
@@ -700,6 +702,19 @@ class AgenticPipeline:
                     bar.update(record)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     await self._save_checkpoint(step)
+                if self._reached_target(record, rewards) and step + 1 < cfg.steps:
+                    self.stopped_at = step + 1
+                    log.info(
+                        "stop_at: the mean reward of the last %d steps is %.4f >= %s after step %d of %d: the run ends",
+                        cfg.stop_at.window,
+                        sum(rewards) / len(rewards),
+                        cfg.stop_at.reward_mean,
+                        step + 1,
+                        cfg.steps,
+                    )
+                    if cfg.checkpoint_every and self._saved_through < step + 1:
+                        await self._save_checkpoint(step)  # the run's last step has its checkpoint
+                    break
             await self._await_loading()  # the run ends with every worker serving the last version
             if cfg.export.hf and self.start_step < cfg.steps:
                 self.export_path = Path(
@@ -709,6 +724,15 @@ class AgenticPipeline:
         finally:
             await self._end_run(tracker, bar)
         return history
+
+    def _reached_target(self, record: dict[str, Any], rewards: deque[float]) -> bool:
+        """Whether ``stop_at`` ends the run after this step (its ``reward_mean`` joins the trailing window)."""
+        target = self.config.stop_at.reward_mean
+        if target is None:
+            return False
+        if isinstance(record.get("reward_mean"), int | float):
+            rewards.append(float(record["reward_mean"]))
+        return len(rewards) == rewards.maxlen and sum(rewards) / len(rewards) >= target
 
     async def _step(self, step: int) -> dict[str, Any]:
         """One step: the next batch, its advantages, the train step (and the reference's log-probs and

@@ -305,6 +305,17 @@ def _importable(module: str) -> bool:
         return False
 
 
+class StopAtConfig(ConfigModel):
+    """End the run early, once the reward reached a target: the run then ends as after its last step
+    (its export, a final checkpoint when `checkpoint_every` is on) and its summary says so."""
+
+    reward_mean: float | None = None
+    """Stop after the first step at which the mean of the last `window` steps' `reward_mean` is at least this
+    (and `window` steps have run); null: never, the run takes its `steps`."""
+    window: int = Field(default=20, ge=1)
+    """Steps in that trailing mean."""
+
+
 class TracesConfig(ConfigModel):
     """Trajectory traces: every traced trajectory's events with their times, in ``RUN_DIR/traces.jsonl``
     (its schema: the Trajectory traces page); ``rollart trace RUN_DIR`` reads them."""
@@ -440,7 +451,9 @@ class PipelineConfig(ConfigModel):
     running_mean: RunningMeanConfig = Field(default_factory=RunningMeanConfig)
     """The baseline of `advantage: running_mean`."""
     steps: int = Field(default=20, ge=1)
-    """Training steps of the run."""
+    """Training steps of the run (the most it takes; see `stop_at`)."""
+    stop_at: StopAtConfig = Field(default_factory=StopAtConfig)
+    """End the run before `steps` once the reward reached a target (`stop_at.reward_mean`); off by default."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a checkpoint every this many steps (`RUN_DIR/checkpoint/step-N`); 0: none."""
     checkpoint_keep: int = Field(default=1, ge=1)

@@ -34,6 +34,23 @@ def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def test_stop_at_ends_the_run_once_the_trailing_mean_reward_reaches_the_target(ray_local, tmp_path):
+    """``stop_at.reward_mean`` with a window of 2: the first step cannot end the run (the window is not
+    full), the second does (every reward is >= 0); its checkpoint is written though 2 is not a multiple of
+    ``checkpoint_every``, and the run's metrics end there."""
+    cfg = small_config(tmp_path, steps=6, checkpoint_every=4, stop_at={"reward_mean": 0.0, "window": 2})
+    pipe = AgenticPipeline(cfg, progress=False)
+    try:
+        history = pipe.run()
+    finally:
+        pipe.shutdown()
+    assert [h["step"] for h in history] == [1, 2] and pipe.stopped_at == 2
+    assert [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert pipe.checkpoint_path.name.endswith("2") and pipe.checkpoint_path.exists()
+    with pytest.raises(ValueError, match="window"):
+        small_config(tmp_path, stop_at={"reward_mean": 0.5, "window": 0})
+
+
 def test_run_checkpoint_and_resume_without_retraining(ray_local, tmp_path):
     cfg = small_config(tmp_path)
     pipe = AgenticPipeline(cfg, progress=False)

@@ -222,6 +222,7 @@ def _train(args: argparse.Namespace, cfg: Any, out_dir: Path, gpus: Any = None) 
         "plot": str(plot) if plot else None,
         "hf": str(getattr(pipe, "export_path", None) or "") or None,
         "cost": cost,
+        "stopped_at": getattr(pipe, "stopped_at", None),  # stop_at ended the run after this step
     }
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")  # the run finished
     if args.json:  # the summary once, on stdout (the log lines go to stderr)
@@ -229,8 +230,9 @@ def _train(args: argparse.Namespace, cfg: Any, out_dir: Path, gpus: Any = None) 
     else:
         reward = summary["final_reward"]
         log.info(
-            "done: %d steps, reward %s at the last step; outputs in %s",
+            "done: %d steps%s, reward %s at the last step; outputs in %s",
             summary["steps"],
+            " (stop_at's reward reached)" if summary["stopped_at"] else "",
             "n/a" if reward is None else f"{reward:.3f}",
             summary["output_dir"],
         )
