@@ -79,10 +79,14 @@ class TraceWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not resume and self.path.exists():
             self.path.unlink()
-        self.written = self.path.stat().st_size if self.path.exists() else 0
+        self.written = self.path.stat().st_size if self.path.exists() else 0  # bytes in the file
         self.capped = False
         self.events = 0  # events written to the file
-        self._buffer: list[dict[str, Any]] = []
+        # events are encoded when emitted: the buffer holds bytes (which the garbage collector does not
+        # track), the writing thread only joins and appends them; the dicts are kept only for the spans
+        self._lines: list[bytes] = []
+        self._records: list[dict[str, Any]] = []
+        self._size = self.written  # bytes written and buffered: what the cap is checked against
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollart-traces")
         self._pending: Future[None] | None = None
         self.spans = spans
@@ -93,8 +97,23 @@ class TraceWriter:
 
     def emit(self, traj_id: str, event: str, /, t: float | None = None, **fields: Any) -> None:
         """One event of ``traj_id`` at ``t`` (default: now); dropped once the file reached its cap."""
-        if not self.capped:
-            self._buffer.append({"traj_id": traj_id, "event": event, "t": time.time() if t is None else t, **fields})
+        if self.capped:
+            return
+        record = {"traj_id": traj_id, "event": event, "t": time.time() if t is None else t, **fields}
+        line = orjson.dumps(record, default=str, option=ENCODE_OPTIONS)
+        if self._size + len(line) > self.max_bytes:
+            self.capped = True
+            log.warning(
+                "traces: %s reached traces.max_mb=%.0f; no more trajectories are traced in this run "
+                "(the ledger's counts are unaffected)",
+                self.path,
+                self.max_bytes / 2**20,
+            )
+            return
+        self._size += len(line)
+        self._lines.append(line)
+        if self.spans is not None:
+            self._records.append(record)
 
     def trained(self, groups: Iterable[Iterable[Any]], *, step: int, version: int) -> None:
         """The trajectories of one batch, trained at ``step`` (counted from 1, as ``metrics.jsonl``) by the
@@ -120,39 +139,23 @@ class TraceWriter:
     def flush(self, wait: bool = False) -> None:
         """Hand the buffered events to the writing thread (the pipeline calls it once per step); ``wait``:
         return once every event handed over is in the file."""
-        if self._buffer:
-            events, self._buffer = self._buffer, []
-            self._pending = self._thread.submit(self._write, events)
+        if self._lines:
+            lines, records = self._lines, self._records
+            self._lines, self._records = [], []
+            self._pending = self._thread.submit(self._write, lines, records)
         if wait and self._pending is not None:
             self._pending.result()
 
-    def _write(self, events: list[dict[str, Any]]) -> None:
-        if self.capped:
-            return
-        text: list[bytes] = []
-        size = 0
-        for event in events:
-            line = orjson.dumps(event, default=str, option=ENCODE_OPTIONS)
-            if self.written + size + len(line) > self.max_bytes:
-                self.capped = True
-                log.warning(
-                    "traces: %s reached traces.max_mb=%.0f; no more trajectories are traced in this run "
-                    "(the ledger's counts are unaffected)",
-                    self.path,
-                    self.max_bytes / 2**20,
-                )
-                break
-            text.append(line)
-            size += len(line)
-        if text:
-            with self.path.open("ab") as f:
-                f.write(b"".join(text))
-            self.written += size
-            self.events += len(text)
-            self._export(events[: len(text)])
+    def _write(self, lines: list[bytes], records: list[dict[str, Any]]) -> None:
+        data = b"".join(lines)
+        with self.path.open("ab") as f:
+            f.write(data)
+        self.written += len(data)
+        self.events += len(lines)
+        self._export(records)
 
     def _export(self, events: list[dict[str, Any]]) -> None:
-        if self.spans is None:
+        if self.spans is None or not events:
             return
         try:
             self.spans.add(events)
