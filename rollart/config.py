@@ -321,9 +321,9 @@ class TracesConfig(ConfigModel):
     (its schema: the Trajectory traces page); ``rollart trace RUN_DIR`` reads them."""
 
     enabled: bool = False
-    """Write `RUN_DIR/traces.jsonl` (events buffered in memory, written once per step). Off by default: on
-    the quickstart tracing every trajectory cost about 25 ms of driver CPU per step (256 trajectories),
-    not shown to stay within 3% of its step time on the 2-core machine.
+    """Write `RUN_DIR/traces.jsonl` (events encoded as they happen, appended once per step). Off by default:
+    on the quickstart tracing every trajectory costs about 10 ms of driver CPU per step (256 trajectories),
+    +4.4% of its step time measured on an idle 2-core machine (not shown to stay within 3%).
     """
     sample: float = Field(default=1.0, ge=0, le=1)
     """The fraction of trajectories traced, chosen per trajectory id from the run's `seed` (the same ids
