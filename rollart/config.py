@@ -323,7 +323,7 @@ class TracesConfig(ConfigModel):
     enabled: bool = False
     """Write `RUN_DIR/traces.jsonl` (events encoded as they happen, appended once per step). Off by default:
     on the quickstart tracing every trajectory costs about 10 ms of driver CPU per step (256 trajectories),
-    +4.4% of its step time measured on an idle 2-core machine (not shown to stay within 3%).
+    +7.1% of its step time measured on an idle 2-core machine (not within 3%).
     """
     sample: float = Field(default=1.0, ge=0, le=1)
     """The fraction of trajectories traced, chosen per trajectory id from the run's `seed` (the same ids

@@ -36,8 +36,8 @@ from rollart.cluster.errors import ClusterError
 from rollart.engines.base import SamplingParams
 from rollart.rollout.chat import ChatFormat, ChatTemplateError, chat_format
 from rollart.rollout.config import EnvManagerConfig
-from rollart.rollout.failures import FailureLog
 from rollart.rollout.cost import TrajectoryCost
+from rollart.rollout.failures import FailureLog
 from rollart.rollout.types import GenerateOutput, GenerateRequest, TraceSink, Trajectory
 
 log = logging.getLogger(__name__)
