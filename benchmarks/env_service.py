@@ -141,9 +141,10 @@ class _Timed:
 
 
 class _InstantProxy:
-    """An LLMProxy stand-in that answers every turn at once (the bench measures the envs)."""
+    """An LLMProxy stand-in that answers every turn at once (the bench measures the envs); it measures no
+    worker time, so it charges no cost."""
 
-    async def generate(self, request: Any, tag: str) -> Any:
+    async def generate(self, request: Any, tag: str, *, trace: Any = None, cost: Any = None) -> Any:
         from rollart.rollout.types import GenerateOutput
 
         return GenerateOutput(
@@ -225,7 +226,7 @@ async def _measure(args: argparse.Namespace, urls: list[str], shape: tuple[int, 
                     RemoteEnv(pool, env_name, description, kwargs={"turns": args.turns}, timeout_s=args.call_timeout),
                     calls,
                 ),
-                _InstantProxy(),  # type: ignore[arg-type]
+                _InstantProxy(),
                 _Codec(),
                 config=mcfg,
             )
