@@ -70,6 +70,9 @@ BENCHES: dict[str, BenchEntry] = {
         "autopilot", "a job that sizes its own rollout pool against each fixed size; a second job queues (needs root)"
     ),
     "soak": BenchEntry("soak", "the chaos run for many minutes with random faults, sampling memory (needs root)"),
+    "traces": BenchEntry(
+        "traces", "the step time with trajectory traces on against off, in alternating blocks of one run"
+    ),
     "agent-endpoint": BenchEntry(
         "agent_endpoint", "the OpenAI-compatible endpoint's calls/s and added latency against a direct LLMProxy call"
     ),

@@ -35,6 +35,7 @@ from rollart.config import PipelineConfig
 from rollart.data.evaluation import Evaluator
 from rollart.data.sampler import RoundSeeds
 from rollart.pipeline.checkpoints import Checkpoints
+from rollart.pipeline.heap import setup_objects_frozen
 from rollart.pipeline.interrupt import Interrupt, StopChoice
 from rollart.pipeline.progress import StepProgress
 from rollart.pipeline.records import (
@@ -612,7 +613,8 @@ class AgenticPipeline:
         try:
             while True:
                 try:
-                    return await self._run_steps(history)
+                    with setup_objects_frozen():  # full collections in the steps walk only what they made
+                        return await self._run_steps(history)
                 except Exception as err:
                     died = self.supervisor.death(err)
                     if died is None:
@@ -696,8 +698,6 @@ class AgenticPipeline:
                 if len(history) > 2 * cfg.history_keep:  # bounded memory: trimmed in batches, O(1) per step
                     del history[: len(history) - cfg.history_keep]
                 tracker.log(record, record["step"])
-                if self.traces is not None:  # the step's trace events, written once per step
-                    self.traces.flush()
                 if bar is not None:
                     bar.update(record)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
@@ -758,7 +758,10 @@ class AgenticPipeline:
         batch, critic_step = await self._make_batch(groups)
         if self.ref is not None:
             batch[C.REF_LOGPROBS] = await self.ref.compute_logprobs(batch, blocking=False)
-        train_metrics = await self.train.train_step(batch, blocking=False)
+        train_call = self.train.train_step(batch, blocking=False)
+        if self.traces is not None:  # the trace events so far, written while the trainer computes
+            self.traces.flush()
+        train_metrics = await train_call
         if self.batch_record is not None:
             self._trained_batch = batch
         if critic_step is not None:

@@ -321,9 +321,9 @@ class TracesConfig(ConfigModel):
     (its schema: the Trajectory traces page); ``rollart trace RUN_DIR`` reads them."""
 
     enabled: bool = False
-    """Write `RUN_DIR/traces.jsonl` (events encoded as they happen, appended once per step). Off by default:
-    on the quickstart tracing every trajectory costs about 10 ms of driver CPU per step (256 trajectories),
-    +7.1% of its step time measured on an idle 2-core machine (not within 3%).
+    """Write `RUN_DIR/traces.jsonl` (events kept as they happen, encoded and appended once per step while
+    the trainer computes). Off by default: on the quickstart tracing every trajectory added 1.2% to the mean
+    step time (`rollart bench traces`) and about 12 ms of driver CPU per step of 256 trajectories.
     """
     sample: float = Field(default=1.0, ge=0, le=1)
     """The fraction of trajectories traced, chosen per trajectory id from the run's `seed` (the same ids

@@ -346,8 +346,10 @@ async def test_a_job_with_a_killed_worker_and_a_join_traces_every_trained_life_a
                 assert e["from_rank"] == victim and e["from_hardware"] == "H20"
                 answer = next(g for g in life.events[i + 1 :] if g["event"] == "generate")
                 assert answer["turn"] == e["turn"] and answer["rank"] not in (victim, -1)
-    migrated = [x for x in by_outcome["trained"] if any(e["event"] == "migrate" for e in x.events)]
-    assert migrated, "no trained trajectory was generated across the killed worker"
+    # the kill is in the traces: lives with a turn on the dead worker (a trained one among them is checked
+    # above; one finished after the next version can also have been evicted as stale, alpha 1)
+    migrated = [x for x in all_lives if any(e["event"] == "migrate" and e["from_rank"] == victim for e in x.events)]
+    assert migrated, "no traced life had a request on the killed worker"
     assert any(e["event"] == "generate" and e["rank"] == joined for x in by_outcome["trained"] for e in x.events)
 
     # the cost ledger: each life's episode has one cost event; the worker time charged to the lives (and
@@ -359,7 +361,9 @@ async def test_a_job_with_a_killed_worker_and_a_join_traces_every_trained_life_a
     assert charged == pytest.approx(busy["worker_s"], rel=0.05)
     # one device per H20 worker: device-seconds equal worker-seconds, per life
     for (c,) in costs:
-        assert c["device_s"]["rollout"] == pytest.approx(c["worker_s"]["rollout"], abs=1e-5)
+        # (a life stopped at the end while its request still waited for a worker was charged nothing)
+        assert c["device_s"].keys() == c["worker_s"].keys() <= {"rollout"}
+        assert c["device_s"].get("rollout", 0.0) == pytest.approx(c["worker_s"].get("rollout", 0.0), abs=1e-5)
         assert c["env_s"] >= 0 and c["reward_s"] >= 0
     assert {r for r, b in busy["by_rank"].items() if b["worker_s"] > 0} >= {victim, joined}
     # the proxy sees each request from its dispatch to its answer: at least the time the engine itself was busy
