@@ -77,6 +77,7 @@ def slopes(rss: dict[str, list[tuple[float, float]]], span_s: float) -> dict[str
             "settled_mb_per_min": slope(late) if len(late) >= 3 else float("nan"),  # type: ignore[arg-type]
             "samples": len(s),
             "series_mb": [round(mb, 2) for _, mb in s],  # every sample, to read the shape, not only the slope
+            "series_s": [round(t) for t, _ in s],  # when (seconds into the run, as the faults' ``t``)
         }
     return out
 
@@ -145,6 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "faults injected": ", ".join(f"{k} {n}" for k, n in sorted(injected.items())) or "none",
         "ledger": led,
         "faults": res["faults"],
+        # each fault: its step, kind and the second of the run it came at (the memory samples' clock)
+        "injected": res["injected"],
         "rss": per_proc,
         # where each train rank's memory went: its mappings that changed most (chaos.mappings_mb)
         "train mappings changed": mapping_growth(res.get("mappings", {})),
