@@ -259,13 +259,17 @@ def make_pipeline(
     seed: int = 0,
     snapshots: list[Any] | None = None,
     snapshot_after_s: float = 0.0,
+    train_frames: int = 0,
 ) -> Any:
     """The agentic pipeline with a hook after every step that injects the fault planned for it; with a
     ``deadline`` (soak) it samples the resident memory of the driver, of every worker and of the reward
     service every ``sample_s`` seconds and ends the run with :class:`TimeUp` at the deadline; with
     ``every_s`` a fault drawn from ``kinds`` (seeded) is added to ``plan`` every ``every_s`` seconds.
     While :mod:`tracemalloc` traces, the first sample after ``snapshot_after_s`` also appends a snapshot
-    of the driver's allocations to ``snapshots`` (the baseline of :func:`allocation_growth`)."""
+    of the driver's allocations to ``snapshots`` (the baseline of
+    :func:`rollart.cluster.allocations.allocation_growth`). With ``train_frames`` the train ranks trace
+    theirs too (started at the first sample, their baseline taken with the driver's; the pipeline's
+    ``train_allocations`` reports them)."""
     rng = random.Random(seed)
     last_fault: list[float] = []  # the first step's time: no fault before the run has started
     injected_at: set[int] = set()  # the steps whose fault was injected
@@ -302,9 +306,14 @@ def make_pipeline(
                     record["rss"].setdefault(f"{name}:{pid}", []).append((t, mb))
                 if name.startswith("train") and (maps := mappings_mb(pid)) is not None:  # where a rank grows
                     record["mappings"].setdefault(f"{name}:{pid}", []).append((t, maps))
+            if train_frames and not record.get("train_tracing"):
+                ray.get([w._rollart_allocations.remote("start", train_frames) for w in self.train.workers])
+                record["train_tracing"] = True
             if snapshots is not None and not snapshots and tracemalloc.is_tracing() and t >= snapshot_after_s:
                 snapshots.append(tracemalloc.take_snapshot())
                 record["tracemalloc_baseline_s"] = t
+                if train_frames:
+                    ray.get([w._rollart_allocations.remote("baseline") for w in self.train.workers])
 
         def _record(self, step: int, version: int, trajs: list, *rest: Any) -> dict[str, Any]:
             if deadline is not None:
@@ -326,6 +335,10 @@ def make_pipeline(
             if step - 3 in plan and plan[step - 3] in ("env_fail_stop", "env_fail_slow"):
                 self._heal_env(plan[step - 3])  # an env fault lasts three steps
             return super()._record(step, version, trajs, *rest)
+
+        def train_allocations(self) -> list[tuple[list[dict[str, Any]], str]]:
+            """Each train rank's allocations grown since its baseline (``train_frames``)."""
+            return ray.get([w._rollart_allocations.remote("grown") for w in self.train.workers])
 
         def host_caches(self) -> list[dict[str, Any]]:
             """``host_cache_stats`` of the Mooncake channel's host caches; none on another channel."""
@@ -390,27 +403,6 @@ def make_pipeline(
     return ChaosPipeline(cfg, progress=False)
 
 
-def allocation_growth(base: Any, now: Any, top: int = 60) -> tuple[list[dict[str, Any]], str]:
-    """The allocations of the driver that grew between two :mod:`tracemalloc` snapshots, grouped by
-    their allocating traceback: the ``top`` largest as records and as text (full tracebacks)."""
-    drop = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib._bootstrap>")]
-    diff = now.filter_traces(drop).compare_to(base.filter_traces(drop), "traceback")
-    grown = [d for d in diff if d.size_diff > 0][:top]
-    rows, text = [], []
-    for d in grown:
-        frame = d.traceback[-1] if len(d.traceback) else None
-        rows.append(
-            {
-                "kb": round(d.size_diff / 1024, 1),
-                "blocks": d.count_diff,
-                "at": f"{frame.filename}:{frame.lineno}" if frame else "?",
-            }
-        )
-        text.append(f"+{d.size_diff / 1024:.1f} KiB in {d.count_diff:+d} blocks")
-        text.extend(f"    {line}" for line in d.traceback.format(most_recent_first=True))
-    return rows, "\n".join(text) + "\n"
-
-
 def driver_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -425,6 +417,9 @@ def driver_main(argv: list[str]) -> int:
     p.add_argument("--kinds", default="", help="soak: the fault kinds to draw from (comma-separated)")
     p.add_argument(
         "--tracemalloc", type=int, default=0, help="soak: trace the driver's allocations with this many frames"
+    )
+    p.add_argument(
+        "--tracemalloc-train", type=int, default=0, help="soak: trace the train ranks' too (with --tracemalloc)"
     )
     a = p.parse_args(argv)
     snapshots: list[Any] = []
@@ -470,6 +465,7 @@ def driver_main(argv: list[str]) -> int:
             seed=a.seed,
             snapshots=snapshots,
             snapshot_after_s=15.0 * a.minutes,  # a quarter of the run: past the warm-up
+            train_frames=a.tracemalloc_train,
         )
         try:
             record["steps"] = len(pipe.run())
@@ -489,9 +485,15 @@ def driver_main(argv: list[str]) -> int:
             # the channels a trainer restart replaced: their host caches (memory, relay copies) are gone
             record["retired_channels"] = {n: host_cache_stats(n) for n in getattr(pipe.weights, "retired", [])}
         if snapshots:
+            from rollart.cluster.allocations import allocation_growth
+
             rows, text = allocation_growth(snapshots[0], tracemalloc.take_snapshot())
             record["allocation_growth"] = rows
             (out / "tracemalloc.txt").write_text(text)
+            if a.tracemalloc_train:
+                for rank, (rows, text) in enumerate(pipe.train_allocations()):
+                    record.setdefault("train_allocation_growth", {})[str(rank)] = rows
+                    (out / f"tracemalloc_train{rank}.txt").write_text(text)
     finally:
         if pipe is not None:
             pipe.shutdown()

@@ -46,6 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="trace the driver's allocations (this many frames each; slows the driver) and report what grew "
         "from a quarter of the run to its end (tracemalloc.txt)",
     )
+    p.add_argument(
+        "--tracemalloc-train",
+        type=int,
+        default=0,
+        metavar="FRAMES",
+        help="also trace each train rank's allocations (slows training; needs --tracemalloc) and report what "
+        "grew over the same span (tracemalloc_trainN.txt)",
+    )
     add_weight_arguments(p)
     p.add_argument("--out", default="runs/bench/soak")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -113,7 +121,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     extra = ["--minutes", str(args.minutes), "--sample-s", str(sample_s), "--fault-every-s", str(args.fault_every_s)]
+    if args.tracemalloc_train and not args.tracemalloc:
+        raise SystemExit("--tracemalloc-train needs --tracemalloc (the driver's snapshot sets the span compared)")
     extra += ["--kinds", ",".join(kinds), "--tracemalloc", str(args.tracemalloc)]
+    extra += ["--tracemalloc-train", str(args.tracemalloc_train)]
     with start_hosts(three_hosts(), start_timeout_s=300) as hosts:
         res = run_chaos(
             hosts,
@@ -156,6 +167,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if res.get("allocation_growth"):
         result["driver allocations grown"] = res["allocation_growth"][:10]
         files.append(str(out / "run" / "tracemalloc.txt"))
+    for rank, rows in res.get("train_allocation_growth", {}).items():
+        result[f"train{rank} allocations grown"] = rows[:10]
+        files.append(str(out / "run" / f"tracemalloc_train{rank}.txt"))
     for name, s in per_proc.items():
         result[f"rss {name}"] = (
             f"{s['first_mb']:.0f} -> {s['last_mb']:.0f} MB, {s['mb_per_min']:+.2f} MB/min "

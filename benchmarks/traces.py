@@ -11,8 +11,8 @@ the drift between runs then weigh equally on both sides. (With one run, blocks o
 quickstart: the traced blocks' rollout was 10-13 ms a step slower with tracing never switched on.) The
 first step of each block is left out: in a synchronous job the next batch's rollout starts inside the
 previous step, so that step is half of each. Reported: the mean and the median step time of the traced
-and the untraced steps over all runs, their difference in percent, each run's figures, and the trace
-file's size per 1,000 traced trajectories. The same seeded batches are trained either way (tracing changes
+and the untraced steps over all runs, their difference in percent, each run's figures, the driver main
+thread's CPU per step on each side, and the trace file's size per 1,000 traced trajectories. The same seeded batches are trained either way (tracing changes
 no result).
 """
 

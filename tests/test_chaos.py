@@ -133,7 +133,7 @@ def test_allocation_growth_names_the_line_that_allocated():
     """The soak's ``--tracemalloc`` report: what grew between two snapshots, by allocating line."""
     import tracemalloc
 
-    from rollart.benchmarks.chaos import allocation_growth
+    from rollart.cluster.allocations import allocation_growth
 
     tracemalloc.start(4)
     try:

@@ -171,6 +171,14 @@ class Worker:
     def _rollart_ping(self) -> int:
         return self.rank
 
+    def _rollart_allocations(self, action: str, frames: int = 12) -> tuple[list[dict[str, Any]], str] | None:
+        """Where this worker's Python allocations grow (``rollart bench soak --tracemalloc-train``): ``"start"``
+        tracing, take the ``"baseline"``, or the allocations ``"grown"`` since it (records and text;
+        :func:`rollart.cluster.allocations.trace_allocations`)."""
+        from rollart.cluster.allocations import trace_allocations
+
+        return trace_allocations(action, frames)
+
 
 def host_class(worker_cls: type[Worker]) -> type:
     """A subclass of ``worker_cls`` whose constructor binds the context before the user's ``__init__``."""
