@@ -330,7 +330,7 @@ def make_pipeline(
             if kind is not None:
                 last_fault[0] = time.monotonic()
                 injected_at.add(step)
-                at = round(time.monotonic() - record["t0"], 1) if "t0" in record else None  # the memory samples' clock
+                at = round(time.monotonic() - record["t0"], 1)  # the memory samples' clock
                 record["injected"].append({"step": step, "kind": kind, "detail": self._inject(kind), "t": at})
             if step - 3 in plan and plan[step - 3] in ("env_fail_stop", "env_fail_slow"):
                 self._heal_env(plan[step - 3])  # an env fault lasts three steps

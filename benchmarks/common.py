@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -211,9 +211,10 @@ class SimVerifiableEnv:
         return "", float(self.rng.random() < self.p), True, False, {}
 
 
-def run_pipeline_once(cfg: Any) -> tuple[list[dict[str, Any]], float]:
+def run_pipeline_once(cfg: Any, prepare: Callable[[Any], None] | None = None) -> tuple[list[dict[str, Any]], float]:
     """Run the agentic pipeline of ``cfg`` to its end: (its step records, wall seconds). A local Ray the
-    run started is shut down after it (a fresh one per run); one the caller started is left alone."""
+    run started is shut down after it (a fresh one per run); one the caller started is left alone.
+    ``prepare(pipeline)`` runs once the pipeline is built, before its steps (a bench's hooks)."""
     import time
 
     import ray
@@ -224,6 +225,8 @@ def run_pipeline_once(cfg: Any) -> tuple[list[dict[str, Any]], float]:
     t0 = time.monotonic()
     pipe = AgenticPipeline(cfg, progress=False)
     try:
+        if prepare is not None:
+            prepare(pipe)
         history = pipe.run()
     finally:
         pipe.shutdown()

@@ -12,8 +12,8 @@ quickstart: the traced blocks' rollout was 10-13 ms a step slower with tracing n
 first step of each block is left out: in a synchronous job the next batch's rollout starts inside the
 previous step, so that step is half of each. Reported: the mean and the median step time of the traced
 and the untraced steps over all runs, their difference in percent, each run's figures, the driver main
-thread's CPU per step on each side, and the trace file's size per 1,000 traced trajectories. The same seeded batches are trained either way (tracing changes
-no result).
+thread's CPU per step on each side, and the trace file's size per 1,000 traced trajectories. The same
+seeded batches are trained either way (tracing changes no result).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +55,21 @@ def traced_steps(steps: int, block: int, skip: int, phase: int) -> dict[int, boo
     return {s: None if s < skip or s % block == 0 else (s // block + phase) % 2 == 1 for s in range(steps)}
 
 
-def split(records: list[dict[str, Any]], plan: dict[int, bool | None]) -> tuple[list[float], list[float]]:
-    """The step times of the traced and of the untraced steps of one run."""
-    on = [r["time"]["step_s"] for r in records if plan.get(r["step"] - 1) is True]
-    off = [r["time"]["step_s"] for r in records if plan.get(r["step"] - 1) is False]
+def split(
+    records: list[dict[str, Any]], plan: dict[int, bool | None], value: Callable[[dict[str, Any]], float]
+) -> tuple[list[float], list[float]]:
+    """``value`` of each traced and of each untraced step record of one run."""
+    on = [value(r) for r in records if plan.get(r["step"] - 1) is True]
+    off = [value(r) for r in records if plan.get(r["step"] - 1) is False]
     return on, off
 
 
-def split_cpu(records: list[dict[str, Any]], plan: dict[int, bool | None]) -> tuple[list[float], list[float]]:
-    """The driver's main-thread CPU seconds of the traced and of the untraced steps of one run."""
-    on = [r["driver_cpu_s"] for r in records if plan.get(r["step"] - 1) is True and "driver_cpu_s" in r]
-    off = [r["driver_cpu_s"] for r in records if plan.get(r["step"] - 1) is False and "driver_cpu_s" in r]
-    return on, off
+def step_s(record: dict[str, Any]) -> float:
+    return float(record["time"]["step_s"])
+
+
+def driver_cpu_s(record: dict[str, Any]) -> float:
+    return float(record["driver_cpu_s"])
 
 
 def compare(on: list[float], off: list[float]) -> dict[str, Any]:
@@ -88,14 +92,14 @@ def compare(on: list[float], off: list[float]) -> dict[str, Any]:
 
 def trace_size(path: Path) -> dict[str, Any]:
     """The trace file's bytes, events and traced trajectories, and its size per 1,000 of them."""
+    from rollart.tracking.traces import RUN, read_traces
+
     ids: set[str] = set()
     events = 0
-    with path.open("rb") as f:
-        for line in f:
-            events += 1
-            tid = json.loads(line)["traj_id"]
-            if tid:
-                ids.add(tid)
+    for event in read_traces(path):
+        events += 1
+        if event["traj_id"] != RUN:
+            ids.add(event["traj_id"])
     size = path.stat().st_size
     return {
         "trace_bytes": size,
@@ -107,10 +111,8 @@ def trace_size(path: Path) -> dict[str, Any]:
 
 def _run_once(args: argparse.Namespace, phase: int, out_dir: Path) -> list[dict[str, Any]]:
     """One run of the job, its trace writer switched by blocks (``phase``: which come first)."""
-    import ray
-
+    from rollart.benchmarks.common import run_pipeline_once
     from rollart.config import load_config, parse_sets
-    from rollart.pipelines.agentic import AgenticPipeline
 
     overrides = {
         **parse_sets(args.set),
@@ -119,28 +121,29 @@ def _run_once(args: argparse.Namespace, phase: int, out_dir: Path) -> list[dict[
         "output_dir": str(out_dir),
         "traces": {"enabled": True},
     }
-    own_ray = not ray.is_initialized()
-    pipe = AgenticPipeline(load_config(args.config, overrides), progress=False)
-    writer = pipe.traces
-    assert writer is not None  # traces.enabled
-    step_fn = pipe._step
+    writers = []
 
-    async def switched_step(step: int) -> dict[str, Any]:
-        on = (step // args.block + phase) % 2 == 1
-        pipe.traces = pipe.scheduler.traces = writer if on else None
-        cpu = time.thread_time()
-        record = await step_fn(step)
-        record["driver_cpu_s"] = time.thread_time() - cpu  # the driver's main thread: the rollout's loop and the steps
-        return record
+    def switch_by_blocks(pipe: Any) -> None:
+        writer, step_fn = pipe.traces, pipe._step
+        assert writer is not None  # traces.enabled
+        writers.append(writer)
 
-    pipe._step = switched_step  # type: ignore[method-assign]
+        async def switched_step(step: int) -> dict[str, Any]:
+            on = (step // args.block + phase) % 2 == 1
+            pipe.traces = pipe.scheduler.traces = writer if on else None
+            cpu = time.thread_time()
+            record = await step_fn(step)
+            record["driver_cpu_s"] = time.thread_time() - cpu  # the driver's main thread: rollout loop and step
+            return record
+
+        pipe._step = switched_step
+
     try:
-        return list(pipe.run())
+        history, _ = run_pipeline_once(load_config(args.config, overrides), switch_by_blocks)
     finally:
-        pipe.traces = pipe.scheduler.traces = writer  # the run's end closes it
-        pipe.shutdown()
-        if own_ray:
-            ray.shutdown()
+        for writer in writers:  # the run's end closed only the sink its last block had on
+            writer.close()
+    return history
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,10 +161,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out_dir = Path(args.out) / f"run{i}"
         plan = traced_steps(args.steps, args.block, args.skip, i % 2)
         history = _run_once(args, i % 2, out_dir)
-        run_on, run_off = split(history, plan)
+        run_on, run_off = split(history, plan, step_s)
         on += run_on
         off += run_off
-        cpu_on, cpu_off = split_cpu(history, plan)
+        cpu_on, cpu_off = split(history, plan, driver_cpu_s)
         cpu["on"] += cpu_on
         cpu["off"] += cpu_off
         per_run.append({"phase": i % 2, **compare(run_on, run_off)})
@@ -176,8 +179,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": args.runs,
         "block": args.block,
         **compare(on, off),
-        "driver_cpu_ms_traced": round(1e3 * statistics.mean(cpu["on"]), 2) if cpu["on"] else None,
-        "driver_cpu_ms_untraced": round(1e3 * statistics.mean(cpu["off"]), 2) if cpu["off"] else None,
+        "driver_cpu_ms_traced": round(1e3 * statistics.mean(cpu["on"]), 2),
+        "driver_cpu_ms_untraced": round(1e3 * statistics.mean(cpu["off"]), 2),
         "per_run": per_run,
         **size,
         "final_reward": final,

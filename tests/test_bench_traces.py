@@ -4,7 +4,7 @@ are never counted, and the differences are computed from the counted steps only.
 
 import pytest
 
-from rollart.benchmarks.traces import compare, split, traced_steps
+from rollart.benchmarks.traces import compare, split, step_s, traced_steps
 
 
 def test_the_second_run_traces_exactly_the_steps_the_first_left_untraced():
@@ -22,7 +22,7 @@ def test_the_comparison_uses_the_counted_steps_of_each_side():
     records = [
         {"step": s + 1, "time": {"step_s": 1.0 if plan[s] is False else 1.1 if plan[s] else 50.0}} for s in range(12)
     ]
-    on, off = split(records, plan)
+    on, off = split(records, plan, step_s)
     assert (on, off) == ([1.1] * 4, [1.0] * 4)
     result = compare(on, off)
     assert result["overhead_mean_pct"] == pytest.approx(10.0) and result["overhead_median_pct"] == pytest.approx(10.0)
