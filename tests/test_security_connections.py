@@ -189,3 +189,22 @@ def _quiet(sock: socket.socket) -> bool:
         return True
     finally:
         sock.settimeout(WAIT_S)
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_an_answer_before_the_body_reaches_a_client_still_sending_it(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends its whole body before reading gets the 413 (body over the limit) or the 401
+    (no token) the server answered after the headers, not a connection reset: the server half-closes and
+    discards the rest of the body, then closes."""
+    big = b"x" * (16 << 20)
+    with serving(name, tmp_path, monkeypatch, max_body_bytes=65536) as svc:
+        for token, status in ((TOKEN, b"413"), (None, b"401")):
+            with connect(svc.port) as s:
+                s.sendall(head(svc.path, len(big), token=token) + big)
+                data, closed = answer(s)
+                assert data.startswith(b"HTTP/1.1 " + status) and closed, data[:200]
+        with connect(svc.port) as s:  # the server serves on
+            s.sendall(head(svc.path, len(svc.body), token=TOKEN) + svc.body)
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")

@@ -7,6 +7,12 @@ limits on connections that hold before a request reaches the application.
   that many seconds of being opened (or of its previous response, on a kept-alive connection) is
   answered ``408`` and closed, so a client cannot hold a connection by sending nothing or trickling
   header bytes. The body's own deadline is :class:`rollart.reward.http_guard.RequestGuard`'s.
+- **Lingering close**: an answer given before the request's body has all arrived (413, 401, 408)
+  closes the connection as HTTP/1.1 servers must (RFC 9112, section 9.6): the server half-closes its
+  side, then reads and discards what the client still sends, for at most :data:`LINGER_S` seconds and
+  :data:`LINGER_BYTES` bytes, and until the client closes or pauses for :data:`LINGER_IDLE_S` seconds. Closed at once instead, the kernel would answer the unread
+  bytes with a reset, and a client still sending its body would get "connection reset" instead of the
+  answer.
 
 :class:`GuardedConfig` is a :class:`uvicorn.Config` with these limits (and, for ``--workers N``, the
 secrets the worker processes need, handed over in the configuration each worker is spawned with rather
@@ -51,8 +57,50 @@ def _refusal(status: int, reason: bytes, detail: bytes) -> bytes:
     )
 
 
+LINGER_S = 5.0
+"""The most seconds a connection answered before its body arrived stays half-open, discarding input."""
+LINGER_IDLE_S = 1.0
+"""Such a connection is closed once the client has sent nothing for this long."""
+LINGER_BYTES = 64 << 20
+"""The most bytes discarded on such a connection before it is closed."""
+
 FULL = _refusal(503, b"Service Unavailable", b"too many connections; retry later")
 SLOW = _refusal(408, b"Request Timeout", b"the request's headers did not arrive in time")
+
+
+class _LingeringTransport:
+    """The transport uvicorn's protocol writes to, whose :meth:`close` lingers while the request being
+    answered still has body bytes to come (see the module's docstring); everything else is the real
+    transport's."""
+
+    def __init__(self, transport: asyncio.Transport, guard: _Guard) -> None:
+        self._transport = transport
+        self._guard = guard
+        self._closing = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._closing or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        real = self._transport
+        cycle = getattr(self._guard, "cycle", None)
+        body_pending = cycle is not None and getattr(cycle, "more_body", False)
+        if not body_pending or real.is_closing() or not real.can_write_eof():
+            real.close()
+            return
+        try:
+            real.write_eof()  # the answer already written goes out, then FIN
+            real.resume_reading()
+        except (OSError, RuntimeError):
+            real.close()
+            return
+        self._guard._linger(real)
 
 
 class _Guard:
@@ -64,12 +112,49 @@ class _Guard:
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     _header_timer: asyncio.TimerHandle | None = None
+    _lingering: asyncio.Transport | None = None
+    _linger_timer: asyncio.TimerHandle | None = None
+    _linger_ends = 0.0
+    _linger_heard = 0.0
+    _discarded = 0
 
     def _limits(self) -> ConnectionLimits:
         return getattr(self.config, "limits", None) or ConnectionLimits()
 
+    def _linger(self, real: asyncio.Transport) -> None:
+        self._disarm()
+        self._lingering = real
+        self._linger_heard = self.loop.time()
+        self._linger_ends = self._linger_heard + LINGER_S
+        self._linger_timer = self.loop.call_later(LINGER_IDLE_S, self._linger_check)
+
+    def _linger_check(self) -> None:
+        assert self._lingering is not None
+        now = self.loop.time()
+        wake = min(self._linger_ends, self._linger_heard + LINGER_IDLE_S)
+        if now >= wake:
+            self._linger_timer = None
+            self._lingering.close()
+        else:
+            self._linger_timer = self.loop.call_at(wake, self._linger_check)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # answered and half-closed: the rest of the body is discarded
+            self._discarded += len(data)
+            self._linger_heard = self.loop.time()
+            if self._discarded > LINGER_BYTES:
+                self._lingering.close()
+            return
+        super().data_received(data)  # type: ignore[misc]
+
+    def eof_received(self) -> bool | None:
+        if self._lingering is not None:
+            self._lingering.close()
+            return None
+        return super().eof_received()  # type: ignore[misc, no-any-return]
+
     def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[misc]
         limits = self._limits()
         if len(self.connections) > limits.max_connections:
             transport.write(FULL)
@@ -104,6 +189,9 @@ class _Guard:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         super().connection_lost(exc)  # type: ignore[misc]
 
 
