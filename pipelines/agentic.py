@@ -69,6 +69,7 @@ from rollart.training.data import add_advantages, trajectories_to_batch
 from rollart.training.export import write_chat_template
 from rollart.training.placement import start_data_parallel
 from rollart.training.strategies import train_worker_class
+from rollart.weights.kinds import WEIGHT_CHANNELS
 
 log = logging.getLogger(__name__)
 
@@ -360,10 +361,10 @@ class AgenticPipeline:
         from transformers import AutoTokenizer
 
         config = self.config
-        # a restarted inference worker loads the served version (ray or mooncake channel; a dist
-        # broadcast needs every receiver at once, so with it dead workers are not restarted; colocated
-        # engines are trainer ranks, restored by the trainer's fault policy)
-        restart = config.fault.inference if config.weights.channel not in ("dist", "inprocess") else None
+        # a restarted inference worker loads the served version, where the channel serves workers that
+        # start later (ray, mooncake; a dist broadcast needs every receiver at once, so with it dead workers
+        # are not restarted; colocated engines are trainer ranks, restored by the trainer's fault policy)
+        restart = config.fault.inference if WEIGHT_CHANNELS[config.weights.channel].serves_joiners else None
         affinity = None
         if config.routing.auto:  # @hw_mapping / tags: are the default order and its bounds
             from rollart.rollout.affinity import AutoAffinity

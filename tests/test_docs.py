@@ -108,10 +108,7 @@ def test_the_config_reference_lists_every_key_of_every_section():
             assert f"| `{name}` |" in text, f"{section.path}.{name} is missing"
     # a few rows in full: type with its bound, default, description
     assert re.search(r"\| `steps` \| integer \(≥ 1\) \| `20` \| \S", text)
-    assert re.search(
-        r'\| `channel` \| `"ray"` \\\| `"mooncake"` \\\| `"dist"` \\\| `"inprocess"` \\\| `"none"` \| `"ray"` \| \S',
-        text,
-    )
+    assert re.search(r'\| `sharding` \| `"ddp"` \\\| `"fsdp"` \| `"ddp"` \| \S', text)
     assert re.search(r"\| `pools` \| mapping of string to any \| required \| \S", text)
 
 

@@ -16,6 +16,7 @@ from rollart.config.colocation import (
     colocation_problems,
 )
 from rollart.rollout.config import RolloutConfig
+from rollart.weights.kinds import WEIGHT_CHANNELS, channel_kind
 
 DEFAULT_POOLS = {"train_pool": DEFAULT_TRAIN_POOL, "rollout_pool": DEFAULT_ROLLOUT_POOL}
 
@@ -23,15 +24,16 @@ DEFAULT_POOLS = {"train_pool": DEFAULT_TRAIN_POOL, "rollout_pool": DEFAULT_ROLLO
 def model_problems(raw: Mapping[str, Any]) -> list[str]:
     """``model``, ``train.model``, ``critic.model`` and ``engine.model`` (for the engines that load a
     Hugging Face model): a folder with a ``config.json`` or a model the offline Hugging Face cache holds."""
+    from rollart.engines.kinds import engine_kind
     from rollart.models.locate import model_problem
-    from rollart.rollout.engine_config import ENGINE_KINDS
 
     def section(name: str) -> Mapping[str, Any]:
         value = raw.get(name)
         return value if isinstance(value, Mapping) else {}
 
     engine = section("engine")
-    loads_hf = engine.get("kind", "torch") in set(ENGINE_KINDS) - {"simulated"}
+    caps = engine_kind(engine.get("kind", "torch"))
+    loads_hf = caps is not None and caps.loads_model
     given = [
         ("model", raw.get("model")),
         ("train.model", section("train").get("model")),
@@ -214,11 +216,13 @@ def elastic_problems(raw: Mapping[str, Any], pools: Mapping[str, Any]) -> list[s
                 continue
             weights = raw.get("weights")
             channel = weights.get("channel", "ray") if isinstance(weights, Mapping) else "ray"
-            if channel in ("dist", "inprocess"):
-                how = "broadcasts to a fixed group" if channel == "dist" else "stays inside each train rank (colocated)"
+            caps = channel_kind(channel)
+            if caps is not None and not caps.serves_joiners:
+                how = {"dist": " broadcasts to a fixed group", "inprocess": " stays inside each train rank (colocated)"}
+                can = " or ".join(k for k, c in WEIGHT_CHANNELS.items() if c.serves_joiners and k != "none")
                 out.append(
                     f"{where}: an elastic pool needs weights that workers joining later can load; weights.channel "
-                    f"{channel} {how}: use ray or mooncake"
+                    f"{channel}{how.get(channel, ' does not declare serves_joiners')}: use {can}"
                 )
     return out
 

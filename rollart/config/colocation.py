@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rollart.resource_manager.specs import ResourceSpecError, colocation_target
+from rollart.weights.kinds import WEIGHT_CHANNELS, channel_kind
 
 DEFAULT_TRAIN_POOL = "train"
 """``train_pool`` when a config does not set it."""
@@ -66,11 +67,13 @@ def colocation_problems(raw: Mapping[str, Any]) -> list[str]:
         return value if isinstance(value, Mapping) else {}
 
     channel = section("weights").get("channel")
+    channel_caps = channel_kind(channel)
     if not colocated_pools(raw):
-        if channel == "inprocess":
+        if channel_caps is not None and channel_caps.colocated:
+            others = ", ".join(k for k, c in WEIGHT_CHANNELS.items() if not c.colocated and k != "none")
             out.append(
-                "weights.channel: inprocess moves the weights inside a colocated rank; it needs "
-                f"pools.{rollout_pool}: {{colocate_with: {train}}}, or use channel ray, dist or mooncake"
+                f"weights.channel: {channel} moves the weights inside a colocated rank; it needs "
+                f"pools.{rollout_pool}: {{colocate_with: {train}}}, or use channel {others}"
             )
         return out
     mode = f"colocated mode (pools.{rollout_pool}: {{colocate_with: {train}}})"
@@ -81,7 +84,7 @@ def colocation_problems(raw: Mapping[str, Any]) -> list[str]:
             "engine take turns on the same devices, so the rollout cannot run ahead while the trainer steps (what "
             "alpha >= 1 is for); set rollout.alpha: 0, or give the rollout devices of its own to train asynchronously"
         )
-    if channel not in (None, "inprocess"):
+    if channel_caps is not None and not channel_caps.colocated:
         out.append(
             f"weights.channel: {channel!r} does not apply in {mode}: each engine takes its trainer's weights inside "
             "its own process (channel inprocess); drop weights.channel"
@@ -98,33 +101,31 @@ def colocation_problems(raw: Mapping[str, Any]) -> list[str]:
 
 
 def _colocated_engine_problems(engine: Mapping[str, Any], strategy: Any, train_pool: Any, mode: str) -> list[str]:
-    """The engine and the strategy a colocated rank can hold."""
-    from rollart.rollout.engine_config import ENGINE_KINDS, SLEEPING_KINDS
+    """The engine and the strategy a colocated rank can hold (their declared capabilities)."""
+    from rollart.engines.kinds import ENGINES, engine_kind
+    from rollart.training.kinds import STRATEGIES, strategy_kind
 
     out = []
     kind = engine.get("kind", "torch")
-    if kind in ENGINE_KINDS and kind not in SLEEPING_KINDS:
-        out.append(
-            f"engine.kind: {kind!r} has no sleep mode, which {mode} needs; use torch or vllm (or your MODULE:CLASS "
-            "engine that implements sleep and wake_up), or give the rollout devices of its own"
-        )
-    elif isinstance(kind, str) and ":" in kind:
-        from rollart.engines.base import InferenceEngine
-        from rollart.plugins import import_object
-
-        try:
-            cls = import_object(kind, "engine.kind")
-        except Exception:  # the engine's own check reports an engine that does not import
-            cls = None
-        if isinstance(cls, type) and issubclass(cls, InferenceEngine) and cls.sleep is InferenceEngine.sleep:
+    engine_caps = engine_kind(kind)
+    if engine_caps is not None and not engine_caps.sleeps:
+        if kind in ENGINES:
+            sleeping = " or ".join(k for k, e in ENGINES.items() if e.sleeps)
+            out.append(
+                f"engine.kind: {kind!r} has no sleep mode, which {mode} needs; use {sleeping} (or your MODULE:CLASS "
+                "engine that implements sleep and wake_up), or give the rollout devices of its own"
+            )
+        else:
             out.append(
                 f"engine.kind: {kind} does not implement sleep and wake_up (rollart.engines.base.InferenceEngine), "
                 f"which {mode} needs; implement them, or give the rollout devices of its own"
             )
-    if strategy != "torch":
+    strategy_caps = strategy_kind(strategy)
+    if strategy_caps is not None and not strategy_caps.colocates:
+        can = " or ".join(k for k, c in STRATEGIES.items() if c.colocates)
         out.append(
-            f"train.strategy: {strategy!r} is not supported in {mode}; use torch, or give the rollout devices of "
-            "its own"
+            f"train.strategy: {strategy!r} is not supported in {mode} (it does not declare colocates); use {can}, "
+            "or give the rollout devices of its own"
         )
     units = _pool_units(train_pool)
     if kind == "vllm" and units is not None and units > 1:

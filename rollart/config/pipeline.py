@@ -167,7 +167,8 @@ class PipelineConfig(ConfigModel):
     @classmethod
     def _plugins_to_train(cls, data: Any, info: ValidationInfo) -> Any:
         """The training workers import the same plug-in modules from the same folders (``TrainConfig``'s
-        ``plugins`` / ``plugin_paths``): the config's folder (``load_config`` passes it) and the cwd."""
+        ``plugins`` / ``plugin_paths``): the config's folder (``load_config`` passes it) and the cwd. The
+        inference workers look up a ``MODULE:CLASS`` engine there too (``EngineConfig.plugin_paths``)."""
         from rollart.plugins import add_search_path
 
         # from here on (and after), modules next to the config import in this process
@@ -176,6 +177,8 @@ class PipelineConfig(ConfigModel):
             plugins = data.get("plugins") or []
             data = {**data, "train": {"plugins": plugins if isinstance(plugins, list) else [], **data.get("train", {})}}
             data["train"].setdefault("plugin_paths", folders)
+        if isinstance(data, dict) and isinstance(data.get("engine", {}), dict):  # a MODULE:CLASS engine, likewise
+            data = {**data, "engine": {"plugin_paths": folders, **data.get("engine", {})}}
         return data
 
     @model_validator(mode="before")

@@ -15,6 +15,7 @@ from pydantic import (
 from rollart.config_model import ConfigModel
 from rollart.engines.base import SamplingParams
 from rollart.plugins import checked as _plain
+from rollart.weights.kinds import channel_name_problem
 
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]  # rollart.tracking's backends
 
@@ -195,11 +196,11 @@ class WeightsConfig(ConfigModel):
     ``none`` (benchmarks only): no weights move, the policy version still advances — the baseline a weight
     channel's overhead is measured against."""
 
-    channel: Literal["ray", "mooncake", "dist", "inprocess", "none"] = "ray"
+    channel: str = "ray"
     """How new weights reach the inference workers: `ray` (object store), `mooncake` (a Mooncake store, in the
     background), `dist` (torch.distributed broadcast), `inprocess` (colocated mode, where it is the default and
     the only one: the engine loads its trainer's weights inside its process), `none` (benchmarks only: no
-    transfer).
+    transfer), or one a plug-in registers with `@register_weight_channel`.
     """
     pause_rollout: bool = False
     """Channel `ray`: true: suspend every worker for the swap (all switch at one moment; the requests in
@@ -239,6 +240,14 @@ class WeightsConfig(ConfigModel):
     """Channel `mooncake`: the trainer writes each version in the background and trains on."""
     timeout_s: float = Field(default=120.0, gt=0)
     """How long a worker waits for a version before the load fails, in seconds."""
+
+    @field_validator("channel")
+    @classmethod
+    def _known_channel(cls, name: str) -> str:
+        problem = channel_name_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
+        return name
 
     @model_validator(mode="after")
     def _check(self) -> WeightsConfig:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
@@ -164,6 +164,14 @@ class InferenceEngine(ABC):
 
     weight_version: int = 0
     sleep_level: int = 0  # 0 awake; 1 or 2 while asleep (colocated mode)
+    loads_model: ClassVar[bool] = True
+    """The engine loads a Hugging Face model (``engine.model``, else the pipeline's ``model``), which the config
+    checks exists before anything starts."""
+
+    @classmethod
+    def sleeps(cls) -> bool:
+        """Whether the engine has a sleep mode, which colocated mode needs: it implements :meth:`sleep`."""
+        return cls.sleep is not InferenceEngine.sleep
 
     @abstractmethod
     def add_request(self, request: EngineRequest) -> None: ...

@@ -38,6 +38,8 @@ from rollart.engines.hardware import HardwareProfile, ModelShape, profile_for
 
 
 class SimulatedEngine(InferenceEngine):
+    loads_model = False  # no weights: its latencies are simulated
+
     def __init__(
         self,
         decode_base_s: float = 0.02,

@@ -29,6 +29,7 @@ from typing import Any
 
 from rollart.rollout.async_controller import AsyncController, NewestVersionLoader
 from rollart.weights.base import WeightChannel
+from rollart.weights.kinds import channel_kind, channel_name_problem
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,13 @@ class WeightSync:
         # the trainer gathers and sends its weights a bucket of at most this many bytes at a time
         self.bucket_bytes = int(config.weights.bucket_mb) << 20
         self.loader: NewestVersionLoader | None = None  # serves the newest published version in the background
+
+    @classmethod
+    def build(cls, config: Any, train: Any, infer: Any, *, name: str, out_dir: Path) -> WeightSync:
+        """The weight path of ``config.weights.channel`` (:func:`weight_sync` calls it): ``name`` is the
+        trainer's channel name (``{job_id}-actor``), ``out_dir`` the run's folder. A channel that needs
+        either overrides this."""
+        return cls(config, train, infer)
 
     async def start(self, rollout: AsyncController) -> None:
         """Before the first step of a run."""
@@ -226,6 +234,10 @@ class DistSync(ChannelSync):
 
     kind = "dist"
 
+    @classmethod
+    def build(cls, config: Any, train: Any, infer: Any, *, name: str, out_dir: Path) -> WeightSync:
+        return cls(config, train, infer, name)
+
     def __init__(self, config: Any, train: Any, infer: Any, name: str):
         from rollart.weights.dist_channel import TorchBroadcastChannel
 
@@ -275,6 +287,10 @@ class MooncakeSync(ChannelSync):
     version number it publishes again) would wait on that segment."""
 
     kind = "mooncake"
+
+    @classmethod
+    def build(cls, config: Any, train: Any, infer: Any, *, name: str, out_dir: Path) -> WeightSync:
+        return cls(config, train, infer, name, out_dir)
 
     def __init__(self, config: Any, train: Any, infer: Any, name: str, out_dir: Path):
         super().__init__(config, train, infer)
@@ -393,16 +409,13 @@ class MooncakeSync(ChannelSync):
 
 
 def weight_sync(config: Any, train: Any, infer: Any, *, job_id: str, out_dir: Path) -> WeightSync:
-    """The :class:`WeightSync` of ``config.weights.channel`` for the trainer Cluster ``train`` and the
-    inference Cluster ``infer`` of job ``job_id`` (channel names start with it)."""
-    channel = config.weights.channel
-    name = f"{job_id}-actor"
-    if channel == "mooncake":
-        return MooncakeSync(config, train, infer, name, out_dir)
-    if channel == "dist":
-        return DistSync(config, train, infer, name)
-    if channel == "none":
-        return NoSync(config, train, infer)
-    if channel == "inprocess":
-        return InProcessSync(config, train, infer)
-    return RaySync(config, train, infer)
+    """The :class:`WeightSync` of ``config.weights.channel`` (its registered kind,
+    :mod:`rollart.weights.kinds`) for the trainer Cluster ``train`` and the inference Cluster ``infer`` of
+    job ``job_id`` (channel names start with it)."""
+    kind = channel_kind(config.weights.channel)
+    if kind is None:
+        raise ValueError(f"weights.channel: {channel_name_problem(config.weights.channel)}")
+    cls = kind.sync_class()
+    if not (isinstance(cls, type) and issubclass(cls, WeightSync)):
+        raise ValueError(f"weights.channel: {kind.name}: {cls!r} is not a WeightSync subclass")
+    return cls.build(config, train, infer, name=f"{job_id}-actor", out_dir=out_dir)

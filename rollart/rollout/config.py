@@ -227,6 +227,20 @@ class EngineConfig(ConfigModel):
     steps: `1` its KV cache (vLLM's level 1 also moves its weights to host memory), `2` its KV cache and its
     weights (it takes the trainer's at wake-up). Ignored with separate pools.
     """
+    plugin_paths: list[str] = Field(default_factory=list)
+    """Filled by the config loader (not written by hand): the folders a `MODULE:CLASS` engine is looked up in on
+    the inference workers (the config's folder, the working directory).
+    """
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        from rollart.engines.kinds import engine_name_problem
+
+        problem = engine_name_problem(kind)
+        if problem is not None:
+            raise ValueError(problem)
+        return kind
 
     @model_validator(mode="after")
     def _torch_options(self) -> EngineConfig:

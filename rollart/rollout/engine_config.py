@@ -6,15 +6,8 @@ import importlib
 from typing import Any
 
 from rollart.engines.base import InferenceEngine
+from rollart.engines.kinds import ENGINES
 from rollart.rollout.config import EngineConfig
-
-ENGINE_KINDS: dict[str, str] = {
-    "torch": "rollart.engines.torch_engine:TorchEngine",
-    "vllm": "rollart.engines.vllm_engine:VLLMEngine",
-    "sglang": "rollart.engines.sglang_engine:SGLangEngine",
-    "simulated": "rollart.engines.simulated:SimulatedEngine",
-}
-
 
 LATENCY_OPTIONS = ("decode_base_s", "decode_per_seq_s", "prefill_per_token_s")
 
@@ -37,10 +30,6 @@ def simulated_options(options: dict[str, Any], hardware: str | None) -> dict[str
     return options
 
 
-SLEEPING_KINDS = ("torch", "vllm")
-"""The built-in engines with a sleep mode (colocated mode)."""
-
-
 def build_engine(
     cfg: EngineConfig | dict[str, Any],
     device: str | None = None,
@@ -56,9 +45,13 @@ def build_engine(
         cfg = cfg.model_copy(update={"options": {**cfg.options, "device": device}})
     if colocated and cfg.kind == "vllm":
         cfg = cfg.model_copy(update={"options": {**cfg.options, "sleep_mode": True}})
-    target = ENGINE_KINDS.get(cfg.kind, cfg.kind)
+    target = ENGINES[cfg.kind].target if cfg.kind in ENGINES else cfg.kind
     if ":" not in target:
-        raise ValueError(f"engine.kind={cfg.kind!r}: use one of {sorted(ENGINE_KINDS)} or 'module:Class'")
+        raise ValueError(f"engine.kind={cfg.kind!r}: use one of {sorted(ENGINES)} or 'module:Class'")
+    if cfg.plugin_paths:
+        from rollart.plugins import add_search_path
+
+        add_search_path(cfg.plugin_paths)  # a MODULE:CLASS engine next to the config
     module, cls_name = target.split(":", 1)
     cls = getattr(importlib.import_module(module), cls_name)
     if cfg.kind == "simulated":

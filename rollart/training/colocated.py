@@ -170,7 +170,7 @@ class ColocatedRank:
 def colocated_worker_class(strategy: str, mapping: Mapping[str, Sequence[str]]) -> type[ColocatedRank]:
     """The colocated worker of ``train.strategy`` (``torch``) whose ``generate`` routes by ``mapping``
     (the pipeline's ``tags:``): ``ColocatedRank`` + the strategy's worker + the mapped InferenceWorker."""
-    train_cls = train_worker_class(strategy)  # type: ignore[arg-type]
+    train_cls = train_worker_class(strategy)
     infer_cls = inference_worker_class(mapping)
     return type(
         "ColocatedWorker",

@@ -10,6 +10,7 @@ from pydantic import Field, StrictFloat, ValidationInfo, field_validator, model_
 
 from rollart.config_model import ConfigModel
 from rollart.plugins import checked as _plain
+from rollart.training.kinds import STRATEGIES, strategy_kind, strategy_name_problem
 
 
 def _importable(module: str) -> bool:
@@ -68,9 +69,9 @@ class TrainConfig(ConfigModel):
     (with ``fsdp`` over the rest); ``pipeline_parallel`` is not built (must be 1). Every combination
     is checked here and against the pool, before any actor starts."""
 
-    strategy: Literal["torch", "megatron"] = "torch"
-    """The training worker: `torch` (the Hugging Face module) or `megatron` (a megatron-core GPTModel; extra
-    `megatron`).
+    strategy: str = "torch"
+    """The training worker: `torch` (the Hugging Face module), `megatron` (a megatron-core GPTModel; extra
+    `megatron`), or one a plug-in registers with `@register_strategy`.
     """
     sharding: Literal["ddp", "fsdp"] = "ddp"
     """How the train ranks hold the model (torch strategy): `ddp`, a whole copy per rank (16 bytes per parameter
@@ -194,6 +195,14 @@ class TrainConfig(ConfigModel):
                     logging.getLogger(__name__).warning("%s", err)
         return data
 
+    @field_validator("strategy")
+    @classmethod
+    def _strategy_exists(cls, name: str) -> str:
+        problem = strategy_name_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
+        return name
+
     @field_validator("loss")
     @classmethod
     def _loss_exists(cls, name: str) -> str:
@@ -228,21 +237,24 @@ class TrainConfig(ConfigModel):
                 "set train.pipeline_parallel: 1 and split a large model with train.sharding: fsdp (and "
                 "train.tensor_parallel)"
             )
-        if self.strategy == "megatron":
-            for name, value in (
-                ("dtype", self.dtype != "fp32"),
-                ("gradient_checkpointing", self.gradient_checkpointing),
-                ("lora", self.lora is not None),
-                ("sharding", self.sharding != "ddp"),
-                ("tensor_parallel", self.tensor_parallel > 1),
-                ("offload", self.offload != "none"),
-                ("packing", self.packing is True),
-            ):
-                if value:
-                    raise ValueError(
-                        f"train.{name} is implemented for train.strategy: torch only in this version (the megatron "
-                        f"strategy trains data parallel); remove train.{name} or use strategy: torch"
-                    )
+        kind = strategy_kind(self.strategy)
+        used = {
+            "dtype": self.dtype != "fp32",
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "lora": self.lora is not None,
+            "sharding": self.sharding != "ddp",
+            "tensor_parallel": self.tensor_parallel > 1,
+            "offload": self.offload != "none",
+            "packing": self.packing is True,
+        }
+        for name, value in used.items():
+            if kind is not None and value and name not in kind.features:
+                can = [k for k, c in STRATEGIES.items() if name in c.features]
+                raise ValueError(
+                    f"train.{name} is implemented for train.strategy: {' or '.join(can) or '(none)'} only in this "
+                    f"version (strategy {self.strategy} does not declare it); remove train.{name} or use strategy: "
+                    f"{can[0] if can else 'torch'}"
+                )
         if self.tensor_parallel > 1 and self.sharding != "fsdp":
             raise ValueError(
                 f"train.tensor_parallel={self.tensor_parallel} runs with FSDP over the remaining ranks: set "
@@ -260,10 +272,11 @@ class TrainConfig(ConfigModel):
             )
         if self.lora is not None and not _importable("peft"):
             raise ValueError("train.lora needs peft; install it with pip install 'rollart[lora]' or remove train.lora")
-        if self.strategy == "megatron" and not _importable("megatron.core"):
+        if kind is not None and kind.requires is not None and not _importable(kind.requires[0]):
+            module, extra = kind.requires
             raise ValueError(
-                "train.strategy: megatron needs megatron-core; install it with "
-                "pip install 'rollart[megatron]' or set train.strategy: torch"
+                f"train.strategy: {self.strategy} needs {module}; install it with "
+                f"pip install 'rollart[{extra}]' or set train.strategy: torch"
             )
         return self
 

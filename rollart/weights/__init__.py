@@ -5,17 +5,19 @@ Every channel is a serializable handle implementing :class:`WeightChannel` (``pu
 torch.distributed broadcast in buckets (:class:`TorchBroadcastChannel`), Mooncake store
 (:class:`MooncakeChannel`, with :class:`MooncakeMaster` to start a master on a given address), and
 :class:`HostSharedChannel`, which reads another channel once per host. Importing this package imports
-none of the optional backends.
+nothing (each name loads its module on first use): the config reads the channels' kinds
+(:mod:`rollart.weights.kinds`) without torch.
 """
 
 from typing import Any
 
-from rollart.weights.base import WeightChannel
-from rollart.weights.host_cache import HostSharedChannel
-from rollart.weights.ray_channel import RayObjectChannel
-from rollart.weights.snapshot import ChecksumMismatch, state_checksum, verify
-
 _LAZY = {
+    "WeightChannel": "rollart.weights.base",
+    "HostSharedChannel": "rollart.weights.host_cache",
+    "RayObjectChannel": "rollart.weights.ray_channel",
+    "ChecksumMismatch": "rollart.weights.snapshot",
+    "state_checksum": "rollart.weights.snapshot",
+    "verify": "rollart.weights.snapshot",
     "MooncakeChannel": "rollart.weights.mooncake_channel",
     "MooncakeMaster": "rollart.weights.mooncake_master",
     "TorchBroadcastChannel": "rollart.weights.dist_channel",
