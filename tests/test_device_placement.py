@@ -182,11 +182,11 @@ def test_a_cpu_worker_starts_with_cuda_hidden_from_its_actors_environment(make_r
     assert launcher.workers_see_no_gpu(), "the tests' local Ray has no GPU: rollart hides CUDA node-wide"
     rm = make_rm({"start_env": {"hardware": "CPU", "cpus": 1}})
     c = ra.Cluster("start_env", StartEnv, rm, pool="start_env")
-    assert "runtime_env" not in c._actor_options(c._slots[0])
+    assert "runtime_env" not in c.actors.options(c._slots[0])
     assert c.visible_at_start() == [""]
     c.shutdown()
     # a Ray rollart did not start (joined, or the user's): the actor's own runtime env hides them
     monkeypatch.setattr(launcher, "_workers_see_no_gpu", False)
     c = ra.Cluster("start_env2", StartEnv, rm, pool="start_env")
-    assert c._actor_options(c._slots[0])["runtime_env"] == {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+    assert c.actors.options(c._slots[0])["runtime_env"] == {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
     assert c.visible_at_start() == [""]
