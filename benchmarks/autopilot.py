@@ -97,15 +97,12 @@ def make_pipeline(cfg: Any, train_s: float, queue_at: int | None) -> Any:
     from rollart.pipelines.agentic import AgenticPipeline
 
     class ModelledTrainer(AgenticPipeline):
-        async def _make_batch(self, groups: list) -> Any:
+        async def on_batch(self, step: int, groups: list[Any]) -> None:
             await asyncio.sleep(train_s)  # the trainer's device is busy; rollout goes on meanwhile
-            return await super()._make_batch(groups)
 
-        async def _step(self, step: int) -> dict[str, Any]:
-            out = await super()._step(step)
+        async def on_step_end(self, step: int, record: dict[str, Any], trajs: list[Any]) -> None:
             if queue_at is not None and step == queue_at:
                 print("NEED second_job", flush=True)  # the outer side starts it; the run goes on meanwhile
-            return out
 
     return ModelledTrainer(cfg, progress=False)
 

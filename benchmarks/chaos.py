@@ -315,7 +315,7 @@ def make_pipeline(
                 if train_frames:
                     ray.get([w._rollart_allocations.remote("baseline") for w in self.train.workers])
 
-        def _record(self, step: int, version: int, trajs: list, *rest: Any) -> dict[str, Any]:
+        async def on_step_end(self, step: int, step_record: dict[str, Any], trajs: list[Any]) -> None:
             if deadline is not None:
                 self._sample()
                 if time.monotonic() > deadline:
@@ -334,7 +334,6 @@ def make_pipeline(
                 record["injected"].append({"step": step, "kind": kind, "detail": self._inject(kind), "t": at})
             if step - 3 in plan and plan[step - 3] in ("env_fail_stop", "env_fail_slow"):
                 self._heal_env(plan[step - 3])  # an env fault lasts three steps
-            return super()._record(step, version, trajs, *rest)
 
         def train_allocations(self) -> list[tuple[list[dict[str, Any]], str]]:
             """Each train rank's allocations grown since its baseline (``train_frames``)."""

@@ -113,12 +113,13 @@ def make_pipeline(
     class ElasticRun(AgenticPipeline):
         sampler: asyncio.Task | None = None
 
-        async def _step(self, step: int) -> dict[str, Any]:
-            if self.sampler is None:
-                self.sampler = asyncio.ensure_future(self._sample())
-            out = await super()._step(step)
+        async def on_run_start(self) -> None:
+            self.sampler = asyncio.ensure_future(self._sample())
+
+        async def on_step_end(self, step: int, step_record: dict[str, Any], trajs: list[Any]) -> None:
+            count_reward_checks(trajs, record)  # rewards invented: every trained reward recomputed
             if self.elastic is None:
-                return out
+                return
             if step == join_at:
                 self._ask("add_host")
                 await self._until(lambda: self.elastic.totals["joined"] >= joining, "the new workers serve")
@@ -130,7 +131,6 @@ def make_pipeline(
             if step == drain_at:
                 self._ask("drain_host")
                 await self._until(lambda: self.elastic.totals["left"] >= joining, "the drained workers left")
-            return out
 
         def _ask(self, what: str) -> None:
             record["asked"][what] = time.monotonic() - record["t0"]
@@ -152,10 +152,6 @@ def make_pipeline(
                 workers = sum(1 for p in self.infer.placement() if p["alive"] and not p["draining"])
                 record["timeline"].append((round(time.monotonic() - record["t0"], 3), tokens, workers))
                 await asyncio.sleep(sample_s)
-
-        def _record(self, step: int, version: int, trajs: list, *rest: Any) -> dict[str, Any]:
-            count_reward_checks(trajs, record)  # rewards invented: every trained reward recomputed
-            return super()._record(step, version, trajs, *rest)
 
     return ElasticRun(cfg, progress=False)
 

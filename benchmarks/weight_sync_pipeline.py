@@ -93,8 +93,8 @@ def run_mode(
     class StampedPipeline(AgenticPipeline):
         """Each step record carries the moment the step ended (``time.monotonic``), for the CPU window."""
 
-        def _record(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-            return {**super()._record(*args, **kwargs), "ended": time.monotonic()}
+        async def on_step_end(self, step: int, record: dict[str, Any], trajs: list[Any]) -> None:
+            record["ended"] = time.monotonic()
 
     cfg = bench_config(channel, out, steps=steps + warmup, hidden=hidden, layers=layers, local=local, sets=sets)
     pipe = StampedPipeline(cfg, progress=False)

@@ -28,13 +28,13 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
-import rollart as ra
-from rollart.cluster.cluster import start_together
 from rollart.cluster.errors import WorkerDiedError
 from rollart.config import PipelineConfig
 from rollart.data.evaluation import Evaluator
 from rollart.data.sampler import RoundSeeds
-from rollart.pipeline.checkpoints import Checkpoints
+from rollart.pipeline.checkpoints import Checkpoints, pipeline_extra, restore_pipeline_extra
+from rollart.pipeline.clusters import start_clusters
+from rollart.pipeline.env_groups import EnvGroups
 from rollart.pipeline.heap import setup_objects_frozen
 from rollart.pipeline.interrupt import Interrupt, StopChoice
 from rollart.pipeline.progress import StepProgress
@@ -52,23 +52,21 @@ from rollart.pipeline.records import (
 )
 from rollart.pipeline.recovery import TrainerSupervisor
 from rollart.pipeline.rewards import RewardServices
-from rollart.pipeline.startup import StartupTimeline, run_job_id
+from rollart.pipeline.startup import StartupTimeline
 from rollart.pipeline.weight_sync import WeightSync, weight_sync
 from rollart.pipelines.data_tasks import DataTasks, eval_sets
 from rollart.rollout.async_controller import AsyncController
 from rollart.rollout.elastic import ElasticRollout
-from rollart.rollout.env_manager import EnvManager, HFCodec
-from rollart.rollout.inference_worker import inference_worker_class
+from rollart.rollout.env_manager import HFCodec
 from rollart.rollout.llm_proxy import LLMProxy
 from rollart.rollout.sample_buffer import Group
 from rollart.rollout.scheduler import RolloutScheduler
+from rollart.tracking.spans import span_export
 from rollart.tracking.traces import TraceWriter
 from rollart.training import columns as C
 from rollart.training.batch_record import BatchRecorder
 from rollart.training.data import add_advantages, trajectories_to_batch
 from rollart.training.export import write_chat_template
-from rollart.training.placement import start_data_parallel
-from rollart.training.strategies import train_worker_class
 from rollart.weights.kinds import WEIGHT_CHANNELS
 
 log = logging.getLogger(__name__)
@@ -127,7 +125,7 @@ class AgenticPipeline:
                 seed=config.seed,
                 max_mb=tc.max_mb,
                 resume=resume,
-                spans=self._span_export(config),
+                spans=span_export(tc, seed=config.seed, service=config.name),
             )
             if tc.enabled
             else None
@@ -139,22 +137,6 @@ class AgenticPipeline:
         self._saved_through = self.start_step  # steps done when the last checkpoint was written
 
     # ------------------------------------------------------------------ wiring
-    @staticmethod
-    def _span_export(config: PipelineConfig) -> Any:
-        """The traces' OpenTelemetry export (``traces.otlp_endpoint``), or None."""
-        tc = config.traces
-        if tc.otlp_endpoint is None:
-            return None
-        from rollart.tracking.otel import SpanExport
-
-        return SpanExport(
-            tc.otlp_endpoint,
-            seed=config.seed,
-            service_name=tc.otlp_service_name or config.name,
-            headers=tc.otlp_headers,
-            timeout_s=tc.otlp_timeout_s,
-        )
-
     def _model_path(self) -> str:
         """``model:``, or the built-in tiny model (built offline on first use)."""
         if self.config.model is not None:
@@ -194,166 +176,19 @@ class AgenticPipeline:
         return eval_sets(data, config.eval, max_new_tokens=config.sampling.max_new_tokens)
 
     def _start_clusters(self, resume: bool) -> None:
-        """The job's pools, the inference and trainer Clusters, and the reference (``train.kl_coef``) and
-        critic (``advantage: gae``) beside the trainer ranks; the running-mean baseline."""
+        """The job's pools and Clusters (:func:`~rollart.pipeline.clusters.start_clusters`); the
+        running-mean baseline."""
         config = self.config
-        job_file = self.out_dir / "job_id"  # a --resume is the next attempt of the same job
-        self.rm = ra.ResourceManager(
-            config.pools,
-            job_id=run_job_id(config, resume),
-            store=config.cluster.metadata_store,
-            local_resources=config.cluster.local_resources,
+        jc = start_clusters(
+            config, out_dir=self.out_dir, model_path=self.model_path, startup=self.startup, resume=resume
         )
-        job_file.write_text(self.rm.job_id + "\n")
-        self._check_train_memory()
-        self.startup.resources_ready(self.rm)
-        pool_hw = [g.hardware for g in self.rm.specs[config.rollout_pool].groups]
-        tags = {k: (v or pool_hw) for k, v in config.tags.items()}
-        engine = config.engine.model_copy(update={"model": config.engine.model or self.model_path})
-        train_cfg = config.train.model_copy(update={"model": config.train.model or self.model_path})
-
-        def train() -> Any:  # the reference and critic ranks colocate with it
-            if config.colocated:  # one worker per train rank holds the trainer and the engine (time-shared)
-                from rollart.training.colocated import colocated_worker_class
-
-                self.train = self.infer = ra.Cluster(
-                    "actor",
-                    colocated_worker_class(train_cfg.strategy, tags),
-                    self.rm,
-                    pool=config.train_pool,
-                    worker_kwargs={"config": train_cfg.model_dump(), "engine": engine.model_dump()},
-                    wait=False,
-                )
-                return self.train
-            self.train = ra.Cluster(
-                "actor_train",
-                train_worker_class(train_cfg.strategy),
-                self.rm,
-                pool=config.train_pool,
-                worker_kwargs={"config": train_cfg.model_dump()},
-                wait=False,
-            )
-            return self.train
-
-        def infer() -> Any:
-            self.infer = ra.Cluster(
-                "actor_infer",
-                inference_worker_class(tags),
-                self.rm,
-                pool=config.rollout_pool,
-                worker_kwargs={"engine": engine.model_dump()},
-                wait=False,
-            )
-            return self.infer
-
-        starts = [train] if config.colocated else [infer, train]
-        if config.train.kl_coef > 0:
-            starts.append(lambda: self._beside_trainer("reference", train_cfg))
-        if config.advantage == "gae":
-            starts.append(lambda: self._beside_trainer("critic", train_cfg))
-        try:  # every worker boots, imports and loads its model at the same time; one that fails stops all
-            clusters = start_together(starts)
-            self.ref = next((c for c in clusters if c.name == "reference"), None)
-            self.critic = next((c for c in clusters if c.name == "critic"), None)
-            try:
-                start_data_parallel(self.train)
-                if self.critic is not None:
-                    start_data_parallel(self.critic)
-                if self.ref is not None and config.train.sharding == "fsdp":
-                    start_data_parallel(self.ref)
-            except BaseException:
-                for c in reversed(clusters):
-                    c.shutdown()
-                raise
-        except BaseException:
-            self.rm.shutdown()  # no pipeline exists to release the pools later
-            raise
+        self.rm, self.train, self.infer, self.ref, self.critic = jc.rm, jc.train, jc.infer, jc.ref, jc.critic
         self.baseline = None
         if config.advantage == "running_mean":  # critic-free single-rollout baseline, kept across steps
             from rollart.algorithms import RunningMeanBaseline
 
             self.baseline = RunningMeanBaseline(config.running_mean.window, config.running_mean.scope)
         self.startup.clusters_ready(c for c in (self.infer, self.train, self.ref, self.critic) if c is not None)
-
-    def _check_train_memory(self) -> None:
-        """Before any actor starts: on a one-machine cluster whose train ranks run on its CPU, their weights,
-        gradients and optimizer states must fit the machine's memory (a GPU rank checks its device itself)."""
-        import psutil
-        import ray
-
-        from rollart.resource_manager.specs import ResourceSpecError
-        from rollart.training.memory import fit_problem, model_param_counts
-
-        cfg = self.config.train
-        groups = self.rm.specs[self.config.train_pool].groups
-        on_gpus = all(self.rm.capacity[g.hardware].mode == "gpu" for g in groups if g.hardware in self.rm.capacity)
-        if on_gpus or sum(1 for n in ray.nodes() if n.get("Alive")) != 1:
-            return
-        try:
-            total, split = model_param_counts(cfg.model or self.model_path)
-        except (KeyError, OSError, ValueError):  # not a Qwen2/Llama-style config: nothing to estimate
-            return
-        ranks = sum(g.devices or g.cpus or 0 for g in groups)
-        problem = fit_problem(
-            total,
-            split,
-            sharding=cfg.sharding,
-            ranks=ranks,
-            tensor_parallel=cfg.tensor_parallel,
-            offload=False,
-            budget=0.9 * psutil.virtual_memory().total,
-            where="this machine (90% of its memory)",
-        )
-        if problem is not None:
-            self.rm.shutdown()
-            raise ResourceSpecError(problem)
-
-    def _beside_trainer(self, role: str, train_cfg: Any) -> Any:
-        """The frozen initial policy (``reference``) or the value model (``critic``, with its own
-        data-parallel group, formed by the caller): one rank colocated with each trainer rank, starting
-        (``wait=False``) beside the trainer's."""
-        if role == "reference" and train_cfg.sharding == "fsdp":
-            # sharded like the trainer (its own process group, formed by the caller): a trainer that is never
-            # stepped holds no optimizer state, only its shards of the initial weights
-            return ra.Cluster(
-                role,
-                train_worker_class(train_cfg.strategy),
-                self.rm,
-                pool=self.config.train_pool,
-                colocate_with=self.train,
-                worker_kwargs={"config": train_cfg.model_dump()},
-                wait=False,
-            )
-        if role == "reference":
-            from rollart.training.reference import ReferenceWorker
-
-            kwargs = {
-                "model": train_cfg.model,
-                "max_tokens_per_microbatch": train_cfg.max_tokens_per_microbatch,
-                "packing": train_cfg.packing if train_cfg.strategy == "torch" else False,
-            }
-            return ra.Cluster(
-                role,
-                ReferenceWorker,
-                self.rm,
-                pool=self.config.train_pool,
-                colocate_with=self.train,
-                worker_kwargs=kwargs,
-                wait=False,
-            )
-        from rollart.training.critic import CriticWorker
-
-        assert self.config.critic is not None
-        critic_cfg = self.config.critic.model_copy(update={"model": self.config.critic.model or self.model_path})
-        return ra.Cluster(
-            role,
-            CriticWorker,
-            self.rm,
-            pool=self.config.train_pool,
-            colocate_with=self.train,
-            worker_kwargs={"config": critic_cfg.model_dump()},
-            wait=False,
-        )
 
     def _start_rollout(self, seeds: RoundSeeds, held_out: list) -> None:
         """The LLMProxy over the inference Cluster, the reward services, the envs (local or on env
@@ -382,11 +217,21 @@ class AgenticPipeline:
         )
         self.codec = HFCodec(AutoTokenizer.from_pretrained(self.model_path))
         self.rewards = RewardServices(config, self.rm.job_id, self.codec)
-        groups = self._env_groups()
+        envs = EnvGroups(
+            config,
+            self.rm,
+            self.proxy,
+            self.codec,
+            self.rewards,
+            model_path=self.model_path,
+            version_fn=lambda: self.scheduler.version,
+        )
+        self.env_pools, self.endpoint = envs.env_pools, envs.endpoint
+        groups = envs.env_groups()
         # the dataset tasks' groups follow the envs' groups; the eval runs on the same proxy
-        groups += self.data_tasks.groups(self._manager, config.rollout.group_size, first_group=len(groups))
+        groups += self.data_tasks.groups(envs.manager, config.rollout.group_size, first_group=len(groups))
         self.evaluator = (
-            None if config.eval is None else Evaluator(config.eval, held_out, self._manager, config.sampling)
+            None if config.eval is None else Evaluator(config.eval, held_out, envs.manager, config.sampling)
         )
         rollout_cfg = config.rollout
         policies = {c.on_failure for c in [config.reward, *(t.reward for t in config.tasks.values())] if c is not None}
@@ -394,92 +239,6 @@ class AgenticPipeline:
             rollout_cfg = rollout_cfg.model_copy(update={"requeue_reward_failures": "requeue" in policies})
         self.scheduler = RolloutScheduler(groups, rollout_cfg, seed_fn=seeds.seed, quotas=self.quotas)
         self.controller = AsyncController(self.scheduler, self.proxy)
-
-    def _manager(self, env: Any, sampling: Any = None) -> EnvManager:
-        """An EnvManager of ``env`` with its task's sampling settings and reward (``tasks.TAG``)."""
-        tag = str(getattr(env, "tag", type(env).__name__))
-        return EnvManager(
-            env,
-            self.proxy,
-            self.codec,
-            sampling=sampling if sampling is not None else self.config.task_sampling(tag),
-            config=self.config.env_manager,
-            version_fn=lambda: self.scheduler.version,
-            reward_fn=self.rewards.reward_fn(tag),
-        )
-
-    def _env_groups(self) -> list[list[Any]]:
-        """The groups of the ``envs:`` tasks; remote envs (backend ray / kubernetes) get warm env servers
-        per task, started now; agent harnesses play through the policy endpoint."""
-        from rollart.envs import EnvSpec
-        from rollart.envservice.backends import EnvPools
-
-        config = self.config
-        self.env_pools = EnvPools(config.envs, self.rm, plugin_paths=config.train.plugin_paths)
-        groups: list[list[Any]] = []
-        self.endpoint = self._policy_endpoint() if any(e.agent for e in config.envs) else None
-        for index, entry in enumerate(config.envs):
-            if entry.agent is not None:  # an agent harness, through the policy endpoint (rollart.serving)
-                groups += [
-                    [self._agent_manager(entry) for _ in range(config.rollout.group_size)] for _ in range(entry.groups)
-                ]
-                continue
-            spec = EnvSpec(
-                name=entry.name,
-                tag=entry.tag,
-                max_steps=entry.max_steps,
-                max_new_tokens=entry.max_new_tokens,
-                kwargs=entry.kwargs,
-            )
-            for _ in range(entry.groups):
-                groups.append([self._manager(self._task_env(index, spec)) for _ in range(config.rollout.group_size)])
-        return groups
-
-    def _policy_endpoint(self) -> Any:
-        """The OpenAI-compatible endpoint over the LLMProxy that agent envs play through (``serving:``)."""
-        from rollart.serving.endpoint import PolicyEndpoint, build_service, model_context
-        from rollart.serving.service import ProxyBackend
-
-        cfg = self.config
-        for name in ("httpx", "httpx2"):  # the openai client logs every call at INFO: one line per agent turn
-            logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
-        service = build_service(
-            ProxyBackend(self.proxy),
-            self.codec.tokenizer,
-            cfg.serving,
-            model=cfg.serving.model_name or cfg.name,
-            sampling=cfg.sampling,
-            max_context=model_context(self.model_path),
-            version_fn=lambda: self.scheduler.version,
-        )
-        return PolicyEndpoint(service, cfg.serving)
-
-    def _agent_manager(self, entry: Any) -> Any:
-        """An env manager of one agent harness (``envs[i].agent``), with its task's reward."""
-        from rollart.serving.agent import AgentEnvManager, AgentSpec, load_agent, load_tasks
-
-        tag = entry.tag or "agent"
-        spec = AgentSpec(agent=entry.agent, tasks=entry.tasks, kwargs=entry.kwargs, timeout_s=entry.timeout_s)
-        paths = self.config.train.plugin_paths
-        return AgentEnvManager(
-            spec,
-            self.endpoint,
-            tag=tag,
-            agent=load_agent(spec.agent, paths),
-            tasks=load_tasks(spec.tasks, spec.kwargs, paths),
-            reward_fn=self.rewards.reward_fn(tag),
-            version_fn=lambda: self.scheduler.version,
-            seed=self.config.sampling.seed,
-        )
-
-    def _task_env(self, index: int, spec: Any) -> Any:
-        """The env (local, or remote on the task's env servers) of ``spec`` with its task's
-        ``sampling.max_new_tokens`` (``tasks.TAG``) as its budget."""
-        env = self.env_pools.make(index, spec)
-        budget = self.config.tasks.get(str(env.tag))
-        if budget is not None and budget.sampling.max_new_tokens is not None:
-            env.max_new_tokens = budget.sampling.max_new_tokens
-        return env
 
     # ------------------------------------------------------------------ weights
     async def _push_resumed_weights(self) -> int:
@@ -493,11 +252,38 @@ class AgenticPipeline:
         and the seconds the driver waited for it (mooncake: only for the previous version's fetch)."""
         t0 = time.monotonic()
         version = await self.weights.sync(self.controller, self.train_version)
-        return version, time.monotonic() - t0
+        waited = time.monotonic() - t0
+        if self.weights.loader is None:  # the channel waited until every worker serves it
+            await self.on_weights_served(version)
+        return version, waited
 
     async def _await_loading(self) -> None:
         """Wait until every worker serves the newest published version; re-raise a failure."""
         await self.weights.wait()
+        if self.weights.loader is not None:  # a background load: the newest version is served everywhere now
+            await self.on_weights_served(self.weights.loader.served)
+
+    # ------------------------------------------------------------------ hooks (override in a subclass)
+    async def on_run_start(self) -> None:
+        """The run's Clusters serve and its steps are about to begin (the rollout starts with them)."""
+
+    async def on_batch(self, step: int, groups: list[Group]) -> None:
+        """Step ``step`` (counted from 0) has its batch (``groups`` of trajectories, in a fixed order),
+        before anything of the step computes on the trainer's devices; the rollout goes on meanwhile."""
+
+    async def on_step_end(self, step: int, record: dict[str, Any], trajs: list[Any]) -> None:
+        """Step ``step`` (counted from 0; ``record["step"]`` is ``step + 1``) trained on ``trajs`` and synced
+        its weights; its record is complete and not written yet: add keys to it, look at the trajectories,
+        act on the run (a fault test kills a worker here). An exception ends the run as a failed step does."""
+
+    async def on_weights_served(self, version: int) -> None:
+        """Every inference worker serves ``version``: after each sync on the channels that wait for it (ray,
+        dist, inprocess, none); on a channel that loads in the background (mooncake) each time the run waits
+        for the loading (before an evaluation, at the run's end)."""
+
+    async def on_trainer_recovered(self, recovery: dict[str, Any]) -> None:
+        """A dead trainer-side rank was rebuilt, the restored weights are served and the run goes on from
+        ``recovery["restored_step"]`` (``recovery`` is the entry just added to :attr:`recoveries`)."""
 
     async def _make_batch(self, groups: list) -> tuple[Any, Any]:
         """The training batch, built once, then its advantages; with ``advantage: gae`` the critic scores
@@ -527,14 +313,7 @@ class AgenticPipeline:
         return self.checkpoints.critic_path(self.checkpoint_path)
 
     def _checkpoint_extra(self, step: int) -> dict[str, Any]:
-        """The pipeline's side of a checkpoint after ``step``: the scheduler's state (the consumed rounds:
-        per group a watermark and a small set), the data samplers and the running-mean baseline."""
-        extra: dict[str, Any] = {"step": step, "scheduler": self.scheduler.state_dict()}
-        if self.data_tasks.samplers:
-            extra["data"] = self.data_tasks.state_dict()
-        if self.baseline is not None:
-            extra["running_mean"] = self.baseline.state_dict()
-        return extra
+        return pipeline_extra(step, self.scheduler, self.data_tasks, self.baseline)
 
     async def _save_checkpoint(self, step: int) -> None:
         """The checkpoint after ``step`` (0-based), timed: what a Ctrl-C checkpoint costs."""
@@ -568,33 +347,16 @@ class AgenticPipeline:
         log.info("resumed from %s after step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
 
     def _restore_extra(self, extra: dict[str, Any], critic_path: Path, scheduler: RolloutScheduler) -> None:
-        """The pipeline's side of a checkpoint: the scheduler (next rounds, consumed rounds), the data
-        samplers, the running-mean baseline and the critic (which must come from the same save)."""
-        scheduler.load_state_dict(extra["scheduler"])
-        self.start_step = int(extra["step"]) + 1
-        if "consumed" in extra and "settled" not in extra["scheduler"]:  # older checkpoints: a list of ids
-            scheduler.settled.load_state_dict(extra["consumed"])
-        if self.data_tasks.samplers:
-            self.data_tasks.load_state_dict(extra.get("data", {}))
-        if self.baseline is not None:
-            if "running_mean" not in extra:
-                raise ValueError(
-                    f"--resume: {self.checkpoint_path} holds no running-mean baseline (it was written "
-                    "with another advantage); resume with the advantage it was trained with"
-                )
-            self.baseline.load_state_dict(extra["running_mean"])
-        if self.critic is not None:
-            if not critic_path.exists():
-                raise FileNotFoundError(
-                    f"--resume with advantage: gae: no critic checkpoint at "
-                    f"{critic_path}; the run was not trained with a critic"
-                )
-            critic_state = self.critic.load_checkpoint(str(critic_path))[0]
-            if critic_state["step"] != int(extra["step"]):
-                raise ValueError(
-                    f"--resume: the critic checkpoint is from step {critic_state['step']}, the actor's "
-                    f"from step {extra['step']}; they must come from the same save"
-                )
+        """The pipeline's side of a checkpoint (:func:`~rollart.pipeline.checkpoints.restore_pipeline_extra`)."""
+        self.start_step = restore_pipeline_extra(
+            extra,
+            scheduler=scheduler,
+            data_tasks=self.data_tasks,
+            baseline=self.baseline,
+            critic=self.critic,
+            critic_path=critic_path,
+            source=self.checkpoint_path,
+        )
 
     # ------------------------------------------------------------------ trainer supervision
     @property
@@ -611,6 +373,7 @@ class AgenticPipeline:
             await self.endpoint.start()
         if self.elastic is not None:
             self.elastic.start()
+        await self.on_run_start()
         try:
             while True:
                 try:
@@ -662,6 +425,7 @@ class AgenticPipeline:
             self.batch_record.drop_after(self.start_step)
         checkpoint = str(ckpt) if ckpt is not None else None
         self.supervisor.recovered(record, restored_step=self.start_step, checkpoint=checkpoint, version=version)
+        await self.on_trainer_recovered(self.recoveries[-1])
 
     def _restore_initial(self) -> None:
         """The pipeline's state at the start of a fresh run (a trainer restore before any checkpoint)."""
@@ -754,6 +518,7 @@ class AgenticPipeline:
             self.traces.trained(groups, step=step + 1, version=self.scheduler.last_batch_version)
         t_rollout = time.monotonic() - t0
         staleness = Counter(self.scheduler.staleness) - stale_before
+        await self.on_batch(step, groups)
         t1 = time.monotonic()
         await self.weights.before_train(self.controller)  # colocated: the engines give the devices back
         batch, critic_step = await self._make_batch(groups)
@@ -795,6 +560,7 @@ class AgenticPipeline:
         if self.evaluator is not None and self.evaluator.due(step, self.config.steps - 1):
             await self._await_loading()  # evaluate the version every worker serves
             record["eval"] = await self.evaluator.run(step)
+        await self.on_step_end(step, record, trajs)
         return record
 
     async def _end_run(self, tracker: Any, bar: Any) -> None:
@@ -829,8 +595,8 @@ class AgenticPipeline:
         t_step: float,
         staleness: Counter,
     ) -> dict[str, Any]:
-        """The step's record (:func:`~rollart.pipeline.records.step_record`); a subclass may look at each
-        step's trajectories here."""
+        """The step's record (:func:`~rollart.pipeline.records.step_record`); :meth:`on_step_end` sees it
+        complete."""
         return step_record(
             step=step,
             version=version,

@@ -138,7 +138,7 @@ async def test_a_restarted_worker_serves_the_current_version_then_leaves_when_it
     try:
         await proxy.model_update({}, 3)
         bundle = (cluster._slots[0].group.placement_group.id, cluster._slots[0].bundle_index)
-        actor_class = cluster._actor_class
+        actor_class = cluster.actors.actor_class
         old_pid = kill(cluster, 0)
         await proxy.model_update({}, 4)  # finds rank 0 dead: skipped, restart starts
         await proxy.model_update({}, 5)  # may run while rank 0 is coming back: it must end at 5 either way
@@ -148,7 +148,7 @@ async def test_a_restarted_worker_serves_the_current_version_then_leaves_when_it
         assert cluster.pids()[0] != old_pid
         assert (cluster._slots[0].group.placement_group.id, cluster._slots[0].bundle_index) == bundle
         # the restart reused the pool's Ray actor class: none is built, pickled and exported per fault
-        assert actor_class is not None and cluster._actor_class is actor_class
+        assert actor_class is not None and cluster.actors.actor_class is actor_class
         outs = await asyncio.gather(*(proxy.generate(request(f"r{i}"), "x") for i in range(4)))
         assert {o.rank for o in outs} == {0, 1} and all(o.token_versions == [5] * 8 for o in outs)
         kill(cluster, 0)  # its one restart is spent: removed, the job goes on with rank 1
@@ -352,11 +352,10 @@ def test_an_asynchronous_run_survives_a_killed_inference_worker_and_the_ledger_h
     killed: list[int] = []
 
     class Killing(AgenticPipeline):
-        def _record(self, step, version, trajs, *rest):
+        async def on_step_end(self, step, record, trajs):
             trained.extend(trajs)
             if step == 1:
                 killed.append(kill(self.infer, 0))
-            return super()._record(step, version, trajs, *rest)
 
     pipe = Killing(cfg, progress=False)
     try:

@@ -179,11 +179,10 @@ def test_an_agent_pipeline_survives_a_worker_killed_mid_call_and_the_ledger_hold
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
-        def _record(self, step, version, trajs, *rest):
+        async def on_step_end(self, step, record, trajs):
             trained.extend(trajs)
             if step == 1:
                 plan.kill, plan.crash = self._kill_mid_call, 2
-            return super()._record(step, version, trajs, *rest)
 
     pipe = Killing(cfg, progress=False)
     try:

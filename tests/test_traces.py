@@ -30,10 +30,9 @@ def run_pipeline(cfg, trained=None):
     from rollart.pipelines.agentic import AgenticPipeline
 
     class Recording(AgenticPipeline):
-        def _record(self, step, version, trajs, *rest):
+        async def on_step_end(self, step, record, trajs):
             if trained is not None:
                 trained.extend(t.traj_id for t in trajs)
-            return super()._record(step, version, trajs, *rest)
 
     pipe = Recording(cfg, progress=False)
     try:

@@ -33,13 +33,11 @@ def killing_pipeline(kills: list[tuple[int, int]]):
         killed: list = []
         after_recovery: list = []
 
-        def _record(self, step, version, trajs, *rest):
+        async def on_step_end(self, step, record, trajs):
             if todo and todo[0][0] == step:
                 self.killed.append((step, kill(self.train, todo.pop(0)[1])))
-            return super()._record(step, version, trajs, *rest)
 
-        async def _recover_training(self, died, err, history):
-            await super()._recover_training(died, err, history)
+        async def on_trainer_recovered(self, recovery):
             served = [m["weight_version"] for m in await self.proxy.worker_metrics()]
             sums = await self.train.weight_checksum(blocking=False)
             saved = None

@@ -1,4 +1,6 @@
-"""The parts a pipeline driver composes around its step loop: weight synchronisation
+"""The parts a pipeline driver composes around its step loop: the job's Clusters
+(:mod:`~rollart.pipeline.clusters`), the rollout's env managers in groups (:mod:`~rollart.pipeline.env_groups`),
+weight synchronisation
 (:mod:`~rollart.pipeline.weight_sync`, one object per ``weights.channel``), trainer supervision and
 recovery (:mod:`~rollart.pipeline.recovery`), checkpoints of the pipeline's own state
 (:mod:`~rollart.pipeline.checkpoints`), reward services (:mod:`~rollart.pipeline.rewards`) and the step

@@ -58,20 +58,9 @@ class RecordingPipeline(AgenticPipeline):
 
     served: list[dict[str, Any]]
 
-    async def _served(self, version: int) -> None:
+    async def on_weights_served(self, version: int) -> None:
         metrics = await self.proxy.worker_metrics()
         self.served.append({"version": version, "workers": [m["weight_version"] for m in metrics]})
-
-    async def _sync_weights(self) -> tuple[int, float]:
-        version, waited = await super()._sync_weights()
-        if self.weights.loader is None:  # ray / dist: served when the driver goes on
-            await self._served(version)
-        return version, waited
-
-    async def _await_loading(self) -> None:
-        await super()._await_loading()
-        if self.weights.loader is not None:  # mooncake: the newest version is now served everywhere
-            await self._served(self.weights.loader.served)
 
 
 def worker_place(cluster: Any) -> list[dict[str, Any]]:
