@@ -79,3 +79,45 @@ def test_an_upward_import_or_a_circle_breaks_a_contract(
     assert done.returncode != 0, done.stdout
     broken = [line for line in done.stdout.splitlines() if line.endswith("BROKEN")]
     assert any(contract in line for line in broken), done.stdout
+
+
+LAYER_HEIGHTS = """
+import json, sys, tomllib
+import grimp
+graph = grimp.build_graph("rollart", include_external_packages=False)
+deps = {}
+for module in graph.modules:
+    parts = module.split(".")
+    if len(parts) < 2:
+        continue
+    for dep in graph.find_modules_directly_imported_by(module):
+        if dep.count(".") >= 1 and dep.split(".")[1] != parts[1]:
+            deps.setdefault(parts[1], set()).add(dep.split(".")[1])
+print(json.dumps({k: sorted(v) for k, v in deps.items()}))
+"""
+
+
+def test_every_package_sits_one_layer_above_the_highest_it_imports(staged: Path) -> None:
+    """The layer order is the real one: a package's layer is one above the highest layer of the packages
+    it imports (so no layer is above another for no reason, and every boundary has an import across it)."""
+    import json
+    import tomllib
+
+    layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    height = {pkg.strip(): len(layers) - 1 - i for i, line in enumerate(layers) for pkg in line.split("|")}
+    done = subprocess.run(
+        [sys.executable, "-c", LAYER_HEIGHTS],
+        cwd=staged,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(staged), "PYTHONSAFEPATH": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    deps = json.loads(done.stdout)
+    wrong = {
+        pkg: (height[pkg], 1 + max((height[d] for d in deps.get(pkg, [])), default=-1))
+        for pkg in height
+        if height[pkg] != 1 + max((height[d] for d in deps.get(pkg, [])), default=-1)
+    }
+    assert wrong == {}, f"package: (its layer from the bottom, the layer its imports put it at): {wrong}"

@@ -14,7 +14,8 @@ GAE under a critic's values, which also adds ``values`` and ``returns``).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,24 +37,35 @@ def token_group_advantages(groups: Sequence[Sequence[Trajectory]], eps: float = 
     position whose present members all have the same credit gets exact zeros."""
     out: list[list[float]] = []
     for group in groups:
-        positions = [[i for i, m in enumerate(t.loss_mask) if m] for t in group]
-        width = max((len(p) for p in positions), default=0)
-        credit: list[list[float]] = [[] for _ in group]
-        for r, (t, pos) in enumerate(zip(group, positions)):
-            if t.token_rewards is None:
-                raise ValueError(f"advantage=grpo_token needs token_rewards; trajectory {t.traj_id} ({t.tag}) has none")
-            for i in pos:
-                credit[r].append(float(t.token_rewards[i]) if i < len(t.token_rewards) else 0.0)
-        adv = torch.zeros((len(group), width), dtype=torch.float64)
-        for k in range(width):
-            present = [r for r in range(len(group)) if k < len(positions[r])]
-            column = torch.tensor([credit[r][k] for r in present], dtype=torch.float64)
-            adv[present, k] = normalise_group(column, eps=eps)
-        for r, (t, pos) in enumerate(zip(group, positions)):
-            row = [0.0] * len(t.token_ids)
-            for k, i in enumerate(pos):
-                row[i] = float(adv[r, k])
-            out.append(row)
+        rows = [(t.traj_id, t.tag, len(t.token_ids), t.loss_mask, t.token_rewards) for t in group]
+        out += _dense_group_advantages(rows, eps)
+    return out
+
+
+def _dense_group_advantages(
+    rows: Sequence[tuple[str, str, int, Sequence[int], Sequence[float] | None]], eps: float = 1e-6
+) -> list[list[float]]:
+    """:func:`token_group_advantages` of one group, each member as ``(traj_id, tag, length, loss_mask,
+    token_rewards)``."""
+    positions = [[i for i, m in enumerate(mask) if m] for _, _, _, mask, _ in rows]
+    width = max((len(p) for p in positions), default=0)
+    credit: list[list[float]] = [[] for _ in rows]
+    for r, ((tid, tag, _, _, token_rewards), pos) in enumerate(zip(rows, positions)):
+        if token_rewards is None:
+            raise ValueError(f"advantage=grpo_token needs token_rewards; trajectory {tid} ({tag}) has none")
+        for i in pos:
+            credit[r].append(float(token_rewards[i]) if i < len(token_rewards) else 0.0)
+    adv = torch.zeros((len(rows), width), dtype=torch.float64)
+    for k in range(width):
+        present = [r for r in range(len(rows)) if k < len(positions[r])]
+        column = torch.tensor([credit[r][k] for r in present], dtype=torch.float64)
+        adv[present, k] = normalise_group(column, eps=eps)
+    out = []
+    for r, ((_, _, length, _, _), pos) in enumerate(zip(rows, positions)):
+        row = [0.0] * length
+        for k, i in enumerate(pos):
+            row[i] = float(adv[r, k])
+        out.append(row)
     return out
 
 
@@ -111,31 +123,41 @@ def _broadcast(batch: Batch, seq_adv: Sequence[float]) -> list[list[float]]:
     return [[float(a)] * len(ids) for a, ids in zip(seq_adv, batch[C.INPUT_IDS])]
 
 
-def _grpo_token_advantages(batch: Batch, norm_std: bool) -> list[list[float]]:
+def _grpo_token_advantages(batch: Batch, inputs: AdvantageInputs) -> list[list[float]]:
     """``grpo_token``: dense credit (``token_rewards``) normalised per action position within each group
     whose env gives it; sequence GRPO broadcast over the rows of the other groups."""
-    seq_adv = grpo_advantages(batch[C.REWARDS], batch[C.GROUP_INDEX], norm_std=norm_std).tolist()
+    seq_adv = grpo_advantages(batch[C.REWARDS], batch[C.GROUP_INDEX], norm_std=inputs.norm_std).tolist()
     credit = batch[C.TOKEN_REWARDS] if C.TOKEN_REWARDS in batch else [None] * len(batch)
     per_token: list[list[float]] = [[]] * len(batch)
     for rows in _rows_of_groups(batch):
         if all(credit[r] is not None for r in rows):
-            group = [
-                Trajectory(
-                    traj_id=batch[C.TRAJ_ID][r],
-                    group_id="",
-                    tag=batch[C.TAG][r],
-                    token_ids=batch[C.INPUT_IDS][r],
-                    loss_mask=batch[C.LOSS_MASK][r],
-                    token_rewards=credit[r],
-                )
+            members = [
+                (batch[C.TRAJ_ID][r], batch[C.TAG][r], len(batch[C.INPUT_IDS][r]), batch[C.LOSS_MASK][r], credit[r])
                 for r in rows
             ]
-            for r, adv in zip(rows, token_group_advantages([group])):
+            for r, adv in zip(rows, _dense_group_advantages(members)):
                 per_token[r] = adv
         else:
             for r in rows:
                 per_token[r] = [seq_adv[r]] * len(batch[C.INPUT_IDS][r])
     return per_token
+
+
+def _running_mean_advantages(batch: Batch, inputs: AdvantageInputs) -> list[list[float]]:
+    """``running_mean``: ``r - b`` with ``b`` from the baseline kept across steps (its window is then
+    updated with the batch's rewards), broadcast over the sequence."""
+    if inputs.baseline is None:
+        raise ValueError(
+            "add_advantages(method='running_mean') needs a RunningMeanBaseline (baseline=...), kept across steps"
+        )
+    return _broadcast(batch, inputs.baseline.advantages(list(batch[C.PROMPT_KEY]), batch[C.REWARDS].tolist()))
+
+
+def _gae(batch: Batch, inputs: AdvantageInputs) -> list[list[float]]:
+    """``gae``: skip-observation GAE under the critic's values (also adds ``values`` and ``returns``)."""
+    if inputs.values is None:
+        raise ValueError("add_advantages(method='gae') needs the critic's values (values=...)")
+    return gae_advantages(batch, inputs.values, **inputs.gae)[C.ADVANTAGES]
 
 
 def _plugin_advantages(batch: Batch, method: str, params: Mapping[str, Any] | None) -> list[float]:
@@ -152,6 +174,27 @@ def _plugin_advantages(batch: Batch, method: str, params: Mapping[str, Any] | No
     if len(seq) != len(batch):
         raise ValueError(f"advantage {method!r} returned {len(seq)} values for {len(batch)} rows; return one per row")
     return seq
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator that needs more than the batch's rewards and groups is given."""
+
+    norm_std: bool = True
+    values: Sequence[Sequence[float]] | None = None  # gae: the critic's values, one row per batch row
+    baseline: RunningMeanBaseline | None = None  # running_mean: kept across steps
+    gae: Mapping[str, Any] = field(default_factory=dict)  # gae: gamma, lam, critic_lam, length_adaptive, ...
+
+
+BATCH_ESTIMATORS: dict[str, Callable[[Batch, AdvantageInputs], list[list[float]]]] = {
+    "grpo_token": _grpo_token_advantages,
+    "running_mean": _running_mean_advantages,
+    "gae": _gae,
+}
+"""The built-in estimators that need the batch itself (per-token credit, prompt keys, a baseline kept across
+steps, the critic's values): ``fn(batch, inputs) -> advantages per token``. Every other name (``grpo``,
+``reinforce``, a registered one, ``MODULE:FUNC``) is a sequence-level estimator of the advantage registry
+(:func:`rollart.algorithms.register_advantage`)."""
 
 
 def add_advantages(
@@ -180,38 +223,18 @@ def add_advantages(
     * ``gae``: skip-observation GAE under the critic's ``values`` (see :func:`gae_advantages`);
     * any other name registered with :func:`rollart.algorithms.register_advantage`, or ``MODULE:FUNC``:
       ``fn(rewards, group_ids, **params)``, one advantage per row broadcast over the sequence.
-    """
-    if method == "gae":
-        if values is None:
-            raise ValueError("add_advantages(method='gae') needs the critic's values (values=...)")
-        return gae_advantages(
-            batch,
-            values,
-            gamma=gamma,
-            lam=lam,
-            critic_lam=critic_lam,
-            length_adaptive=length_adaptive,
-            alpha=alpha,
-            whiten=whiten,
-        )
-    rewards = batch[C.REWARDS]
-    if method == "grpo" and not params:
-        per_token = _broadcast(batch, grpo_advantages(rewards, batch[C.GROUP_INDEX], norm_std=norm_std).tolist())
-    elif method == "reinforce":
-        from rollart.algorithms import reinforce_baseline_advantages
 
-        per_token = _broadcast(batch, reinforce_baseline_advantages(rewards, batch[C.GROUP_INDEX]).tolist())
-    elif method == "running_mean":
-        if baseline is None:
-            raise ValueError(
-                "add_advantages(method='running_mean') needs a RunningMeanBaseline (baseline=...), kept across steps"
-            )
-        per_token = _broadcast(batch, baseline.advantages(list(batch[C.PROMPT_KEY]), rewards.tolist()))
-    elif method == "grpo_token":
-        per_token = _grpo_token_advantages(batch, norm_std)
-    else:
-        per_token = _broadcast(batch, _plugin_advantages(batch, method, params))
-    batch[C.ADVANTAGES] = per_token
+    ``grpo_token``, ``running_mean`` and ``gae`` are :data:`BATCH_ESTIMATORS`; the others come from the
+    advantage registry, where ``grpo`` and ``reinforce`` are registered as any estimator is."""
+    estimator = BATCH_ESTIMATORS.get(method)
+    if estimator is not None:
+        gae = {"gamma": gamma, "lam": lam, "critic_lam": critic_lam, "length_adaptive": length_adaptive}
+        inputs = AdvantageInputs(norm_std, values, baseline, {**gae, "alpha": alpha, "whiten": whiten})
+        batch[C.ADVANTAGES] = estimator(batch, inputs)
+        return batch
+    if method == "grpo" and not params:
+        params = {"norm_std": norm_std}
+    batch[C.ADVANTAGES] = _broadcast(batch, _plugin_advantages(batch, method, params))
     return batch
 
 
