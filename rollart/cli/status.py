@@ -8,7 +8,10 @@ import argparse
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollart.cli.tables import Column
 
 log = logging.getLogger(__name__)
 
@@ -114,94 +117,116 @@ def _print_tables(state: dict[str, Any], where: str, wide: bool = False) -> None
     """The state as tables of short columns (``wide``: every column), readable at 80 columns."""
     from rich.console import Console
 
-    from rollart.cli.tables import Column, col, full_time, print_table, short_path, short_time
+    from rollart.cli.tables import Column, col, print_table
 
     console = Console(soft_wrap=True)  # a long line is the terminal's to wrap; table rows fit (cli.tables)
     console.print(where)
     _with_autopilots(state)
+    _print_machines(console, state)
+    job = Column("job", col("job_id"))
+    tables = [
+        _jobs_table(state["jobs"], job),
+        _pools_table(state["pools"], job),
+        _workers_table(state["bindings"], job),
+        _endpoints_table(state["endpoints"], job),
+        _runs_table(state.get("runs", []), job),
+    ]
+    for title, rows, short, more in tables:
+        print_table(console, title, rows, short, more, show_wide=wide)
+
+
+def _print_machines(console: Any, state: dict[str, Any]) -> None:
+    """The GPUs Ray detects on this machine, or each node's GPUs and logical devices."""
     if "gpus" in state:
         console.print(f"GPUs on this machine (Ray's detection, declared by a local run): {state['gpus']['detected']}")
     for node in state.get("nodes", []):
         gpu_types = f" ({', '.join(node['gpu_types'])})" if node["gpu_types"] else ""
         logical = ", ".join(f"{t} x{n:g}" for t, n in node["logical"].items()) or "none"
         console.print(f"node {node['node_ip']}: {node['gpus']:g} GPU{gpu_types}; logical devices: {logical}")
-    job = Column("job", col("job_id"))
-    tables = [
-        (
-            "jobs",
-            state["jobs"],
-            [
-                job,
-                Column("name", col("name"), flex=True),
-                Column("state", _job_state),
-                Column("started", col("started_at", short_time)),
-                Column("folder", col("output_dir", short_path), flex=True),
-            ],
-            [
-                Column("driver_pid", col("driver_pid")),
-                Column("driver_alive", col("driver_alive", _alive)),
-                Column("ray_address", col("ray_address")),
-                Column("ended", col("ended_at", full_time)),
-                Column("output_dir", col("output_dir")),
-            ],
-        ),
-        (
-            "pools",
-            state["pools"],
-            [
-                job,
-                Column("pool", col("pool")),
-                Column("hardware", col("hardware")),
-                Column("size", _size),
-                Column("state", col("state")),
-            ],
-            [
-                Column("group", col("group_index")),
-                Column("devices", col("devices")),
-                Column("max_devices", col("max_devices")),
-            ],
-        ),
-        (
-            "workers",
-            state["bindings"],
-            [
-                job,
-                Column("cluster", col("cluster"), flex=True),
-                Column("rank", col("rank")),
-                Column("hardware", col("hardware")),
-                Column("node", _node, flex=True),
-                Column("gpus", col("device_ids", _ids)),
-                Column("state", col("state")),
-            ],
-            [Column("pool", col("pool")), Column("node_id", col("node_id")), Column("slots", col("slot_ids", _ids))],
-        ),
-        (
-            "endpoints",
-            state["endpoints"],
-            [
-                job,
-                Column("cluster", col("cluster"), flex=True),
-                Column("method", col("method")),
-                Column("url", col("url"), flex=True),
-            ],
-            [Column("timeout_s", col("timeout_s")), Column("retries", col("retries"))],
-        ),
-        (
-            "runs",
-            state.get("runs", []),
-            [
-                job,
-                Column("#", col("attempt")),
-                Column("started", col("started_at", short_time)),
-                Column("ended", col("ended_at", short_time)),
-                Column("status", col("status")),
-                Column("cause", col("cause"), flex=True),
-            ],
-            [Column("driver_pid", col("driver_pid"))],
-        ),
+
+
+# a table: its title, its rows, its short columns and the columns --wide adds
+_Table = tuple[str, list[dict[str, Any]], list["Column"], list["Column"]]
+
+
+def _jobs_table(rows: list[dict[str, Any]], job: Column) -> _Table:
+    from rollart.cli.tables import Column, col, full_time, short_path, short_time
+
+    short = [
+        job,
+        Column("name", col("name"), flex=True),
+        Column("state", _job_state),
+        Column("started", col("started_at", short_time)),
+        Column("folder", col("output_dir", short_path), flex=True),
     ]
-    for title, rows, short, more in tables:
-        print_table(console, title, rows, short, more, show_wide=wide)
+    more = [
+        Column("driver_pid", col("driver_pid")),
+        Column("driver_alive", col("driver_alive", _alive)),
+        Column("ray_address", col("ray_address")),
+        Column("ended", col("ended_at", full_time)),
+        Column("output_dir", col("output_dir")),
+    ]
+    return "jobs", rows, short, more
+
+
+def _pools_table(rows: list[dict[str, Any]], job: Column) -> _Table:
+    from rollart.cli.tables import Column, col
+
+    short = [
+        job,
+        Column("pool", col("pool")),
+        Column("hardware", col("hardware")),
+        Column("size", _size),
+        Column("state", col("state")),
+    ]
+    more = [
+        Column("group", col("group_index")),
+        Column("devices", col("devices")),
+        Column("max_devices", col("max_devices")),
+    ]
+    return "pools", rows, short, more
+
+
+def _workers_table(rows: list[dict[str, Any]], job: Column) -> _Table:
+    from rollart.cli.tables import Column, col
+
+    short = [
+        job,
+        Column("cluster", col("cluster"), flex=True),
+        Column("rank", col("rank")),
+        Column("hardware", col("hardware")),
+        Column("node", _node, flex=True),
+        Column("gpus", col("device_ids", _ids)),
+        Column("state", col("state")),
+    ]
+    more = [Column("pool", col("pool")), Column("node_id", col("node_id")), Column("slots", col("slot_ids", _ids))]
+    return "workers", rows, short, more
+
+
+def _endpoints_table(rows: list[dict[str, Any]], job: Column) -> _Table:
+    from rollart.cli.tables import Column, col
+
+    short = [
+        job,
+        Column("cluster", col("cluster"), flex=True),
+        Column("method", col("method")),
+        Column("url", col("url"), flex=True),
+    ]
+    return "endpoints", rows, short, [Column("timeout_s", col("timeout_s")), Column("retries", col("retries"))]
+
+
+def _runs_table(rows: list[dict[str, Any]], job: Column) -> _Table:
+    from rollart.cli.tables import Column, col, short_time
+
+    short = [
+        job,
+        Column("#", col("attempt")),
+        Column("started", col("started_at", short_time)),
+        Column("ended", col("ended_at", short_time)),
+        Column("status", col("status")),
+        Column("cause", col("cause"), flex=True),
+    ]
+    return "runs", rows, short, [Column("driver_pid", col("driver_pid"))]
 
 
 def cmd_status(args: argparse.Namespace) -> int:

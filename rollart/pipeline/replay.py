@@ -18,7 +18,10 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollart.cluster.batch import Batch
 
 log = logging.getLogger(__name__)
 
@@ -121,35 +124,13 @@ def replay(
     """Train the recorded batches of ``run_dir`` through step ``to`` (counted from 1) from the initial
     weights (or the checkpoint ``start``: a step number or a folder) under the run's trainer config with
     ``sets`` over it, and write the checkpoint folder ``out`` (default ``RUN_DIR/replay/step-N``)."""
-    import torch
-
-    from rollart.cluster.worker import WorkerContext, host_class
-    from rollart.resource_manager.net import free_port
     from rollart.training import columns as C
-    from rollart.training.batch_record import FOLDER, TRAINER_FILE, read_step, read_trainer
+    from rollart.training.batch_record import FOLDER, read_step
     from rollart.training.checkpoint_io import load_checkpoint_file, step_dir
-    from rollart.training.torch_strategy import TorchTrainWorker
 
     run = Path(run_dir)
     root = run / FOLDER
-    if not (root / TRAINER_FILE).is_file():
-        raise ReplayError(
-            f"{run} holds no batch record ({root / TRAINER_FILE}); replay trains a run's recorded batches: run it "
-            "with record_batches: true (rollart run CONFIG --set record_batches=true)"
-        )
-    trainer = read_trainer(root)
-    cfg = _train_config(trainer["train"], sets or {})
-    if cfg.strategy != "torch":
-        raise ReplayError(f"train.strategy: {cfg.strategy}: replay trains with the torch strategy only")
-    if cfg.sharding != "ddp":
-        raise ReplayError(
-            f"train.sharding: {cfg.sharding}: replay reproduces one-rank runs trained with train.sharding: ddp"
-        )
-    if int(trainer.get("ranks", 1)) != 1:
-        raise ReplayError(
-            f"{run} trained on {trainer['ranks']} ranks; replay trains on one rank in this process and reproduces "
-            "one-rank runs only (a data-parallel run's gradient sums run in another order)"
-        )
+    trainer, cfg = _recorded_trainer(run, root, sets or {})
     ckpt = _checkpoint_arg(run, start)
     start_step = 0
     if ckpt is not None:
@@ -166,7 +147,68 @@ def replay(
         )
     if trainer.get("critic"):
         log.warning("the run trained a critic (advantage: gae); replay trains the actor only (no critic.pt)")
+    result = ReplayResult(out=target, start_step=start_step, to=to, version=0)
+    _train_recorded(root, trainer, cfg, ckpt, first, result, on_step)
+    (target / "replay.json").write_text(
+        json.dumps(
+            {
+                "run_dir": str(run.resolve()),
+                "from": str(ckpt) if ckpt is not None else None,
+                "to": to,
+                "sets": dict(sets or {}),
+                "metrics": result.metrics,
+            },
+            indent=1,
+        )
+    )
+    return result
 
+
+def _recorded_trainer(run: Path, root: Path, sets: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """The run's recorded trainer and its config with ``sets`` over it; refuses a run without a record,
+    or one that replay cannot reproduce (not one torch DDP rank)."""
+    from rollart.training.batch_record import TRAINER_FILE, read_trainer
+
+    if not (root / TRAINER_FILE).is_file():
+        raise ReplayError(
+            f"{run} holds no batch record ({root / TRAINER_FILE}); replay trains a run's recorded batches: run it "
+            "with record_batches: true (rollart run CONFIG --set record_batches=true)"
+        )
+    trainer = read_trainer(root)
+    cfg = _train_config(trainer["train"], sets)
+    if cfg.strategy != "torch":
+        raise ReplayError(f"train.strategy: {cfg.strategy}: replay trains with the torch strategy only")
+    if cfg.sharding != "ddp":
+        raise ReplayError(
+            f"train.sharding: {cfg.sharding}: replay reproduces one-rank runs trained with train.sharding: ddp"
+        )
+    if int(trainer.get("ranks", 1)) != 1:
+        raise ReplayError(
+            f"{run} trained on {trainer['ranks']} ranks; replay trains on one rank in this process and reproduces "
+            "one-rank runs only (a data-parallel run's gradient sums run in another order)"
+        )
+    return trainer, cfg
+
+
+def _train_recorded(
+    root: Path,
+    trainer: Mapping[str, Any],
+    cfg: Any,
+    ckpt: Path | None,
+    first: tuple[Batch, dict[str, Any]],
+    result: ReplayResult,
+    on_step: Callable[[int, dict[str, Any]], None] | None,
+) -> None:
+    """Train the steps of ``result`` (``first``: its first step's recorded batch) on one rank in this
+    process, with the run's thread count, and save the checkpoint ``result.out``."""
+    import torch
+
+    from rollart.cluster.worker import WorkerContext, host_class
+    from rollart.resource_manager.net import free_port
+    from rollart.training.batch_record import read_step
+    from rollart.training.torch_strategy import TorchTrainWorker
+
+    start_step, to = result.start_step, result.to
     threads = torch.get_num_threads()
     torch.set_num_threads(int(trainer.get("threads", threads)))
     ctx = WorkerContext(cluster="replay", job_id="replay", rank=0, world_size=1, pool=None, hardware="CPU")
@@ -176,7 +218,6 @@ def replay(
         worker.setup_distributed("127.0.0.1", free_port())
         if ckpt is not None:
             worker.load_checkpoint(str(ckpt))  # with the replay's train.lr / weight_decay / betas (--set)
-        result = ReplayResult(out=target, start_step=start_step, to=to, version=0)
         info: dict[str, Any] = {}
         for step in range(start_step + 1, to + 1):
             batch, info = first if step == start_step + 1 else read_step(root, step)
@@ -186,20 +227,7 @@ def replay(
                 on_step(step, metrics)
         result.version = int(info.get("version", worker.version))
         worker.set_version(result.version)
-        worker.save_checkpoint(str(target), info.get("extra", {"step": to - 1}))
-        (target / "replay.json").write_text(
-            json.dumps(
-                {
-                    "run_dir": str(run.resolve()),
-                    "from": str(ckpt) if ckpt is not None else None,
-                    "to": to,
-                    "sets": dict(sets or {}),
-                    "metrics": result.metrics,
-                },
-                indent=1,
-            )
-        )
-        return result
+        worker.save_checkpoint(str(result.out), info.get("extra", {"step": to - 1}))
     finally:
         torch.set_num_threads(threads)
 

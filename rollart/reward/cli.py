@@ -111,9 +111,6 @@ def app_factory() -> Any:
 
 
 def cmd_serve_rewards(args: argparse.Namespace) -> int:
-    import json
-    import os
-
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -122,18 +119,35 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         log.error("rollart serve rewards needs the 'serve' extra (%s): pip install 'rollart[serve]'", err)
         return 2
 
-    from rollart.reward.builtin.judge import capture_credentials
-    from rollart.reward.http_guard import forget_env_secrets
     from rollart.reward.loader import load_functions
     from rollart.reward.sandbox import SandboxUnavailable
-    from rollart.reward.server import ServerSettings, build_app
+    from rollart.reward.server import build_app
 
     try:
         limits = sandbox_limits(args)
     except ValueError as err:
         log.error("%s", err)
         return 2
-    settings = ServerSettings(
+    settings = _server_settings(args, limits)
+    if args.judge_url is not None and not _export_judge_url(args.judge_url):
+        return 2
+    functions = load_functions(args.functions)  # fail here, before anything listens
+    try:
+        # a bad tenants file, an unset or short token, code functions without isolation fail here
+        app = build_app(functions, settings)
+    except (ValueError, SandboxUnavailable) as err:
+        log.error("%s", err)
+        return 2
+    if args.ray_serve:
+        return _deploy_ray_serve(args, settings)
+    return _serve_http(args, settings, app, sorted(functions))
+
+
+def _server_settings(args: argparse.Namespace, limits: Any) -> Any:
+    """The :class:`~rollart.reward.server.ServerSettings` of the command line."""
+    from rollart.reward.server import ServerSettings
+
+    return ServerSettings(
         sandbox=limits,
         unsafe_no_sandbox=args.unsafe_no_sandbox,
         token_env=args.token_env,
@@ -151,32 +165,43 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         idempotency_cache=args.idempotency_cache,
         idempotency_cache_mb=args.idempotency_cache_mb,
     )
-    if args.judge_url is not None:
-        from rollart.reward.builtin.judge import URL_ENV
 
-        if not args.judge_url.startswith(("http://", "https://")):
-            log.error("--judge-url %r: give an http:// or https:// base URL", args.judge_url)
-            return 2
-        # the environment reaches every uvicorn worker process and Ray Serve replica started from here
-        os.environ[URL_ENV] = args.judge_url
-    functions = load_functions(args.functions)  # fail here, before anything listens
+
+def _export_judge_url(url: str) -> bool:
+    """``--judge-url``: set in the environment, for every worker process and replica (False: not a URL)."""
+    import os
+
+    from rollart.reward.builtin.judge import URL_ENV
+
+    if not url.startswith(("http://", "https://")):
+        log.error("--judge-url %r: give an http:// or https:// base URL", url)
+        return False
+    # the environment reaches every uvicorn worker process and Ray Serve replica started from here
+    os.environ[URL_ENV] = url
+    return True
+
+
+def _deploy_ray_serve(args: argparse.Namespace, settings: Any) -> int:
+    """``--ray-serve``: deploy the functions on Ray Serve instead of serving them here."""
     try:
-        # a bad tenants file, an unset or short token, code functions without isolation fail here
-        app = build_app(functions, settings)
-    except (ValueError, SandboxUnavailable) as err:
-        log.error("%s", err)
+        from ray import serve  # noqa: F401
+    except ImportError:
+        log.error("--ray-serve needs Ray Serve: pip install 'rollart[ray-serve]'")
         return 2
-    if args.ray_serve:
-        try:
-            from ray import serve  # noqa: F401
-        except ImportError:
-            log.error("--ray-serve needs Ray Serve: pip install 'rollart[ray-serve]'")
-            return 2
-        from rollart.reward.ray_serve import deploy
+    from rollart.reward.ray_serve import deploy
 
-        deploy(args.functions, settings, host=args.host, port=args.port, max_replicas=args.max_replicas)
-        return 0
-    from rollart.reward.http_guard import beyond_loopback
+    deploy(args.functions, settings, host=args.host, port=args.port, max_replicas=args.max_replicas)
+    return 0
+
+
+def _serve_http(args: argparse.Namespace, settings: Any, app: Any, names: list[str]) -> int:
+    """Serve ``app`` (``--workers N``: N processes that each rebuild it) until stopped; the secrets are
+    forgotten from the environment before it listens."""
+    import json
+    import os
+
+    from rollart.reward.builtin.judge import capture_credentials
+    from rollart.reward.http_guard import beyond_loopback, forget_env_secrets
     from rollart.reward.http_server import GuardedConfig, run_server
 
     if beyond_loopback(args.host) and not (args.token_env or args.tenants):
@@ -185,7 +210,7 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
             "they run); give --token-env or --tenants",
             args.host,
         )
-    log.info("serving %s on http://%s:%d/rewards/<name>", sorted(functions), args.host, args.port)
+    log.info("serving %s on http://%s:%d/rewards/<name>", names, args.host, args.port)
     if args.workers > 1:
         # each worker process rebuilds the app: the secrets travel in the configuration it is spawned
         # with, and this process forgets them before it starts any (workers, resource tracker)

@@ -540,89 +540,18 @@ def _start_and_wait(run: _Run, lay: _iso.Layer, lim: SandboxLimits, code: str, s
             stack.callback(lease.release)  # after every process of the uid is gone (callbacks run last-in first-out)
             launcher["uid"] = lease.uid
         if lay.mode == "bwrap":
-            found = _cgroup.support()
-            if found.parent is not None:
-                memory = (lim.memory_mb + lim.disk_mb + 2 * lim.shm_mb) << 20
-                run.cgroup = _cgroup.SandboxCgroup.create(found, memory_bytes=memory, max_processes=lim.max_processes)
-                stack.callback(run.cgroup.remove)
-            code_fd = os.memfd_create("rollart-sandbox-solution")
-            fds.append(code_fd)
-            os.write(code_fd, code.encode())
-            os.lseek(code_fd, 0, os.SEEK_SET)
-            seccomp_fd = _seccomp.memfd()
-            fds.append(seccomp_fd)
-            info_r, info_w = os.pipe()
-            fds.append(info_w)
-            cmd = _iso.bwrap_command(
-                lay,
-                code_fd=code_fd,
-                info_fd=info_w,
-                seccomp_fd=seccomp_fd,
-                disk_bytes=lim.disk_mb << 20,
-                shm_bytes=lim.shm_mb << 20,
-                launcher_limits=launcher,
-                cgroup_procs=run.cgroup.procs if run.cgroup is not None else None,
-            )
-            cwd, env = "/", {**_ENV, "HOME": _iso.WORKDIR}
+            cmd, cwd, env, info_r = _bwrap_launch(stack, run, lay, lim, code, launcher, fds)
         else:
             info_r = -1
-            work = stack.enter_context(tempfile.TemporaryDirectory(prefix="rollart-sandbox-"))
-            path = os.path.join(work, "solution.py")
-            with open(path, "w") as f:
-                f.write(code)
-            if lease is not None:  # the code's uid owns its folder, no one else may enter it
-                os.chown(path, lease.uid, lease.uid)
-                os.chown(work, lease.uid, lease.uid)
-            os.chmod(work, 0o700)
-            cmd = [_iso.python(), "-I", "-S", "-c", _iso.UNSAFE_LAUNCHER, json.dumps(launcher), path]
-            cwd, env = work, {**_ENV, "HOME": work}
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=cwd,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-                start_new_session=True,
-                close_fds=True,
-                pass_fds=tuple(fds),
-            )
-        finally:
-            for fd in fds:
-                os.close(fd)
-        with run.lock:
-            run.proc, run.pidfd = proc, os.pidfd_open(proc.pid)
-        if info_r >= 0:
-            init = _init_pid(info_r)
-            init_fd = -1
-            if init > 0:
-                with contextlib.suppress(ProcessLookupError):
-                    init_fd = os.pidfd_open(init)
-            with run.lock:
-                run.init_pid, run.init_pidfd = init, init_fd
-        if run.cancelled:  # cancelled while starting
-            run.kill()
+            cmd, cwd, env = _unsafe_launch(stack, lease, code, launcher)
+        proc = _spawn(run, cmd, cwd, env, fds, info_r)
         contended = False
         try:
             pumped = _pump(proc, stdin.encode(), ready_r, lim.max_output_bytes, time.monotonic() + wall, run.pidfd)
             if pumped.timed_out:
                 contended = not run.cancelled and _contended(run, lim, wall)
         finally:
-            run.kill()  # the whole tree, also after a normal exit: nothing the code started outlives it
-            if lay.mode == UNSAFE:
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:  # the supervisor did not end: end its session by force
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            _wait_gone(run.init_pidfd, "PID namespace")
-            run.close()
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    with contextlib.suppress(OSError):
-                        stream.close()
+            _reap(run, lay, proc)
     return _Done(
         proc.returncode,
         pumped.out.decode(errors="replace"),
@@ -632,6 +561,114 @@ def _start_and_wait(run: _Run, lay: _iso.Layer, lim: SandboxLimits, code: str, s
         pumped.started,
         pumped.truncated,
     )
+
+
+def _bwrap_launch(
+    stack: contextlib.ExitStack,
+    run: _Run,
+    lay: _iso.Layer,
+    lim: SandboxLimits,
+    code: str,
+    launcher: dict[str, Any],
+    fds: list[int],
+) -> tuple[list[str], str, dict[str, str], int]:
+    """The bubblewrap command line, its cwd and env, and the read end of its ``--info-fd`` pipe: creates the
+    run's cgroup (removed by ``stack``) and the fds the child gets (appended to ``fds``)."""
+    found = _cgroup.support()
+    if found.parent is not None:
+        memory = (lim.memory_mb + lim.disk_mb + 2 * lim.shm_mb) << 20
+        run.cgroup = _cgroup.SandboxCgroup.create(found, memory_bytes=memory, max_processes=lim.max_processes)
+        stack.callback(run.cgroup.remove)
+    code_fd = os.memfd_create("rollart-sandbox-solution")
+    fds.append(code_fd)
+    os.write(code_fd, code.encode())
+    os.lseek(code_fd, 0, os.SEEK_SET)
+    seccomp_fd = _seccomp.memfd()
+    fds.append(seccomp_fd)
+    info_r, info_w = os.pipe()
+    fds.append(info_w)
+    cmd = _iso.bwrap_command(
+        lay,
+        code_fd=code_fd,
+        info_fd=info_w,
+        seccomp_fd=seccomp_fd,
+        disk_bytes=lim.disk_mb << 20,
+        shm_bytes=lim.shm_mb << 20,
+        launcher_limits=launcher,
+        cgroup_procs=run.cgroup.procs if run.cgroup is not None else None,
+    )
+    return cmd, "/", {**_ENV, "HOME": _iso.WORKDIR}, info_r
+
+
+def _unsafe_launch(
+    stack: contextlib.ExitStack, lease: _iso.UidLease | None, code: str, launcher: dict[str, Any]
+) -> tuple[list[str], str, dict[str, str]]:
+    """The unsafe launcher's command line, cwd and env: writes the code in a temporary folder (removed by
+    ``stack``) that only the code's uid may enter."""
+    work = stack.enter_context(tempfile.TemporaryDirectory(prefix="rollart-sandbox-"))
+    path = os.path.join(work, "solution.py")
+    with open(path, "w") as f:
+        f.write(code)
+    if lease is not None:  # the code's uid owns its folder, no one else may enter it
+        os.chown(path, lease.uid, lease.uid)
+        os.chown(work, lease.uid, lease.uid)
+    os.chmod(work, 0o700)
+    cmd = [_iso.python(), "-I", "-S", "-c", _iso.UNSAFE_LAUNCHER, json.dumps(launcher), path]
+    return cmd, work, {**_ENV, "HOME": work}
+
+
+def _spawn(
+    run: _Run, cmd: list[str], cwd: str, env: dict[str, str], fds: list[int], info_r: int
+) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` with ``fds`` (closed here once it started) and record its process (and, with ``info_r``,
+    its PID namespace's init) on ``run``; killed at once if ``run`` was cancelled meanwhile."""
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=tuple(fds),
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with run.lock:
+        run.proc, run.pidfd = proc, os.pidfd_open(proc.pid)
+    if info_r >= 0:
+        init = _init_pid(info_r)
+        init_fd = -1
+        if init > 0:
+            with contextlib.suppress(ProcessLookupError):
+                init_fd = os.pidfd_open(init)
+        with run.lock:
+            run.init_pid, run.init_pidfd = init, init_fd
+    if run.cancelled:  # cancelled while starting
+        run.kill()
+    return proc
+
+
+def _reap(run: _Run, lay: _iso.Layer, proc: subprocess.Popen[bytes]) -> None:
+    """Kill the run's whole tree, also after a normal exit (nothing the code started outlives it), wait for
+    it to be gone and close its fds and pipes."""
+    run.kill()
+    if lay.mode == UNSAFE:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # the supervisor did not end: end its session by force
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    _wait_gone(run.init_pidfd, "PID namespace")
+    run.close()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
 
 
 @dataclass

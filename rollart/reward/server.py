@@ -300,55 +300,12 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
 
         check()  # refuse to serve code functions without isolation (unless opted in)
         log.info("%s (for %s)", describe(), ", ".join(code))
-    registry = CollectorRegistry()
-    requests = Counter(
-        "rollart_reward_requests", "reward requests", ["function", "status", "tenant"], registry=registry
-    )
-    scored = Counter("rollart_reward_trajectories", "trajectories scored", ["function", "tenant"], registry=registry)
-    latency = Histogram("rollart_reward_latency_seconds", "reward request latency", ["function"], registry=registry)
-    in_flight = Gauge("rollart_reward_in_flight", "reward requests being computed", registry=registry)
-    tenant_in_flight = Gauge(
-        "rollart_reward_tenant_in_flight", "reward requests being computed, per tenant", ["tenant"], registry=registry
-    )
-    compute = Counter(
-        "rollart_reward_compute_seconds",
-        "seconds trajectories spent in reward functions (slot-seconds: busy time)",
-        ["function", "tenant"],
-        registry=registry,
-    )
-    Gauge("rollart_reward_slots", "trajectories computed at once (0: unbounded)", registry=registry).set(
-        settings.slots or 0
-    )
-    pools = _Pools(sorted(n for n, fn in functions.items() if not inspect.iscoroutinefunction(fn)),
-                   settings.threads_per_function, settings.tenant_slots)  # fmt: skip
-    running = Gauge("rollart_reward_running", "reward calls running in threads", ["function"], registry=registry)
-    for name in pools.executors:
-        running.labels(function=name).set_function(functools.partial(pools.count, name))
-    Gauge("rollart_reward_sandboxes", "code sandboxes alive", registry=registry).set_function(sandboxes_running)
-    state = {"in_flight": 0}
-    per_tenant: dict[str, int] = {}  # requests in flight per tenant label (bounded like the labels)
-    slots = FairSlots(settings.slots, settings.tenant_slots) if settings.slots else None
-    tenants = TenantLabels(settings.max_tenants, reserved=set(tenant_tokens))
-    cache = AnswerCache(settings.idempotency_cache, int(settings.idempotency_cache_mb * 1024 * 1024))
-
-    def quota(tenant: str) -> int | None:
-        spec = tenant_tokens.get(tenant)
-        if spec is not None and spec[1] is not None:
-            return spec[1]
-        return settings.tenant_max_concurrency
-
-    def count(name: str, status: int, tenant: str) -> None:
-        # label values are bounded: served function names only, tenants through TenantLabels
-        requests.labels(function=name if name in functions else "unknown", status=str(status), tenant=tenant).inc()
-
+    svc = _Service(functions, settings, tenant_tokens)
     auth = BearerAuth(
         token,
         tenant_tokens,
         description="the token of `--token-env`, or the caller's own token of `--tenants` (when the server has one)",
     )
-
-    def rejected(path: str) -> None:
-        count(path.removeprefix("/rewards/") if path.startswith("/rewards/") else "", 401, "unauthenticated")
 
     # a server with a token shows its schema and metrics to token holders only, and serves no docs page
     # (its script could not send the token)
@@ -357,7 +314,7 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         try:
             yield
         finally:
-            pools.shutdown()
+            svc.pools.shutdown()
 
     app = FastAPI(
         title="rollart reward service",
@@ -367,6 +324,214 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         docs_url=None if auth.enabled else "/docs",
         redoc_url=None if auth.enabled else "/redoc",
     )
+    _add_info_routes(app, svc, auth)
+    _add_score_route(app, svc, auth)
+    app.add_middleware(
+        RequestGuard,
+        limit=settings.max_body_bytes,
+        auth=auth,
+        public=("/healthz",),
+        read_timeout_s=settings.read_timeout_s,
+        on_reject=svc.rejected,
+    )
+    return app
+
+
+class _Service:
+    """What the reward app's routes share: the served functions, their metrics, thread pools and slots,
+    the idempotency cache and the requests in flight (in all and per tenant label)."""
+
+    def __init__(
+        self,
+        functions: dict[str, RewardFn],
+        settings: ServerSettings,
+        tenant_tokens: dict[str, tuple[bytes, int | None]],
+    ):
+        self.functions, self.settings, self.tenant_tokens = functions, settings, tenant_tokens
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter(
+            "rollart_reward_requests", "reward requests", ["function", "status", "tenant"], registry=registry
+        )
+        self.scored = Counter(
+            "rollart_reward_trajectories", "trajectories scored", ["function", "tenant"], registry=registry
+        )
+        self.latency = Histogram(
+            "rollart_reward_latency_seconds", "reward request latency", ["function"], registry=registry
+        )
+        self.in_flight = Gauge("rollart_reward_in_flight", "reward requests being computed", registry=registry)
+        self.tenant_in_flight = Gauge(
+            "rollart_reward_tenant_in_flight",
+            "reward requests being computed, per tenant",
+            ["tenant"],
+            registry=registry,
+        )
+        self.compute = Counter(
+            "rollart_reward_compute_seconds",
+            "seconds trajectories spent in reward functions (slot-seconds: busy time)",
+            ["function", "tenant"],
+            registry=registry,
+        )
+        Gauge("rollart_reward_slots", "trajectories computed at once (0: unbounded)", registry=registry).set(
+            settings.slots or 0
+        )
+        sync = sorted(n for n, fn in functions.items() if not inspect.iscoroutinefunction(fn))
+        self.pools = pools = _Pools(sync, settings.threads_per_function, settings.tenant_slots)
+        running = Gauge("rollart_reward_running", "reward calls running in threads", ["function"], registry=registry)
+        for name in pools.executors:
+            running.labels(function=name).set_function(functools.partial(pools.count, name))
+        Gauge("rollart_reward_sandboxes", "code sandboxes alive", registry=registry).set_function(sandboxes_running)
+        self.busy = 0  # requests in flight
+        self.per_tenant: dict[str, int] = {}  # requests in flight per tenant label (bounded like the labels)
+        self.slots = FairSlots(settings.slots, settings.tenant_slots) if settings.slots else None
+        self.tenants = TenantLabels(settings.max_tenants, reserved=set(tenant_tokens))
+        self.cache = AnswerCache(settings.idempotency_cache, int(settings.idempotency_cache_mb * 1024 * 1024))
+
+    def quota(self, tenant: str) -> int | None:
+        spec = self.tenant_tokens.get(tenant)
+        if spec is not None and spec[1] is not None:
+            return spec[1]
+        return self.settings.tenant_max_concurrency
+
+    def count(self, name: str, status: int, tenant: str) -> None:
+        # label values are bounded: served function names only, tenants through TenantLabels
+        function = name if name in self.functions else "unknown"
+        self.requests.labels(function=function, status=str(status), tenant=tenant).inc()
+
+    def rejected(self, path: str) -> None:
+        self.count(path.removeprefix("/rewards/") if path.startswith("/rewards/") else "", 401, "unauthenticated")
+
+    async def call(self, fn: RewardFn, traj: dict[str, Any], name: str, tenant: str) -> Any:
+        if self.slots is None:
+            return await self.timed(fn, traj, name, tenant)
+        await self.slots.acquire(tenant)
+        try:
+            return await self.timed(fn, traj, name, tenant)
+        finally:
+            self.slots.release(tenant)
+
+    async def timed(self, fn: RewardFn, traj: dict[str, Any], name: str, tenant: str) -> Any:
+        t0 = time.perf_counter()
+        try:
+            if inspect.iscoroutinefunction(fn):
+                return await fn(traj)
+            return await self.pools.run(name, fn, traj, tenant)
+        finally:
+            self.compute.labels(function=name, tenant=tenant).inc(time.perf_counter() - t0)
+
+    def caller(self, name: str, owner: str | None, header: str | None) -> str | None:
+        """The calling tenant: the token's owner (an ``X-Rollart-Tenant`` naming another is 403), else the
+        header, when it is a valid label (else 422)."""
+        if owner is not None:  # the token says who calls; the header may only agree
+            if header is not None and header != owner:
+                self.count(name, 403, owner)
+                raise HTTPException(403, f"X-Rollart-Tenant {header[:80]!r}: this token belongs to tenant {owner!r}")
+            return owner
+        if header is not None and not TenantLabels.valid(header):
+            self.count(name, 422, "invalid")
+            raise HTTPException(
+                422,
+                f"X-Rollart-Tenant {header[:80]!r}: use 1-64 characters from "
+                "[A-Za-z0-9._:-], starting with a letter or digit",
+            )
+        return header
+
+    def repeated(
+        self, key: tuple[str, str, str], digest: str, name: str, tenant: str, idempotency_key: str
+    ) -> Response | None:
+        """The cached answer of a repeated ``Idempotency-Key`` (422 when it came with another body)."""
+        cached = self.cache.get(key)
+        if cached is None:
+            return None
+        seen_digest, encoded = cached
+        if seen_digest != digest:
+            self.count(name, 422, tenant)
+            raise HTTPException(
+                422,
+                f"Idempotency-Key {str(idempotency_key)[:80]!r} was used with another body; "
+                "send a new key for a new request",
+            )
+        self.count(name, 200, tenant)
+        return Response(encoded, media_type="application/json")
+
+    def refusal(self, name: str, tenant: str) -> JSONResponse | None:
+        """The 429 of a request over its tenant's quota or the server's concurrency (None: admitted)."""
+        limit = self.quota(tenant)
+        if limit is not None and self.per_tenant.get(tenant, 0) >= limit:
+            self.count(name, 429, tenant)
+            return JSONResponse(
+                {"detail": f"tenant {tenant!r} has {limit} reward requests in flight (its quota); retry later"},
+                status_code=429,
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            )
+        if self.busy >= self.settings.max_concurrency:
+            self.count(name, 429, tenant)
+            return JSONResponse(
+                {"detail": "reward service saturated; retry later"},
+                status_code=429,
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            )
+        return None
+
+    async def score(
+        self, fn: RewardFn, name: str, tenant: str, body: RewardRequest, key: tuple[str, str, str] | None, digest: str
+    ) -> Response:
+        """Score an admitted request's trajectories under its deadline, and cache the answer under ``key``."""
+        self.busy += 1
+        self.per_tenant[tenant] = self.per_tenant.get(tenant, 0) + 1
+        self.in_flight.inc()
+        self.tenant_in_flight.labels(tenant=tenant).inc()
+        t0 = time.perf_counter()
+        scope, work = None, None
+        try:
+            trajs = [t.model_dump() for t in body.trajectories]
+            try:
+                # the sandboxes' own deadline is a backstop a second later: the request's timeout cancels them
+                with deadline(self.settings.timeout_s + 1.0) as scope:
+                    work = asyncio.gather(*(self.call(fn, t, name, tenant) for t in trajs))
+                values = await asyncio.wait_for(work, self.settings.timeout_s)
+                pairs = [_score_of(v) for v in values]
+            except Exception as err:
+                raise self.failure(name, tenant, err) from None
+            encoded = _encode(pairs)
+            if key is not None:
+                self.cache.put(key, digest, encoded)
+            self.count(name, 200, tenant)
+            self.scored.labels(function=name, tenant=tenant).inc(len(trajs))
+            return Response(encoded, media_type="application/json")
+        finally:
+            if work is not None and not work.done():  # one trajectory failed: the others stop too
+                work.cancel()
+            if scope is not None:  # timed out, failed or cancelled: its sandboxes die, none starts
+                scope.cancel()
+            self.latency.labels(function=name).observe(time.perf_counter() - t0)
+            self.busy -= 1
+            self.per_tenant[tenant] -= 1
+            self.in_flight.dec()
+            self.tenant_in_flight.labels(tenant=tenant).dec()
+
+    def failure(self, name: str, tenant: str, err: Exception) -> HTTPException:
+        """The answer to a request whose reward function failed (counted): 422 for input it refused, 504
+        past the request's timeout, else 500 with the function's error."""
+        if isinstance(err, RewardInputError):  # the caller asked for something the server refuses
+            self.count(name, 422, tenant)
+            return HTTPException(422, f"reward function {name!r} refused the input: {err}")
+        if isinstance(err, (TimeoutError, SandboxCancelled)):
+            self.count(name, 504, tenant)
+            return HTTPException(504, f"reward function {name!r} took longer than {self.settings.timeout_s}s")
+        self.count(name, 500, tenant)
+        log.warning("reward function %s raised %s: %s", name, type(err).__name__, err)
+        return HTTPException(500, f"reward function {name!r} raised {type(err).__name__}: {err}")
+
+
+def _encode(pairs: list[tuple[float, dict[str, Any]]]) -> bytes:
+    """The answer's JSON body, encoded once: the cache keeps these bytes, not the answer's Python objects
+    (a float and a dict per trajectory: ~3 KB for a request of 18 trajectories against ~0.4 KB encoded)."""
+    answer = RewardResponse(result=[s for s, _ in pairs], details=[d for _, d in pairs])
+    return json.dumps(jsonable_encoder(answer), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def _add_info_routes(app: FastAPI, svc: _Service, auth: BearerAuth) -> None:
+    """The error handler, ``/healthz``, ``/metrics`` and (for a server with a token) ``/openapi.json``."""
 
     @app.exception_handler(StarletteHTTPException)
     async def malformed_is_422(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -378,16 +543,16 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
     async def healthz() -> dict[str, Any]:
         return {
             "status": "ok",
-            "functions": sorted(functions),
-            "in_flight": state["in_flight"],
-            "running": pools.snapshot(),
-            "queued": pools.queued(),
+            "functions": sorted(svc.functions),
+            "in_flight": svc.busy,
+            "running": svc.pools.snapshot(),
+            "queued": svc.pools.queued(),
             "sandboxes": sandboxes_running(),
         }
 
     @app.get("/metrics")
     async def metrics(_: str | None = Depends(auth.dependency)) -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(generate_latest(svc.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     if auth.enabled:
 
@@ -395,23 +560,9 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         async def openapi(_: str | None = Depends(auth.dependency)) -> JSONResponse:
             return JSONResponse(get_openapi(title=app.title, version=app.version, routes=app.routes))
 
-    async def call(fn: RewardFn, traj: dict[str, Any], name: str, tenant: str) -> Any:
-        if slots is None:
-            return await timed(fn, traj, name, tenant)
-        await slots.acquire(tenant)
-        try:
-            return await timed(fn, traj, name, tenant)
-        finally:
-            slots.release(tenant)
 
-    async def timed(fn: RewardFn, traj: dict[str, Any], name: str, tenant: str) -> Any:
-        t0 = time.perf_counter()
-        try:
-            if inspect.iscoroutinefunction(fn):
-                return await fn(traj)
-            return await pools.run(name, fn, traj, tenant)
-        finally:
-            compute.labels(function=name, tenant=tenant).inc(time.perf_counter() - t0)
+def _add_score_route(app: FastAPI, svc: _Service, auth: BearerAuth) -> None:
+    """``POST /rewards/{name}``: the guards in their order (tenant, function, idempotency, quota), then the scoring."""
 
     @app.post("/rewards/{name}", response_model=RewardResponse)
     async def score(
@@ -421,106 +572,21 @@ def build_app(functions: dict[str, RewardFn], settings: ServerSettings | None = 
         x_rollart_tenant: str | None = Header(default=None, description="tenant (job id) for metering"),
         idempotency_key: str | None = Header(default=None),
     ) -> Any:
-        if owner is not None:  # the token says who calls; the header may only agree
-            if x_rollart_tenant is not None and x_rollart_tenant != owner:
-                count(name, 403, owner)
-                raise HTTPException(
-                    403, f"X-Rollart-Tenant {x_rollart_tenant[:80]!r}: this token belongs to tenant {owner!r}"
-                )
-            x_rollart_tenant = owner
-        elif x_rollart_tenant is not None and not TenantLabels.valid(x_rollart_tenant):
-            count(name, 422, "invalid")
-            raise HTTPException(
-                422,
-                f"X-Rollart-Tenant {x_rollart_tenant[:80]!r}: use 1-64 characters from "
-                "[A-Za-z0-9._:-], starting with a letter or digit",
-            )
-        tenant = tenants.label(x_rollart_tenant)
-        fn = functions.get(name)
+        x_rollart_tenant = svc.caller(name, owner, x_rollart_tenant)
+        tenant = svc.tenants.label(x_rollart_tenant)
+        fn = svc.functions.get(name)
         if fn is None:
-            count(name, 404, tenant)
-            raise HTTPException(404, f"no reward function {name!r}; served: {sorted(functions)}")
-        key = (x_rollart_tenant or "", name, idempotency_key) if idempotency_key else None
-        digest = _body_digest(body) if key is not None else ""
-        cached = cache.get(key) if key is not None else None
-        if cached is not None:
-            seen_digest, encoded = cached
-            if seen_digest != digest:
-                count(name, 422, tenant)
-                raise HTTPException(
-                    422,
-                    f"Idempotency-Key {str(idempotency_key)[:80]!r} was used with another body; "
-                    "send a new key for a new request",
-                )
-            count(name, 200, tenant)
-            return Response(encoded, media_type="application/json")
-        limit = quota(tenant)
-        if limit is not None and per_tenant.get(tenant, 0) >= limit:
-            count(name, 429, tenant)
-            return JSONResponse(
-                {"detail": f"tenant {tenant!r} has {limit} reward requests in flight (its quota); retry later"},
-                status_code=429,
-                headers={"Retry-After": str(settings.retry_after_s)},
-            )
-        if state["in_flight"] >= settings.max_concurrency:
-            count(name, 429, tenant)
-            return JSONResponse(
-                {"detail": "reward service saturated; retry later"},
-                status_code=429,
-                headers={"Retry-After": str(settings.retry_after_s)},
-            )
-        state["in_flight"] += 1
-        per_tenant[tenant] = per_tenant.get(tenant, 0) + 1
-        in_flight.inc()
-        tenant_in_flight.labels(tenant=tenant).inc()
-        t0 = time.perf_counter()
-        scope, work = None, None
-        try:
-            trajs = [t.model_dump() for t in body.trajectories]
-            try:
-                # the sandboxes' own deadline is a backstop a second later: the request's timeout cancels them
-                with deadline(settings.timeout_s + 1.0) as scope:
-                    work = asyncio.gather(*(call(fn, t, name, tenant) for t in trajs))
-                values = await asyncio.wait_for(work, settings.timeout_s)
-                pairs = [_score_of(v) for v in values]
-            except RewardInputError as err:  # the caller asked for something the server refuses
-                count(name, 422, tenant)
-                raise HTTPException(422, f"reward function {name!r} refused the input: {err}") from None
-            except (TimeoutError, SandboxCancelled):
-                count(name, 504, tenant)
-                raise HTTPException(504, f"reward function {name!r} took longer than {settings.timeout_s}s") from None
-            except Exception as err:
-                count(name, 500, tenant)
-                log.warning("reward function %s raised %s: %s", name, type(err).__name__, err)
-                raise HTTPException(500, f"reward function {name!r} raised {type(err).__name__}: {err}") from None
-            answer = RewardResponse(result=[s for s, _ in pairs], details=[d for _, d in pairs])
-            # encoded once: the cache keeps these bytes, not the answer's Python objects (a float and a
-            # dict per trajectory: ~3 KB for a request of 18 trajectories against ~0.4 KB encoded)
-            encoded = json.dumps(
-                jsonable_encoder(answer), ensure_ascii=False, allow_nan=False, separators=(",", ":")
-            ).encode()
-            if key is not None:
-                cache.put(key, digest, encoded)
-            count(name, 200, tenant)
-            scored.labels(function=name, tenant=tenant).inc(len(trajs))
-            return Response(encoded, media_type="application/json")
-        finally:
-            if work is not None and not work.done():  # one trajectory failed: the others stop too
-                work.cancel()
-            if scope is not None:  # timed out, failed or cancelled: its sandboxes die, none starts
-                scope.cancel()
-            latency.labels(function=name).observe(time.perf_counter() - t0)
-            state["in_flight"] -= 1
-            per_tenant[tenant] -= 1
-            in_flight.dec()
-            tenant_in_flight.labels(tenant=tenant).dec()
-
-    app.add_middleware(
-        RequestGuard,
-        limit=settings.max_body_bytes,
-        auth=auth,
-        public=("/healthz",),
-        read_timeout_s=settings.read_timeout_s,
-        on_reject=rejected,
-    )
-    return app
+            svc.count(name, 404, tenant)
+            raise HTTPException(404, f"no reward function {name!r}; served: {sorted(svc.functions)}")
+        if idempotency_key:
+            key = (x_rollart_tenant or "", name, idempotency_key)
+            digest = _body_digest(body)
+            cached = svc.repeated(key, digest, name, tenant, idempotency_key)
+            if cached is not None:
+                return cached
+        else:
+            key, digest = None, ""
+        refused = svc.refusal(name, tenant)
+        if refused is not None:
+            return refused
+        return await svc.score(fn, name, tenant, body, key, digest)

@@ -227,6 +227,17 @@ class AgentEnvManager:
             self.tag, meta={"seed": None if self.seed is None else f"{self.seed}:{traj_id}"}
         )
         self.session = session
+        returned, error, raised = await self._play(session, task)
+        fatal = session.meta.get("cluster_error")
+        if isinstance(fatal, ClusterError):
+            raise fatal
+        traj = session.trajectory(traj_id, group_id, start_version) if session.calls else failed
+        traj.info.update({"task": task, "duration_s": time.monotonic() - t0})
+        return await self._outcome(traj, session, returned, error, raised)
+
+    async def _play(self, session: Any, task: dict[str, Any]) -> tuple[Any, str | None, BaseException | None]:
+        """Run the agent on ``task`` with a client of ``session`` (within ``timeout_s``), then close the
+        session: what it returned, and its error (a message, and what it raised) when it failed."""
         client = self._client(session)
         returned: Any = None
         error: str | None = None
@@ -253,11 +264,13 @@ class AgentEnvManager:
             closing = client.close()
             if inspect.isawaitable(closing):
                 await closing
-        fatal = session.meta.get("cluster_error")
-        if isinstance(fatal, ClusterError):
-            raise fatal
-        traj = session.trajectory(traj_id, group_id, start_version) if session.calls else failed
-        traj.info.update({"task": task, "duration_s": time.monotonic() - t0})
+        return returned, error, raised
+
+    async def _outcome(
+        self, traj: Trajectory, session: Any, returned: Any, error: str | None, raised: BaseException | None
+    ) -> Trajectory:
+        """The episode's trajectory with its status and reward: aborted, failed (the agent failed or made
+        no call, or its reward failed) or scored."""
         if self._aborting:
             traj.status, traj.reward = "aborted", None
             return traj

@@ -131,52 +131,94 @@ def build_app(
     from rollart.reward.http_guard import BearerAuth, RequestGuard
 
     app = FastAPI(title="rollart policy endpoint (OpenAI-compatible)", version="1")
-    tok = service.tokenizer
+    ep = _Endpoint(service, sessions, token, ready)
+    _add_error_handlers(app)
+    _add_model_routes(app, ep)
+    for path, handler in (
+        ("chat/completions", ep.chat),
+        ("completions", ep.completion),
+        ("responses", ep.respond),
+        ("messages", ep.message),
+    ):
+        _serve(app, ep, path, handler)
+    _add_session_routes(app, ep, public_url)
+    app.add_middleware(
+        RequestGuard,
+        limit=max_body_bytes,
+        auth=BearerAuth(token, {}, description="the job's token"),
+        public=("/healthz",),
+        read_timeout_s=read_timeout_s,
+        error=_guard_error,
+        token_headers=("x-api-key",),
+    )
+    return app
 
-    def error(err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+def _error(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+def _guard_error(status: int, message: str) -> bytes:
+    if status == 401:
+        message = "missing or wrong bearer token (the job's token: the api_key of an openai client)"
+    code = {401: "invalid_api_key", 408: "request_timeout", 413: "body_too_large"}.get(status)
+    return json.dumps(APIError(status, message, code=code).body()).encode()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as the OpenAI API's error body (and Anthropic's shape on ``/v1/messages``)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if request.url.path.endswith("/v1/messages"):  # Anthropic's error shape too: {"type": "error", "error": ...}
             return JSONResponse({"type": "error", **exc.body()}, status_code=exc.status, headers=exc.headers())
-        return error(exc)
+        return _error(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = exc.errors()
         if any(p.get("type") == "json_invalid" for p in problems):
-            return error(APIError(400, "the body is not valid JSON"))
+            return _error(APIError(400, "the body is not valid JSON"))
         first = problems[0] if problems else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
-        return error(APIError(422, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param))
+        return _error(APIError(422, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error(APIError(exc.status_code, str(exc.detail)))
+        return _error(APIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.warning("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-        return error(APIError(500, f"the endpoint failed: {type(exc).__name__}"))
+        return _error(APIError(500, f"the endpoint failed: {type(exc).__name__}"))
 
-    def authorize(request: Request) -> None:
-        if token is None:
+
+class _Endpoint:
+    """What the endpoint's routes share: the service, its sessions, the token check, and the handlers of
+    the four call APIs (each answers a call with or without a session)."""
+
+    def __init__(self, service: PolicyService, sessions: SessionStore, token: str | None, ready: Callable[[], bool]):
+        self.service, self.sessions, self.token, self.ready = service, sessions, token, ready
+        self.tok = service.tokenizer
+        self.stored = ResponseStore()  # /v1/responses kept for previous_response_id
+
+    def authorize(self, request: Request) -> None:
+        if self.token is None:
             return
         given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
         if scheme.lower() != "bearer":  # an anthropic client sends the token as x-api-key
             scheme, value = "bearer", request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(value.strip().encode(), token.encode()):
+        if not hmac.compare_digest(value.strip().encode(), self.token.encode()):
             raise APIError(
                 401,
                 "missing or wrong bearer token (the job's token: the api_key of an openai client)",
                 code="invalid_api_key",
             )
 
-    def session_of(session_id: str, request: Request | None = None) -> Session:
-        session = sessions.get(session_id)
+    def session_of(self, session_id: str, request: Request | None = None) -> Session:
+        session = self.sessions.get(session_id)
         if session is None:
             raise APIError(404, f"no session {session_id[:64]!r} on this endpoint", code="session_not_found")
         if session.ended is not None:
@@ -185,55 +227,33 @@ def build_app(
             session.clients.add(request.client.host)
         return session
 
-    def check_ready() -> None:
-        if not ready():
+    def check_ready(self) -> None:
+        if not self.ready():
             raise APIError(503, "the policy is not being served yet; retry shortly", retry_after_s=2)
 
-    async def body_of(request: Request, model: type[BaseModel]) -> Any:
+    async def body_of(self, request: Request, model: type[BaseModel]) -> Any:
         raw = await request.body()
-        return await service.offload(parse_body, raw, model, size=len(raw))  # a big body is parsed off the loop
+        # a big body is parsed off the loop
+        return await self.service.offload(parse_body, raw, model, size=len(raw))
 
-    # ------------------------------------------------------------------ /v1
-    def models() -> dict[str, Any]:
-        version = service.version_fn()
-        return {
-            "object": "list",
-            "data": [{"id": service.model, "object": "model", "created": 0, "owned_by": "rollart", "version": version}],
-        }
+    def models(self) -> dict[str, Any]:
+        version = self.service.version_fn()
+        model = {"id": self.service.model, "object": "model", "created": 0, "owned_by": "rollart", "version": version}
+        return {"object": "list", "data": [model]}
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        return {
-            "status": "ok" if ready() else "starting",
-            "model": service.model,
-            "version": service.version_fn(),
-            "sessions": len(sessions),
-            "in_flight": service.in_flight,
-        }
-
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> dict[str, Any]:
-        authorize(request)
-        return models()
-
-    @app.get("/sessions/{session_id}/v1/models")
-    async def session_models(session_id: str, request: Request) -> dict[str, Any]:
-        authorize(request)
-        session_of(session_id)
-        return models()
-
-    def chat_rule(body: ChatCompletionRequest) -> HoldRule:
+    def chat_rule(self, body: ChatCompletionRequest) -> HoldRule:
         """What of a streamed chat reply waits for its end: stop sequences, tool calls (as service.chat parses them)."""
         tools = bool(body.tools) and body.tool_choice != "none"
-        return hold_rule(body.stop, tools, service.tool_parser, tools and body.forced_tool()[0])
+        return hold_rule(body.stop, tools, self.service.tool_parser, tools and body.forced_tool()[0])
 
     # replies are built in the tokenizer thread (decoding every token of a long reply is no work for the loop)
-    async def chat(request: Request, session: Session | None) -> Any:
-        body: ChatCompletionRequest = await body_of(request, ChatCompletionRequest)
-        check_ready()
+    async def chat(self, request: Request, session: Session | None) -> Any:
+        service, tok = self.service, self.tok
+        body: ChatCompletionRequest = await self.body_of(request, ChatCompletionRequest)
+        self.check_ready()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            live = LiveCall(tok, chat_rule(body), lambda sink: service.chat(body, session, sink))
+            live = LiveCall(tok, self.chat_rule(body), lambda sink: service.chat(body, session, sink))
             if await live.first():
                 version = service.version_fn()
                 return _sse(_live_chat_chunks(tok, service.model, version, live, body.logprobs, include_usage))
@@ -249,9 +269,10 @@ def build_app(
         )
         return JSONResponse(reply)
 
-    async def completion(request: Request, session: Session | None) -> Any:
-        body: CompletionRequest = await body_of(request, CompletionRequest)
-        check_ready()
+    async def completion(self, request: Request, session: Session | None) -> Any:
+        service, tok = self.service, self.tok
+        body: CompletionRequest = await self.body_of(request, CompletionRequest)
+        self.check_ready()
         logprobs = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -271,12 +292,10 @@ def build_app(
         )
         return JSONResponse(reply)
 
-    # ------------------------------------------------------------------ /v1/responses, /v1/messages
-    stored = ResponseStore()
-
-    async def respond(request: Request, session: Session | None) -> Any:
-        body: ResponsesRequest = await body_of(request, ResponsesRequest)
-        check_ready()
+    async def respond(self, request: Request, session: Session | None) -> Any:
+        service, tok, stored = self.service, self.tok, self.stored
+        body: ResponsesRequest = await self.body_of(request, ResponsesRequest)
+        self.check_ready()
         err = body.unsupported()
         if err is not None:
             raise err
@@ -291,7 +310,7 @@ def build_app(
             return result
 
         if body.stream:
-            live = LiveCall(tok, chat_rule(chat_body), run)
+            live = LiveCall(tok, self.chat_rule(chat_body), run)
             if await live.first():
                 return _named_sse(_live_response_events(service.model, body, rid, message_id, live))
             result = live.task.result()
@@ -304,15 +323,16 @@ def build_app(
         split = await service.offload(_split, tok, result, False, True, size=0, tokens=_tokens(result))
         return _named_sse(responses_events(reply, [text for text, _ in split[choice.index]]))
 
-    async def message(request: Request, session: Session | None) -> Any:
-        body: MessagesRequest = await body_of(request, MessagesRequest)
-        check_ready()
+    async def message(self, request: Request, session: Session | None) -> Any:
+        service, tok = self.service, self.tok
+        body: MessagesRequest = await self.body_of(request, MessagesRequest)
+        self.check_ready()
         err = body.unsupported()
         if err is not None:
             raise err
         chat_body = await service.offload(messages_to_chat, body)
         if body.stream:
-            live = LiveCall(tok, chat_rule(chat_body), lambda sink: service.chat(chat_body, session, sink))
+            live = LiveCall(tok, self.chat_rule(chat_body), lambda sink: service.chat(chat_body, session, sink))
             if await live.first():
                 return _named_sse(_live_message_events(service.model, live))
             result = live.task.result()
@@ -325,34 +345,57 @@ def build_app(
         texts = [text for text, _ in split[choice.index]]
         return _named_sse(stream_events(service.model, result, choice, texts))
 
-    def serve(path: str, handler: Any) -> None:
-        """``POST /v1/<path>`` (no session) and ``POST /sessions/{id}/v1/<path>`` (recorded into that session)."""
 
-        async def plain(request: Request) -> Any:
-            authorize(request)
-            return await handler(request, None)
+def _add_model_routes(app: FastAPI, ep: _Endpoint) -> None:
+    """``/healthz`` (public) and the model lists, with and without a session."""
+    service = ep.service
 
-        async def in_session(session_id: str, request: Request) -> Any:
-            authorize(request)
-            return await handler(request, session_of(session_id, request))
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {
+            "status": "ok" if ep.ready() else "starting",
+            "model": service.model,
+            "version": service.version_fn(),
+            "sessions": len(ep.sessions),
+            "in_flight": service.in_flight,
+        }
 
-        app.add_api_route(f"/v1/{path}", plain, methods=["POST"], name=f"{path}_plain")
-        app.add_api_route(f"/sessions/{{session_id}}/v1/{path}", in_session, methods=["POST"], name=f"{path}_session")
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        ep.authorize(request)
+        return ep.models()
 
-    for path, handler in (
-        ("chat/completions", chat),
-        ("completions", completion),
-        ("responses", respond),
-        ("messages", message),
-    ):
-        serve(path, handler)
+    @app.get("/sessions/{session_id}/v1/models")
+    async def session_models(session_id: str, request: Request) -> dict[str, Any]:
+        ep.authorize(request)
+        ep.session_of(session_id)
+        return ep.models()
 
-    # ------------------------------------------------------------------ sessions
+
+def _serve(app: FastAPI, ep: _Endpoint, path: str, handler: Any) -> None:
+    """``POST /v1/<path>`` (no session) and ``POST /sessions/{id}/v1/<path>`` (recorded into that session)."""
+
+    async def plain(request: Request) -> Any:
+        ep.authorize(request)
+        return await handler(request, None)
+
+    async def in_session(session_id: str, request: Request) -> Any:
+        ep.authorize(request)
+        return await handler(request, ep.session_of(session_id, request))
+
+    app.add_api_route(f"/v1/{path}", plain, methods=["POST"], name=f"{path}_plain")
+    app.add_api_route(f"/sessions/{{session_id}}/v1/{path}", in_session, methods=["POST"], name=f"{path}_session")
+
+
+def _add_session_routes(app: FastAPI, ep: _Endpoint, public_url: Callable[[], str] | None) -> None:
+    """Open a session, show it (with its trajectory), give it its reward, close it."""
+    service, sessions = ep.service, ep.sessions
+
     @app.post("/sessions")
     async def open_session(request: Request) -> dict[str, Any]:
-        authorize(request)
+        ep.authorize(request)
         raw = await request.body()
-        body = await body_of(request, OpenSession) if raw.strip() else OpenSession()
+        body = await ep.body_of(request, OpenSession) if raw.strip() else OpenSession()
         try:
             session = sessions.open(body.tag or service.default_tag)
         except OverflowError as err:
@@ -362,7 +405,7 @@ def build_app(
 
     @app.get("/sessions/{session_id}")
     async def show_session(session_id: str, request: Request, trajectory: bool = False) -> dict[str, Any]:
-        authorize(request)
+        ep.authorize(request)
         session = sessions.get(session_id)
         if session is None:
             raise APIError(404, f"no session {session_id[:64]!r} on this endpoint", code="session_not_found")
@@ -380,9 +423,9 @@ def build_app(
 
     @app.post("/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request) -> dict[str, Any]:
-        authorize(request)
-        session = session_of(session_id)
-        body: RewardBody = await body_of(request, RewardBody)
+        ep.authorize(request)
+        session = ep.session_of(session_id)
+        body: RewardBody = await ep.body_of(request, RewardBody)
         if session.reward is not None:
             raise APIError(400, f"session {session_id[:64]!r} already has its reward", param="reward")
         session.set_reward(body.reward, body.info)
@@ -390,30 +433,13 @@ def build_app(
 
     @app.delete("/sessions/{session_id}")
     async def close_session(session_id: str, request: Request) -> dict[str, Any]:
-        authorize(request)
+        ep.authorize(request)
         session = sessions.close(session_id)
         if session is None:
             raise APIError(404, f"no session {session_id[:64]!r} on this endpoint", code="session_not_found")
         if session.in_flight:
             await service.backend.abort(sorted(session.in_flight))
         return {"id": session.id, "closed": True}
-
-    def guard_error(status: int, message: str) -> bytes:
-        if status == 401:
-            message = "missing or wrong bearer token (the job's token: the api_key of an openai client)"
-        code = {401: "invalid_api_key", 408: "request_timeout", 413: "body_too_large"}.get(status)
-        return json.dumps(APIError(status, message, code=code).body()).encode()
-
-    app.add_middleware(
-        RequestGuard,
-        limit=max_body_bytes,
-        auth=BearerAuth(token, {}, description="the job's token"),
-        public=("/healthz",),
-        read_timeout_s=read_timeout_s,
-        error=guard_error,
-        token_headers=("x-api-key",),
-    )
-    return app
 
 
 # ---------------------------------------------------------------------- request bodies

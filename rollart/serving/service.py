@@ -361,30 +361,63 @@ class PolicyService:
         except SessionClosed as err:
             raise APIError(404, str(err), code="session_closed") from None
         base = f"{session.id}:{index}" if session is not None else f"anon-{uuid.uuid4().hex}"
-        tag = session.tag if session is not None else self.default_tag
+        requests = self._requests(body.n, base, prompt, sampling, session, index)
+        t0 = time.monotonic()
+        version = self.version_fn()
+        outs = await self._generate_all(requests, base, session, len(prompt), sink)
+        self._check_outputs(outs, session, sampling, kind)
+        choices = await self.offload(
+            lambda: [self._choice(i, out, body.stop or [], parse, forced) for i, out in enumerate(outs)],
+            size=0,
+            tokens=sum(len(o.output_token_ids) for o in outs),
+        )
+        self.counts["calls"] += 1
+        self.counts["continued" if parent is not None else "fresh"] += 1
+        if session is not None:
+            record = CallRecord(index, kind, key, trace, parent)  # type: ignore[arg-type]
+            self._record(session, record, choices, outs, t0)
+        served = [v for o in outs for v in o.token_versions]
+        return Result(choices, len(prompt), max(served, default=version))
+
+    @staticmethod
+    def _requests(
+        n: int, base: str, prompt: list[int], sampling: SamplingParams, session: Session | None, index: int
+    ) -> list[GenerateRequest]:
+        """One request per choice; the choices of a seeded call (or of a seeded run's session) get seeds of
+        their own, so a seeded run repeats."""
         requests = []
-        for i in range(body.n):
+        for i in range(n):
             s = sampling
             if s.seed is not None:
                 s = s.model_copy(update={"seed": s.seed + i})
             elif session is not None and session.meta.get("seed") is not None:  # a seeded run repeats
                 s = s.model_copy(update={"seed": zlib.crc32(f"{session.meta['seed']}:{index}:{i}".encode())})
             requests.append(GenerateRequest(request_id=f"{base}:{i}", prompt_token_ids=prompt, sampling=s))
+        return requests
+
+    async def _generate_all(
+        self,
+        requests: list[GenerateRequest],
+        base: str,
+        session: Session | None,
+        prompt_tokens: int,
+        sink: StreamSink | None,
+    ) -> list[GenerateOutput]:
+        """The call's outputs from the backend (streamed to ``sink`` when given), counted in flight while
+        they run; a failure is the :class:`APIError` the endpoint answers (503: no worker, else 500)."""
         ids = [r.request_id for r in requests]
+        tag = session.tag if session is not None else self.default_tag
         self.in_flight += 1
         if session is not None:
             session.in_flight.update(ids)
-        t0 = time.monotonic()
-        version = self.version_fn()
         try:
             affinity = session.id if session is not None else None
             if sink is not None:
-                sink.started(len(prompt), len(requests))
-                outs = await asyncio.gather(
+                sink.started(prompt_tokens, len(requests))
+                return await asyncio.gather(
                     *(self._streamed(i, r, tag, affinity, sink) for i, r in enumerate(requests))
                 )
-            else:
-                outs = await asyncio.gather(*(self.backend.generate(r, tag, affinity=affinity) for r in requests))
+            return await asyncio.gather(*(self.backend.generate(r, tag, affinity=affinity) for r in requests))
         except ClusterError as err:
             self.counts["failed"] += 1
             if session is not None:  # the episode cannot go on: its env manager raises this
@@ -399,6 +432,13 @@ class PolicyService:
             self.in_flight -= 1
             if session is not None:
                 session.in_flight.difference_update(ids)
+
+    @staticmethod
+    def _check_outputs(
+        outs: list[GenerateOutput], session: Session | None, sampling: SamplingParams, kind: str
+    ) -> None:
+        """Refuse a call that was aborted (its session ended: 404) or whose engine did not report the top
+        log-probs asked for (400)."""
         if any(o.finish_reason == "abort" for o in outs):
             why = session.ended if session is not None and session.ended else "aborted"
             raise APIError(404, f"the call was aborted: its session ended ({why})", code="session_closed")
@@ -410,32 +450,26 @@ class PolicyService:
                 "and simulated engines do); ask for the sampled token's only",
                 param=param,
             )
-        choices = await self.offload(
-            lambda: [self._choice(i, out, body.stop or [], parse, forced) for i, out in enumerate(outs)],
-            size=0,
-            tokens=sum(len(o.output_token_ids) for o in outs),
-        )
-        self.counts["calls"] += 1
-        self.counts["continued" if parent is not None else "fresh"] += 1
-        if session is not None:
-            record = CallRecord(index, kind, key, trace, parent)  # type: ignore[arg-type]
-            for c, out in zip(choices, outs):
-                n = len(c.token_ids)
-                record.choices.append(
-                    ChoiceRecord(
-                        token_ids=c.token_ids,
-                        logprobs=c.logprobs,
-                        versions=list(out.token_versions[:n]),
-                        finish_reason=c.finish_reason,
-                        key=self._reply_key(kind, c),
-                        hardware=out.hardware,
-                        rank=out.rank,
-                    )
+
+    def _record(
+        self, session: Session, record: CallRecord, choices: list[Choice], outs: list[GenerateOutput], t0: float
+    ) -> None:
+        """Record the call in its session: each choice's tokens with the versions that produced them."""
+        for c, out in zip(choices, outs):
+            n = len(c.token_ids)
+            record.choices.append(
+                ChoiceRecord(
+                    token_ids=c.token_ids,
+                    logprobs=c.logprobs,
+                    versions=list(out.token_versions[:n]),
+                    finish_reason=c.finish_reason,
+                    key=self._reply_key(record.kind, c),
+                    hardware=out.hardware,
+                    rank=out.rank,
                 )
-            record.started, record.seconds = t0, time.monotonic() - t0
-            session.record(record)
-        served = [v for o in outs for v in o.token_versions]
-        return Result(choices, len(prompt), max(served, default=version))
+            )
+        record.started, record.seconds = t0, time.monotonic() - t0
+        session.record(record)
 
     async def _streamed(
         self, index: int, request: GenerateRequest, tag: str, affinity: str | None, sink: StreamSink

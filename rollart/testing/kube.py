@@ -81,7 +81,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from rollart.testing.hosts import HostsError, _netns_pids, _teardown, list_namespaces, run_ip
 
@@ -694,84 +694,96 @@ def _teardown_all(namespaces: list[str], root_link: str, directory: str) -> None
     _teardown(namespaces, directory)
 
 
+_KUBE_PATH = re.compile(
+    r"^/(?:api/v1|apis/networking\.k8s\.io/v1)/namespaces/([^/]+)/(pods|services|secrets|networkpolicies)"
+    r"(?:/([^/]+))?(/log)?$"
+)
+
+
 def _handler(kube: KubeStandIn) -> type[http.server.BaseHTTPRequestHandler]:
-    path_re = re.compile(
-        r"^/(?:api/v1|apis/networking\.k8s\.io/v1)/namespaces/([^/]+)/(pods|services|secrets|networkpolicies)"
-        r"(?:/([^/]+))?(/log)?$"
-    )
+    """The HTTP handler class of ``kube``'s API server."""
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    class Handler(_KubeHandler):
+        pass
 
-        def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug("kube stand-in: " + fmt, *args)
-
-        def _send(self, code: int, body: Any, content_type: str = "application/json") -> None:
-            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _status(self, err: _ApiError) -> None:
-            self._send(err.code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                                  "message": err.message, "reason": err.reason, "code": err.code})  # fmt: skip
-
-        def _handle(self, method: str) -> None:
-            url = urllib.parse.urlsplit(self.path)
-            q = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query).items()}
-            try:
-                if self.headers.get("Authorization") != f"Bearer {kube.token}":
-                    raise _ApiError(401, "Unauthorized", "Unauthorized")
-                m = path_re.match(url.path)
-                if m is None:
-                    raise _ApiError(404, "NotFound", f"the server could not find the requested resource {url.path}")
-                ns, kind, name, logs = m.groups()
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}") if length else {}
-                selector = q.get("labelSelector", "")
-                if logs and method == "GET" and kind == "pods" and name:
-                    self._send(200, kube.read_log(ns, name), "text/plain")
-                elif method == "POST" and not name:
-                    self._send(201, kube.create(kind, ns, body))
-                elif method == "GET" and name:
-                    self._send(200, kube.get(kind, ns, name))
-                elif method == "GET" and q.get("watch", "").lower() in ("true", "1"):
-                    self._watch(kube.watch(kind, ns, selector, q.get("resourceVersion"),
-                                           float(q.get("timeoutSeconds", 3600))))  # fmt: skip
-                elif method == "GET":
-                    self._send(200, kube.list(kind, ns, selector))
-                elif method == "DELETE" and name:
-                    self._send(200, kube.delete(kind, ns, name))
-                elif method == "DELETE":
-                    self._send(200, kube.delete_collection(kind, ns, selector))
-                else:
-                    raise _ApiError(405, "MethodNotAllowed", f"{method} {url.path} is not supported by the stand-in")
-            except _ApiError as err:
-                self._status(err)
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-
-        def _watch(self, events: Iterator[dict[str, Any]]) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            for ev in events:
-                line = json.dumps(ev).encode() + b"\n"
-                self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-
-        def do_GET(self) -> None:
-            self._handle("GET")
-
-        def do_POST(self) -> None:
-            self._handle("POST")
-
-        def do_DELETE(self) -> None:
-            self._handle("DELETE")
-
+    Handler.kube = kube
     return Handler
+
+
+class _KubeHandler(http.server.BaseHTTPRequestHandler):
+    """The stand-in's Kubernetes API (the calls a kubernetes client makes for pods, services, secrets and
+    network policies, with watches), answered by :attr:`kube`."""
+
+    kube: ClassVar[KubeStandIn]
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("kube stand-in: " + fmt, *args)
+
+    def _send(self, code: int, body: Any, content_type: str = "application/json") -> None:
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _status(self, err: _ApiError) -> None:
+        status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure"}
+        self._send(err.code, {**status, "message": err.message, "reason": err.reason, "code": err.code})
+
+    def _handle(self, method: str) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        q = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query).items()}
+        try:
+            if self.headers.get("Authorization") != f"Bearer {self.kube.token}":
+                raise _ApiError(401, "Unauthorized", "Unauthorized")
+            m = _KUBE_PATH.match(url.path)
+            if m is None:
+                raise _ApiError(404, "NotFound", f"the server could not find the requested resource {url.path}")
+            ns, kind, name, logs = m.groups()
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+            selector = q.get("labelSelector", "")
+            if logs and method == "GET" and kind == "pods" and name:
+                self._send(200, self.kube.read_log(ns, name), "text/plain")
+            elif method == "POST" and not name:
+                self._send(201, self.kube.create(kind, ns, body))
+            elif method == "GET" and name:
+                self._send(200, self.kube.get(kind, ns, name))
+            elif method == "GET" and q.get("watch", "").lower() in ("true", "1"):
+                timeout_s = float(q.get("timeoutSeconds", 3600))
+                self._watch(self.kube.watch(kind, ns, selector, q.get("resourceVersion"), timeout_s))
+            elif method == "GET":
+                self._send(200, self.kube.list(kind, ns, selector))
+            elif method == "DELETE" and name:
+                self._send(200, self.kube.delete(kind, ns, name))
+            elif method == "DELETE":
+                self._send(200, self.kube.delete_collection(kind, ns, selector))
+            else:
+                raise _ApiError(405, "MethodNotAllowed", f"{method} {url.path} is not supported by the stand-in")
+        except _ApiError as err:
+            self._status(err)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _watch(self, events: Iterator[dict[str, Any]]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for ev in events:
+            line = json.dumps(ev).encode() + b"\n"
+            self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def do_DELETE(self) -> None:
+        self._handle("DELETE")

@@ -21,6 +21,8 @@ own rows).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +125,22 @@ def _entropy_by_position(entropy: torch.Tensor, mask: torch.Tensor, sums: torch.
         k = index[keep].cpu()
         sums.index_add_(0, k, entropy[keep].double().cpu())
         counts.index_add_(0, k, torch.ones_like(k, dtype=torch.float64))
+
+
+@dataclass
+class _StepTally:
+    """What a train step adds up over its micro-batches and PPO epochs."""
+
+    epoch: int = 0  # the PPO epoch running
+    metrics: dict[str, float] = field(default_factory=dict)  # the losses' metrics, summed
+    n_metric: int = 0  # micro-batch passes summed into ``metrics``
+    # |pi_old - mu| over the action tokens: how far the engine that sampled is from the trainer (~0)
+    drift: float = 0.0
+    drift_tokens: float = 0.0
+    # entropy of the policy at the k-th action token of a row (k < ENTROPY_POSITIONS), first epoch
+    pos_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(ENTROPY_POSITIONS, dtype=torch.float64))
+    pos_count: torch.Tensor = field(default_factory=lambda: torch.zeros(ENTROPY_POSITIONS, dtype=torch.float64))
+    objective: float = 0.0  # this rank's part of the batch's loss, summed over the PPO epochs
 
 
 def batch_logprobs(
@@ -494,11 +512,52 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
 
     def _train_step(self, batch: Batch) -> dict[str, float] | None:
         cfg = self.config
+        seq_level = aggregation_unit(cfg.loss_agg) == "sequence"
+        batch, lengths, tokens, total, share = self._plan_step(batch, seq_level)
+        scale_world = self._grad_scale()
+        recomputed = self.needs_proximal_pass()
+        if recomputed:
+            self._recompute_proximal(share)
+        tally = _StepTally()
+
+        def backward(mb: dict[str, torch.Tensor]) -> None:
+            with self.autocast():
+                logp, entropy = self._logprobs(self.model, mb, with_entropy=True)
+            mask, behaviour = mb[C.LOSS_MASK], mb[C.BEHAVIOUR_LOGPROBS]
+            proximal = self._proximal(mb, logp, recomputed)
+            if tally.epoch == 0:
+                old = logp.detach() if proximal is None else proximal
+                tally.drift += float(((old - behaviour).abs() * mask).sum())
+                tally.drift_tokens += float(mask.sum())
+            loss, m = self._loss(mb, logp, entropy, proximal)
+            if tally.epoch == 0:
+                _entropy_by_position(entropy.detach(), mask, tally.pos_sum, tally.pos_count)
+            weight = (mb[C.INPUT_IDS].shape[0] if seq_level else float(mask.sum())) / max(total, 1.0)
+            (loss * weight * scale_world).backward()
+            tally.objective += float(loss.detach()) * weight
+            for k, v in m.items():
+                tally.metrics[k] = tally.metrics.get(k, 0.0) + float(v)
+            tally.n_metric += 1
+
+        grad_norms: list[float] = []
+        for epoch in range(cfg.ppo_epochs):
+            tally.epoch = epoch  # `backward` reads it
+            grad_norms.append(self._optimizer_step(share, backward))
+            self.scheduler.step()
+        self.version += 1
+        batch_loss = global_sum([tally.objective], self.distributed, self.training.group)[0] / cfg.ppo_epochs
+        if not lengths or self.tp_rank:  # a tensor-parallel group reports its rows once
+            return None
+        return self._step_metrics(tally, batch_loss, grad_norms, tokens, len(lengths), share, recomputed)
+
+    def _plan_step(self, batch: Batch, seq_level: bool) -> tuple[Batch, list[int], float, float, Any]:
+        """This rank's rows of a step (its tensor-parallel group's), their lengths, their loss tokens, the
+        whole step's loss denominator (tokens, or rows for a sequence-level loss) and this rank's
+        micro-batches; decides, with every rank of the group, whether the step shares prefixes."""
         batch = self._group_rows(batch)[0]
         if len(batch):
             C.require(batch, C.INPUT_IDS, C.LOSS_MASK, C.BEHAVIOUR_LOGPROBS, C.ADVANTAGES, who="train_step")
         lengths = [len(s) for s in batch[C.INPUT_IDS]] if len(batch) else []
-        seq_level = aggregation_unit(cfg.loss_agg) == "sequence"
         tokens = float(sum(sum(m) for m in batch[C.LOSS_MASK])) if lengths else 0.0
         local = float(len(lengths)) if seq_level else tokens
         shared = self._shared_plans(batch, lengths)
@@ -507,79 +566,54 @@ class TorchTrainWorker(WeightsOut, DataParallelRank, Worker):
         )
         # every rank of the group runs the same kind of passes (a sharded model's gathers must line up)
         self.step_shared = self.prefix_sharing and not (self.packing and packed_cost <= shared_cost)
-        share = self._share(batch, lengths, shared)
-        scale_world = self._grad_scale()
-        recomputed = self.needs_proximal_pass()
-        if recomputed:
-            self._recompute_proximal(share)
-        metrics: dict[str, float] = {}
-        n_metric = 0
-        # |pi_old - mu| over the action tokens: how far the engine that sampled is from the trainer (~0)
-        drift = [0.0, 0.0]
-        epoch = 0
-        # entropy of the policy at the k-th action token of a row (k < ENTROPY_POSITIONS), first epoch
-        pos_sum = torch.zeros(ENTROPY_POSITIONS, dtype=torch.float64)
-        pos_count = torch.zeros(ENTROPY_POSITIONS, dtype=torch.float64)
-        objective = [0.0]  # this rank's part of the batch's loss, summed over the PPO epochs
+        return batch, lengths, tokens, total, self._share(batch, lengths, shared)
 
-        def backward(mb: dict[str, torch.Tensor]) -> None:
-            nonlocal n_metric
-            with self.autocast():
-                logp, entropy = self._logprobs(self.model, mb, with_entropy=True)
-            mask, behaviour = mb[C.LOSS_MASK], mb[C.BEHAVIOUR_LOGPROBS]
-            proximal = self._proximal(mb, logp, recomputed)
-            if epoch == 0:
-                old = logp.detach() if proximal is None else proximal
-                drift[0] += float(((old - behaviour).abs() * mask).sum())
-                drift[1] += float(mask.sum())
-            loss, m = self._loss(mb, logp, entropy, proximal)
-            if epoch == 0:
-                _entropy_by_position(entropy.detach(), mask, pos_sum, pos_count)
-            weight = (mb[C.INPUT_IDS].shape[0] if seq_level else float(mask.sum())) / max(total, 1.0)
-            (loss * weight * scale_world).backward()
-            objective[0] += float(loss.detach()) * weight
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v)
-            n_metric += 1
+    def _optimizer_step(self, share: Any, backward: Callable[[dict[str, torch.Tensor]], None]) -> float:
+        """One PPO epoch: ``backward`` over every micro-batch of ``share``, then the optimizer step; the
+        gradient norm before clipping."""
+        cfg = self.config
+        return accumulate_step(
+            model=self.model,
+            params=[p for p in self.model.parameters() if p.requires_grad],
+            optimizer=self.optimizer,
+            share=share,
+            backward=backward,
+            zero_forward=(
+                (lambda ids, att: self._padding_pass())
+                if self.layout.sharded
+                else (lambda ids, att: self.model(input_ids=ids, attention_mask=att).logits)
+            ),
+            device=self.device,
+            grad_clip=cfg.grad_clip,
+            clip=clip_grad_norm if self.layout.sharded else None,
+        )
 
-        grad_norms: list[float] = []
-        for epoch in range(cfg.ppo_epochs):  # noqa: B007 (`backward` reads it)
-            grad_norms.append(
-                accumulate_step(
-                    model=self.model,
-                    params=[p for p in self.model.parameters() if p.requires_grad],
-                    optimizer=self.optimizer,
-                    share=share,
-                    backward=backward,
-                    zero_forward=(
-                        (lambda ids, att: self._padding_pass())
-                        if self.layout.sharded
-                        else (lambda ids, att: self.model(input_ids=ids, attention_mask=att).logits)
-                    ),
-                    device=self.device,
-                    grad_clip=cfg.grad_clip,
-                    clip=clip_grad_norm if self.layout.sharded else None,
-                )
-            )
-            self.scheduler.step()
-        self.version += 1
-        batch_loss = global_sum(objective, self.distributed, self.training.group)[0] / cfg.ppo_epochs
-        if not lengths or self.tp_rank:  # a tensor-parallel group reports its rows once
-            return None
-        out = {k: v / max(n_metric, 1) for k, v in metrics.items()}
+    def _step_metrics(
+        self,
+        tally: _StepTally,
+        batch_loss: float,
+        grad_norms: list[float],
+        tokens: float,
+        rows: int,
+        share: Any,
+        recomputed: bool,
+    ) -> dict[str, float]:
+        """This rank's metrics of a step: the losses' metrics averaged over its micro-batches and epochs."""
+        out = {k: v / max(tally.n_metric, 1) for k, v in tally.metrics.items()}
         out["loss"] = batch_loss  # the whole batch's (every rank reports it), mean over the PPO epochs
-        out["rollout_abs_logprob_diff"] = drift[0] / max(drift[1], 1.0)
+        out["rollout_abs_logprob_diff"] = tally.drift / max(tally.drift_tokens, 1.0)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)  # before clipping, mean over the PPO epochs
         out.update(
             {
                 "tokens": tokens,
-                "rows": float(len(lengths)),
+                "rows": float(rows),
                 "lr": self.scheduler.get_last_lr()[0],
                 "microbatches": float(len(share.plans)),
                 "proximal_recomputed": float(recomputed),
                 "packed": float(self.packing and not self.step_shared),
             }
         )
+        pos_sum, pos_count = tally.pos_sum, tally.pos_count
         out.update(
             {f"entropy_pos{k}": float(pos_sum[k] / pos_count[k]) for k in range(ENTROPY_POSITIONS) if pos_count[k] > 0}
         )
