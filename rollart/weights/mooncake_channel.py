@@ -26,6 +26,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -75,6 +76,26 @@ def _remove_keys(store: Any, keys: list[str]) -> bool:
     for, and a version a reader had touched would never be removed (each publish then retried all of
     them: measured, a publish grew from 7 to 70 ms over 1 200 versions)."""
     return all(code in (0, OBJECT_NOT_FOUND) for code in [store.remove(k) for k in keys])
+
+
+def _page_padded(data: Any) -> Any:
+    """A small value (manifest, ``latest``, the index: ``bytes``) padded with spaces to whole pages, which
+    ``json.loads`` and ``int`` ignore; a chunk (a ``memoryview``) as it is.
+
+    The master places every key in this process's segment with a size-class allocator, and the pages a
+    removed key used stay resident unless they are given back (only a held version's are: see
+    :func:`_own_ranges`). Small values of ever-changing sizes (the index grows and shrinks with the
+    versions waiting for a lease, ``latest`` and the manifest with the version's digits) took pieces
+    out of the places of removed chunks, so the next chunk no longer fitted there and went to fresh pages
+    further into the segment: with readers holding leases the segment's resident span crept, publish
+    after publish (a 30-minute soak's train rank: +0.57 KB a publish, a 10 → 21 MB mapping). Padded to
+    whole pages they reuse each other's places instead. Measured with 20 000 publishes and a reader holding
+    leases: a reader of every version, span 6 → 8 MB and +0.105 KB a publish before, 6 MB flat after; a
+    reader skipping versions, 4 → 5 MB and +0.111 KB before, 3 → 4 MB and +0.061 KB after (slower, not
+    stopped: pages of keys removed at once are still not given back)."""
+    if not isinstance(data, bytes):
+        return data
+    return data + b" " * (-len(data) % mmap.PAGESIZE)
 
 
 # A removed key's place in this process's segment may be handed to the next put at once: its pages are given
@@ -322,6 +343,7 @@ class MooncakeChannel:
 
         store = self._store()
         raw_put = store.upsert if upsert else store.put
+        data = _page_padded(data)
         config = ReplicateConfig()
         config.preferred_segment = store.get_hostname()
 
