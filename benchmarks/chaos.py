@@ -51,9 +51,7 @@ def count_reward_checks(trajs: list[Any], record: dict[str, Any]) -> None:
     """Rewards invented: every trained reward recomputed from its response and ground truth with
     :func:`letter_reward`; counts ``unverifiable`` and ``rewards_mismatch`` into ``record``."""
     for t in trajs:
-        steps = t.info.get("steps") or [{}]
-        truth = t.info.get("reset", {}).get("ground_truth")
-        resp = steps[-1].get("response")
+        truth, resp = t.scored_on.ground_truth, t.scored_on.response
         if resp is None or truth is None:
             record["unverifiable"] += 1
         elif abs(letter_reward({"response": resp, "ground_truth": truth}) - float(t.reward)) > 1e-9:

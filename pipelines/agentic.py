@@ -59,6 +59,7 @@ from rollart.rollout.async_controller import AsyncController
 from rollart.rollout.elastic import ElasticRollout
 from rollart.rollout.env_manager import HFCodec
 from rollart.rollout.llm_proxy import LLMProxy
+from rollart.rollout.policy_clock import PolicyClock
 from rollart.rollout.sample_buffer import Group
 from rollart.rollout.scheduler import RolloutScheduler
 from rollart.tracking.spans import span_export
@@ -86,6 +87,7 @@ class AgenticPipeline:
         self.model_path = self._model_path()
         self.stop_choice = StopChoice(self.model_path)  # what the first Ctrl-C does (its costs, measured)
         self.stopped_after: int | None = None  # a Ctrl-C let the step finish: the run stopped after it
+        self.clock = PolicyClock()  # the run's trained and served policy versions, in one place
         # dataset tasks (data:) and eval sets (eval:) load first: a bad file, column, verifier or eval env
         # fails here, before any actor starts
         seeds = RoundSeeds(config.seed)  # round r of env group g plays seed seeds.seed(g, r)
@@ -97,7 +99,6 @@ class AgenticPipeline:
         )
         if self.elastic is not None:  # a host that joins the pool gets what the weight path keeps per host
             self.elastic.hosts = self.weights
-        self.train_version = 0  # the trainer's policy version (one per step); served versions may lag it
         self.start_step = 0
         self.metrics = MetricsFile(self.out_dir)
         self.metrics_path = self.metrics.path
@@ -135,6 +136,11 @@ class AgenticPipeline:
         self.batch_record = self._batch_recorder(resume) if config.record_batches else None
         self._trained_batch: Any = None  # the last step's batch, handed to the record after the step
         self._saved_through = self.start_step  # steps done when the last checkpoint was written
+
+    @property
+    def train_version(self) -> int:
+        """The trainer's policy version (one per step; the served one may lag it): the run's clock's."""
+        return self.clock.trained
 
     # ------------------------------------------------------------------ wiring
     def _model_path(self) -> str:
@@ -208,7 +214,11 @@ class AgenticPipeline:
             assert spec is not None
             affinity = AutoAffinity(spec.preference, config.routing)
         self.proxy = LLMProxy(
-            self.infer, restart=restart, affinity=affinity, batch_requests=config.engine.batch_requests
+            self.infer,
+            restart=restart,
+            affinity=affinity,
+            batch_requests=config.engine.batch_requests,
+            clock=self.clock,
         )
         # an elastic rollout pool (max_devices) grows and shrinks with the cluster while the job runs
         elastic = self.rm.specs[config.rollout_pool].elastic
@@ -237,7 +247,7 @@ class AgenticPipeline:
         policies = {c.on_failure for c in [config.reward, *(t.reward for t in config.tasks.values())] if c is not None}
         if policies:  # one policy per job (the config checks that the tasks' rewards agree)
             rollout_cfg = rollout_cfg.model_copy(update={"requeue_reward_failures": "requeue" in policies})
-        self.scheduler = RolloutScheduler(groups, rollout_cfg, seed_fn=seeds.seed, quotas=self.quotas)
+        self.scheduler = RolloutScheduler(groups, rollout_cfg, seed_fn=seeds.seed, quotas=self.quotas, clock=self.clock)
         self.controller = AsyncController(self.scheduler, self.proxy)
 
     # ------------------------------------------------------------------ weights
@@ -342,7 +352,7 @@ class AgenticPipeline:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.checkpoint_root}; run without --resume first")
         state = self.train.load_checkpoint(str(self.checkpoint_path))[0]
         self._restore_extra(state["extra"], self.critic_checkpoint_path, self.scheduler)
-        self.train_version = int(state["version"])
+        self.clock.restored(int(state["version"]))
         version = asyncio.run(self._push_resumed_weights())
         log.info("resumed from %s after step %d (policy version %d)", self.checkpoint_path, self.start_step, version)
 
@@ -400,7 +410,7 @@ class AgenticPipeline:
         record = await self.supervisor.rebuild(died, err, self.step_in_progress + 1)
         ckpt = self.checkpoints.latest()
         old = self.scheduler
-        new = RolloutScheduler(old.groups, old.config, seed_fn=old.seed_fn, quotas=self.quotas)
+        new = RolloutScheduler(old.groups, old.config, seed_fn=old.seed_fn, quotas=self.quotas, clock=self.clock)
         if ckpt is not None:
             state = (await self.train.load_checkpoint(str(ckpt), blocking=False))[0]
             self._restore_extra(state["extra"], self.checkpoints.critic_path(ckpt), new)
@@ -412,9 +422,8 @@ class AgenticPipeline:
         self.controller = AsyncController(new, self.proxy)
         await self.weights.reset()  # a load of the dead trainer's versions goes nowhere now
         # the reloaded weights go out under a version newer than any served before (workers only move forward)
-        version = max(self.train_version, old.version, self.proxy.version) + 1
+        version = self.clock.after_restart()
         await self.train.set_version(version, blocking=False)
-        self.train_version = version
         old_channel = await self.weights.trainer_restarted()  # mooncake: the new trainer publishes under new keys
         await self._push_resumed_weights()
         if old_channel is not None:
@@ -533,7 +542,7 @@ class AgenticPipeline:
         if critic_step is not None:
             train_metrics.update({f"critic_{k}": v for k, v in (await critic_step).items()})
         t_train = time.monotonic() - t1
-        self.train_version += 1
+        self.clock.step_trained()
         version, t_sync = await self._sync_weights()
         trajs = [t for g in groups for t in g]
         record = self._record(

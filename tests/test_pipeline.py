@@ -111,11 +111,15 @@ def test_a_seeded_synchronous_run_repeats(ray_local, tmp_path):
         )
         pipe = AgenticPipeline(cfg, progress=False)
         try:
-            return [
+            out = [
                 (h["reward_mean"], h["credit_by_position"], h["advantage"], h["train"]["entropy"]) for h in pipe.run()
             ]
         finally:
             pipe.shutdown()
+        # one clock for the run: the trainer's 3 versions, every one served (synchronous)
+        assert pipe.scheduler.clock is pipe.proxy.clock is pipe.clock
+        assert (pipe.clock.trained, pipe.clock.served, pipe.train_version) == (3, 3, 3)
+        return out
 
     first = run("a", 0)
     assert run("b", 0) == first

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from rollart.rollout.types import Trajectory
+
 
 def default_tenant(config: Any, job_id: str) -> str:
     """The reward service tenant of a job without ``reward.tenant``: ``cluster.job_id``, else the config's
@@ -46,32 +48,8 @@ class RewardServices:
         if task is not None and task.reward is not None:
             if tag not in self.by_tag:
                 self.by_tag[tag] = self._client(task.reward)
-            return self._service_reward(self.by_tag[tag])
-        return self._service_reward(self.client) if self.client is not None else None
-
-    def _service_reward(self, client: Any) -> Any:
-        """Score a finished trajectory with ``client``'s service: its first prompt, its last answer and
-        the env's ground truth. A failure raises (the trajectory becomes ``reward_failed``)."""
-        codec = self.codec
-        tenant = getattr(client, "tenant", None)
-
-        async def reward(traj: Any) -> float:
-            steps = traj.info.get("steps") or [{}]
-            return await client.score(
-                {
-                    "prompt": traj.info.get("prompt_text", codec.decode(traj.token_ids[: traj.prompt_length])),
-                    "response": steps[-1].get(
-                        "response", codec.decode(traj.token_ids[traj.turns[-1][0] : traj.turns[-1][1]])
-                    ),
-                    "ground_truth": traj.info.get("reset", {}).get("ground_truth"),
-                    "tag": traj.tag,
-                }
-            )
-
-        # what a trajectory trace names as the reward's source
-        source = f"service {getattr(client, 'url', type(client).__name__)}"
-        reward.trace_source = source + (f" (tenant {tenant})" if tenant else "")  # type: ignore[attr-defined]
-        return reward
+            return service_reward(self.by_tag[tag], self.codec)
+        return service_reward(self.client, self.codec) if self.client is not None else None
 
     def counts(self) -> dict[str, Any]:
         """The step record's part: what was sent to each service so far."""
@@ -87,3 +65,26 @@ class RewardServices:
         for client in [self.client, *self.by_tag.values()]:
             if client is not None:
                 await client.aclose()
+
+
+def service_reward(client: Any, codec: Any) -> Any:
+    """The reward function scoring a finished trajectory with ``client``'s service on what the env manager
+    recorded (``Trajectory.scored_on``: the env's first prompt, its ground truth, its account of the last
+    answer), the tokens' text where it recorded none. A failure raises (the trajectory becomes
+    ``reward_failed``)."""
+    tenant = getattr(client, "tenant", None)
+
+    async def reward(traj: Trajectory) -> float:
+        given = traj.scored_on
+        prompt = given.prompt if given.prompt is not None else codec.decode(traj.token_ids[: traj.prompt_length])
+        response = given.response
+        if response is None:
+            response = codec.decode(traj.token_ids[traj.turns[-1][0] : traj.turns[-1][1]])
+        return await client.score(
+            {"prompt": prompt, "response": response, "ground_truth": given.ground_truth, "tag": traj.tag}
+        )
+
+    # what a trajectory trace names as the reward's source
+    source = f"service {getattr(client, 'url', type(client).__name__)}"
+    reward.trace_source = source + (f" (tenant {tenant})" if tenant else "")  # type: ignore[attr-defined]
+    return reward

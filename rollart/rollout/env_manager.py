@@ -245,22 +245,9 @@ class EnvManager:
             self._sink.emit(traj.traj_id, event, **fields)
 
     async def _episode(self, traj: Trajectory, seed: int | None) -> Trajectory:
-        t0 = time.monotonic()
-        try:
-            obs, info = await self._reset(seed)
-        except _Aborted:
-            traj.cost.env_s += time.monotonic() - t0
-            raise
-        except Exception as err:
-            traj.status, traj.error = "failed", f"reset: {type(err).__name__}: {err}"
-            self.failures.record("reset", f"{type(err).__name__}: {err}", err, tag=self.tag)
-            traj.cost.env_s += time.monotonic() - t0
-            self._emit(traj, "env_reset", latency_s=time.monotonic() - t0, error=traj.error)
+        obs = await self._begin(traj, seed)
+        if obs is None:
             return traj
-        traj.cost.env_s += time.monotonic() - t0
-        self._emit(traj, "env_reset", latency_s=time.monotonic() - t0)
-        traj.info["reset"] = info
-        traj.info["prompt_text"] = obs  # the env's own text, before any chat template
         prompt = self._first_prompt(traj, obs)
         if prompt is None:
             return traj
@@ -270,59 +257,21 @@ class EnvManager:
         for turn in range(max_steps):
             if self._aborting:
                 raise _Aborted()
-            self.current_request = f"{traj.traj_id}:{turn}"
-            req = GenerateRequest(
-                request_id=self.current_request,
-                prompt_token_ids=list(traj.token_ids),
-                sampling=self._turn_sampling(seed, traj.traj_id, turn),
-            )
-            try:
-                trace = self._proxy_trace(traj, turn) if self._sink is not None else None
-                out = await self.proxy.generate(req, self.tag, trace=trace, cost=traj.cost)
-            except ClusterError:
-                raise  # no worker can serve it: the rollout cannot go on
-            except Exception as err:
-                root = err.cause if isinstance(getattr(err, "cause", None), BaseException) else err  # Ray's wrapper
-                traj.status, traj.error = "failed", f"generate turn {turn}: {type(root).__name__}: {root}"
-                self.failures.record("generate", f"{type(root).__name__}: {root}", root, tag=self.tag)
+            out = await self._generate_turn(traj, seed, turn)
+            if out is None:
                 return traj
-            finally:
-                self.current_request = None
-            traj.hardware.append(out.hardware)
-            start = len(traj.token_ids)
-            traj.token_ids += out.output_token_ids
-            traj.loss_mask += [1] * len(out.output_token_ids)
-            traj.logprobs += out.output_logprobs
-            traj.versions += out.token_versions
-            traj.turns.append((start, len(traj.token_ids)))
+            start = self._append_output(traj, out)
             if out.finish_reason == "abort":
                 traj.status = "aborted"
                 return traj
-            action = self.codec.decode(out.output_token_ids)
-            t_step = time.monotonic()
-            try:
-                obs, reward, terminated, truncated, step_info = await self._step(action)
-            except _Aborted:
-                traj.cost.env_s += time.monotonic() - t_step
-                raise
-            except Exception as err:
-                traj.cost.env_s += time.monotonic() - t_step
-                traj.status, traj.error = "failed", f"step {turn}: {type(err).__name__}: {err}"
-                self.failures.record("step", f"{type(err).__name__}: {err}", err, tag=self.tag)
-                self._emit(traj, "env_step", turn=turn, latency_s=time.monotonic() - t_step, error=traj.error)
+            stepped = await self._env_step(traj, turn, self.codec.decode(out.output_token_ids))
+            if stepped is None:
                 return traj
-            traj.cost.env_s += time.monotonic() - t_step
-            if self._sink is not None:
-                self._emit(
-                    traj,
-                    "env_step",
-                    turn=turn,
-                    latency_s=time.monotonic() - t_step,
-                    reward=float(reward),
-                    done=bool(terminated or truncated),
-                )
+            obs, reward, terminated, truncated, step_info = stepped
             traj.env_return += float(reward)
             traj.info.setdefault("steps", []).append(step_info)
+            response = step_info.get("response") if isinstance(step_info, dict) else None
+            traj.scored_on.response = response if isinstance(response, str) else None
             if isinstance(step_info, dict) and "char_rewards" in step_info:
                 self._add_token_rewards(traj, start, out.output_token_ids, step_info["char_rewards"])
             if terminated or truncated:
@@ -336,6 +285,88 @@ class EnvManager:
             self._append_ids(traj, ids)
         await self._score(traj)
         return traj
+
+    async def _begin(self, traj: Trajectory, seed: int | None) -> str | None:
+        """Reset the env for the episode: its first observation, or None with ``traj`` failed."""
+        t0 = time.monotonic()
+        try:
+            obs, info = await self._reset(seed)
+        except _Aborted:
+            traj.cost.env_s += time.monotonic() - t0
+            raise
+        except Exception as err:
+            traj.status, traj.error = "failed", f"reset: {type(err).__name__}: {err}"
+            self.failures.record("reset", f"{type(err).__name__}: {err}", err, tag=self.tag)
+            traj.cost.env_s += time.monotonic() - t0
+            self._emit(traj, "env_reset", latency_s=time.monotonic() - t0, error=traj.error)
+            return None
+        traj.cost.env_s += time.monotonic() - t0
+        self._emit(traj, "env_reset", latency_s=time.monotonic() - t0)
+        traj.info["reset"] = info
+        traj.info["prompt_text"] = obs  # the env's own text, before any chat template
+        traj.scored_on.prompt = obs
+        traj.scored_on.ground_truth = info.get("ground_truth") if isinstance(info, dict) else None
+        return obs
+
+    async def _generate_turn(self, traj: Trajectory, seed: int | None, turn: int) -> GenerateOutput | None:
+        """The policy's reply of turn ``turn`` to the trajectory so far; None, with ``traj`` failed, when
+        generating it failed (a ``ClusterError`` propagates: no worker can serve it)."""
+        self.current_request = f"{traj.traj_id}:{turn}"
+        req = GenerateRequest(
+            request_id=self.current_request,
+            prompt_token_ids=list(traj.token_ids),
+            sampling=self._turn_sampling(seed, traj.traj_id, turn),
+        )
+        try:
+            trace = self._proxy_trace(traj, turn) if self._sink is not None else None
+            return await self.proxy.generate(req, self.tag, trace=trace, cost=traj.cost)
+        except ClusterError:
+            raise  # no worker can serve it: the rollout cannot go on
+        except Exception as err:
+            root = err.cause if isinstance(getattr(err, "cause", None), BaseException) else err  # Ray's wrapper
+            traj.status, traj.error = "failed", f"generate turn {turn}: {type(root).__name__}: {root}"
+            self.failures.record("generate", f"{type(root).__name__}: {root}", root, tag=self.tag)
+            return None
+        finally:
+            self.current_request = None
+
+    @staticmethod
+    def _append_output(traj: Trajectory, out: GenerateOutput) -> int:
+        """Append a reply's tokens (trained on) to the trajectory; where they start."""
+        traj.hardware.append(out.hardware)
+        start = len(traj.token_ids)
+        traj.token_ids += out.output_token_ids
+        traj.loss_mask += [1] * len(out.output_token_ids)
+        traj.logprobs += out.output_logprobs
+        traj.versions += out.token_versions
+        traj.turns.append((start, len(traj.token_ids)))
+        return start
+
+    async def _env_step(self, traj: Trajectory, turn: int, action: str) -> tuple[str, float, bool, bool, dict] | None:
+        """The env's step on ``action``, its time counted; None, with ``traj`` failed, when it failed."""
+        t_step = time.monotonic()
+        try:
+            obs, reward, terminated, truncated, step_info = await self._step(action)
+        except _Aborted:
+            traj.cost.env_s += time.monotonic() - t_step
+            raise
+        except Exception as err:
+            traj.cost.env_s += time.monotonic() - t_step
+            traj.status, traj.error = "failed", f"step {turn}: {type(err).__name__}: {err}"
+            self.failures.record("step", f"{type(err).__name__}: {err}", err, tag=self.tag)
+            self._emit(traj, "env_step", turn=turn, latency_s=time.monotonic() - t_step, error=traj.error)
+            return None
+        traj.cost.env_s += time.monotonic() - t_step
+        if self._sink is not None:
+            self._emit(
+                traj,
+                "env_step",
+                turn=turn,
+                latency_s=time.monotonic() - t_step,
+                reward=float(reward),
+                done=bool(terminated or truncated),
+            )
+        return obs, reward, terminated, truncated, step_info
 
     def _first_prompt(self, traj: Trajectory, obs: str) -> list[int] | None:
         """The token ids of the first prompt (chat template applied), cut to ``max_prompt_length`` from the

@@ -27,11 +27,12 @@ that produced it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import ray
@@ -43,6 +44,7 @@ from rollart.cluster.future import ACTOR_GONE
 from rollart.rollout.affinity import AutoAffinity
 from rollart.rollout.batching import RequestBatcher, RequestFailedError
 from rollart.rollout.cost import BusyMeter, TrajectoryCost
+from rollart.rollout.policy_clock import PolicyClock
 from rollart.rollout.types import GenerateDelta, GenerateOutput, GenerateRequest
 from rollart.weights.base import WeightChannel
 
@@ -77,6 +79,26 @@ def _segment(rid: str, deltas: list[GenerateDelta]) -> GenerateOutput:
     return out
 
 
+def _tail_delta(rid: str, out: GenerateOutput, sent: int) -> GenerateDelta:
+    """The tokens of ``out`` from position ``sent`` on, as one delta (a segment's last step, or the whole
+    answer of an engine that does not stream)."""
+    return GenerateDelta(
+        request_id=rid,
+        start=sent,
+        token_ids=out.output_token_ids[sent:],
+        logprobs=out.output_logprobs[sent:],
+        top_logprobs=out.output_top_logprobs[sent:],
+        version=out.token_versions[-1] if out.token_versions else 0,
+        hardware=out.hardware,
+        rank=out.rank,
+    )
+
+
+def _ended(out: GenerateOutput, reason: str) -> GenerateOutput:
+    """``out`` as a final answer that stopped for ``reason`` (``abort``, ``length``)."""
+    return out.model_copy(update={"finish_reason": reason, "preempted": False})
+
+
 class LLMProxy:
     """Shared by many EnvManagers; every method is a coroutine on the caller's event loop."""
 
@@ -88,8 +110,10 @@ class LLMProxy:
         wait_for_worker_s: float = 300.0,
         affinity: AutoAffinity | None = None,
         batch_requests: bool = False,
+        clock: PolicyClock | None = None,
     ):
         self.cluster = cluster
+        self.clock = clock if clock is not None else PolicyClock()  # the run's: the served version moves here
         # the cost ledger: each worker's busy time, split among the requests in flight on it
         self.meter = BusyMeter(getattr(cluster, "pool", None) or getattr(cluster, "name", ""), self._devices_of)
         # batched ADD (rollart.rollout.batching): one streaming call per worker per event-loop turn
@@ -105,7 +129,6 @@ class LLMProxy:
         self._affinity: OrderedDict[str, int] = OrderedDict()  # affinity key -> the rank that served it last
         self.max_affinity_keys = 65536
         self._inflight: set[str] = set()
-        self.version = 0
         self._by_hw: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.wait_for_worker_s = wait_for_worker_s
         self.counts: Counter[str] = Counter()  # "migrated": requests sent again after their worker died
@@ -121,6 +144,11 @@ class LLMProxy:
                 cluster, restart, prepare=self._load_serving, current_version=lambda: self._serving[2]
             )
             self._push_lock = self.supervisor.version_lock
+
+    @property
+    def version(self) -> int:
+        """The version every worker serves (the run's :class:`~rollart.rollout.policy_clock.PolicyClock`)."""
+        return self.clock.served
 
     def _devices_of(self, rank: int) -> int:
         """A worker's accelerator devices (a CPU worker: 0)."""
@@ -182,9 +210,8 @@ class LLMProxy:
         rid = request.request_id
         budget = request.sampling.max_new_tokens
         out: GenerateOutput | None = None
-        self._inflight.add(rid)
-        t0 = time.monotonic()
-        try:
+        with self._running(rid, cost):
+            t0 = time.monotonic()
             req = request
             while True:
                 if rid in self._aborted:
@@ -234,6 +261,13 @@ class LLMProxy:
                 out = out.model_copy(update={"finish_reason": "abort", "preempted": False})
             self._account(tag, request, out, t0)
             return out
+
+    @contextlib.contextmanager
+    def _running(self, rid: str, cost: TrajectoryCost | None) -> Iterator[None]:
+        """While request ``rid`` runs: it can be aborted; after it, its busy time is settled on ``cost``."""
+        self._inflight.add(rid)
+        try:
+            yield
         finally:
             self.meter.settle(rid, cost)
             self._inflight.discard(rid)
@@ -300,10 +334,12 @@ class LLMProxy:
                 self._affinity.popitem(last=False)
 
     async def _stream_once(
-        self, request: GenerateRequest, tag: str, prefer: int | None
+        self, request: GenerateRequest, tag: str, affinity: str | None
     ) -> AsyncIterator[GenerateDelta | GenerateOutput]:
-        """One worker's stream of ``request``: its deltas, then its output. A dead worker raises
-        ``WorkerDiedError`` (it is marked dead), no live one ``NoLiveWorkerError``."""
+        """One worker's stream of ``request`` (preferably the one that served ``affinity`` last): its deltas,
+        then its output. A dead worker raises ``WorkerDiedError`` (it is marked dead), no live one
+        ``NoLiveWorkerError``."""
+        prefer = self._affinity.get(affinity) if affinity is not None else None
         ((rank, actor),) = self.cluster.route_many("generate", tag, 1, [prefer] if prefer is not None else None)
         self.meter.begin(request.request_id, rank)
         try:
@@ -332,22 +368,18 @@ class LLMProxy:
         budget = request.sampling.max_new_tokens
         out: GenerateOutput | None = None  # the segments answered so far, joined
         sent = 0  # tokens of the reply sent to the caller
-        self._inflight.add(rid)
-        t0 = time.monotonic()
-        try:
+        with self._running(rid, None):  # a stream's caller has no trajectory here: unattributed
+            t0 = time.monotonic()
             req = request
             while True:
                 if rid in self._aborted:
-                    out = (out or GenerateOutput(request_id=rid)).model_copy(
-                        update={"finish_reason": "abort", "preempted": False}
-                    )
+                    out = _ended(out or GenerateOutput(request_id=rid), "abort")
                     break
                 done = len(out.output_token_ids) if out is not None else 0
                 seen: list[GenerateDelta] = []  # this segment's deltas
                 part: GenerateOutput | None = None
                 try:
-                    prefer = self._affinity.get(affinity) if affinity is not None else None
-                    async for item in self._stream_once(req, tag, prefer):
+                    async for item in self._stream_once(req, tag, affinity):
                         if isinstance(item, GenerateOutput):
                             part = item
                             continue
@@ -377,47 +409,45 @@ class LLMProxy:
                             )
                             sent = done + got + len(item.token_ids)
                 except (NoLiveWorkerError, WorkerDiedError) as err:
-                    if seen:  # what it streamed stays: the request continues after those tokens
-                        kept = _segment(rid, seen)
-                        out = kept if out is None else out.extend(kept)
-                    if not await self._wait_for_worker(rid):
+                    out, serving = await self._stream_lost(rid, err, seen, out, sent)
+                    if not serving:
                         raise
                     if rid in self._aborted:
                         continue
-                    self.counts["migrated"] += 1
-                    log.info("stream %s: %r; sent again from its %d received tokens", rid, err, sent)
                     part = None
                 if part is not None:
                     out = part if out is None else out.extend(part)
                     self._note_affinity(affinity, part.rank)
-                    total = len(out.output_token_ids)
-                    if total > sent:  # tokens of the segment's last step (or of an engine that does not stream)
-                        yield GenerateDelta(
-                            request_id=rid,
-                            start=sent,
-                            token_ids=out.output_token_ids[sent:],
-                            logprobs=out.output_logprobs[sent:],
-                            top_logprobs=out.output_top_logprobs[sent:],
-                            version=out.token_versions[-1] if out.token_versions else 0,
-                            hardware=out.hardware,
-                            rank=out.rank,
-                        )
-                        sent = total
+                    if len(out.output_token_ids) > sent:  # the segment's last step (or an engine that does not stream)
+                        yield _tail_delta(rid, out, sent)
+                        sent = len(out.output_token_ids)
                     if not part.preempted or rid in self._aborted:
                         break
                 remaining = budget - (len(out.output_token_ids) if out is not None else 0)
                 if remaining <= 0 and out is not None:
-                    out = out.model_copy(update={"finish_reason": "length", "preempted": False})
+                    out = _ended(out, "length")
                     break
                 req = _continuation(request, out.output_token_ids if out is not None else [], remaining)
             if rid in self._aborted:
-                out = out.model_copy(update={"finish_reason": "abort", "preempted": False})
+                out = _ended(out, "abort")
             self._account(tag, request, out, t0)
             yield out
-        finally:
-            self.meter.settle(rid, None)  # a stream's caller has no trajectory here: unattributed
-            self._inflight.discard(rid)
-            self._aborted.discard(rid)
+
+    async def _stream_lost(
+        self, rid: str, err: BaseException, seen: list[GenerateDelta], out: GenerateOutput | None, sent: int
+    ) -> tuple[GenerateOutput | None, bool]:
+        """A stream whose worker died (or that had none): what it streamed stays (``seen`` joins ``out``: the
+        request continues after those tokens), and it waits for a live worker. Returns the output so far and
+        whether a worker serves again (or the request was aborted meanwhile); False: the error stands."""
+        if seen:
+            kept = _segment(rid, seen)
+            out = kept if out is None else out.extend(kept)
+        if not await self._wait_for_worker(rid):
+            return out, False
+        if rid not in self._aborted:
+            self.counts["migrated"] += 1
+            log.info("stream %s: %r; sent again from its %d received tokens", rid, err, sent)
+        return out, True
 
     def _account(self, tag: str, request: GenerateRequest, out: GenerateOutput, t0: float) -> None:
         if self.affinity is not None and out.finish_reason != "abort":
@@ -475,7 +505,7 @@ class LLMProxy:
             self._serving = (weights, None, version)
             fut = self.cluster.update_weights(weights, version)
         await fut
-        self.version = version
+        self.clock.serve(version)
 
     async def model_update_from(self, channel: WeightChannel, version: int) -> None:
         """Every worker fetches ``version`` from a weight channel itself (e.g. Mooncake)."""
@@ -483,7 +513,7 @@ class LLMProxy:
             self._serving = (None, channel, version)
             fut = self.cluster.load_weights_from(channel, version)
         await fut
-        self.version = version
+        self.clock.serve(version)
 
     async def model_update_in_process(self, load: Callable[[], Awaitable[T]], version: int) -> T:
         """The workers serve ``version`` from weights they hold themselves (colocated mode: each takes its
@@ -492,7 +522,7 @@ class LLMProxy:
             self._serving = (None, None, version)
             fut = load()
         out = await fut
-        self.version = version
+        self.clock.serve(version)
         return out
 
     def fault_metrics(self) -> dict[str, int]:

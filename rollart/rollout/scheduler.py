@@ -47,6 +47,7 @@ from rollart.rollout.config import RolloutConfig
 from rollart.rollout.env_manager import EnvManager
 from rollart.rollout.failures import FailureLog
 from rollart.rollout.ledger import RoundLedger, trajectory_ledger
+from rollart.rollout.policy_clock import PolicyClock
 from rollart.rollout.sample_buffer import Group, RolloutError, SampleBuffer
 from rollart.rollout.types import GroupId, TraceSink, Trajectory
 
@@ -73,6 +74,7 @@ class RolloutScheduler:
         config: RolloutConfig,
         seed_fn: Callable[[int, int], int] | None = None,
         quotas: Mapping[str, int] | None = None,
+        clock: PolicyClock | None = None,
     ):
         if len(groups) != config.num_env_groups or any(len(g) != config.group_size for g in groups):
             raise ValueError("RolloutScheduler: groups must be num_env_groups lists of group_size EnvManagers")
@@ -85,7 +87,7 @@ class RolloutScheduler:
         self.counts_by_task: dict[str, Counter[str]] = {t: Counter() for t in dict.fromkeys(self.task_of_group)}
         self.staleness_by_task: dict[str, Counter[int]] = {t: Counter() for t in self.counts_by_task}
         self.seed_fn = seed_fn or (lambda g, r: config.seed_offset + g * 1_000_003 + r)
-        self.version = 0
+        self.clock = clock if clock is not None else PolicyClock()  # the run's: the served version is its
         self.buffer = SampleBuffer(on_stale=self._requeue_group)
         self.counts: Counter[str] = Counter()
         self.accepted = 0  # groups accepted (buffer + consumed) since the start, minus evicted ones
@@ -113,6 +115,12 @@ class RolloutScheduler:
         self.in_flight = 0  # member episodes started and not ended (an independent count for the ledger)
         self.traces: TraceSink | None = None  # trajectory traces (rollart.tracking.traces), when on
         self.last_batch_version = 0  # the policy version the last batch was taken for
+
+    @property
+    def version(self) -> int:
+        """The served policy version (the run's :class:`~rollart.rollout.policy_clock.PolicyClock`): new rounds
+        begin at it and the asynchronous bound counts from it."""
+        return self.clock.served
 
     def _trace(self, trajs: list[Trajectory], event: str, **fields: Any) -> None:
         """An event of each traced trajectory of ``trajs``."""
@@ -292,6 +300,23 @@ class RolloutScheduler:
         return r
 
     async def _run_round(self, rnd: _Round) -> list[Trajectory] | None:
+        tasks = self._start_members(rnd)
+        kept = rnd.kept
+        pending = set(tasks)
+        task_counts = self.counts_by_task[self.task_of_group[rnd.group]]
+        try:
+            while pending and len(kept) < self.config.keep and not rnd.aborted:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    self._member_ended(rnd, t.result(), task_counts)
+        finally:
+            if pending:  # redundant members of a complete round, or the round was aborted
+                await self._end_members(rnd, tasks, pending, task_counts)
+        return self._round_outcome(rnd)
+
+    def _start_members(self, rnd: _Round) -> dict[asyncio.Task[Trajectory], EnvManager]:
+        """Start an episode of every member of the round's group (traced ones announced); each task with
+        its env manager."""
         members = self.groups[rnd.group]
         gid = str(GroupId(rnd.group, rnd.index))
         ids = [f"{gid}:{i}:v{rnd.start_version}" for i in range(len(members))]
@@ -308,54 +333,66 @@ class RolloutScheduler:
             asyncio.ensure_future(m.run(rnd.seed, gid, tid) if s is None else m.run(rnd.seed, gid, tid, trace=s)): m
             for m, tid, s in zip(members, ids, traced)
         }
-        kept = rnd.kept
-        pending = set(tasks)
         task_counts = self.counts_by_task[self.task_of_group[rnd.group]]
         self.counts["trajectories_started"] += len(tasks)
         task_counts["trajectories_started"] += len(tasks)
         self.in_flight += len(tasks)
         for t in tasks:
             t.add_done_callback(self._ended)
-        try:
-            while pending and len(kept) < self.config.keep and not rnd.aborted:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    traj = t.result()
-                    self.counts[f"trajectories_{traj.status}"] += 1
-                    task_counts[f"trajectories_{traj.status}"] += 1
-                    self.completed_trajectories.append(traj)
-                    if traj.error:
-                        self._last_error = f"{traj.traj_id}: {traj.error}"
-                    if traj.status == "ok" and not rnd.aborted:
-                        kept.append(traj)
-                    elif traj.status == "ok" or traj.status == "aborted":  # its round was aborted: played again
-                        if traj.status == "ok":
-                            self.counts["trajectories_dropped"] += 1
-                        why = f"round aborted ({rnd.abort_reason or 'stop'})" if rnd.aborted else "aborted"
-                        self._trace([traj], "dropped", reason=why)
-                    else:
-                        self._trace([traj], "failed", status=traj.status, error=traj.error)
-                        if traj.status == "reward_failed" and self.config.requeue_reward_failures:
-                            rnd.aborted = True  # the whole round is played again: no group trains without it
-                            rnd.abort_reason = "a member's reward failed (reward.on_failure: requeue)"
-                            self.counts["rounds_requeued_reward"] += 1
-        finally:
-            if pending:  # redundant members of a complete round, or the round was aborted
-                await asyncio.gather(*(tasks[t].abort() for t in pending))
-                for late in await asyncio.gather(*pending, return_exceptions=True):
-                    if isinstance(late, Trajectory):
-                        self.counts[f"trajectories_{late.status}"] += 1
-                        task_counts[f"trajectories_{late.status}"] += 1
-                        self.completed_trajectories.append(late)
-                        if late.status == "ok" and len(kept) < self.config.keep and not rnd.aborted:
-                            kept.append(late)
-                        elif late.status in ("ok", "aborted"):
-                            if late.status == "ok":
-                                self.counts["trajectories_dropped"] += 1  # redundant, or its round was aborted
-                            why = f"round aborted ({rnd.abort_reason or 'stop'})" if rnd.aborted else "redundant"
-                            self._trace([late], "dropped", reason=why)
-                        else:
-                            self._trace([late], "failed", status=late.status, error=late.error)
+        return tasks
+
+    def _member_ended(self, rnd: _Round, traj: Trajectory, task_counts: Counter[str]) -> None:
+        """Count a member's trajectory while its round runs: kept when ok (and the round not aborted),
+        else dropped or failed (a failed reward requeues the whole round when so configured)."""
+        self.counts[f"trajectories_{traj.status}"] += 1
+        task_counts[f"trajectories_{traj.status}"] += 1
+        self.completed_trajectories.append(traj)
+        if traj.error:
+            self._last_error = f"{traj.traj_id}: {traj.error}"
+        if traj.status == "ok" and not rnd.aborted:
+            rnd.kept.append(traj)
+        elif traj.status == "ok" or traj.status == "aborted":  # its round was aborted: played again
+            if traj.status == "ok":
+                self.counts["trajectories_dropped"] += 1
+            why = f"round aborted ({rnd.abort_reason or 'stop'})" if rnd.aborted else "aborted"
+            self._trace([traj], "dropped", reason=why)
+        else:
+            self._trace([traj], "failed", status=traj.status, error=traj.error)
+            if traj.status == "reward_failed" and self.config.requeue_reward_failures:
+                rnd.aborted = True  # the whole round is played again: no group trains without it
+                rnd.abort_reason = "a member's reward failed (reward.on_failure: requeue)"
+                self.counts["rounds_requeued_reward"] += 1
+
+    async def _end_members(
+        self,
+        rnd: _Round,
+        tasks: dict[asyncio.Task[Trajectory], EnvManager],
+        pending: set[asyncio.Task[Trajectory]],
+        task_counts: Counter[str],
+    ) -> None:
+        """Abort the members still running (redundant, or their round was aborted) and count what they
+        return: kept while the round still misses members, else dropped."""
+        kept = rnd.kept
+        await asyncio.gather(*(tasks[t].abort() for t in pending))
+        for late in await asyncio.gather(*pending, return_exceptions=True):
+            if isinstance(late, Trajectory):
+                self.counts[f"trajectories_{late.status}"] += 1
+                task_counts[f"trajectories_{late.status}"] += 1
+                self.completed_trajectories.append(late)
+                if late.status == "ok" and len(kept) < self.config.keep and not rnd.aborted:
+                    kept.append(late)
+                elif late.status in ("ok", "aborted"):
+                    if late.status == "ok":
+                        self.counts["trajectories_dropped"] += 1  # redundant, or its round was aborted
+                    why = f"round aborted ({rnd.abort_reason or 'stop'})" if rnd.aborted else "redundant"
+                    self._trace([late], "dropped", reason=why)
+                else:
+                    self._trace([late], "failed", status=late.status, error=late.error)
+
+    def _round_outcome(self, rnd: _Round) -> list[Trajectory] | None:
+        """The group a finished round gives: its first ``keep`` members; None when it was aborted or
+        failed (played again), ``[]`` when its seed failed too often (given up)."""
+        kept = rnd.kept
         if rnd.aborted:
             self.counts["rounds_aborted"] += 1
             self.counts["trajectories_dropped"] += len(kept)
@@ -464,7 +501,7 @@ class RolloutScheduler:
     def resume_at(self, version: int) -> None:
         """Before :meth:`start`: serve from policy ``version`` (a resumed or restored run), with admission
         counting the groups consumed so far as if ``version`` steps ran."""
-        self.version = version
+        self.clock.serve(version)
         self.accepted = version * self.config.batch_groups
 
     def carry_counts(self, old: RolloutScheduler) -> None:
@@ -496,7 +533,7 @@ class RolloutScheduler:
 
     async def set_version(self, version: int) -> None:
         """The policy advanced: abort rounds that can no longer be trained on, admit new ones."""
-        self.version = version
+        self.clock.serve(version)  # the proxy's workers serve it already, unless no weights move
         await self._abort_rounds(
             lambda r: version - r.start_version > self.config.alpha, f"stale: more than alpha versions behind {version}"
         )

@@ -81,6 +81,17 @@ class GroupId(NamedTuple):
         return f"{self.env_group}:{self.round}"
 
 
+class RewardInputs(BaseModel):
+    """What a reward service scores a trajectory on, as the env manager saw it (``Trajectory.scored_on``):
+    the env's first observation before any chat template, the ground truth its reset reported, and its own
+    account of the last answer (a step's ``response``, e.g. a dataset env's). Unset fields are read from
+    the tokens (the first prompt, the last turn) by the reward step."""
+
+    prompt: str | None = None
+    ground_truth: Any = None
+    response: str | None = None
+
+
 class Trajectory(BaseModel):
     """One episode as the trainer sees it (RollArt paper §5.3, SAO §3).
 
@@ -106,7 +117,8 @@ class Trajectory(BaseModel):
     status: TrajectoryStatus = "ok"
     error: str | None = None
     hardware: list[str] = Field(default_factory=list)
-    info: dict[str, Any] = Field(default_factory=dict)
+    info: dict[str, Any] = Field(default_factory=dict)  # what the env reported (reset info, steps' info)
+    scored_on: RewardInputs = Field(default_factory=RewardInputs)  # a reward service's inputs
     cost: TrajectoryCost = Field(default_factory=TrajectoryCost)  # the cost ledger (rollart.rollout.cost)
 
     @property
