@@ -149,8 +149,12 @@ def test_anthropic_stream_events_arrive_as_the_reply_is_decoded(served):
         base_url=served.endpoint.session_url(session)[: -len("/v1")], api_key=served.endpoint.token
     )
     deltas, kinds = [], []
-    events = client.messages.create(
-        model="policy", max_tokens=LONG, messages=[{"role": "user", "content": "hi"}], stream=True
+    events = client.messages.create(  # greedy: the reply is the long one the stop-sequence test reads too
+        model="policy",
+        max_tokens=LONG,
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        extra_body={"temperature": 0},
     )
     for event in events:
         kinds.append(event.type)
