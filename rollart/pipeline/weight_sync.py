@@ -329,12 +329,10 @@ class MooncakeSync(ChannelSync):
 
     def _relay_order(self) -> list[str]:
         """The inference hosts' IPs in relay-tree order: the trainer's host first when it also runs
-        inference workers (its copy is local), then the others in worker order."""
-        import ray
-
-        infos = ray.get([w._rollart_info.remote() for w in self.infer.workers + self.train.workers[:1]])
-        trainer_ip = infos[-1]["node_ip"]
-        hosts = list(dict.fromkeys(i["node_ip"] for i in infos[:-1]))
+        inference workers (its copy is local), then the others in worker order (where each Cluster
+        recorded its workers when they started)."""
+        trainer_ip = self.train.node_ip_of(0)
+        hosts = list(dict.fromkeys(p["node_ip"] for p in self.infer.placement()))
         return sorted(hosts, key=lambda ip: ip != trainer_ip)
 
     async def start(self, rollout: AsyncController) -> None:
@@ -348,12 +346,9 @@ class MooncakeSync(ChannelSync):
         from rollart.weights.host_cache import HostSharedChannel
 
         if isinstance(self.channel, HostSharedChannel):
-            infos = await asyncio.gather(
-                *[w._rollart_info.remote() for w in self.infer.workers], return_exceptions=True
-            )
             # a worker down now (restarting, its host lost) is skipped: its host's first reader makes that cache
-            nodes = [i["node_id"] for i in infos if isinstance(i, dict)]
-            await asyncio.to_thread(self.channel.start_caches, nodes)
+            nodes = [p["node_id"] for p in self.infer.placement() if p["alive"]]
+            await asyncio.to_thread(self.channel.start_caches, list(dict.fromkeys(nodes)))
 
     def host_joined(self, node_id: str) -> None:
         """The new host's weight cache, made by the driver (so it outlives the workers of that host)."""
