@@ -189,3 +189,15 @@ def test_the_built_in_kinds_declare_what_their_classes_do() -> None:
         "megatron.core",
         "megatron",
     )
+
+
+def test_the_plugins_load_in_one_reported_step(parts: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``plugins:`` are imported before the config is checked, and one line says what each registered."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="rollart.config"):
+        cfg = load_config(config(parts, weights={"channel": "counted"}))
+    assert cfg.weights.channel == "counted"
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("plugins: my_parts")]
+    assert line.endswith("registered weight channel counted; training strategy marked"), line
+    assert str(parts / "my_parts.py") in line

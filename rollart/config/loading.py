@@ -16,6 +16,7 @@ from pydantic import (
 from rollart.config.checks import cross_field_problems
 from rollart.config.errors import ConfigError
 from rollart.config.pipeline import PipelineConfig
+from rollart.config.plugin_step import load_plugins
 from rollart.config_model import load_yaml, type_problem
 
 
@@ -167,6 +168,8 @@ def validate_config(raw: dict[str, Any], source: str | Path | None = None) -> Pi
     advantage names and parameters, the pipeline class, the plug-in modules' imports. Nothing is
     started. ``source`` (the YAML file) adds its folder to where plug-in modules are looked up."""
     context = {"config_dir": str(Path(source).resolve().parent)} if source is not None else {}
+    if isinstance(raw, dict):  # the plug-ins first, in one reported step: the names they register are known below
+        load_plugins(raw.get("plugins"), context.get("config_dir"))
     try:
         cfg = PipelineConfig.model_validate(raw, context=context)
     except ValidationError as err:

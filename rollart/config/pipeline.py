@@ -41,9 +41,17 @@ from rollart.training.config import CriticConfig, RunningMeanConfig, TrainConfig
 
 
 def _import_plugin(module: str) -> str:
-    from rollart.plugins import import_module
+    """A module of ``plugins:``: loaded by the plug-in step (:func:`~rollart.config.plugin_step.load_plugins`,
+    which ``validate_config`` runs first); here a failed one is reported, and one not loaded yet (a config
+    built in code, ``PipelineConfig.model_validate``) is imported."""
+    import sys
 
-    _plain(import_module, module, "plugins")
+    from rollart.plugins import FAILED_IMPORTS, import_module
+
+    if module in FAILED_IMPORTS:
+        raise ValueError(FAILED_IMPORTS[module])
+    if module not in sys.modules:
+        _plain(import_module, module, "plugins")
     return module
 
 
