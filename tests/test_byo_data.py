@@ -341,10 +341,9 @@ async def test_the_evaluator_aggregates_per_tag_and_counts_failures(tmp_path):
 async def test_with_a_reward_service_a_dataset_trajectory_is_sent_with_its_answer(tmp_path):
     """The ``reward:`` section scores dataset tasks too: the service gets the prompt, the response and the
     row's answer as ``ground_truth``."""
-    from types import SimpleNamespace
-
     from rollart.envs.dataset import DatasetEnv
-    from rollart.pipeline.rewards import RewardServices
+    from rollart.pipeline.rewards import service_reward
+    from rollart.rollout.types import RewardInputs
 
     class Codec:
         eos_token_id = None
@@ -367,17 +366,19 @@ async def test_with_a_reward_service_a_dataset_trajectory_is_sent_with_its_answe
     prompt, info = env.reset(2)
     codec = Codec()
     ids = codec.encode(prompt)
-    traj = Trajectory(
+    step_info = env.step("5")[4]
+    traj = Trajectory(  # what the env manager records of the episode (tests/test_reward_inputs.py)
         traj_id="t",
         group_id="0:0",
         tag=env.tag,
         token_ids=[*ids, *codec.encode("5")],
         prompt_length=len(ids),
         turns=[(len(ids), len(ids) + 1)],
-        info={"reset": info, "steps": [env.step("5")[4]]},
+        scored_on=RewardInputs(
+            prompt=prompt, ground_truth=info.get("ground_truth"), response=step_info.get("response")
+        ),
     )
-    config = SimpleNamespace(reward=None, tasks={})
-    reward = await RewardServices(config, "job", codec)._service_reward(Client())(traj)
+    reward = await service_reward(Client(), codec)(traj)
     row = ROWS[info["index"]]
     assert reward == 0.75
     assert sent == [{"prompt": row["prompt"], "response": "5", "ground_truth": row["answer"], "tag": "a"}]
