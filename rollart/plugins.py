@@ -138,6 +138,12 @@ def import_object(spec: str, field: str, search_path: Sequence[str | Path] = ())
     return obj
 
 
+def closest_hint(value: str, known: Iterable[str]) -> str:
+    """``"did you mean 'x'? "`` naming the known name closest to ``value``, or ``""`` when none is close."""
+    close = difflib.get_close_matches(value, list(known), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 def lookup(
     value: str, registry: Mapping[str, Any], field: str, kind: str, search_path: Sequence[str | Path] = ()
 ) -> Any:
@@ -147,8 +153,7 @@ def lookup(
         return import_object(value, field, search_path)
     if value in registry:
         return registry[value]
-    close = difflib.get_close_matches(value, list(registry), n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    hint = closest_hint(value, registry)
     raise PluginError(
         field,
         f"unknown {kind} {value!r}; {hint}registered: {', '.join(sorted(registry))} — or name your own as "

@@ -40,7 +40,7 @@ ENGINES: dict[str, EngineKind] = {
 
 def engine_kind(kind: object) -> EngineKind | None:
     """The kind of ``engine.kind``: a built-in's, or a ``MODULE:CLASS`` engine's read from its class
-    (importing it). None when ``kind`` names neither (or the class does not import: its check reports it)."""
+    (importing it). None when ``kind`` names neither (or the class does not import: the inference workers report that when they build it)."""
     if not isinstance(kind, str):
         return None
     if kind in ENGINES:
@@ -52,7 +52,7 @@ def engine_kind(kind: object) -> EngineKind | None:
 
     try:
         cls = import_object(kind, "engine.kind")
-    except Exception:  # reported by the engine.kind field itself
+    except Exception:  # not checked here: the inference workers report it when they build the engine
         return None
     if not (isinstance(cls, type) and issubclass(cls, InferenceEngine)):
         return None
@@ -63,8 +63,7 @@ def engine_name_problem(kind: str) -> str | None:
     """Why ``engine.kind: kind`` names no engine, or None."""
     if kind in ENGINES or ":" in kind:
         return None
-    import difflib
+    from rollart.plugins import closest_hint
 
-    close = difflib.get_close_matches(kind, list(ENGINES), n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    hint = closest_hint(kind, ENGINES)
     return f"unknown engine {kind!r}; {hint}use one of {', '.join(ENGINES)}, or your own engine class as MODULE:CLASS"

@@ -98,10 +98,9 @@ def strategy_name_problem(name: str) -> str | None:
     """Why ``train.strategy: name`` names no strategy, or None."""
     if name in STRATEGIES:
         return None
-    import difflib
+    from rollart.plugins import closest_hint
 
-    close = difflib.get_close_matches(name, list(STRATEGIES), n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    hint = closest_hint(name, STRATEGIES)
     return (
         f"unknown training strategy {name!r}; {hint}use one of {', '.join(STRATEGIES)}, or register yours with "
         "@register_strategy in a module listed under plugins:"

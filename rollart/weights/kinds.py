@@ -87,10 +87,9 @@ def channel_name_problem(name: str) -> str | None:
     """Why ``weights.channel: name`` names no channel (with the registered names), or None."""
     if name in WEIGHT_CHANNELS:
         return None
-    import difflib
+    from rollart.plugins import closest_hint
 
-    close = difflib.get_close_matches(name, list(WEIGHT_CHANNELS), n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    hint = closest_hint(name, WEIGHT_CHANNELS)
     return (
         f"unknown weight channel {name!r}; {hint}use one of {', '.join(WEIGHT_CHANNELS)}, or register yours with "
         "@register_weight_channel in a module listed under plugins:"
