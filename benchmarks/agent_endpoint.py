@@ -1,22 +1,29 @@
-"""The OpenAI-compatible endpoint against a direct LLMProxy call: requests/s and p50/p99 latency added.
+"""The OpenAI-compatible endpoint with the harness in processes of its own, as real harnesses run.
 
-``rollart bench agent-endpoint [--concurrency 8,64,256] [--turns 4] [--max-tokens 16]``. At each
-concurrency ``c``, ``c`` sessions each make ``--turns`` calls in a row (a multi-turn episode: every
-call sends the history so far), first as direct ``LLMProxy.generate`` calls with the same token
-counts, then through the endpoint with the ``openai`` client (``AsyncOpenAI``, in the same process
-and event loop, as the ``agent`` env kind runs it). The engine is the simulated one on one inference
-worker (``--decode-s`` per step), so the difference is what the HTTP server, the client, rendering,
-tokenising, session recording and the response cost; the driver process's CPU time per call is
-reported beside the wall-clock figures (on a busy machine it says what a free core would sustain).
-Writes ``agent_endpoint.json`` and a chart.
+``rollart bench agent-endpoint [--concurrency 8,64,256] [--turns 4] [--max-tokens 16]
+[--harness-processes 4] [--processes 1]``. At each concurrency ``c``, ``c`` sessions each make
+``--turns`` chat calls in a row (each sends the history so far) with the official ``openai`` client
+(``AsyncOpenAI``) in ``--harness-processes`` processes (:mod:`rollart.benchmarks.agent_harness`),
+against, in turn:
+
+- ``stub``: a server that answers every call at once: the harness's own limit on this machine;
+- ``in_driver``: the endpoint in the driver's event loop (``serving.processes: 0``);
+- ``processes``: the endpoint in ``--processes`` server processes beside the driver (the default);
+- ``direct``: the same token counts as direct ``LLMProxy.generate`` calls from the driver (no HTTP).
+
+The engine is the simulated one on one inference worker (``--decode-s`` per step). Per mode: calls/s,
+p50/p99 latency, and CPU per call of the driver process (what the job's driver pays per agent call), of
+the endpoint's server processes and of the harness processes. Writes ``agent_endpoint.json`` and a chart.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +32,7 @@ from typing import Any
 from rollart.benchmarks.common import start_inference, write_report
 
 log = logging.getLogger("rollart.bench")
+QUESTION = "Ann has 12 apples and gets 7 more. How many now?"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,28 +40,155 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=4, help="calls per session (each sends the history so far)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per call")
     p.add_argument("--decode-s", type=float, default=0.002, help="simulated engine: seconds per decode step")
+    p.add_argument("--harness-processes", type=int, default=4, help="processes the openai-client harness runs in")
+    p.add_argument("--processes", type=int, default=1, help="the endpoint's server processes (serving.processes)")
+    p.add_argument("--modes", default="stub,in_driver,processes,direct", help="what to measure, comma-separated")
     p.add_argument("--out", default="bench_results", help="folder for the JSON and the chart")
 
 
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def _threads() -> dict[str, float]:
+    """CPU seconds of each of this process's threads, by name (the event loop's, Ray's own)."""
+    import os
+
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        out[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _cpu_s(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+class Harnesses:
+    """``n`` harness processes, given one job each at a time."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.procs: list[asyncio.subprocess.Process] = []
+
+    async def start(self) -> None:
+        for _ in range(self.n):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "rollart.benchmarks.agent_harness",
+                "harness",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            self.procs.append(proc)
+        for proc in self.procs:
+            assert proc.stdout is not None
+            json.loads(await proc.stdout.readline())  # imported and ready
+
+    async def play(self, urls: list[str], token: str, args: argparse.Namespace) -> dict[str, Any]:
+        """Every session of ``urls`` played at once, spread over the processes: calls/s, latencies, CPU."""
+        shares = [urls[i :: self.n] for i in range(self.n)]
+        t0 = time.perf_counter()
+        for proc, share in zip(self.procs, shares):
+            job = {"urls": share, "token": token, "turns": args.turns, "max_tokens": args.max_tokens}
+            assert proc.stdin is not None
+            proc.stdin.write((json.dumps({**job, "question": QUESTION}) + "\n").encode())
+        results = []
+        for proc in self.procs:
+            assert proc.stdout is not None
+            results.append(json.loads(await proc.stdout.readline()))
+        wall = time.perf_counter() - t0
+        latencies = [x for r in results for x in r["latencies"]]
+        failures = sum(r["failures"] for r in results)
+        if failures:
+            log.warning("agent-endpoint: %d session(s) failed, e.g. %s", failures, [r["failed"] for r in results])
+        return {
+            "calls": len(latencies),
+            "failures": failures,
+            "wall_s": wall,
+            "rps": len(latencies) / wall,
+            "p50_ms": 1e3 * statistics.median(latencies) if latencies else float("nan"),
+            "p99_ms": 1e3 * _pct(latencies, 0.99),
+            "harness_cpu_ms_per_call": 1e3 * sum(r["cpu_s"] for r in results) / max(1, len(latencies)),
+        }
+
+    async def stop(self) -> None:
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            await proc.wait()
+
+
+async def _stub() -> tuple[asyncio.subprocess.Process, int]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "rollart.benchmarks.agent_harness",
+        "stub",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    return proc, int(json.loads(await proc.stdout.readline())["port"])
+
+
+async def _through(
+    endpoint: Any, harness: Harnesses, c: int, args: argparse.Namespace, pids: list[int], workers: list[int]
+) -> dict:
+    """``c`` sessions of ``endpoint`` played by the harness: the figures, with the CPU per call of the
+    driver, of the endpoint processes (``pids``) and of the inference worker (``workers``), and the calls
+    the closed sessions recorded."""
+    sessions = [await endpoint.open_session("agent") for _ in range(c)]
+    urls = [endpoint.session_url(s) for s in sessions]
+    batcher = getattr(getattr(endpoint, "proxy", None), "batcher", None)
+    b0 = (batcher.calls, batcher.requests) if batcher is not None else (0, 0)
+    c0, e0, w0 = time.process_time(), _cpu_s(pids), _cpu_s(workers)
+    t0 = _threads()
+    row = await harness.play(urls, endpoint.token, args)
+    t1 = _threads()
+    diff = {k: round(1e3 * (v - t0.get(k, 0)) / max(1, row["calls"]), 3) for k, v in t1.items()}
+    row["driver_threads_ms_per_call"] = dict(sorted(diff.items(), key=lambda x: -x[1])[:3])
+    if batcher is not None:
+        row["requests_per_ray_call"] = (batcher.requests - b0[1]) / max(1, batcher.calls - b0[0])
+    driver_cpu, endpoint_cpu = time.process_time() - c0, _cpu_s(pids) - e0
+    row["worker_cpu_ms_per_call"] = 1e3 * (_cpu_s(workers) - w0) / max(1, row["calls"])
+    closed = [await endpoint.close_session(s, "done") for s in sessions]
+    calls = max(1, row["calls"])
+    row["recorded_calls"] = sum(len(s.calls) for s in closed if s is not None)
+    row["driver_cpu_ms_per_call"] = 1e3 * driver_cpu / calls
+    row["endpoint_cpu_ms_per_call"] = 1e3 * endpoint_cpu / calls if pids else None
+    return row
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import openai
-
     from rollart.engines.base import SamplingParams
     from rollart.models.tiny import build_tokenizer, default_corpus
     from rollart.rollout.llm_proxy import LLMProxy
     from rollart.rollout.types import GenerateRequest
     from rollart.serving.config import ServingConfig
     from rollart.serving.endpoint import PolicyEndpoint, build_service
+    from rollart.serving.processes import EndpointProcesses
     from rollart.serving.service import ProxyBackend
 
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
-    for name in ("httpx", "httpx2"):  # the openai client logs every call at INFO: not part of what is measured
-        logging.getLogger(name).setLevel(logging.WARNING)
+    modes = {m.strip() for m in str(args.modes).split(",") if m.strip()}
+    unknown = modes - {"stub", "in_driver", "processes", "direct"}
+    if unknown:
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; choose from stub, in_driver, processes, direct")
     tok = build_tokenizer(default_corpus(400), Path(tempfile.mkdtemp(prefix="rollart-bench-tok-")), 320, chat=True)
     rm, cluster = start_inference(
         {"rollout": {"hardware": "H20", "devices": 1}},
@@ -62,83 +197,72 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     proxy = LLMProxy(cluster, batch_requests=True)
     sampling = SamplingParams(max_new_tokens=args.max_tokens, temperature=1.0)
-    question = "Ann has 12 apples and gets 7 more. How many now?"
 
-    async def bench() -> list[dict[str, Any]]:
-        config = ServingConfig(max_concurrency=4096, max_sessions=8192)
-        service = build_service(ProxyBackend(proxy), tok, config, model="policy", sampling=sampling)
-        endpoint = PolicyEndpoint(service, config)
-        await endpoint.start()
-        first = service.renderer.prompt([{"role": "user", "content": question}]) if service.renderer else []
+    async def direct(c: int, first: list[int]) -> dict[str, Any]:
+        """The same calls as direct LLMProxy calls from the driver (``first``: the first call's prompt)."""
         more = tok.encode("\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        lat: list[float] = []
 
-        async def direct_session(i: int, lat: list[float]) -> None:
+        async def one(i: int) -> None:
             prompt = list(first)
             for turn in range(args.turns):
                 t0 = time.perf_counter()
-                out = await proxy.generate(
-                    GenerateRequest(
-                        request_id=f"d{i}:{turn}:{time.perf_counter_ns()}", prompt_token_ids=prompt, sampling=sampling
-                    ),
-                    "agent",
-                )
+                request = GenerateRequest(request_id=f"d{c}:{i}:{turn}", prompt_token_ids=prompt, sampling=sampling)
+                out = await proxy.generate(request, "agent")
                 lat.append(time.perf_counter() - t0)
                 prompt = prompt + out.output_token_ids + more
 
-        async def endpoint_session(client: openai.AsyncOpenAI, lat: list[float]) -> None:
-            session = endpoint.open_session("agent")
-            messages: list[Any] = [{"role": "user", "content": question}]
-            c = client.with_options(base_url=endpoint.session_url(session))
-            for _ in range(args.turns):
-                t0 = time.perf_counter()
-                r = await c.chat.completions.create(model="policy", messages=messages, max_tokens=args.max_tokens)
-                lat.append(time.perf_counter() - t0)
-                messages += [
-                    {"role": "assistant", "content": r.choices[0].message.content},
-                    {"role": "user", "content": "ok"},
-                ]
-            await endpoint.close_session(session, "done")
+        t0, c0 = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(one(i) for i in range(c)))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return {
+            "calls": len(lat),
+            "rps": len(lat) / wall,
+            "p50_ms": 1e3 * statistics.median(lat),
+            "p99_ms": 1e3 * _pct(lat, 0.99),
+            "driver_cpu_ms_per_call": 1e3 * cpu / len(lat),
+        }
 
+    async def bench() -> list[dict[str, Any]]:
+        config = ServingConfig(max_concurrency=4096, max_sessions=8192, processes=args.processes)
+        service = build_service(ProxyBackend(proxy), tok, config, model="policy", sampling=sampling)
+        in_driver = PolicyEndpoint(service, config)
+        in_driver.proxy = processes_proxy = proxy  # type: ignore[attr-defined]  (the batcher's counts)
+        assert service.renderer is not None
+        first = service.renderer.prompt([{"role": "user", "content": QUESTION}])
+        processes = EndpointProcesses(ProxyBackend(proxy), tok, config, model="policy", sampling=sampling)
+        processes.proxy = processes_proxy  # type: ignore[attr-defined]
+        harness = Harnesses(args.harness_processes)
+        stub, stub_port = await _stub()
+        await harness.start()
+        await in_driver.start()
+        await processes.start()
         rows = []
         try:
+            workers = list(cluster.pids().values())
+            await _through(processes, harness, 8, args, [], [])  # warm: the processes' first calls
             for c in levels:
-                import httpx
-
-                client = openai.AsyncOpenAI(
-                    base_url=f"{endpoint.url}/v1",
-                    api_key=endpoint.token,
-                    max_retries=0,
-                    http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=c, max_keepalive_connections=c)),
-                )
-                await asyncio.gather(*(endpoint_session(client, []) for _ in range(min(c, 8))))  # warm the connections
-                direct: list[float] = []
-                t0, c0 = time.perf_counter(), time.process_time()
-                await asyncio.gather(*(direct_session(i, direct) for i in range(c)))
-                direct_s, direct_cpu = time.perf_counter() - t0, time.process_time() - c0
-                served: list[float] = []
-                t0, c0 = time.perf_counter(), time.process_time()
-                await asyncio.gather(*(endpoint_session(client, served) for _ in range(c)))
-                served_s, served_cpu = time.perf_counter() - t0, time.process_time() - c0
-                await client.close()
-                row = {
-                    "concurrency": c,
-                    "calls": len(served),
-                    "direct_rps": len(direct) / direct_s,
-                    "endpoint_rps": len(served) / served_s,
-                    "direct_p50_ms": 1e3 * statistics.median(direct),
-                    "endpoint_p50_ms": 1e3 * statistics.median(served),
-                    "direct_p99_ms": 1e3 * _pct(direct, 0.99),
-                    "endpoint_p99_ms": 1e3 * _pct(served, 0.99),
-                }
-                # the driver process's CPU per call (client, server, proxy): what the endpoint costs on a free core
-                row["direct_cpu_ms_per_call"] = 1e3 * direct_cpu / len(direct)
-                row["endpoint_cpu_ms_per_call"] = 1e3 * served_cpu / len(served)
-                row["added_p50_ms"] = row["endpoint_p50_ms"] - row["direct_p50_ms"]
-                row["added_p99_ms"] = row["endpoint_p99_ms"] - row["direct_p99_ms"]
-                log.info("agent-endpoint %s", row)
+                urls = [f"http://127.0.0.1:{stub_port}/sessions/s{i}/v1" for i in range(c)]
+                row: dict[str, Any] = {"concurrency": c}
+                if "stub" in modes:
+                    row["stub"] = await harness.play(urls, "stub", args)
+                if "in_driver" in modes:
+                    row["in_driver"] = await _through(in_driver, harness, c, args, [], workers)
+                if "processes" in modes:
+                    row["processes"] = await _through(processes, harness, c, args, processes.pids(), workers)
+                if "direct" in modes:
+                    row["direct"] = await direct(c, first)
+                if "stub" in row and "processes" in row:
+                    row["processes_vs_stub"] = row["processes"]["rps"] / row["stub"]["rps"]
+                log.info("agent-endpoint %s", json.dumps(row))
                 rows.append(row)
         finally:
-            await endpoint.stop()
+            await harness.stop()
+            await processes.stop()
+            await in_driver.stop()
+            assert stub.stdin is not None
+            stub.stdin.close()
+            await stub.wait()
         return rows
 
     try:
@@ -151,7 +275,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "turns": args.turns,
         "max_tokens": args.max_tokens,
         "decode_s": args.decode_s,
+        "harness_processes": args.harness_processes,
+        "processes": args.processes,
         "rows": rows,
     }
-    bars = {f"+p50 @{r['concurrency']}": r["added_p50_ms"] for r in rows}
-    return write_report(args.out, "agent_endpoint", result, bars, "ms added per call", "endpoint vs direct LLMProxy")
+    bars = {}
+    for r in rows:
+        for mode in ("stub", "in_driver", "processes", "direct"):
+            if mode in r:
+                bars[f"{mode} @{r['concurrency']}"] = r[mode]["rps"]
+    return write_report(args.out, "agent_endpoint", result, bars, "calls/s", "agent calls/s by where the endpoint runs")

@@ -165,7 +165,8 @@ class ScriptedEngine(InferenceEngine):
 class ServedPolicy:
     """An LLMProxy over an inference Cluster and the endpoint in front of it, on an event loop of their
     own (a thread), so tests call it with blocking clients (``openai.OpenAI``, ``httpx``) as a harness
-    would. ``run(coro)`` runs a coroutine on that loop (sessions are opened there)."""
+    would. ``run(coro)`` runs a coroutine on that loop (sessions are opened there). The endpoint runs in
+    that loop, or in server processes when ``serving`` names ``processes``."""
 
     def __init__(
         self,
@@ -184,7 +185,8 @@ class ServedPolicy:
 
         self.cluster = cluster
         self.model_path = model_path
-        self.config = ServingConfig(**(serving or {}))
+        self.serving = dict(serving or {})
+        self.config = ServingConfig(**self.serving)
         self.proxy = LLMProxy(cluster, restart=restart, batch_requests=batch_requests)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -199,6 +201,21 @@ class ServedPolicy:
         from rollart.serving.service import ProxyBackend
 
         tok = AutoTokenizer.from_pretrained(self.model_path)
+        if self.config.processes and "processes" in self.serving:
+            from rollart.serving.processes import EndpointProcesses
+
+            processes = EndpointProcesses(
+                ProxyBackend(self.proxy),
+                tok,
+                self.config,
+                model="policy",
+                sampling=SamplingParams(max_new_tokens=64),
+                max_context=model_context(self.model_path),
+                version_fn=lambda: self.proxy.version,
+                token="test-token-0123456789",
+            )
+            await processes.start()
+            return processes
         service = build_service(
             ProxyBackend(self.proxy),
             tok,
@@ -219,9 +236,13 @@ class ServedPolicy:
 
     def open_session(self, tag: str = "agent", **kwargs: Any) -> Any:
         async def make() -> Any:
-            return self.endpoint.open_session(tag, **kwargs)
+            return await self.endpoint.open_session(tag, **kwargs)
 
         return self.run(make())
+
+    def recorded(self, session: Any) -> Any:
+        """Close ``session``: the :class:`~rollart.serving.sessions.Session` its endpoint recorded."""
+        return self.run(self.endpoint.close_session(session, "the test is over"))
 
     def client(self, session: Any = None, **kwargs: Any) -> Any:
         import openai

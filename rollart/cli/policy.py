@@ -86,7 +86,7 @@ def _settings(args: argparse.Namespace, cfg: Any) -> Any:
     from rollart.serving.config import ServingConfig
 
     base = cfg.serving.model_dump() if cfg is not None else {}
-    for key in ("host", "port", "token_env", "model_name", "chat_template", "tool_parser"):
+    for key in ("host", "port", "token_env", "model_name", "chat_template", "tool_parser", "processes"):
         value = getattr(args, key)
         if value is not None:
             base[key] = value
@@ -117,16 +117,22 @@ async def _serve(args: argparse.Namespace, model: str, cfg: Any, settings: Any, 
 
     sampling = cfg.sampling if cfg is not None else SamplingParams(max_new_tokens=256)
     name = settings.model_name or served_name(model, cfg)
-    service = build_service(
-        ProxyBackend(proxy),
-        AutoTokenizer.from_pretrained(model),
-        settings,
-        model=name,
-        sampling=sampling,
-        max_context=model_context(model),
-        version_fn=lambda: proxy.version,
-    )
-    endpoint = PolicyEndpoint(service, settings, token=token)
+    common: dict[str, Any] = {
+        "model": name,
+        "sampling": sampling,
+        "max_context": model_context(model),
+        "version_fn": lambda: proxy.version,
+    }
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    endpoint: Any
+    if settings.processes:  # the HTTP server in processes of its own (serving.processes)
+        from rollart.serving.processes import EndpointProcesses
+
+        endpoint = EndpointProcesses(ProxyBackend(proxy), tokenizer, settings, token=token, **common)
+    else:
+        endpoint = PolicyEndpoint(
+            build_service(ProxyBackend(proxy), tokenizer, settings, **common), settings, token=token
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -161,4 +167,7 @@ def add_policy_parser(what: Any) -> None:
     p.add_argument("--tool-parser", default=None, help="hermes, none or MODULE:FUNCTION")
     p.add_argument("--engine", default="torch", help="engine kind for a model folder (torch, vllm, sglang)")
     p.add_argument("--workers", type=int, default=1, help="inference workers (one CPU each)")
+    p.add_argument(
+        "--processes", type=int, default=None, help="HTTP server processes (default 1; 0: in the main process)"
+    )
     p.set_defaults(func=cmd_serve_policy)

@@ -81,15 +81,17 @@ class EnvGroups:
         cfg = self.config
         for name in ("httpx", "httpx2"):  # the openai client logs every call at INFO: one line per agent turn
             logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
-        service = build_service(
-            ProxyBackend(self.proxy),
-            self.codec.tokenizer,
-            cfg.serving,
-            model=cfg.serving.model_name or cfg.name,
-            sampling=cfg.sampling,
-            max_context=model_context(self.model_path),
-            version_fn=self.version_fn,
-        )
+        settings: dict[str, Any] = {
+            "model": cfg.serving.model_name or cfg.name,
+            "sampling": cfg.sampling,
+            "max_context": model_context(self.model_path),
+            "version_fn": self.version_fn,
+        }
+        if cfg.serving.processes:  # off the driver's event loop (rollart.serving.processes)
+            from rollart.serving.processes import EndpointProcesses
+
+            return EndpointProcesses(ProxyBackend(self.proxy), self.codec.tokenizer, cfg.serving, **settings)
+        service = build_service(ProxyBackend(self.proxy), self.codec.tokenizer, cfg.serving, **settings)
         return PolicyEndpoint(service, cfg.serving)
 
     def _agent_manager(self, entry: Any) -> Any:

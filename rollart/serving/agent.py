@@ -43,7 +43,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollart.cluster.errors import ClusterError
 from rollart.rollout.failures import FailureLog
 from rollart.rollout.types import Trajectory
-from rollart.serving.endpoint import PolicyEndpoint
+from rollart.serving.endpoint import AgentEndpoint
+from rollart.serving.sessions import Session
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ class AgentEnvManager:
     def __init__(
         self,
         spec: AgentSpec,
-        endpoint: PolicyEndpoint,
+        endpoint: AgentEndpoint,
         *,
         tag: str = "agent",
         agent: Callable[..., Any] | None = None,
@@ -223,11 +224,14 @@ class AgentEnvManager:
             failed.status, failed.error = "failed", f"tasks: {type(err).__name__}: {err}"
             self.failures.record("tasks", f"{type(err).__name__}: {err}", err, tag=self.tag)
             return failed
-        session = self.endpoint.open_session(
+        handle = await self.endpoint.open_session(
             self.tag, meta={"seed": None if self.seed is None else f"{self.seed}:{traj_id}"}
         )
-        self.session = session
-        returned, error, raised = await self._play(session, task)
+        self.session = handle
+        session, returned, error, raised = await self._play(handle, task)
+        if session is None:  # its endpoint process went away with it
+            session = Session(self.tag)
+            error = error or "the endpoint process serving the episode's session went away"
         fatal = session.meta.get("cluster_error")
         if isinstance(fatal, ClusterError):
             raise fatal
@@ -235,10 +239,13 @@ class AgentEnvManager:
         traj.info.update({"task": task, "duration_s": time.monotonic() - t0})
         return await self._outcome(traj, session, returned, error, raised)
 
-    async def _play(self, session: Any, task: dict[str, Any]) -> tuple[Any, str | None, BaseException | None]:
-        """Run the agent on ``task`` with a client of ``session`` (within ``timeout_s``), then close the
-        session: what it returned, and its error (a message, and what it raised) when it failed."""
-        client = self._client(session)
+    async def _play(
+        self, handle: Any, task: dict[str, Any]
+    ) -> tuple[Session | None, Any, str | None, BaseException | None]:
+        """Run the agent on ``task`` with a client of the session ``handle`` (within ``timeout_s``), then
+        close the session: the session as recorded (None: its endpoint process went away), what the agent
+        returned, and its error (a message, and what it raised) when it failed."""
+        client = self._client(handle)
         returned: Any = None
         error: str | None = None
         raised: BaseException | None = None
@@ -259,12 +266,12 @@ class AgentEnvManager:
             if self._agent_task is not None and not self._agent_task.done():
                 self._agent_task.cancel()
             self._agent_task = None
-            await self.endpoint.close_session(session, "aborted" if self._aborting else "episode over")
+            closed = await self.endpoint.close_session(handle, "aborted" if self._aborting else "episode over")
             self.session = None
             closing = client.close()
             if inspect.isawaitable(closing):
                 await closing
-        return returned, error, raised
+        return closed, returned, error, raised
 
     async def _outcome(
         self, traj: Trajectory, session: Any, returned: Any, error: str | None, raised: BaseException | None

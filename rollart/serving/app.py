@@ -446,6 +446,10 @@ def _add_session_routes(app: FastAPI, ep: _Endpoint, public_url: Callable[[], st
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """``raw`` as ``model``: 400 for what is not a JSON object or holds text that is not Unicode (a lone
     surrogate), 422 for what does not fit the schema; each naming the field."""
+    try:  # a valid body in one pass through pydantic's JSON parser; anything else is looked at closely below
+        return model.model_validate_json(raw)
+    except ValidationError:
+        pass
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):

@@ -29,10 +29,16 @@ class ServingConfig(ConfigModel):
     """How tool calls are read from generated text: `hermes` (`<tool_call>{json}</tool_call>`), `none`, or
     `MODULE:FUNCTION`.
     """
+    processes: int = Field(default=1, ge=0, le=64)
+    """Server processes the endpoint runs in, beside the driver, each on its own port (`port + i` when `port` is
+    set): HTTP, rendering, tokenising, streaming and the sessions' records run there, and the driver does per agent
+    call what a direct LLMProxy call does. More processes serve more calls at once. 0: in the driver's event loop
+    (a small job; every call then costs the driver's CPU).
+    """
     max_concurrency: int = Field(default=1024, ge=1)
-    """Calls in flight at once; more are answered 429 with `Retry-After`."""
+    """Calls in flight at once (shared evenly by the processes); more are answered 429 with `Retry-After`."""
     max_sessions: int = Field(default=4096, ge=1)
-    """Sessions open at once."""
+    """Sessions open at once (shared evenly by the processes)."""
     session_ttl_s: float = Field(default=3600.0, gt=0)
     """An idle session expires after this many seconds."""
     max_calls: int = Field(default=256, ge=1)
@@ -42,7 +48,7 @@ class ServingConfig(ConfigModel):
     max_body_bytes: int = Field(default=8 << 20, gt=0)
     """Larger request bodies are answered 413."""
     max_connections: int = Field(default=2048, gt=0)
-    """Connections open at once; one more is answered 503 and closed at once."""
+    """Connections open at once (shared evenly by the processes); one more is answered 503 and closed at once."""
     read_timeout_s: float = Field(default=30.0, gt=0)
     """Seconds a client has to send a request's headers, and as long again for its body (408 past it)."""
 

@@ -13,7 +13,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from rollart.engines.base import SamplingParams
 from rollart.serving.config import ServingConfig
@@ -45,7 +45,10 @@ def build_service(
     max_context: int | None = None,
     version_fn: Callable[[], int] = lambda: 0,
     default_tag: str = "agent",
+    quiet: bool = False,
 ) -> PolicyService:
+    """The service of ``config`` over ``backend``; ``quiet``: do not warn of a missing chat template (an
+    endpoint process: the driver has warned once)."""
     from rollart.rollout.chat import ChatTemplateError, resolve_template
     from rollart.serving.render import ChatRenderer
     from rollart.serving.tools import tool_parser
@@ -55,7 +58,7 @@ def build_service(
         renderer = ChatRenderer(tokenizer, template) if template is not None else None
     except ChatTemplateError as err:
         raise ValueError(f"serving.chat_template: {err}") from None
-    if renderer is None:
+    if renderer is None and not quiet:
         log.warning(
             "the tokenizer has no chat template: /v1/chat/completions answers 400 (use /v1/completions, or set "
             "serving.chat_template, or tiny_model: {chat: true} for the built-in tiny model)"
@@ -85,6 +88,21 @@ def job_token(config: ServingConfig) -> str:
     return secrets.token_urlsafe(32)
 
 
+class AgentEndpoint(Protocol):
+    """What an agent env manager plays its episodes through: :class:`PolicyEndpoint` (in the driver's
+    event loop) or :class:`~rollart.serving.processes.EndpointProcesses` (in server processes)."""
+
+    token: str
+
+    @property
+    def listens_publicly(self) -> bool: ...
+    def session_url(self, session: Any, *, public: bool = False) -> str: ...
+    async def open_session(self, tag: str, *, meta: dict[str, Any] | None = None) -> Any: ...
+    async def close_session(self, session: Any, why: str) -> Session | None: ...
+    async def start(self) -> str: ...
+    async def stop(self) -> None: ...
+
+
 class PolicyEndpoint:
     """The endpoint of one job, served on the running event loop."""
 
@@ -101,19 +119,12 @@ class PolicyEndpoint:
     @property
     def url(self) -> str:
         """The base of every path, for harnesses that run in the driver."""
-        return f"http://{_url_host(self.config.host)}:{self.port}"
+        return base_url(self.config.host, self.port)
 
     @property
     def public_url(self) -> str:
         """The base for harnesses elsewhere (another process, host or pod)."""
-        host = self.config.advertise_host
-        if host is None:
-            host = self.config.host
-            if host in ("0.0.0.0", "::"):
-                from rollart.resource_manager.net import node_ip
-
-                host = node_ip()
-        return f"http://{_url_host(host)}:{self.port}"
+        return base_url(self.config.advertise_host or self.config.host, self.port, public=True)
 
     @property
     def listens_publicly(self) -> bool:
@@ -124,14 +135,16 @@ class PolicyEndpoint:
         """The session's base URL: the ``base_url`` of its ``openai`` client."""
         return f"{self.public_url if public else self.url}/sessions/{session.id}/v1"
 
-    def open_session(self, tag: str, **kwargs: Any) -> Session:
+    async def open_session(self, tag: str, **kwargs: Any) -> Session:
+        """A new session (``OverflowError`` when ``max_sessions`` are open)."""
         return self.sessions.open(tag, **kwargs)
 
-    async def close_session(self, session: Session, why: str) -> None:
-        """End ``session`` (its calls in flight are aborted) and forget it."""
+    async def close_session(self, session: Session, why: str) -> Session:
+        """End ``session`` (its calls in flight are aborted) and forget it; returns it as recorded."""
         self.sessions.close(session.id, why)
         if session.in_flight:
             await self.service.backend.abort(sorted(session.in_flight))
+        return session
 
     def app(self) -> Any:
         from rollart.serving.app import build_app
@@ -183,6 +196,15 @@ class PolicyEndpoint:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def base_url(host: str, port: int, *, public: bool = False) -> str:
+    """``http://host:port``; ``public``: as other hosts reach it (this node's IP for ``0.0.0.0``)."""
+    if public and host in ("0.0.0.0", "::"):
+        from rollart.resource_manager.net import node_ip
+
+        host = node_ip()
+    return f"http://{_url_host(host)}:{port}"
 
 
 def _url_host(host: str) -> str:

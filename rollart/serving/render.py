@@ -79,7 +79,7 @@ class ChatRenderer(ChatFormat):
         closing = self._closing
         if self._turn_end_text and generated_ids and generated_ids[-1] == self.turn_end_id:
             closing = closing[len(self._turn_end_text) :]  # the model closed its turn itself
-        base = self.render(self._base, generation_prompt=False, tools=tools)
+        base = self._base_rendering(tools)
         full = self.render([*self._base, *_arguments_as_objects(messages)], generation_prompt=True, tools=tools)
         if not full.startswith(base):
             raise ChatTemplateError(
@@ -88,6 +88,20 @@ class ChatRenderer(ChatFormat):
                 "rendering with more messages"
             )
         return closing + full[len(base) :]
+
+    def _base_rendering(self, tools: list[dict[str, Any]] | None) -> str:
+        """The rendering of the fixed conversation a continuation is cut from (kept, per tool set)."""
+        if not tools:
+            return self._base_text
+        key = json.dumps(tools, sort_keys=True)
+        cache: dict[str, str] = self.__dict__.setdefault("_base_with_tools", {})
+        text = cache.get(key)
+        if text is None:
+            text = self.render(self._base, generation_prompt=False, tools=tools)
+            if len(cache) >= 64:
+                cache.pop(next(iter(cache)))
+            cache[key] = text
+        return text
 
     def continuation_ids(
         self, generated_ids: list[int], messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

@@ -426,8 +426,9 @@ class PolicyService:
         except Exception as err:
             self.counts["failed"] += 1
             root = err.cause if isinstance(getattr(err, "cause", None), BaseException) else err
-            log.warning("generation of %s failed: %s: %s", base, type(root).__name__, root)
-            raise APIError(500, f"generation failed: {type(root).__name__}: {root}") from None
+            name = getattr(root, "type_name", type(root).__name__)  # an error from the driver keeps its class's name
+            log.warning("generation of %s failed: %s: %s", base, name, root)
+            raise APIError(500, f"generation failed: {name}: {root}") from None
         finally:
             self.in_flight -= 1
             if session is not None:

@@ -103,6 +103,20 @@ class Session:
         self._next_call = 0
         self.rewarded = asyncio.Event()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A session crosses processes (an endpoint process hands a closed one to the driver) without its
+        event, which belongs to one event loop."""
+        state = dict(self.__dict__)
+        state["rewarded"] = self.rewarded.is_set()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        rewarded = state.pop("rewarded")
+        self.__dict__.update(state)
+        self.rewarded = asyncio.Event()
+        if rewarded:
+            self.rewarded.set()
+
     # ------------------------------------------------------------------ calls
     def check_open(self) -> None:
         if self.ended is not None:
