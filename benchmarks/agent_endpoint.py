@@ -147,14 +147,19 @@ async def _stub() -> tuple[asyncio.subprocess.Process, int]:
 
 
 async def _through(
-    endpoint: Any, harness: Harnesses, c: int, args: argparse.Namespace, pids: list[int], workers: list[int]
+    endpoint: Any,
+    harness: Harnesses,
+    c: int,
+    args: argparse.Namespace,
+    pids: list[int],
+    workers: list[int],
+    batcher: Any = None,
 ) -> dict:
     """``c`` sessions of ``endpoint`` played by the harness: the figures, with the CPU per call of the
     driver, of the endpoint processes (``pids``) and of the inference worker (``workers``), and the calls
-    the closed sessions recorded."""
+    the closed sessions recorded; ``batcher``: the LLMProxy's, to count the requests per Ray call."""
     sessions = [await endpoint.open_session("agent") for _ in range(c)]
     urls = [endpoint.session_url(s) for s in sessions]
-    batcher = getattr(getattr(endpoint, "proxy", None), "batcher", None)
     b0 = (batcher.calls, batcher.requests) if batcher is not None else (0, 0)
     c0, e0, w0 = time.process_time(), _cpu_s(pids), _cpu_s(workers)
     t0 = _threads()
@@ -227,11 +232,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         config = ServingConfig(max_concurrency=4096, max_sessions=8192, processes=args.processes)
         service = build_service(ProxyBackend(proxy), tok, config, model="policy", sampling=sampling)
         in_driver = PolicyEndpoint(service, config)
-        in_driver.proxy = processes_proxy = proxy  # type: ignore[attr-defined]  (the batcher's counts)
         assert service.renderer is not None
         first = service.renderer.prompt([{"role": "user", "content": QUESTION}])
         processes = EndpointProcesses(ProxyBackend(proxy), tok, config, model="policy", sampling=sampling)
-        processes.proxy = processes_proxy  # type: ignore[attr-defined]
         harness = Harnesses(args.harness_processes)
         stub, stub_port = await _stub()
         await harness.start()
@@ -247,9 +250,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if "stub" in modes:
                     row["stub"] = await harness.play(urls, "stub", args)
                 if "in_driver" in modes:
-                    row["in_driver"] = await _through(in_driver, harness, c, args, [], workers)
+                    row["in_driver"] = await _through(in_driver, harness, c, args, [], workers, proxy.batcher)
                 if "processes" in modes:
-                    row["processes"] = await _through(processes, harness, c, args, processes.pids(), workers)
+                    row["processes"] = await _through(
+                        processes, harness, c, args, processes.pids(), workers, proxy.batcher
+                    )
                 if "direct" in modes:
                     row["direct"] = await direct(c, first)
                 if "stub" in row and "processes" in row:

@@ -50,3 +50,40 @@ async def faulty(client, task: dict) -> float:
     reward = reward_of(reply.choices[0].text)
     PLAN.returned[session] = reward
     return reward
+
+
+async def where_i_run(client, task: dict) -> float:
+    """Writes its process id to ``task["pid_file"]``, then asks the policy to say ``task["say"]`` (the
+    scripted engine's directive) and scores 1.0 when it did."""
+    import os
+    from pathlib import Path
+
+    Path(task["pid_file"]).write_text(str(os.getpid()))
+    reply = await client.completions.create(model="policy", prompt=f"SAY:{task['say']}", max_tokens=8)
+    return 1.0 if reply.choices[0].text == task["say"] else 0.0
+
+
+def blocking_where_i_run(client, task: dict) -> float:
+    """``where_i_run`` written as a plain function (the blocking client, in a thread)."""
+    import os
+    from pathlib import Path
+
+    Path(task["pid_file"]).write_text(str(os.getpid()))
+    reply = client.completions.create(model="policy", prompt=f"SAY:{task['say']}", max_tokens=8)
+    return 1.0 if reply.choices[0].text == task["say"] else 0.0
+
+
+async def misreads(client, task: dict) -> float:
+    """Reads a key its task does not have, after one call: a KeyError in the user's own line."""
+    await client.completions.create(model="policy", prompt="SAY:x", max_tokens=4)
+    return float(task["answer"])
+
+
+async def dies(client, task: dict) -> float:
+    """Kills its own process after one call (a harness process that crashes mid-episode)."""
+    import os
+    import signal
+
+    await client.completions.create(model="policy", prompt="SAY:x", max_tokens=4)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0

@@ -173,3 +173,71 @@ def test_a_dead_process_starts_again_and_its_episode_fails_never_a_zero(served):
     fresh = AgentEnvManager(spec, endpoint, agent=fine, tasks=lambda seed: {})
     outcomes = [served.run(fresh.run(seed=i)) for i in range(2)]  # one episode on each process
     assert [(t.status, t.reward) for t in outcomes] == [("ok", 1.0), ("ok", 1.0)]
+
+
+@pytest.fixture(scope="module")
+def harness(served):
+    from pathlib import Path
+
+    from rollart.serving.harness import HarnessPool
+
+    pool = HarnessPool(2, [str(Path(__file__).parent)])
+    served.run(pool.start())
+    yield pool
+    served.run(pool.stop())
+
+
+def _manager(served, harness, agent: str, task: dict):
+    from rollart.serving.agent import AgentEnvManager, AgentSpec, load_agent
+
+    spec = AgentSpec(agent=f"serving_agents:{agent}", timeout_s=60)
+    return AgentEnvManager(
+        spec, served.endpoint, agent=load_agent(spec.agent), tasks=lambda seed: task, harness=harness
+    )
+
+
+@pytest.mark.parametrize("agent", ["where_i_run", "blocking_where_i_run"])
+def test_agent_episodes_play_in_the_harness_processes(served, harness, agent, tmp_path):
+    """With harness processes, an agent (async, or blocking in a thread) plays in one of them, not in the
+    driver's process, through its session on an endpoint process; the episode's trajectory and its
+    reward reach the driver as with an agent in the driver."""
+    pid_file = tmp_path / "pid"
+    traj = served.run(_manager(served, harness, agent, {"pid_file": str(pid_file), "say": "hello"}).run(seed=0))
+    assert (traj.status, traj.reward) == ("ok", 1.0)
+    pid = int(pid_file.read_text())
+    assert pid in harness.pids() and pid != os.getpid()
+    assert traj.info["calls"] == 1 and traj.turns and sum(traj.loss_mask) == traj.turns[0][1] - traj.turns[0][0]
+
+
+def test_a_harness_processs_failures_name_the_users_line_and_a_dead_one_starts_again(served, harness, caplog):
+    """An agent's KeyError in a harness process fails its episode with the error and is logged once with
+    the user's own file and line; a harness process that dies mid-episode fails that episode (never a 0)
+    and is started again, and the next episode plays."""
+    import logging
+
+    from rollart.rollout.failures import FailureLog
+
+    failures = FailureLog()
+    manager = _manager(served, harness, "misreads", {})
+    manager.failures = failures
+    with caplog.at_level(logging.ERROR, logger="rollart.rollout.failures"):
+        traj = served.run(manager.run(seed=0))
+    assert traj.status == "failed" and traj.reward is None and traj.error == "agent: KeyError: 'answer'"
+    [kind] = failures.kinds.values()
+    assert kind.location.endswith("serving_agents.py:" + str(_line_of("serving_agents.py", 'float(task["answer"])')))
+    assert "serving_agents.py" in caplog.text and "KeyError" in caplog.text
+
+    starts = harness.starts
+    traj = served.run(_manager(served, harness, "dies", {}).run(seed=1))
+    assert traj.status == "failed" and traj.reward is None and "harness process" in traj.error
+    served.run(harness.wait_starts(starts + 1))  # the dead one started again
+    assert len(harness.pids()) == 2
+    again = served.run(_manager(served, harness, "where_i_run", {"pid_file": os.devnull, "say": "ok"}).run(seed=2))
+    assert (again.status, again.reward) == ("ok", 1.0)
+
+
+def _line_of(name: str, text: str) -> int:
+    from pathlib import Path
+
+    lines = (Path(__file__).parent / name).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, start=1) if text in line)

@@ -36,7 +36,13 @@ class EnvGroups:
         self.config, self.proxy, self.codec, self.rewards = config, proxy, codec, rewards
         self.model_path, self.version_fn = model_path, version_fn
         self.env_pools = EnvPools(config.envs, rm, plugin_paths=config.train.plugin_paths)
-        self.endpoint = self._policy_endpoint() if any(e.agent for e in config.envs) else None
+        agents = any(e.agent for e in config.envs)
+        self.endpoint = self._policy_endpoint() if agents else None
+        self.harness: Any = None  # the processes agent harnesses play in (serving.harness_processes)
+        if agents and config.serving.harness_processes:
+            from rollart.serving.harness import HarnessPool
+
+            self.harness = HarnessPool(config.serving.harness_processes, config.train.plugin_paths)
 
     def manager(self, env: Any, sampling: Any = None) -> EnvManager:
         """An EnvManager of ``env`` with its task's sampling settings and reward (``tasks.TAG``)."""
@@ -110,6 +116,7 @@ class EnvGroups:
             reward_fn=self.rewards.reward_fn(tag),
             version_fn=self.version_fn,
             seed=self.config.sampling.seed,
+            harness=self.harness,
         )
 
     def _task_env(self, index: int, spec: Any) -> Any:

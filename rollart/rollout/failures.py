@@ -36,6 +36,7 @@ def user_frames(err: BaseException) -> list[traceback.FrameSummary]:
     cur: BaseException | None = err
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
+        frames += getattr(cur, "user_frames", [])  # an error from another process brings the user's frames along
         for frame in traceback.extract_tb(cur.__traceback__):
             path = str(Path(frame.filename).resolve()) if frame.filename and not frame.filename.startswith("<") else ""
             if path and not path.startswith(_ROLLART) and not path.startswith(_LIBRARY):
@@ -68,7 +69,8 @@ class FailureLog:
         """Count a failure of an episode; log it if it is the first of its kind (with the user's frames)."""
         frames = user_frames(err) if err is not None else []
         location = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-        key = (where, type(err).__name__ if err is not None else message, location)
+        kind_of = getattr(err, "type_name", type(err).__name__)  # an error from another process keeps its class's name
+        key = (where, kind_of if err is not None else message, location)
         kind = self.kinds.get(key)
         if kind is None:
             kind = self.kinds[key] = FailureKind(where, message, location)

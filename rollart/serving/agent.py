@@ -44,6 +44,7 @@ from rollart.cluster.errors import ClusterError
 from rollart.rollout.failures import FailureLog
 from rollart.rollout.types import Trajectory
 from rollart.serving.endpoint import AgentEndpoint
+from rollart.serving.harness import HarnessPool
 from rollart.serving.sessions import Session
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ class AgentEnvManager:
         reward_fn: RewardFn | None = None,
         version_fn: Callable[[], int] = lambda: 0,
         seed: int | None = None,
+        harness: HarnessPool | None = None,
     ):
         self.spec = spec
         self.endpoint = endpoint
@@ -187,6 +189,7 @@ class AgentEnvManager:
         self.reward_fn = reward_fn
         self.version_fn = version_fn
         self.seed = seed
+        self.harness = harness  # the processes episodes play in (None: this event loop)
         self.session: Any = None
         self._agent_task: asyncio.Future | None = None
         self._aborting = False
@@ -245,16 +248,15 @@ class AgentEnvManager:
         """Run the agent on ``task`` with a client of the session ``handle`` (within ``timeout_s``), then
         close the session: the session as recorded (None: its endpoint process went away), what the agent
         returned, and its error (a message, and what it raised) when it failed."""
-        client = self._client(handle)
+        client = None if self.harness is not None else self._client(handle)
         returned: Any = None
         error: str | None = None
         raised: BaseException | None = None
         try:
-            if inspect.iscoroutinefunction(self.agent):
-                self._agent_task = asyncio.ensure_future(self.agent(client, task))
-            else:
-                self._agent_task = asyncio.ensure_future(asyncio.to_thread(self.agent, client, task))
+            self._agent_task = asyncio.ensure_future(self._start_agent(handle, client, task))
             returned = await asyncio.wait_for(asyncio.shield(self._agent_task), self.spec.timeout_s)
+            if self.harness is not None:  # (returned, error, raised) from the harness process
+                returned, error, raised = returned
         except asyncio.CancelledError:
             if not self._aborting:
                 raise
@@ -268,10 +270,21 @@ class AgentEnvManager:
             self._agent_task = None
             closed = await self.endpoint.close_session(handle, "aborted" if self._aborting else "episode over")
             self.session = None
-            closing = client.close()
+            closing = client.close() if client is not None else None
             if inspect.isawaitable(closing):
                 await closing
         return closed, returned, error, raised
+
+    def _start_agent(self, handle: Any, client: Any, task: dict[str, Any]) -> Any:
+        """The agent's episode as an awaitable: in a harness process (``serving.harness_processes``), else
+        in this event loop (a blocking agent in a thread)."""
+        if self.harness is not None:
+            settings = {"max_retries": self.spec.client_max_retries, "timeout": self.spec.client_timeout_s}
+            url = self.endpoint.session_url(handle, public=self.endpoint.listens_publicly)
+            return self.harness.play(self.spec.agent, task, url, self.endpoint.token, settings)
+        if inspect.iscoroutinefunction(self.agent):
+            return self.agent(client, task)
+        return asyncio.to_thread(self.agent, client, task)
 
     async def _outcome(
         self, traj: Trajectory, session: Any, returned: Any, error: str | None, raised: BaseException | None

@@ -35,6 +35,11 @@ class ServingConfig(ConfigModel):
     call what a direct LLMProxy call does. More processes serve more calls at once. 0: in the driver's event loop
     (a small job; every call then costs the driver's CPU).
     """
+    harness_processes: int = Field(default=0, ge=0, le=256)
+    """Processes the `agent` envs' harnesses play their episodes in, each with its own event loop and `openai`
+    clients (whose CPU per call exceeds the endpoint's); the harness is imported there by its `MODULE:FUNCTION`.
+    0: in the driver's event loop (its clients' CPU is then the driver's).
+    """
     max_concurrency: int = Field(default=1024, ge=1)
     """Calls in flight at once (shared evenly by the processes); more are answered 429 with `Retry-After`."""
     max_sessions: int = Field(default=4096, ge=1)
