@@ -9,7 +9,10 @@ against, in turn:
 - ``stub``: a server that answers every call at once: the harness's own limit on this machine;
 - ``in_driver``: the endpoint in the driver's event loop (``serving.processes: 0``);
 - ``processes``: the endpoint in ``--processes`` server processes beside the driver (the default);
-- ``direct``: the same token counts as direct ``LLMProxy.generate`` calls from the driver (no HTTP).
+- ``direct``: the same token counts as direct ``LLMProxy.generate`` calls from the driver (no HTTP);
+- ``agent_env_driver`` / ``agent_env``: ``c`` episodes of the ``agent`` env kind (its env manager, a
+  session each, the same calls) with the harness in the driver's event loop, then in
+  ``--harness-processes`` harness processes (``serving.harness_processes``), the endpoint in processes.
 
 The engine is the simulated one on one inference worker (``--decode-s`` per step). Per mode: calls/s,
 p50/p99 latency, and CPU per call of the driver process (what the job's driver pays per agent call), of
@@ -42,7 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-s", type=float, default=0.002, help="simulated engine: seconds per decode step")
     p.add_argument("--harness-processes", type=int, default=4, help="processes the openai-client harness runs in")
     p.add_argument("--processes", type=int, default=1, help="the endpoint's server processes (serving.processes)")
-    p.add_argument("--modes", default="stub,in_driver,processes,direct", help="what to measure, comma-separated")
+    p.add_argument(
+        "--modes",
+        default="stub,in_driver,processes,direct,agent_env_driver,agent_env",
+        help="what to measure, comma-separated",
+    )
     p.add_argument("--out", default="bench_results", help="folder for the JSON and the chart")
 
 
@@ -186,14 +193,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rollart.rollout.types import GenerateRequest
     from rollart.serving.config import ServingConfig
     from rollart.serving.endpoint import PolicyEndpoint, build_service
+    from rollart.serving.harness import HarnessPool
     from rollart.serving.processes import EndpointProcesses
     from rollart.serving.service import ProxyBackend
 
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    for name in ("httpx", "httpx2"):  # the openai client logs every call at INFO: not part of what is measured
+        logging.getLogger(name).setLevel(logging.WARNING)
     modes = {m.strip() for m in str(args.modes).split(",") if m.strip()}
-    unknown = modes - {"stub", "in_driver", "processes", "direct"}
+    known = ("stub", "in_driver", "processes", "direct", "agent_env_driver", "agent_env")
+    unknown = modes - set(known)
     if unknown:
-        raise SystemExit(f"--modes: unknown {sorted(unknown)}; choose from stub, in_driver, processes, direct")
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(known)}")
     tok = build_tokenizer(default_corpus(400), Path(tempfile.mkdtemp(prefix="rollart-bench-tok-")), 320, chat=True)
     rm, cluster = start_inference(
         {"rollout": {"hardware": "H20", "devices": 1}},
@@ -228,6 +239,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "driver_cpu_ms_per_call": 1e3 * cpu / len(lat),
         }
 
+    async def agent_env(c: int, endpoint: Any, pool: Any) -> dict[str, Any]:
+        """``c`` episodes of the ``agent`` env kind at once, the harness in the driver or in ``pool``."""
+        from rollart.benchmarks.agent_harness import episode
+        from rollart.serving.agent import AgentEnvManager, AgentSpec
+
+        spec = AgentSpec(agent="rollart.benchmarks.agent_harness:episode")
+        task = {"turns": args.turns, "max_tokens": args.max_tokens, "question": QUESTION}
+        managers = [
+            AgentEnvManager(spec, endpoint, agent=episode, tasks=lambda seed: dict(task), harness=pool)
+            for _ in range(c)
+        ]
+        pids = endpoint.pids() + (pool.pids() if pool is not None else [])
+        t0, c0, e0 = time.perf_counter(), time.process_time(), _cpu_s(pids)
+        trajs = await asyncio.gather(*(m.run(seed=i) for i, m in enumerate(managers)))
+        wall, cpu, others = time.perf_counter() - t0, time.process_time() - c0, _cpu_s(pids) - e0
+        calls = sum(t.info.get("calls", 0) for t in trajs)
+        failed = [t.error for t in trajs if t.status != "ok"]
+        if failed:
+            log.warning("agent-endpoint: %d episode(s) failed, e.g. %s", len(failed), failed[:3])
+        return {
+            "calls": calls,
+            "failures": len(failed),
+            "rps": calls / wall,
+            "driver_cpu_ms_per_call": 1e3 * cpu / max(1, calls),
+            "endpoint_and_harness_cpu_ms_per_call": 1e3 * others / max(1, calls),
+        }
+
     async def bench() -> list[dict[str, Any]]:
         config = ServingConfig(max_concurrency=4096, max_sessions=8192, processes=args.processes)
         service = build_service(ProxyBackend(proxy), tok, config, model="policy", sampling=sampling)
@@ -236,10 +274,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         first = service.renderer.prompt([{"role": "user", "content": QUESTION}])
         processes = EndpointProcesses(ProxyBackend(proxy), tok, config, model="policy", sampling=sampling)
         harness = Harnesses(args.harness_processes)
+        pool = HarnessPool(args.harness_processes)
         stub, stub_port = await _stub()
         await harness.start()
         await in_driver.start()
         await processes.start()
+        if "agent_env" in modes:
+            await pool.start()
+            await agent_env(2 * args.harness_processes, processes, pool)  # warm: each process imports the harness
         rows = []
         try:
             workers = list(cluster.pids().values())
@@ -257,12 +299,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                 if "direct" in modes:
                     row["direct"] = await direct(c, first)
+                if "agent_env_driver" in modes:
+                    row["agent_env_driver"] = await agent_env(c, processes, None)
+                if "agent_env" in modes:
+                    row["agent_env"] = await agent_env(c, processes, pool)
                 if "stub" in row and "processes" in row:
                     row["processes_vs_stub"] = row["processes"]["rps"] / row["stub"]["rps"]
                 log.info("agent-endpoint %s", json.dumps(row))
                 rows.append(row)
         finally:
             await harness.stop()
+            if "agent_env" in modes:
+                await pool.stop()
             await processes.stop()
             await in_driver.stop()
             assert stub.stdin is not None
@@ -286,7 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     bars = {}
     for r in rows:
-        for mode in ("stub", "in_driver", "processes", "direct"):
+        for mode in known:
             if mode in r:
                 bars[f"{mode} @{r['concurrency']}"] = r[mode]["rps"]
     return write_report(args.out, "agent_endpoint", result, bars, "calls/s", "agent calls/s by where the endpoint runs")

@@ -9,6 +9,9 @@ sessions at once, and writes one JSON line: every call's latency, and this proce
 ``python -m rollart.benchmarks.agent_harness stub``: an HTTP/1.1 server on 127.0.0.1 answering every
 request with the same chat completion (keep-alive); prints its port. What a harness reaches against it
 is the client's own limit on the machine.
+
+:func:`episode` is the harness the bench's ``agent`` env modes play (in the driver, or in harness
+processes).
 """
 
 from __future__ import annotations
@@ -72,6 +75,15 @@ async def play(job: dict[str, Any]) -> dict[str, Any]:
     cpu = time.process_time() - c0
     await client.close()
     return {"latencies": latencies, "cpu_s": cpu, "failed": failed[:5], "failures": len(failed)}
+
+
+async def episode(client: Any, task: dict[str, Any]) -> float:
+    """An ``agent`` env's harness for the bench: ``task["turns"]`` chat calls in a row, reward 1."""
+    messages: list[Any] = [{"role": "user", "content": task["question"]}]
+    for _ in range(task["turns"]):
+        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=task["max_tokens"])
+        messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "ok"}]
+    return 1.0
 
 
 def harness() -> None:

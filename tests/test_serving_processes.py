@@ -168,7 +168,7 @@ def test_a_dead_process_starts_again_and_its_episode_fails_never_a_zero(served):
     manager = AgentEnvManager(spec, endpoint, agent=killing, tasks=lambda seed: task)
     traj = served.run(manager.run(seed=0))
     assert traj.status == "failed" and traj.reward is None
-    assert "endpoint process" in traj.error and "went away" in traj.error
+    assert "session is gone" in traj.error and "endpoint process went away" in traj.error
     assert task["port"] in [p.port for p in endpoint.processes.values()]  # started again on its port
     fresh = AgentEnvManager(spec, endpoint, agent=fine, tasks=lambda seed: {})
     outcomes = [served.run(fresh.run(seed=i)) for i in range(2)]  # one episode on each process
@@ -241,3 +241,15 @@ def _line_of(name: str, text: str) -> int:
 
     lines = (Path(__file__).parent / name).read_text().splitlines()
     return next(i for i, line in enumerate(lines, start=1) if text in line)
+
+
+def test_a_process_answers_the_version_its_calls_were_served_with(served):
+    """After a weight update, a call through a process is served at the new version and says so, and the
+    process's ``/v1/models`` then names it."""
+    served.run(served.proxy.model_update({}, 3))  # the workers now serve weight version 3
+    session = served.open_session()
+    r = served.client(session).completions.create(model="policy", prompt="SAY:v", max_tokens=4)
+    assert r.system_fingerprint == "rollart-v3"
+    base = served.endpoint.session_url(session).split("/sessions/")[0]
+    assert httpx.get(f"{base}/v1/models", headers=served.headers).json()["data"][0]["version"] == 3
+    assert set(served.recorded(session).calls[0].choices[0].versions) == {3}

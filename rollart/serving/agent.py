@@ -234,7 +234,7 @@ class AgentEnvManager:
         session, returned, error, raised = await self._play(handle, task)
         if session is None:  # its endpoint process went away with it
             session = Session(self.tag)
-            error = error or "the endpoint process serving the episode's session went away"
+            error = error or "the episode's session is gone (its endpoint process went away, or it expired)"
         fatal = session.meta.get("cluster_error")
         if isinstance(fatal, ClusterError):
             raise fatal

@@ -10,8 +10,8 @@ rendering, tokenising, session recording and the answer's JSON run in the server
 Process → driver: ``("hello", index, port, error)``, ``("gen" | "stream", rid, request, tag,
 affinity)``, ``("cancel", rid)``, ``("abort", request_ids)``, ``("ok" | "fail", cid, value)`` (the
 answer to a control call). Driver → process: ``("out", rid, output, version)``, ``("delta", rid,
-delta)``, ``("err", rid, kind, type_name, message)``, ``(op, cid, *args)`` (a control call:
-``open``, ``close``, ``stop``).
+delta)``, ``("err", rid, kind, type_name, message)``, ``("version", version)``, ``(op, cid, *args)``
+(a control call: ``open``, ``close``, ``stop``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!I")
 MAX_FRAME = 1 << 30
 DISPATCH_WINDOW_S = 0.002  # the longest a call waits to start with others (BackendHost.dispatch)
+VERSION_POLL_S = 0.5  # how often the host looks whether the served version moved without a call
 
 
 def frame(message: tuple[Any, ...]) -> bytes:
@@ -143,8 +144,11 @@ class _Connection:
             if future is not None and not future.done():
                 if op == "ok":
                     future.set_result(message[2])
-                else:
-                    future.set_exception(RemoteError("EndpointProcessError", str(message[2])))
+                else:  # a full session store is the caller's to handle, as in the driver's own endpoint
+                    type_name, text = message[2]
+                    future.set_exception(
+                        OverflowError(text) if type_name == "OverflowError" else RemoteError(type_name, text)
+                    )
         elif op == "hello":
             _, self.index, self.port, error = message
             self.host._hello(self, error)
@@ -224,6 +228,7 @@ class BackendHost:
         self.window_s = window_s
         self._ready: list[Callable[[], None]] = []
         self._last_dispatch = 0.0
+        self._versions: asyncio.Task[None] | None = None
         self.connections: dict[int, _Connection] = {}
         self._server: asyncio.AbstractServer | None = None
         self._waiting: dict[int, asyncio.Future[_Connection]] = {}
@@ -231,6 +236,19 @@ class BackendHost:
     async def start(self, path: str) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Connection(self).protocol, path)
+        self._versions = loop.create_task(self._push_versions())
+
+    async def _push_versions(self) -> None:
+        """Tell the processes the served version when it moves without a call (``/v1/models``, ``/healthz``;
+        every answer to a call carries it too)."""
+        last = self.version_fn()
+        while True:
+            await asyncio.sleep(VERSION_POLL_S)
+            version = self.version_fn()
+            if version != last:
+                last = version
+                for conn in list(self.connections.values()):
+                    conn.protocol.send(("version", version))
 
     def dispatch(self, start: Callable[[], None]) -> None:
         """Start a call now when none started in the last ``window_s``, else with the others that arrive
@@ -275,6 +293,9 @@ class BackendHost:
             del self.connections[conn.index]
 
     async def stop(self) -> None:
+        if self._versions is not None:
+            self._versions.cancel()
+            self._versions = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -315,6 +336,8 @@ class RemoteBackend:
             queue = self._streams.get(message[1])
             if queue is not None:
                 queue.put_nowait(message[2])
+        elif op == "version":
+            self.version = message[1]
         elif op == "err":
             _, rid, kind, type_name, text = message
             err = raised(kind, type_name, text)

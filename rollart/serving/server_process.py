@@ -139,7 +139,7 @@ class ServerProcess:
             else:
                 raise ValueError(f"unknown control call {op!r}")
         except Exception as err:
-            self.protocol.send(("fail", cid, f"{type(err).__name__}: {err}"))
+            self.protocol.send(("fail", cid, (type(err).__name__, str(err))))
             return
         self.protocol.send(("ok", cid, value))
 
