@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from rollart.cluster.errors import ClusterError
+from rollart.rollout.policy_clock import PolicyClock
 from rollart.rollout.types import GenerateDelta, GenerateOutput, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -304,10 +305,11 @@ class BackendHost:
 # ---------------------------------------------------------------------- process side
 class RemoteBackend:
     """The LLMProxy as an endpoint process sees it, over its connection to the driver's
-    :class:`BackendHost`. ``version`` is the policy version the driver last reported."""
+    :class:`BackendHost`. ``clock`` is this process's copy of the run's policy clock: its ``served`` is the
+    version the driver last reported (with each answer, and when it moves without a call)."""
 
     def __init__(self, version: int = 0):
-        self.version = version
+        self.clock = PolicyClock(served=version)
         self.protocol: FrameProtocol | None = None
         self._rids = itertools.count()
         self._pending: dict[int, asyncio.Future[GenerateOutput]] = {}
@@ -325,7 +327,8 @@ class RemoteBackend:
     def on_message(self, message: tuple[Any, ...]) -> None:
         op = message[0]
         if op == "out":
-            _, rid, out, self.version = message
+            _, rid, out, version = message
+            self.clock.serve(version)
             future = self._pending.pop(rid, None)
             if future is not None and not future.done():
                 future.set_result(out)
@@ -337,7 +340,7 @@ class RemoteBackend:
             if queue is not None:
                 queue.put_nowait(message[2])
         elif op == "version":
-            self.version = message[1]
+            self.clock.serve(message[1])
         elif op == "err":
             _, rid, kind, type_name, text = message
             err = raised(kind, type_name, text)

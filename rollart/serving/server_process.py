@@ -105,7 +105,7 @@ class ServerProcess:
             model=spec.model,
             sampling=spec.sampling,
             max_context=spec.max_context,
-            version_fn=lambda: int(backend.version),
+            version_fn=lambda: backend.clock.served,
             default_tag=spec.default_tag,
             quiet=spec.index > 0,  # one warning of a missing chat template, not one per process
         )
