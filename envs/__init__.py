@@ -2,13 +2,14 @@
 countdown), FrozenLake, Sokoban, a tokenizer corpus and fault-injection wrappers."""
 
 from rollart.envs.base import EnvError, EnvSpec, EnvTimeout, TextEnv, register_env
-from rollart.envs.registry import env_class, env_kwargs_problems, make_env, registered_envs
+from rollart.envs.registry import declared_tag, env_class, env_kwargs_problems, make_env, registered_envs
 
 __all__ = [
     "EnvError",
     "EnvSpec",
     "EnvTimeout",
     "TextEnv",
+    "declared_tag",
     "env_class",
     "env_kwargs_problems",
     "make_env",

@@ -15,7 +15,7 @@ observation, so the agent can learn the format.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,7 +33,12 @@ class EnvTimeout(EnvError):
 
 class TextEnv(ABC):
     """A text environment. Subclasses set ``tag``, ``max_steps``, ``max_new_tokens`` and
-    ``instructions`` (the task description an agent needs to play it; see :meth:`format_prompt`)."""
+    ``instructions`` (the task description an agent needs to play it; see :meth:`format_prompt`).
+
+    The tag is declared by the class, so a config reads it without building an env: the class attribute
+    ``tag``, or :meth:`tag_for` where it depends on the constructor's arguments. An ``__init__`` that sets
+    ``self.tag`` in a class that does not declare ``tag_for`` makes the tag known only once the env is
+    built: a config that needs it (``tasks:``) then asks for ``envs[i].tag``."""
 
     tag: ClassVar[str] = "env"
     instructions: ClassVar[str] = ""
@@ -53,6 +58,14 @@ class TextEnv(ABC):
     served to clients (``rollart serve env``): the env server refuses a session whose kwargs fall outside
     it (422) before building anything, so a client cannot make it build a huge env. Configs run locally
     are not bound by it."""
+
+    @classmethod
+    def tag_for(cls, kwargs: Mapping[str, Any]) -> str:
+        """The tag of an env of this class built with ``kwargs`` (every argument of the constructor, its
+        defaults filled in), read without building it: the class attribute ``tag`` here. A class whose tag
+        depends on its arguments overrides this and its ``__init__`` sets the same (``reverse``:
+        ``reverse-{length}``); where an env is built, a tag other than this one is refused."""
+        return cls.tag
 
     @abstractmethod
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:

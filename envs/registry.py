@@ -1,11 +1,16 @@
 """Env lookup by name: the built-in envs and those added with :func:`~rollart.envs.base.register_env`
-(:func:`registered_envs`, :func:`env_class`), a user's ``MODULE:CLASS``, and :func:`make_env`. The
-built-in env modules are imported on the first lookup; each registers itself with ``register_env``."""
+(:func:`registered_envs`, :func:`env_class`), a user's ``MODULE:CLASS``, the tag a class declares
+(:func:`declared_tag`, read without building an env), and :func:`make_env`. The built-in env modules are
+imported on the first lookup; each registers itself with ``register_env``."""
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
 import inspect
+import textwrap
+from collections.abc import Mapping
 from typing import Any
 
 from rollart.envs.base import _REGISTRY, EnvSpec, TextEnv
@@ -59,6 +64,71 @@ def env_kwargs_problems(cls: type[TextEnv], kwargs: dict[str, Any]) -> list[str]
     if cls.__init__ is object.__init__:
         return [f"unknown argument {k!r}; {cls.__name__}() takes no arguments" for k in kwargs]
     return signature_problems(cls, kwargs)
+
+
+def declared_tag(cls: type[TextEnv], kwargs: Mapping[str, Any]) -> str | None:
+    """The tag of an env of ``cls`` built with ``kwargs``, read from the class without building it:
+    :meth:`TextEnv.tag_for <rollart.envs.base.TextEnv.tag_for>` of the constructor's arguments (defaults
+    filled in), by default the class attribute ``tag``. None when the class sets its tag when it is built:
+    its ``__init__``, or that of a base class below the nearest one that declares ``tag_for``, assigns
+    ``self.tag``. Raises ``ValueError`` when ``tag_for`` fails."""
+    for owner in cls.__mro__:
+        if owner is TextEnv or "tag_for" in owner.__dict__:
+            break
+        if _init_sets_tag(owner):
+            return None
+    arguments = _arguments(cls, kwargs)
+    try:
+        return str(cls.tag_for(arguments))
+    except Exception as err:
+        raise ValueError(f"its tag_for({arguments}) raised {type(err).__name__}: {err}") from None
+
+
+def _arguments(cls: type[TextEnv], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the defaults of the constructor's other parameters (what a ``**kwargs`` parameter
+    takes stays flat); ``kwargs`` as given where they do not bind."""
+    try:
+        signature = inspect.signature(cls)
+        bound = signature.bind_partial(**kwargs)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    bound.apply_defaults()
+    out: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            out[name] = value
+    return out
+
+
+@functools.cache
+def _init_sets_tag(cls: type) -> bool:
+    """Whether ``cls``'s own ``__init__`` assigns ``self.tag`` (read from its source; False without one)."""
+    init = cls.__dict__.get("__init__")
+    if init is None:
+        return False
+    try:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(init))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):  # no source: where the env is built its tag is checked
+        return False
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args:
+        return False
+    me = fn.args.args[0].arg
+
+    def is_me(node: ast.expr) -> bool:
+        return isinstance(node, ast.Name) and node.id == me
+
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr == "tag":
+            if is_me(node.value):  # self.tag = ..., self.tag: str = ..., self.a, self.tag = ...
+                return True
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            args = node.args
+            if len(args) >= 2 and is_me(args[0]) and isinstance(args[1], ast.Constant) and args[1].value == "tag":
+                return True
+    return False
 
 
 def make_env(spec: EnvSpec | dict[str, Any] | str, **kwargs: Any) -> TextEnv:

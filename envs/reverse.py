@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import random
 import string
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from rollart.envs.base import check_positive, register_env
 from rollart.envs.single_turn import VerifiableTask
@@ -44,7 +45,15 @@ class ReverseTask(VerifiableTask):
             raise ValueError(f"reverse: letters must be a non-empty string without '=', got {letters!r}")
         self.length, self.letters = length, letters
         self.max_new_tokens = length  # the answer has exactly ``length`` characters
-        self.tag = f"reverse-{length}"  # type: ignore[misc]
+        # the tag the class declares (a subclass's tag_for too): the config reads it without building one
+        self.tag = self.tag_for(  # type: ignore[misc]
+            dict(length=length, letters=letters, with_instructions=with_instructions, format_credit=format_credit)
+        )
+
+    @classmethod
+    def tag_for(cls, kwargs: Mapping[str, Any]) -> str:
+        """``reverse-{length}`` (``reverse-3`` is the quickstart task)."""
+        return f"reverse-{kwargs['length']}"
 
     def make(self, rng: random.Random) -> tuple[str, str]:
         word = "".join(rng.choice(self.letters) for _ in range(self.length))

@@ -341,9 +341,10 @@ class PipelineConfig(ConfigModel):
 
 
 def task_tags(cfg: PipelineConfig) -> list[tuple[str, str]]:
-    """``(field, tag)`` of every env and data task: an env entry's ``tag``, else the tag of the env it
-    builds (built once here and closed), a data task's ``tag`` or file stem."""
-    from rollart.envs import EnvSpec, make_env
+    """``(field, tag)`` of every env and data task: an env entry's ``tag``, else the tag its env class
+    declares (:func:`~rollart.envs.registry.declared_tag`: read from the class, no env is built), a data
+    task's ``tag`` or file stem. Raises ``ValueError`` for an env that sets its tag only when it is built."""
+    from rollart.envs import declared_tag, env_class
 
     out: list[tuple[str, str]] = []
     for i, entry in enumerate(cfg.envs):
@@ -351,16 +352,16 @@ def task_tags(cfg: PipelineConfig) -> list[tuple[str, str]]:
         if tag is None and entry.agent is not None:
             tag = "agent"
         if tag is None:
-            spec = EnvSpec(name=entry.name, max_steps=entry.max_steps, kwargs=entry.kwargs)
+            assert entry.name is not None  # an entry names an env or an agent (EnvEntry checks)
             try:
-                env = make_env(spec)
-            except Exception as err:
+                tag = declared_tag(env_class(entry.name), entry.kwargs)
+            except ValueError as err:
+                raise ValueError(f"envs[{i}]: env {entry.name}: {err}; set envs[{i}].tag") from None
+            if tag is None:
                 raise ValueError(
-                    f"envs[{i}]: could not build env {entry.name!r} to read its tag for tasks: "
-                    f"({type(err).__name__}: {err}); set envs[{i}].tag"
-                ) from None
-            tag = str(env.tag)
-            env.close()
+                    f"envs[{i}]: env {entry.name} sets its tag when it is built; set envs[{i}].tag (or declare it "
+                    "in the class: the class attribute tag, or the class method tag_for(kwargs))"
+                )
         out.append((f"envs[{i}]", tag))
     out += [(f"data[{i}]", t.name) for i, t in enumerate(cfg.data)]
     return out

@@ -59,7 +59,9 @@ class EnvEntry(ConfigModel):
     timeout_s: float = Field(default=600.0, gt=0)
     """`agent` entries: seconds one episode may take, every call included (then it fails and is played again)."""
     tag: str | None = None
-    """The task's routing tag and metrics key; default: the env's own tag."""
+    """The task's routing tag and metrics key; default: the tag the env class declares (its `tag`, or
+    `tag_for(kwargs)`), read without building an env.
+    """
     groups: int = Field(default=1, ge=1)
     """Env groups playing this task (they count toward `rollout.num_env_groups`)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -52,6 +52,7 @@ class EnvPools:
         self.descriptions: dict[int, EnvDescription] = {}
         self._next_bundle: dict[str, int] = {}
         self._bundles: dict[str, list[tuple[Any, int]]] = {}
+        self._tags: dict[int, str | None] = {}  # per task: the tag its entry sets or its env class declares
         try:
             for i, entry in enumerate(entries):
                 backend = getattr(entry, "backend", "local")
@@ -61,6 +62,7 @@ class EnvPools:
                 pool = self._ray_pool(task, rm) if backend == "ray" else self._kubernetes_pool(task)
                 self.pools[i] = pool
                 self.descriptions[i] = describe(pool, entry.name, entry.kwargs, overrides_of(entry))
+                self.check_tag(i, self.descriptions[i].tag)
         except BaseException:
             self.stop()
             raise
@@ -105,7 +107,9 @@ class EnvPools:
         if index not in self.pools:
             from rollart.envs import make_env
 
-            return make_env(spec)
+            env = make_env(spec)
+            self.check_tag(index, str(env.tag))
+            return env
         entry = self.entries[index]
         return RemoteEnv(
             self.pools[index],
@@ -115,6 +119,26 @@ class EnvPools:
             overrides=overrides_of(entry),
             timeout_s=entry.call_timeout_s,
         )
+
+    def check_tag(self, index: int, built: str) -> None:
+        """The tag of task ``index``'s env as built against the one the config read for it (``envs[i].tag``,
+        else what its class declares: :func:`~rollart.envs.registry.declared_tag`); raises ``ValueError``
+        when they differ. An env that sets its tag only when built declares none: nothing to compare."""
+        entry = self.entries[index]
+        if index not in self._tags:
+            from rollart.envs import declared_tag, env_class
+
+            try:
+                self._tags[index] = entry.tag or declared_tag(env_class(entry.name), entry.kwargs)
+            except ValueError as err:
+                raise ValueError(f"envs[{index}]: env {entry.name}: {err}; set envs[{index}].tag") from None
+        declared = self._tags[index]
+        if declared is not None and built != declared:
+            said = f"envs[{index}].tag is" if entry.tag else "its class declares (tag, tag_for)"
+            raise ValueError(
+                f"envs[{index}]: env {entry.name} was built with tag {built!r}, but {said} {declared!r}; make the "
+                f"class declare the tag it builds, or set envs[{index}].tag"
+            )
 
     def servers(self) -> list[dict[str, Any]]:
         """Every remote server: task, URL and (ray) node IP and pid."""
