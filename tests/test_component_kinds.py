@@ -65,6 +65,12 @@ class MarkedEngine(TorchEngine):
 
 class Sleepless(SimulatedEngine):
     """An engine without a sleep mode."""
+
+
+class OneDevice(TorchEngine):
+    """An engine that runs colocated on a one-device train pool only."""
+
+    max_colocated_devices = 1
 '''
 
 
@@ -130,6 +136,15 @@ def test_what_a_registered_part_does_not_declare_is_refused_by_name(parts: Path)
     assert any(p.startswith("engine.kind: my_parts:Sleepless does not implement sleep and wake_up") for p in got), got
     assert any(p.startswith("train.strategy: 'marked' is not supported in colocated mode") for p in got), got
     assert any("does not declare colocates" in p for p in got), got
+    # colocated mode on more devices than an engine declares it runs on
+    two = {"train": {"hardware": "H800", "devices": 2}, "rollout": {"colocate_with": "train"}}
+    got = problems(config(parts, pools=two, engine={"kind": "my_parts:OneDevice"}))
+    assert got == [
+        "engine.kind: my_parts:OneDevice in colocated mode (pools.rollout: {colocate_with: train}) needs a one-device "
+        "train pool (2 here): the engine declares max_colocated_devices 1 (each rank's in-process engine would set "
+        "up a torch.distributed group of its own beside the trainer's); use torch, or devices: 1"
+    ]
+    load_config(config(parts, pools={**two, "train": {"hardware": "H800", "devices": 1}}, engine={"kind": "vllm"}))
     # a name nothing registered: the registered ones and the closest
     got = problems(config(parts, weights={"channel": "countd"}, train={"strategy": "torhc"}, engine={"kind": "vlm"}))
     assert any(p.startswith("weights.channel: unknown weight channel 'countd'; did you mean 'counted'?") for p in got)
@@ -166,18 +181,24 @@ def test_a_run_trains_with_a_channel_a_strategy_and_an_engine_each_one_file(ray_
 def test_the_built_in_kinds_declare_what_their_classes_do() -> None:
     from rollart.engines.base import InferenceEngine
     from rollart.engines.kinds import ENGINES
+    from rollart.engines.sglang_engine import SGLangEngine
     from rollart.engines.simulated import SimulatedEngine
     from rollart.engines.torch_engine import TorchEngine
+    from rollart.engines.vllm_engine import VLLMEngine
     from rollart.pipeline.weight_sync import WeightSync
     from rollart.training.kinds import STRATEGIES, TRAIN_FEATURES
     from rollart.training.torch_strategy import TorchTrainWorker
     from rollart.weights.kinds import WEIGHT_CHANNELS
 
-    for name, cls in (("torch", TorchEngine), ("simulated", SimulatedEngine)):
+    engines = {"torch": TorchEngine, "vllm": VLLMEngine, "sglang": SGLangEngine, "simulated": SimulatedEngine}
+    assert list(engines) == list(ENGINES)
+    for name, cls in engines.items():  # their modules import without the engine's library
         kind = ENGINES[name]
         assert kind.target == f"{cls.__module__}:{cls.__qualname__}"
-        assert (kind.sleeps, kind.loads_model) == (cls.sleeps(), cls.loads_model), name
-    assert not InferenceEngine.sleeps()
+        declared = (kind.sleeps, kind.loads_model, kind.max_colocated_devices)
+        assert declared == (cls.sleeps(), cls.loads_model, cls.max_colocated_devices), name
+    assert [k for k, e in ENGINES.items() if e.max_colocated_devices is not None] == ["vllm"]
+    assert not InferenceEngine.sleeps() and InferenceEngine.max_colocated_devices is None
     for name, channel in WEIGHT_CHANNELS.items():
         sync = channel.sync_class()
         assert issubclass(sync, WeightSync) and sync.kind == name

@@ -37,7 +37,8 @@ def _pool_units(pool: Any) -> int | None:
 def colocation_problems(raw: Mapping[str, Any]) -> list[str]:
     """Colocated mode (``pools.<rollout>: {colocate_with: <train>}``) against the rest of the config: which
     pool may colocate, the supported ``rollout.alpha`` (0), the weight channel (``inprocess``), engines with
-    a sleep mode, the torch strategy, vLLM on one device, and no inference restart policy of its own."""
+    a sleep mode and the train pool size they declare (vLLM: one device), the torch strategy, and no
+    inference restart policy of its own."""
     pools = raw.get("pools")
     if not isinstance(pools, Mapping):
         return []
@@ -128,10 +129,13 @@ def _colocated_engine_problems(engine: Mapping[str, Any], strategy: Any, train_p
             "or give the rollout devices of its own"
         )
     units = _pool_units(train_pool)
-    if kind == "vllm" and units is not None and units > 1:
+    most = engine_caps.max_colocated_devices if engine_caps is not None else None
+    if most is not None and units is not None and units > most:
+        pool = "a one-device train pool" if most == 1 else f"a train pool of at most {most} devices"
+        others = " or ".join(k for k, e in ENGINES.items() if e.sleeps and e.max_colocated_devices is None)
         out.append(
-            f"engine.kind: vllm in {mode} needs a one-device train pool ({units} here): each rank's in-process vLLM "
-            "would set up a torch.distributed group of its own beside the trainer's; use the torch engine, or "
-            "devices: 1"
+            f"engine.kind: {kind} in {mode} needs {pool} ({units} here): the engine declares max_colocated_devices "
+            f"{most} (each rank's in-process engine would set up a torch.distributed group of its own beside the "
+            f"trainer's); use {others}, or devices: {most}"
         )
     return out

@@ -167,6 +167,9 @@ class InferenceEngine(ABC):
     loads_model: ClassVar[bool] = True
     """The engine loads a Hugging Face model (``engine.model``, else the pipeline's ``model``), which the config
     checks exists before anything starts."""
+    max_colocated_devices: ClassVar[int | None] = None
+    """The most devices a colocated train pool may have with this engine (one engine in each trainer rank's
+    process); None: any number. The config refuses a larger colocated train pool before anything starts."""
 
     @classmethod
     def sleeps(cls) -> bool:

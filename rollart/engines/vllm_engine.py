@@ -30,7 +30,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -82,6 +82,9 @@ class VLLMEngine(InferenceEngine):
     """``engine: {kind: vllm, model: PATH, options: {dtype: float32, max_model_len: 512, ...}}``.
     ``max_batch_size`` (the torch engine's name for the running-batch limit) is vLLM's ``max_num_seqs``;
     any other option must be a field of vLLM's ``EngineArgs``."""
+
+    # colocated, each rank's in-process vLLM would set up a torch.distributed group of its own beside the trainer's
+    max_colocated_devices: ClassVar[int | None] = 1
 
     def __init__(
         self,
