@@ -93,12 +93,10 @@ class AgenticPipeline:
         seeds = RoundSeeds(config.seed)  # round r of env group g plays seed seeds.seed(g, r)
         held_out = self._load_tasks(seeds)
         self._start_clusters(resume)
-        self._start_rollout(seeds, held_out)
         self.weights: WeightSync = weight_sync(
-            config, self.train, self.infer, job_id=self.rm.job_id, out_dir=self.out_dir
+            config, self.train, self.infer, job_id=self.rm.job_id, out_dir=self.out_dir, clock=self.clock
         )
-        if self.elastic is not None:  # a host that joins the pool gets what the weight path keeps per host
-            self.elastic.hosts = self.weights
+        self._start_rollout(seeds, held_out)
         self.start_step = 0
         self.metrics = MetricsFile(self.out_dir)
         self.metrics_path = self.metrics.path
@@ -220,10 +218,12 @@ class AgenticPipeline:
             batch_requests=config.engine.batch_requests,
             clock=self.clock,
         )
-        # an elastic rollout pool (max_devices) grows and shrinks with the cluster while the job runs
+        # an elastic rollout pool (max_devices) grows and shrinks while the job runs; its hosts tell the weight path
         elastic = self.rm.specs[config.rollout_pool].elastic
         self.elastic = (
-            ElasticRollout(self.rm, self.infer, self.proxy, config.elastic, out_dir=self.out_dir) if elastic else None
+            ElasticRollout(self.rm, self.infer, self.proxy, config.elastic, out_dir=self.out_dir, hosts=self.weights)
+            if elastic
+            else None
         )
         self.codec = HFCodec(AutoTokenizer.from_pretrained(self.model_path))
         self.rewards = RewardServices(config, self.rm.job_id, self.codec)

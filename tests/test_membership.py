@@ -5,6 +5,7 @@ LLMProxy's requests reach only the ranks that serve."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import pytest
 import ray
@@ -72,6 +73,31 @@ def test_nothing_is_served_when_no_rank_can_come_back() -> None:
     assert not m.recoverable() and not m.wait_until_serving(0.01)
     m.set_awaiting(True)  # an elastic pool waiting for capacity: a worker may still join
     assert m.recoverable()
+
+
+def test_the_elastic_pool_gets_the_weight_paths_host_hooks_when_it_is_built() -> None:
+    """``ElasticRollout.hosts`` (what hears of hosts joining and leaving) is a constructor argument and
+    read-only after: the pipeline builds its weight path first and passes it; no module assigns it later."""
+    import ast
+    from pathlib import Path
+
+    from rollart.rollout.elastic import ElasticRollout
+
+    assert "hosts" in inspect.signature(ElasticRollout).parameters
+    attr = ElasticRollout.hosts
+    assert isinstance(attr, property) and attr.fset is None, "ElasticRollout.hosts can be written"
+    root = Path(__file__).resolve().parents[1]
+    assigned = [
+        f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}"
+        for folder in ("rollart", "pipelines", "benchmarks")
+        for path in sorted((root / folder).rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and node.attr == "hosts"
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+    assert assigned == []
 
 
 def request(rid: str) -> GenerateRequest:

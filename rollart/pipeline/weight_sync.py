@@ -14,8 +14,10 @@
   after it every engine wakes with its trainer's weights, loaded in its own process, and the rollout resumes.
 - ``none`` (:class:`NoSync`): benchmarks only; no weights move, the version advances.
 
-Every method that touches the rollout takes the pipeline's current :class:`AsyncController` (a
-trainer restore replaces it).
+A weight path talks to two typed interfaces only: the run's :class:`PolicyClock` (given at construction:
+the version every worker serves) and the rollout as a :class:`WeightTarget` (what it may ask of it: serve a
+version, suspend, resume). Every method that touches the rollout takes the pipeline's current one, its
+:class:`~rollart.rollout.async_controller.AsyncController` (a trainer restore replaces it).
 """
 
 from __future__ import annotations
@@ -23,53 +25,89 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from rollart.rollout.async_controller import AsyncController, NewestVersionLoader
+from rollart.rollout.async_controller import NewestVersionLoader
+from rollart.rollout.policy_clock import PolicyClock
 from rollart.weights.base import WeightChannel
 from rollart.weights.kinds import channel_kind, channel_name_problem
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WeightTarget(Protocol):
+    """What a weight path asks of the rollout (:class:`~rollart.rollout.async_controller.AsyncController`
+    implements it): make a version the serving policy, from weights in hand, a channel or each worker's own
+    process; move on without weights; suspend and resume the rollout."""
+
+    async def serve_weights(self, weights: Any, version: int) -> None:
+        """Before the rollout starts: every worker serves ``weights`` as ``version``."""
+
+    async def serve_weights_from(self, channel: WeightChannel, version: int) -> None:
+        """Before the rollout starts: every worker fetches ``version`` from ``channel``."""
+
+    async def serve_weights_in_process(self, load: Callable[[], Awaitable[T]], version: int) -> T:
+        """Before the rollout starts, colocated: every worker serves ``version`` from its own process."""
+
+    async def sync_weights(
+        self, weights: Any, version: int, channel: WeightChannel | None = None, *, pause: bool = True
+    ) -> None:
+        """After a step: ``version`` becomes the serving policy (from ``weights`` or ``channel``), timed."""
+
+    async def swap_in_process(self, load: Callable[[], Awaitable[T]], version: int) -> T:
+        """After a step, colocated: the suspended workers serve ``version`` from their own process; resume."""
+
+    async def advance(self, version: int) -> None:
+        """No weights move: the rollout goes on under ``version``."""
+
+    async def suspend(self) -> None:
+        """Requests in flight preempted, new ones held."""
+
+    async def resume(self) -> None:
+        """Held requests go on."""
 
 
 class WeightSync:
-    """The weight path of one channel. ``train`` and ``infer`` are the trainer and inference Clusters."""
+    """The weight path of one channel. ``train`` and ``infer`` are the trainer and inference Clusters,
+    ``clock`` the run's policy versions (read here, never written)."""
 
     kind = ""
     channel: WeightChannel | None = None  # the handle trainer and workers share (None: no channel object)
 
-    def __init__(self, config: Any, train: Any, infer: Any):
+    def __init__(self, config: Any, train: Any, infer: Any, *, clock: PolicyClock):
         self.config = config  # the pipeline config (weights:, rollout.alpha)
         self.train, self.infer = train, infer
+        self.clock = clock
         # the trainer gathers and sends its weights a bucket of at most this many bytes at a time
         self.bucket_bytes = int(config.weights.bucket_mb) << 20
         self.loader: NewestVersionLoader | None = None  # serves the newest published version in the background
 
     @classmethod
-    def build(cls, config: Any, train: Any, infer: Any, *, name: str, out_dir: Path) -> WeightSync:
+    def build(cls, config: Any, train: Any, infer: Any, *, name: str, out_dir: Path, clock: PolicyClock) -> WeightSync:
         """The weight path of ``config.weights.channel`` (:func:`weight_sync` calls it): ``name`` is the
         trainer's channel name (``{job_id}-actor``), ``out_dir`` the run's folder. A channel that needs
         either overrides this."""
-        return cls(config, train, infer)
+        return cls(config, train, infer, clock=clock)
 
-    async def start(self, rollout: AsyncController) -> None:
+    async def start(self, rollout: WeightTarget) -> None:
         """Before the first step of a run."""
 
-    async def before_train(self, rollout: AsyncController) -> None:
+    async def before_train(self, rollout: WeightTarget) -> None:
         """After the step's batch is in, before anything of the step computes on the trainer's devices."""
 
     def record(self) -> dict[str, Any]:
         """What this weight path reports for the step just synced (merged into the step's record)."""
         return {}
 
-    async def push(self, rollout: AsyncController, version: int) -> int:
+    async def push(self, rollout: WeightTarget, version: int) -> int:
         """The trainer's current weights, before the rollout starts (a resumed or restored run): every
         worker serves them when this returns. Returns the version they are served as."""
         raise NotImplementedError
 
-    async def sync(self, rollout: AsyncController, version: int) -> int:
+    async def sync(self, rollout: WeightTarget, version: int) -> int:
         """Publish the trainer's weights of the step just trained and make them the serving policy (or
         start to: see the channel). Returns the version."""
         raise NotImplementedError
@@ -112,15 +150,15 @@ class NoSync(WeightSync):
 
     kind = "none"
 
-    def __init__(self, config: Any, train: Any, infer: Any):
-        super().__init__(config, train, infer)
+    def __init__(self, config: Any, train: Any, infer: Any, *, clock: PolicyClock):
+        super().__init__(config, train, infer, clock=clock)
         log.warning("weights.channel=none: the inference workers keep their initial weights (benchmarks only)")
 
-    async def push(self, rollout: AsyncController, version: int) -> int:
+    async def push(self, rollout: WeightTarget, version: int) -> int:
         return version
 
-    async def sync(self, rollout: AsyncController, version: int) -> int:
-        await rollout.scheduler.set_version(version)
+    async def sync(self, rollout: WeightTarget, version: int) -> int:
+        await rollout.advance(version)
         return version
 
 
@@ -130,19 +168,19 @@ class RaySync(WeightSync):
 
     kind = "ray"
 
-    def __init__(self, config: Any, train: Any, infer: Any):
-        super().__init__(config, train, infer)
+    def __init__(self, config: Any, train: Any, infer: Any, *, clock: PolicyClock):
+        super().__init__(config, train, infer, clock=clock)
         mode = config.weights.background_load
         self.background = config.rollout.alpha >= 1 if mode == "auto" else bool(mode)
         self.snapshots: dict[int, Any] = {}  # background: the newest snapshot not loaded yet
-        self._rollout: AsyncController | None = None
+        self._rollout: WeightTarget | None = None
 
-    async def push(self, rollout: AsyncController, version: int) -> int:
+    async def push(self, rollout: WeightTarget, version: int) -> int:
         ref = await self.train.snapshot_weights(self.bucket_bytes, blocking=False)
-        await rollout.proxy.model_update(ref, version)
+        await rollout.serve_weights(ref, version)
         return version
 
-    async def sync(self, rollout: AsyncController, version: int) -> int:
+    async def sync(self, rollout: WeightTarget, version: int) -> int:
         ref = await self.train.snapshot_weights(self.bucket_bytes, blocking=False)
         if not self.background:
             await rollout.sync_weights(ref, version, pause=self.config.weights.pause_rollout)
@@ -151,7 +189,7 @@ class RaySync(WeightSync):
         self.snapshots = {version: ref}
         self._rollout = rollout
         if self.loader is None:
-            self.loader = NewestVersionLoader(self._load, served=rollout.scheduler.version)
+            self.loader = NewestVersionLoader(self._load, served=self.clock.served)
         self.loader.offer(version)  # raises a failed load of an earlier version
         return version
 
@@ -173,24 +211,24 @@ class InProcessSync(WeightSync):
 
     kind = "inprocess"
 
-    def __init__(self, config: Any, train: Any, infer: Any):
-        super().__init__(config, train, infer)
+    def __init__(self, config: Any, train: Any, infer: Any, *, clock: PolicyClock):
+        super().__init__(config, train, infer, clock=clock)
         if infer is not train:
             raise ValueError("weights.channel inprocess: the inference Cluster must be the trainer's (colocated mode)")
-        self.suspended: AsyncController | None = None  # the rollout while the trainer holds the devices
+        self.suspended: WeightTarget | None = None  # the rollout while the trainer holds the devices
         self.ranks: list[dict[str, Any]] = []  # each rank's record of the last step
 
-    async def before_train(self, rollout: AsyncController) -> None:
+    async def before_train(self, rollout: WeightTarget) -> None:
         """Every request in flight preempted (callers keep their tokens), new ones held, every engine asleep."""
         await rollout.suspend()
         self.suspended = rollout
         await self.train.sleep_engine()
 
-    async def push(self, rollout: AsyncController, version: int) -> int:
-        await rollout.proxy.model_update_in_process(lambda: self.train.wake_engine(version, blocking=False), version)
+    async def push(self, rollout: WeightTarget, version: int) -> int:
+        await rollout.serve_weights_in_process(lambda: self.train.wake_engine(version, blocking=False), version)
         return version
 
-    async def sync(self, rollout: AsyncController, version: int) -> int:
+    async def sync(self, rollout: WeightTarget, version: int) -> int:
         """Every engine wakes with its trainer's weights as ``version``; the rollout resumes under it."""
         self.ranks = await rollout.swap_in_process(lambda: self.train.wake_engine(version, blocking=False), version)
         self.suspended = None
@@ -222,10 +260,10 @@ class ChannelSync(WeightSync):
 
     channel: WeightChannel
 
-    async def push(self, rollout: AsyncController, version: int) -> int:
+    async def push(self, rollout: WeightTarget, version: int) -> int:
         # written before the workers load it: a failed write is this call's error, not their timeout
         version = await self.train.publish_to(self.channel, True, self.bucket_bytes, blocking=False)
-        await rollout.proxy.model_update_from(self.channel, version)
+        await rollout.serve_weights_from(self.channel, version)
         return version
 
 
@@ -235,22 +273,22 @@ class DistSync(ChannelSync):
     kind = "dist"
 
     @classmethod
-    def build(cls, config: Any, train: Any, infer: Any, *, name: str, out_dir: Path) -> WeightSync:
-        return cls(config, train, infer, name)
+    def build(cls, config: Any, train: Any, infer: Any, *, name: str, out_dir: Path, clock: PolicyClock) -> WeightSync:
+        return cls(config, train, infer, name, clock=clock)
 
-    def __init__(self, config: Any, train: Any, infer: Any, name: str):
+    def __init__(self, config: Any, train: Any, infer: Any, name: str, *, clock: PolicyClock):
         from rollart.weights.dist_channel import TorchBroadcastChannel
 
-        super().__init__(config, train, infer)
+        super().__init__(config, train, infer, clock=clock)
         wc = config.weights
         self.channel = TorchBroadcastChannel(
             name, num_receivers=len(infer.workers), bucket_bytes=wc.bucket_mb << 20, timeout_s=wc.timeout_s
         )
 
-    async def push(self, rollout: AsyncController, version: int) -> int:
-        return await self._publish_while(rollout.proxy.model_update_from(self.channel, version), wait=True)
+    async def push(self, rollout: WeightTarget, version: int) -> int:
+        return await self._publish_while(rollout.serve_weights_from(self.channel, version), wait=True)
 
-    async def sync(self, rollout: AsyncController, version: int) -> int:
+    async def sync(self, rollout: WeightTarget, version: int) -> int:
         return await self._publish_while(
             rollout.sync_weights(None, version, channel=self.channel), wait=not self.config.weights.async_publish
         )
@@ -289,11 +327,11 @@ class MooncakeSync(ChannelSync):
     kind = "mooncake"
 
     @classmethod
-    def build(cls, config: Any, train: Any, infer: Any, *, name: str, out_dir: Path) -> WeightSync:
-        return cls(config, train, infer, name, out_dir)
+    def build(cls, config: Any, train: Any, infer: Any, *, name: str, out_dir: Path, clock: PolicyClock) -> WeightSync:
+        return cls(config, train, infer, name, out_dir, clock=clock)
 
-    def __init__(self, config: Any, train: Any, infer: Any, name: str, out_dir: Path):
-        super().__init__(config, train, infer)
+    def __init__(self, config: Any, train: Any, infer: Any, name: str, out_dir: Path, *, clock: PolicyClock):
+        super().__init__(config, train, infer, clock=clock)
         self.base_name, self.out_dir = name, out_dir
         self.master: Any = None  # the Mooncake master rollart started (none given in weights.mooncake_master)
         self.retired: list[str] = []  # the names of the channels trainer restarts replaced
@@ -335,7 +373,7 @@ class MooncakeSync(ChannelSync):
         hosts = list(dict.fromkeys(p["node_ip"] for p in self.infer.placement()))
         return sorted(hosts, key=lambda ip: ip != trainer_ip)
 
-    async def start(self, rollout: AsyncController) -> None:
+    async def start(self, rollout: WeightTarget) -> None:
         """Every host joins the store now."""
         await self._start_host_caches()
         await self.infer.warm_channel(self.channel)
@@ -364,12 +402,12 @@ class MooncakeSync(ChannelSync):
         if isinstance(self.channel, HostSharedChannel):
             self.channel.end_cache(node_id)
 
-    async def sync(self, rollout: AsyncController, version: int) -> int:
+    async def sync(self, rollout: WeightTarget, version: int) -> int:
         """The driver does not wait: the loader serves the newest version."""
         if self.loader is None:
             channel = self.channel
             self.loader = NewestVersionLoader(
-                lambda v: rollout.sync_weights(None, v, channel=channel), served=rollout.scheduler.version
+                lambda v: rollout.sync_weights(None, v, channel=channel), served=self.clock.served
             )
         version = await self.train.publish_to(
             self.channel, not self.config.weights.async_publish, self.bucket_bytes, blocking=False
@@ -403,14 +441,14 @@ class MooncakeSync(ChannelSync):
             self.master.stop()
 
 
-def weight_sync(config: Any, train: Any, infer: Any, *, job_id: str, out_dir: Path) -> WeightSync:
+def weight_sync(config: Any, train: Any, infer: Any, *, job_id: str, out_dir: Path, clock: PolicyClock) -> WeightSync:
     """The :class:`WeightSync` of ``config.weights.channel`` (its registered kind,
     :mod:`rollart.weights.kinds`) for the trainer Cluster ``train`` and the inference Cluster ``infer`` of
-    job ``job_id`` (channel names start with it)."""
+    job ``job_id`` (channel names start with it), reading the run's policy versions from ``clock``."""
     kind = channel_kind(config.weights.channel)
     if kind is None:
         raise ValueError(f"weights.channel: {channel_name_problem(config.weights.channel)}")
     cls = kind.sync_class()
     if not (isinstance(cls, type) and issubclass(cls, WeightSync)):
         raise ValueError(f"weights.channel: {kind.name}: {cls!r} is not a WeightSync subclass")
-    return cls.build(config, train, infer, name=f"{job_id}-actor", out_dir=out_dir)
+    return cls.build(config, train, infer, name=f"{job_id}-actor", out_dir=out_dir, clock=clock)

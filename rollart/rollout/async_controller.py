@@ -65,6 +65,24 @@ class AsyncController:
         await self.proxy.model_update_from(channel, version)
         await self.scheduler.set_version(version)
 
+    async def serve_weights(self, weights: Any, version: int) -> None:
+        """Before the rollout starts (a resumed or restored run): every worker serves ``weights`` (a state dict
+        or its ObjectRef) as ``version``. The scheduler moves with the pipeline's ``resume_at``, not here."""
+        await self.proxy.model_update(weights, version)
+
+    async def serve_weights_from(self, channel: WeightChannel, version: int) -> None:
+        """Before the rollout starts: every worker fetches ``version`` from ``channel`` itself."""
+        await self.proxy.model_update_from(channel, version)
+
+    async def serve_weights_in_process(self, load: Callable[[], Awaitable[T]], version: int) -> T:
+        """Before the rollout starts, colocated mode: every worker serves ``version`` from weights in its own
+        process, started by ``load()``. Returns what it answers."""
+        return await self.proxy.model_update_in_process(load, version)
+
+    async def advance(self, version: int) -> None:
+        """No weights move (``weights.channel: none``): the rollout goes on under ``version``."""
+        await self.scheduler.set_version(version)
+
     async def sync_weights(
         self, weights: Any, version: int, channel: WeightChannel | None = None, *, pause: bool = True
     ) -> None:

@@ -102,7 +102,8 @@ class ElasticRollout:
     """Keeps the elastic groups of ``cluster``'s pool at their target size (see the module doc).
 
     ``rm`` reserves and releases the workers' devices; ``proxy`` admits new workers (weights, version);
-    ``out_dir`` gets ``elastic.jsonl``; ``hosts`` (optional) hears of hosts joining and leaving."""
+    ``out_dir`` gets ``elastic.jsonl``; ``hosts`` (optional, given here and read-only after) hears of hosts
+    joining and leaving."""
 
     def __init__(
         self,
@@ -121,7 +122,7 @@ class ElasticRollout:
         self.spec = rm.specs[self.pool]
         if not self.spec.elastic:
             raise ValueError(f"pool {self.pool!r} has no elastic group (max_devices)")
-        self.hosts = hosts
+        self._hosts = hosts
         self.devices_per_worker = rm.worker_devices.get(self.pool, 1)
         self.fixed_devices = sum(g.amount for g in self.spec.groups if not g.elastic)
         self.max_devices = self.fixed_devices + sum(g.max_devices or 0 for g in self.spec.groups if g.elastic)
@@ -157,6 +158,11 @@ class ElasticRollout:
             held=rm.resources_held(),
             quota=rm.admission.quota if rm.admission is not None else None,
         )
+
+    @property
+    def hosts(self) -> HostHooks | None:
+        """What hears of hosts joining and leaving the pool (the job's weight path), given at construction."""
+        return self._hosts
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
