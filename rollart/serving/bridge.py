@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!I")
 MAX_FRAME = 1 << 30
-DISPATCH_WINDOW_S = 0.002  # the longest a call waits to start with others (BackendHost.dispatch)
 VERSION_POLL_S = 0.5  # how often the host looks whether the served version moved without a call
 
 
@@ -223,7 +222,7 @@ class BackendHost:
     """The driver's end: a Unix socket the endpoint processes connect to, serving their generations from
     ``backend`` (the LLMProxy's :class:`~rollart.serving.service.ProxyBackend`)."""
 
-    def __init__(self, backend: Any, version_fn: Callable[[], int], window_s: float = DISPATCH_WINDOW_S):
+    def __init__(self, backend: Any, version_fn: Callable[[], int], window_s: float = 0.02):
         self.backend = backend
         self.version_fn = version_fn
         self.window_s = window_s

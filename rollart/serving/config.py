@@ -35,6 +35,11 @@ class ServingConfig(ConfigModel):
     call what a direct LLMProxy call does. More processes serve more calls at once. 0: in the driver's event loop
     (a small job; every call then costs the driver's CPU).
     """
+    batch_window_s: float = Field(default=0.02, ge=0, le=1)
+    """With `processes`: calls that reach the processes within this many seconds after the last ones sent to
+    the LLMProxy wait and go together, which sends them to a worker in one Ray call (the driver's CPU per call
+    falls with the calls per Ray call). An idle endpoint sends a call at once; 0: every call at once.
+    """
     harness_processes: int = Field(default=0, ge=0, le=256)
     """Processes the `agent` envs' harnesses play their episodes in, each with its own event loop and `openai`
     clients (whose CPU per call exceeds the endpoint's); the harness is imported there by its `MODULE:FUNCTION`.

@@ -80,7 +80,7 @@ class EndpointProcesses:
 
         self.config = config
         self.token = token if token is not None else job_token(config)
-        self.host = BackendHost(backend, version_fn)
+        self.host = BackendHost(backend, version_fn, window_s=config.batch_window_s)
         self.version_fn = version_fn
         self._spec = {
             "tokenizer": tokenizer,
