@@ -16,7 +16,8 @@ against, in turn:
 
 The engine is the simulated one on one inference worker (``--decode-s`` per step). Per mode: calls/s,
 p50/p99 latency, and CPU per call of the driver process (what the job's driver pays per agent call), of
-the endpoint's server processes and of the harness processes. Writes ``agent_endpoint.json`` and a chart.
+the endpoint's server processes and of the harness processes; the modes take turns ``--repeat`` times
+and each figure is the median of its runs. Writes ``agent_endpoint.json`` and a chart.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="stub,in_driver,processes,direct,agent_env_driver,agent_env",
         help="what to measure, comma-separated",
     )
+    p.add_argument("--repeat", type=int, default=3, help="runs of each mode per concurrency (medians reported)")
     p.add_argument("--out", default="bench_results", help="folder for the JSON and the chart")
 
 
@@ -71,6 +73,16 @@ def _threads() -> dict[str, float]:
         except OSError:  # a thread that ended meanwhile
             continue
         out[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each number the median of the runs' (the other fields the first run's), with the runs' calls/s."""
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        numbers = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        out[key] = statistics.median(numbers) if isinstance(value, (int, float)) and numbers else value
+    out["rps_runs"] = [round(r["rps"], 1) for r in runs]
     return out
 
 
@@ -288,21 +300,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             await _through(processes, harness, 8, args, [], [])  # warm: the processes' first calls
             for c in levels:
                 urls = [f"http://127.0.0.1:{stub_port}/sessions/s{i}/v1" for i in range(c)]
-                row: dict[str, Any] = {"concurrency": c}
-                if "stub" in modes:
-                    row["stub"] = await harness.play(urls, "stub", args)
-                if "in_driver" in modes:
-                    row["in_driver"] = await _through(in_driver, harness, c, args, [], workers, proxy.batcher)
-                if "processes" in modes:
-                    row["processes"] = await _through(
-                        processes, harness, c, args, processes.pids(), workers, proxy.batcher
-                    )
-                if "direct" in modes:
-                    row["direct"] = await direct(c, first)
-                if "agent_env_driver" in modes:
-                    row["agent_env_driver"] = await agent_env(c, processes, None)
-                if "agent_env" in modes:
-                    row["agent_env"] = await agent_env(c, processes, pool)
+                runs: dict[str, list[dict[str, Any]]] = {m: [] for m in known if m in modes}
+                for _ in range(args.repeat):  # the modes take turns, so the machine's drift weighs on each
+                    if "stub" in modes:
+                        runs["stub"].append(await harness.play(urls, "stub", args))
+                    if "in_driver" in modes:
+                        runs["in_driver"].append(
+                            await _through(in_driver, harness, c, args, [], workers, proxy.batcher)
+                        )
+                    if "processes" in modes:
+                        runs["processes"].append(
+                            await _through(processes, harness, c, args, processes.pids(), workers, proxy.batcher)
+                        )
+                    if "direct" in modes:
+                        runs["direct"].append(await direct(c, first))
+                    if "agent_env_driver" in modes:
+                        runs["agent_env_driver"].append(await agent_env(c, processes, None))
+                    if "agent_env" in modes:
+                        runs["agent_env"].append(await agent_env(c, processes, pool))
+                row: dict[str, Any] = {"concurrency": c, **{m: _median(r) for m, r in runs.items()}}
                 if "stub" in row and "processes" in row:
                     row["processes_vs_stub"] = row["processes"]["rps"] / row["stub"]["rps"]
                 log.info("agent-endpoint %s", json.dumps(row))

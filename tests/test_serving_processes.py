@@ -114,6 +114,14 @@ def test_each_process_speaks_every_protocol_and_checks_the_jobs_token(served, to
         out = call.choices[0]
         start = len(call.prompt.token_ids)
         assert out.logprobs == [script_logprob(t, p) for p, t in enumerate(out.token_ids, start=start)]
+    # the addresses a session records are its calls' peers, never a forwarding header
+    spoof = served.open_session()
+    r = httpx.post(
+        f"{served.endpoint.session_url(spoof)}/completions",
+        json={"model": "policy", "prompt": "SAY:x", "max_tokens": 4},
+        headers={**served.headers, "X-Forwarded-For": "10.9.9.9"},
+    )
+    assert r.status_code == 200 and served.recorded(spoof).clients == {"127.0.0.1"}
     for base in served.endpoint.urls():
         assert httpx.get(f"{base}/v1/models").status_code == 401
         assert httpx.get(f"{base}/v1/models", headers=served.headers).json()["data"][0]["id"] == "policy"

@@ -175,7 +175,9 @@ class PolicyEndpoint:
         limits = ConnectionLimits(
             max_connections=self.config.max_connections, read_timeout_s=self.config.read_timeout_s
         )
-        cfg = GuardedConfig(self.app(), limits=limits, lifespan="off", timeout_keep_alive=30)
+        cfg = GuardedConfig(
+            self.app(), limits=limits, lifespan="off", timeout_keep_alive=30, proxy_headers=False
+        )  # clients: the peer, not a header
         self._server = uvicorn.Server(cfg)
         self._server.install_signal_handlers = lambda: None  # the driver keeps its own handlers
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))

@@ -112,7 +112,9 @@ class ServerProcess:
         config = spec.config.model_copy(update={"port": port})
         self.endpoint = PolicyEndpoint(service, config, token=spec.token)
         limits = ConnectionLimits(max_connections=config.max_connections, read_timeout_s=config.read_timeout_s)
-        cfg = GuardedConfig(self.endpoint.app(), limits=limits, lifespan="off", timeout_keep_alive=30)
+        cfg = GuardedConfig(
+            self.endpoint.app(), limits=limits, lifespan="off", timeout_keep_alive=30, proxy_headers=False
+        )  # clients: the peer, not a header
         self.server = uvicorn.Server(cfg)
         self.server.install_signal_handlers = lambda: None
 
