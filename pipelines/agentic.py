@@ -236,7 +236,7 @@ class AgenticPipeline:
             model_path=self.model_path,
             version_fn=lambda: self.scheduler.version,
         )
-        self.env_pools, self.endpoint, self.harness = envs.env_pools, envs.endpoint, envs.harness
+        self.env_pools, self.endpoint, self.envs = envs.env_pools, envs.endpoint, envs
         groups = envs.env_groups()
         # the dataset tasks' groups follow the envs' groups; the eval runs on the same proxy
         groups += self.data_tasks.groups(envs.manager, config.rollout.group_size, first_group=len(groups))
@@ -379,10 +379,7 @@ class AgenticPipeline:
         (:meth:`_recover_training`), then the steps go on from the restored checkpoint."""
         history: list[dict[str, Any]] = []
         self.startup.mark("run_began")
-        if self.endpoint is not None:  # the agent envs' policy endpoint (its processes, or this event loop)
-            await self.endpoint.start()
-        if self.harness is not None:  # the processes agent harnesses play in
-            await self.harness.start()
+        await self.envs.start()  # what agent envs play through: the policy endpoint, harness processes
         if self.elastic is not None:
             self.elastic.start()
         await self.on_run_start()
@@ -399,10 +396,7 @@ class AgenticPipeline:
         finally:
             if self.elastic is not None:
                 self.elastic.stop()
-            if self.harness is not None:
-                await self.harness.stop()
-            if self.endpoint is not None:
-                await self.endpoint.stop()
+            await self.envs.stop()
 
     async def _recover_training(self, died: WorkerDiedError, err: BaseException, history: list) -> None:
         """A trainer-side rank died: within its role's policy, rebuild every trainer (and critic) rank in

@@ -44,6 +44,19 @@ class EnvGroups:
 
             self.harness = HarnessPool(config.serving.harness_processes, config.train.plugin_paths)
 
+    async def start(self) -> None:
+        """Start what the agent envs play through: the policy endpoint, then the harness processes."""
+        if self.endpoint is not None:
+            await self.endpoint.start()
+        if self.harness is not None:
+            await self.harness.start()
+
+    async def stop(self) -> None:
+        if self.harness is not None:
+            await self.harness.stop()
+        if self.endpoint is not None:
+            await self.endpoint.stop()
+
     def manager(self, env: Any, sampling: Any = None) -> EnvManager:
         """An EnvManager of ``env`` with its task's sampling settings and reward (``tasks.TAG``)."""
         tag = str(getattr(env, "tag", type(env).__name__))

@@ -1,7 +1,7 @@
 """Agent harnesses in processes of their own (``serving.harness_processes``), off the driver's event loop.
 
 An ``agent`` env's harness runs its episodes with the ``openai`` client, whose request building and
-response parsing cost more CPU per call than the endpoint itself (3-7 ms on a 2-core machine). In the
+response parsing cost more CPU per call than the endpoint itself (2-4 ms on a 2-core machine). In the
 driver's event loop that bounds a job to a few hundred agent calls per second whatever else it is
 given. :class:`HarnessPool` runs the episodes in ``n`` processes (:mod:`rollart.serving.harness_process`),
 each with its own event loop: the driver sends an episode (the harness's ``MODULE:FUNCTION``, the task,
