@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -198,25 +199,157 @@ async def _through(
     return row
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from rollart.engines.base import SamplingParams
-    from rollart.models.tiny import build_tokenizer, default_corpus
-    from rollart.rollout.llm_proxy import LLMProxy
+MODES = ("stub", "in_driver", "processes", "direct", "agent_env_driver", "agent_env")
+
+
+@dataclass
+class Setup:
+    """What every mode runs against: the LLMProxy over one simulated inference worker, the tokenizer, the
+    sampling of every call, the first call's prompt tokens."""
+
+    args: argparse.Namespace
+    proxy: Any
+    tok: Any
+    sampling: Any
+    first: list[int] = field(default_factory=list)
+    workers: list[int] = field(default_factory=list)
+
+
+async def _direct(setup: Setup, c: int) -> dict[str, Any]:
+    """The same calls as direct LLMProxy calls from the driver."""
     from rollart.rollout.types import GenerateRequest
+
+    args, tok = setup.args, setup.tok
+    more = tok.encode("\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    lat: list[float] = []
+
+    async def one(i: int) -> None:
+        prompt = list(setup.first)
+        for turn in range(args.turns):
+            t0 = time.perf_counter()
+            request = GenerateRequest(request_id=f"d{c}:{i}:{turn}", prompt_token_ids=prompt, sampling=setup.sampling)
+            out = await setup.proxy.generate(request, "agent")
+            lat.append(time.perf_counter() - t0)
+            prompt = prompt + out.output_token_ids + more
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(one(i) for i in range(c)))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {
+        "calls": len(lat),
+        "rps": len(lat) / wall,
+        "p50_ms": 1e3 * statistics.median(lat),
+        "p99_ms": 1e3 * _pct(lat, 0.99),
+        "driver_cpu_ms_per_call": 1e3 * cpu / len(lat),
+    }
+
+
+async def _agent_env(setup: Setup, c: int, endpoint: Any, pool: Any) -> dict[str, Any]:
+    """``c`` episodes of the ``agent`` env kind at once, the harness in the driver or in ``pool``."""
+    from rollart.benchmarks.agent_harness import episode
+    from rollart.serving.agent import AgentEnvManager, AgentSpec
+
+    args = setup.args
+    spec = AgentSpec(agent="rollart.benchmarks.agent_harness:episode")
+    task = {"turns": args.turns, "max_tokens": args.max_tokens, "question": QUESTION}
+    managers = [
+        AgentEnvManager(spec, endpoint, agent=episode, tasks=lambda seed: dict(task), harness=pool) for _ in range(c)
+    ]
+    pids = endpoint.pids() + (pool.pids() if pool is not None else [])
+    t0, c0, e0 = time.perf_counter(), time.process_time(), _cpu_s(pids)
+    trajs = await asyncio.gather(*(m.run(seed=i) for i, m in enumerate(managers)))
+    wall, cpu, others = time.perf_counter() - t0, time.process_time() - c0, _cpu_s(pids) - e0
+    calls = sum(t.info.get("calls", 0) for t in trajs)
+    failed = [t.error for t in trajs if t.status != "ok"]
+    if failed:
+        log.warning("agent-endpoint: %d episode(s) failed, e.g. %s", len(failed), failed[:3])
+    return {
+        "calls": calls,
+        "failures": len(failed),
+        "rps": calls / wall,
+        "driver_cpu_ms_per_call": 1e3 * cpu / max(1, calls),
+        "endpoint_and_harness_cpu_ms_per_call": 1e3 * others / max(1, calls),
+    }
+
+
+async def _level(setup: Setup, c: int, modes: set[str], parts: dict[str, Any]) -> dict[str, Any]:
+    """One concurrency: every mode ``--repeat`` times, taking turns (the machine's drift weighs on each)."""
+    args, batcher = setup.args, setup.proxy.batcher
+    harness, in_driver, processes, pool = parts["harness"], parts["in_driver"], parts["processes"], parts["pool"]
+    urls = [f"http://127.0.0.1:{parts['stub_port']}/sessions/s{i}/v1" for i in range(c)]
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES if m in modes}
+    for _ in range(args.repeat):
+        if "stub" in modes:
+            runs["stub"].append(await harness.play(urls, "stub", args))
+        if "in_driver" in modes:
+            runs["in_driver"].append(await _through(in_driver, harness, c, args, [], setup.workers, batcher))
+        if "processes" in modes:
+            pids = processes.pids()
+            runs["processes"].append(await _through(processes, harness, c, args, pids, setup.workers, batcher))
+        if "direct" in modes:
+            runs["direct"].append(await _direct(setup, c))
+        if "agent_env_driver" in modes:
+            runs["agent_env_driver"].append(await _agent_env(setup, c, processes, None))
+        if "agent_env" in modes:
+            runs["agent_env"].append(await _agent_env(setup, c, processes, pool))
+    row: dict[str, Any] = {"concurrency": c, **{m: _median(r) for m, r in runs.items()}}
+    if "stub" in row and "processes" in row:
+        row["processes_vs_stub"] = row["processes"]["rps"] / row["stub"]["rps"]
+    log.info("agent-endpoint %s", json.dumps(row))
+    return row
+
+
+async def _bench(setup: Setup, levels: list[int], modes: set[str]) -> list[dict[str, Any]]:
+    """Start the stub, the harness processes, both endpoints and the harness pool; measure every level."""
     from rollart.serving.config import ServingConfig
     from rollart.serving.endpoint import PolicyEndpoint, build_service
     from rollart.serving.harness import HarnessPool
     from rollart.serving.processes import EndpointProcesses
     from rollart.serving.service import ProxyBackend
 
+    args, proxy, tok = setup.args, setup.proxy, setup.tok
+    config = ServingConfig(max_concurrency=4096, max_sessions=8192, processes=args.processes)
+    service = build_service(ProxyBackend(proxy), tok, config, model="policy", sampling=setup.sampling)
+    assert service.renderer is not None
+    setup.first = service.renderer.prompt([{"role": "user", "content": QUESTION}])
+    stub, stub_port = await _stub()
+    parts: dict[str, Any] = {
+        "stub_port": stub_port,
+        "harness": Harnesses(args.harness_processes),
+        "in_driver": PolicyEndpoint(service, config),
+        "processes": EndpointProcesses(ProxyBackend(proxy), tok, config, model="policy", sampling=setup.sampling),
+        "pool": HarnessPool(args.harness_processes),
+    }
+    try:
+        await parts["harness"].start()
+        await parts["in_driver"].start()
+        await parts["processes"].start()
+        if "agent_env" in modes:
+            await parts["pool"].start()
+            await _agent_env(setup, 2 * args.harness_processes, parts["processes"], parts["pool"])  # warm
+        await _through(parts["processes"], parts["harness"], 8, args, [], [])  # warm: the first calls
+        return [await _level(setup, c, modes, parts) for c in levels]
+    finally:
+        await parts["harness"].stop()
+        await parts["pool"].stop()
+        await parts["processes"].stop()
+        await parts["in_driver"].stop()
+        assert stub.stdin is not None
+        stub.stdin.close()
+        await stub.wait()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from rollart.engines.base import SamplingParams
+    from rollart.models.tiny import build_tokenizer, default_corpus
+    from rollart.rollout.llm_proxy import LLMProxy
+
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
+    modes = {m.strip() for m in str(args.modes).split(",") if m.strip()}
+    if modes - set(MODES):
+        raise SystemExit(f"--modes: unknown {sorted(modes - set(MODES))}; choose from {', '.join(MODES)}")
     for name in ("httpx", "httpx2"):  # the openai client logs every call at INFO: not part of what is measured
         logging.getLogger(name).setLevel(logging.WARNING)
-    modes = {m.strip() for m in str(args.modes).split(",") if m.strip()}
-    known = ("stub", "in_driver", "processes", "direct", "agent_env_driver", "agent_env")
-    unknown = modes - set(known)
-    if unknown:
-        raise SystemExit(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(known)}")
     tok = build_tokenizer(default_corpus(400), Path(tempfile.mkdtemp(prefix="rollart-bench-tok-")), 320, chat=True)
     rm, cluster = start_inference(
         {"rollout": {"hardware": "H20", "devices": 1}},
@@ -225,117 +358,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     proxy = LLMProxy(cluster, batch_requests=True)
     sampling = SamplingParams(max_new_tokens=args.max_tokens, temperature=1.0)
-
-    async def direct(c: int, first: list[int]) -> dict[str, Any]:
-        """The same calls as direct LLMProxy calls from the driver (``first``: the first call's prompt)."""
-        more = tok.encode("\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-        lat: list[float] = []
-
-        async def one(i: int) -> None:
-            prompt = list(first)
-            for turn in range(args.turns):
-                t0 = time.perf_counter()
-                request = GenerateRequest(request_id=f"d{c}:{i}:{turn}", prompt_token_ids=prompt, sampling=sampling)
-                out = await proxy.generate(request, "agent")
-                lat.append(time.perf_counter() - t0)
-                prompt = prompt + out.output_token_ids + more
-
-        t0, c0 = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(one(i) for i in range(c)))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return {
-            "calls": len(lat),
-            "rps": len(lat) / wall,
-            "p50_ms": 1e3 * statistics.median(lat),
-            "p99_ms": 1e3 * _pct(lat, 0.99),
-            "driver_cpu_ms_per_call": 1e3 * cpu / len(lat),
-        }
-
-    async def agent_env(c: int, endpoint: Any, pool: Any) -> dict[str, Any]:
-        """``c`` episodes of the ``agent`` env kind at once, the harness in the driver or in ``pool``."""
-        from rollart.benchmarks.agent_harness import episode
-        from rollart.serving.agent import AgentEnvManager, AgentSpec
-
-        spec = AgentSpec(agent="rollart.benchmarks.agent_harness:episode")
-        task = {"turns": args.turns, "max_tokens": args.max_tokens, "question": QUESTION}
-        managers = [
-            AgentEnvManager(spec, endpoint, agent=episode, tasks=lambda seed: dict(task), harness=pool)
-            for _ in range(c)
-        ]
-        pids = endpoint.pids() + (pool.pids() if pool is not None else [])
-        t0, c0, e0 = time.perf_counter(), time.process_time(), _cpu_s(pids)
-        trajs = await asyncio.gather(*(m.run(seed=i) for i, m in enumerate(managers)))
-        wall, cpu, others = time.perf_counter() - t0, time.process_time() - c0, _cpu_s(pids) - e0
-        calls = sum(t.info.get("calls", 0) for t in trajs)
-        failed = [t.error for t in trajs if t.status != "ok"]
-        if failed:
-            log.warning("agent-endpoint: %d episode(s) failed, e.g. %s", len(failed), failed[:3])
-        return {
-            "calls": calls,
-            "failures": len(failed),
-            "rps": calls / wall,
-            "driver_cpu_ms_per_call": 1e3 * cpu / max(1, calls),
-            "endpoint_and_harness_cpu_ms_per_call": 1e3 * others / max(1, calls),
-        }
-
-    async def bench() -> list[dict[str, Any]]:
-        config = ServingConfig(max_concurrency=4096, max_sessions=8192, processes=args.processes)
-        service = build_service(ProxyBackend(proxy), tok, config, model="policy", sampling=sampling)
-        in_driver = PolicyEndpoint(service, config)
-        assert service.renderer is not None
-        first = service.renderer.prompt([{"role": "user", "content": QUESTION}])
-        processes = EndpointProcesses(ProxyBackend(proxy), tok, config, model="policy", sampling=sampling)
-        harness = Harnesses(args.harness_processes)
-        pool = HarnessPool(args.harness_processes)
-        stub, stub_port = await _stub()
-        await harness.start()
-        await in_driver.start()
-        await processes.start()
-        if "agent_env" in modes:
-            await pool.start()
-            await agent_env(2 * args.harness_processes, processes, pool)  # warm: each process imports the harness
-        rows = []
-        try:
-            workers = list(cluster.pids().values())
-            await _through(processes, harness, 8, args, [], [])  # warm: the processes' first calls
-            for c in levels:
-                urls = [f"http://127.0.0.1:{stub_port}/sessions/s{i}/v1" for i in range(c)]
-                runs: dict[str, list[dict[str, Any]]] = {m: [] for m in known if m in modes}
-                for _ in range(args.repeat):  # the modes take turns, so the machine's drift weighs on each
-                    if "stub" in modes:
-                        runs["stub"].append(await harness.play(urls, "stub", args))
-                    if "in_driver" in modes:
-                        runs["in_driver"].append(
-                            await _through(in_driver, harness, c, args, [], workers, proxy.batcher)
-                        )
-                    if "processes" in modes:
-                        runs["processes"].append(
-                            await _through(processes, harness, c, args, processes.pids(), workers, proxy.batcher)
-                        )
-                    if "direct" in modes:
-                        runs["direct"].append(await direct(c, first))
-                    if "agent_env_driver" in modes:
-                        runs["agent_env_driver"].append(await agent_env(c, processes, None))
-                    if "agent_env" in modes:
-                        runs["agent_env"].append(await agent_env(c, processes, pool))
-                row: dict[str, Any] = {"concurrency": c, **{m: _median(r) for m, r in runs.items()}}
-                if "stub" in row and "processes" in row:
-                    row["processes_vs_stub"] = row["processes"]["rps"] / row["stub"]["rps"]
-                log.info("agent-endpoint %s", json.dumps(row))
-                rows.append(row)
-        finally:
-            await harness.stop()
-            if "agent_env" in modes:
-                await pool.stop()
-            await processes.stop()
-            await in_driver.stop()
-            assert stub.stdin is not None
-            stub.stdin.close()
-            await stub.wait()
-        return rows
-
+    setup = Setup(args, proxy, tok, sampling, workers=list(cluster.pids().values()))
     try:
-        rows = asyncio.run(bench())
+        rows = asyncio.run(_bench(setup, levels, modes))
     finally:
         proxy.close()
         cluster.shutdown()
@@ -346,11 +371,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_s": args.decode_s,
         "harness_processes": args.harness_processes,
         "processes": args.processes,
+        "repeat": args.repeat,
         "rows": rows,
     }
-    bars = {}
-    for r in rows:
-        for mode in known:
-            if mode in r:
-                bars[f"{mode} @{r['concurrency']}"] = r[mode]["rps"]
+    bars = {f"{mode} @{r['concurrency']}": r[mode]["rps"] for r in rows for mode in MODES if mode in r}
     return write_report(args.out, "agent_endpoint", result, bars, "calls/s", "agent calls/s by where the endpoint runs")
