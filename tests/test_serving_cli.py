@@ -1,4 +1,5 @@
-"""``rollart serve policy``: the endpoint alone over a model folder, used with the ``openai`` client."""
+"""``rollart serve policy``: the endpoint alone over a model folder (in two server processes), used with the
+``openai`` client."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def test_serve_policy_serves_a_model_folder(tmp_path):
             "POLICY_TOKEN",
             "--model-name",
             "tiny",
+            "--processes",
+            "2",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -57,6 +60,9 @@ def test_serve_policy_serves_a_model_folder(tmp_path):
     try:
         url = _first_line(proc, 420)
         assert url.startswith("http://127.0.0.1:")
+        assert "bearer token: $POLICY_TOKEN" in proc.stdout.readline()
+        urls = proc.stdout.readline().strip().removeprefix("2 processes: ").split(", ")
+        assert len(urls) == 2 and urls[0] == url and urls[1] != url  # two server processes, a port each
         # the token left the environment before Ray started: neither the server nor its raylet, GCS and
         # inference workers hold it (what /proc/<pid>/environ shows)
         ray_processes = descendants(proc.pid)
@@ -83,6 +89,8 @@ def test_serve_policy_serves_a_model_folder(tmp_path):
         assert shown["calls"] == 1 and sum(shown["trajectory"]["loss_mask"]) >= 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        second = openai.OpenAI(base_url=f"{urls[1]}/v1", api_key="a-token-of-the-test-0123", max_retries=0)
+        assert second.completions.create(model="tiny", prompt="12+34=", max_tokens=4).usage.completion_tokens >= 1
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -142,6 +142,8 @@ async def _serve(args: argparse.Namespace, model: str, cfg: Any, settings: Any, 
         print(endpoint.public_url, flush=True)
         where = f"${settings.token_env}" if settings.token_env else endpoint.token
         print(f"model {name!r} from {model}; bearer token: {where}", flush=True)
+        if settings.processes > 1:  # each serves its own sessions; sessionless calls reach any of them
+            print(f"{settings.processes} processes: {', '.join(endpoint.urls())}", flush=True)
         await stop.wait()
     finally:
         await endpoint.stop()
