@@ -201,30 +201,21 @@ class ServedPolicy:
         from rollart.serving.service import ProxyBackend
 
         tok = AutoTokenizer.from_pretrained(self.model_path)
+        settings: dict[str, Any] = {
+            "model": "policy",
+            "sampling": SamplingParams(max_new_tokens=64),
+            "max_context": model_context(self.model_path),
+            "version_fn": lambda: self.proxy.version,
+        }
         if self.config.processes and "processes" in self.serving:
             from rollart.serving.processes import EndpointProcesses
 
             processes = EndpointProcesses(
-                ProxyBackend(self.proxy),
-                tok,
-                self.config,
-                model="policy",
-                sampling=SamplingParams(max_new_tokens=64),
-                max_context=model_context(self.model_path),
-                version_fn=lambda: self.proxy.version,
-                token="test-token-0123456789",
+                ProxyBackend(self.proxy), tok, self.config, token="test-token-0123456789", **settings
             )
             await processes.start()
             return processes
-        service = build_service(
-            ProxyBackend(self.proxy),
-            tok,
-            self.config,
-            model="policy",
-            sampling=SamplingParams(max_new_tokens=64),
-            max_context=model_context(self.model_path),
-            version_fn=lambda: self.proxy.version,
-        )
+        service = build_service(ProxyBackend(self.proxy), tok, self.config, **settings)
         endpoint = PolicyEndpoint(service, self.config, token="test-token-0123456789")
         await endpoint.start()
         return endpoint

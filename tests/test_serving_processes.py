@@ -164,7 +164,7 @@ def test_a_dead_process_starts_again_and_its_episode_fails_never_a_zero(served):
         [process] = [p for p in endpoint.processes.values() if p.port == client.base_url.port]
         task["port"] = process.port
         os.kill(process.popen.pid, signal.SIGKILL)
-        await endpoint.wait_started(process.index, endpoint.starts[process.index] + 1)
+        await endpoint.starts.wait(process.index, endpoint.starts[process.index] + 1)
         return 1.0
 
     async def fine(client, task):
@@ -235,10 +235,10 @@ def test_a_harness_processs_failures_name_the_users_line_and_a_dead_one_starts_a
     assert kind.location.endswith("serving_agents.py:" + str(_line_of("serving_agents.py", 'float(task["answer"])')))
     assert "serving_agents.py" in caplog.text and "KeyError" in caplog.text
 
-    starts = harness.starts
+    starts = harness.starts.total
     traj = served.run(_manager(served, harness, "dies", {}).run(seed=1))
     assert traj.status == "failed" and traj.reward is None and "harness process" in traj.error
-    served.run(harness.wait_starts(starts + 1))  # the dead one started again
+    served.run(harness.starts.wait(None, starts + 1))  # the dead one started again
     assert len(harness.pids()) == 2
     again = served.run(_manager(served, harness, "where_i_run", {"pid_file": os.devnull, "say": "ok"}).run(seed=2))
     assert (again.status, again.reward) == ("ok", 1.0)

@@ -129,7 +129,7 @@ class PolicyEndpoint:
     @property
     def listens_publicly(self) -> bool:
         """Whether it listens on an address other hosts can reach (not only the loopback)."""
-        return self.config.host not in ("127.0.0.1", "localhost", "::1")
+        return listens_publicly(self.config.host)
 
     def session_url(self, session: Session, *, public: bool = False) -> str:
         """The session's base URL: the ``base_url`` of its ``openai`` client."""
@@ -198,6 +198,11 @@ class PolicyEndpoint:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def listens_publicly(host: str) -> bool:
+    """Whether an endpoint on ``host`` is reachable from other hosts (not only on the loopback)."""
+    return host not in ("127.0.0.1", "localhost", "::1")
 
 
 def base_url(host: str, port: int, *, public: bool = False) -> str:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import pickle
 import sys
 import tempfile
 import traceback
@@ -27,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
+from rollart.serving.children import Starts, reap, spawn
 
-START_TIMEOUT_S = 120.0
+log = logging.getLogger(__name__)
 
 
 class RemoteAgentError(Exception):
@@ -72,8 +70,7 @@ class HarnessPool:
         self._server: asyncio.AbstractServer | None = None
         self._hello: dict[int, asyncio.Future[Any]] = {}
         self._stopping = False
-        self.starts = 0  # processes started, restarts included
-        self._started: asyncio.Condition | None = None
+        self.starts = Starts()  # how many times each process has started
 
     async def start(self) -> None:
         from rollart.serving.bridge import FrameProtocol
@@ -95,42 +92,11 @@ class HarnessPool:
     async def _start_worker(self, index: int) -> None:
         hello: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._hello[index] = hello
-        popen = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "rollart.serving.harness_process",
-            stdin=asyncio.subprocess.PIPE,
-            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-        )
-        assert popen.stdin is not None
         spec = {"index": index, "socket": self._path, "sys_path": [*self.search_path, *sys.path]}
         spec["log_level"] = logging.getLogger("rollart").getEffectiveLevel()
-        popen.stdin.write(pickle.dumps(spec))
-        await popen.stdin.drain()
-        popen.stdin.close()
-        exited: asyncio.Future[Any] = asyncio.ensure_future(popen.wait())
-        waits: set[asyncio.Future[Any]] = {hello, exited}
-        done, _ = await asyncio.wait(waits, timeout=START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
-        exited.cancel()
-        if hello not in done:
-            if popen.returncode is None:
-                popen.kill()
-                await popen.wait()
-            why = "did not start in time" if not done else f"exited with code {popen.returncode}"
-            raise RuntimeError(f"harness process {index} {why}; its log lines above say why")
+        popen = await spawn("rollart.serving.harness_process", spec, hello, f"harness process {index}")
         self.workers[index] = _Worker(index, popen, hello.result())
-        self.starts += 1
-        if self._started is None:
-            self._started = asyncio.Condition()
-        async with self._started:
-            self._started.notify_all()
-
-    async def wait_starts(self, total: int, timeout_s: float = 120.0) -> None:
-        """Until ``total`` processes have started in all (a restart after one went away counts)."""
-        if self._started is None:
-            self._started = asyncio.Condition()
-        async with self._started:
-            await asyncio.wait_for(self._started.wait_for(lambda: self.starts >= total), timeout_s)
+        await self.starts.record(index)
 
     # ------------------------------------------------------------------ messages
     def _message(self, holder: dict[str, Any], message: tuple[Any, ...]) -> None:
@@ -207,11 +173,7 @@ class HarnessPool:
         for worker in list(self.workers.values()):
             worker.connection.send(("stop",))
         for worker in list(self.workers.values()):
-            try:
-                await asyncio.wait_for(worker.popen.wait(), 15)
-            except TimeoutError:
-                worker.popen.kill()
-                await worker.popen.wait()
+            await reap(worker.popen)
         self.workers.clear()
         if self._server is not None:
             self._server.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import pickle
 import sys
 from typing import Any
@@ -22,11 +21,10 @@ log = logging.getLogger(__name__)
 
 
 def _portable(value: Any) -> Any:
-    """What crosses back to the driver: a number or None as it is, anything else by its ``repr``."""
-    if value is None or isinstance(value, (bool, int)) or (isinstance(value, float) and math.isfinite(value)):
+    """What crosses back to the driver: a number (finite or not: the driver judges it) or None as it is,
+    anything else by its ``repr``."""
+    if value is None or isinstance(value, (bool, int, float)):
         return value
-    if isinstance(value, float):
-        return value  # nan and inf pickle; the driver refuses them with their value
     from rollart.serving.harness import Returned
 
     return Returned(repr(value))
@@ -107,19 +105,12 @@ def _client(fn: Any, base_url: str, token: str, settings: dict[str, Any]) -> Any
 
 
 def main() -> None:
+    from rollart.serving.children import child_runner
+
     spec = pickle.load(sys.stdin.buffer)
-    for path in reversed(spec["sys_path"]):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    logging.basicConfig(level=spec["log_level"], format=f"%(asctime)s harness[{spec['index']}] %(name)s: %(message)s")
+    runner = child_runner(spec["sys_path"], spec["log_level"], f"harness[{spec['index']}]")
     for name in ("httpx", "httpx2"):  # the openai client logs every call at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        import uvloop
-
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:
-        runner = asyncio.Runner()
     with runner:
         runner.run(HarnessProcess(spec["index"]).run(spec["socket"]))
 

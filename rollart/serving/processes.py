@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
-import pickle
 import sys
 import tempfile
 from collections.abc import Callable
@@ -31,13 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from rollart.engines.base import SamplingParams
+from rollart.serving.children import Starts, child_environment, reap, spawn
 from rollart.serving.config import ServingConfig
-from rollart.serving.endpoint import base_url, job_token
+from rollart.serving.endpoint import base_url, job_token, listens_publicly
 from rollart.serving.sessions import Session
 
 log = logging.getLogger(__name__)
-
-START_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -94,8 +91,7 @@ class EndpointProcesses:
         self._socket_path = ""
         self._stopping = False
         self._watch: asyncio.Task[None] | None = None
-        self.starts: dict[int, int] = {}  # how many times each process has started
-        self._started: asyncio.Condition | None = None
+        self.starts = Starts()  # how many times each process has started
 
     # ------------------------------------------------------------------ addresses
     @property
@@ -109,7 +105,7 @@ class EndpointProcesses:
 
     @property
     def listens_publicly(self) -> bool:
-        return self.config.host not in ("127.0.0.1", "localhost", "::1")
+        return listens_publicly(self.config.host)
 
     def urls(self) -> list[str]:
         """Every process's base URL, in process order."""
@@ -199,56 +195,12 @@ class EndpointProcesses:
             **self._spec,
         )
         hello = self.host.expect(index)
-        popen = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "rollart.serving.server_process",
-            stdin=asyncio.subprocess.PIPE,
-            env=self._environment(),
-        )
-        assert popen.stdin is not None
-        popen.stdin.write(pickle.dumps(spec))
-        await popen.stdin.drain()
-        popen.stdin.close()
-        exited: asyncio.Future[Any] = asyncio.ensure_future(popen.wait())
-        waits: set[asyncio.Future[Any]] = {hello, exited}
-        done, _ = await asyncio.wait(waits, timeout=START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
-        exited.cancel()
-        if hello not in done:
-            hello.cancel()
-            if popen.returncode is None:
-                popen.kill()
-                await popen.wait()
-            why = "did not start in time" if not done else f"exited with code {popen.returncode}"
-            raise RuntimeError(f"endpoint process {index} {why}; its log lines above say why")
-        try:
-            connection = hello.result()
-        except RuntimeError:
-            popen.kill()
-            await popen.wait()
-            raise
+        env = child_environment(drop=self.config.token_env)  # the token travels in the spec, not the environment
+        popen = await spawn("rollart.serving.server_process", spec, hello, f"endpoint process {index}", env)
+        connection = hello.result()
         assert connection.port is not None
         self.processes[index] = _Process(index, popen, connection.port, connection)
-        self.starts[index] = self.starts.get(index, 0) + 1
-        if self._started is None:
-            self._started = asyncio.Condition()
-        async with self._started:
-            self._started.notify_all()
-
-    async def wait_started(self, index: int, times: int, timeout_s: float = 120.0) -> None:
-        """Until process ``index`` has started ``times`` times (a restart after it went away counts)."""
-        if self._started is None:
-            self._started = asyncio.Condition()
-        async with self._started:
-            await asyncio.wait_for(self._started.wait_for(lambda: self.starts.get(index, 0) >= times), timeout_s)
-
-    def _environment(self) -> dict[str, str]:
-        """A process's environment: the driver's, without the variable holding the job's token (the token
-        travels in the pickled spec on standard input)."""
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        if self.config.token_env:
-            env.pop(self.config.token_env, None)
-        return env
+        await self.starts.record(index)
 
     async def _supervise(self) -> None:
         """Start again a process that went away (on its port); its sessions ended with it."""
@@ -286,11 +238,7 @@ class EndpointProcesses:
             except Exception as err:
                 log.debug("endpoint process %d did not stop when asked: %s", process.index, err)
         for process in list(self.processes.values()):
-            try:
-                await asyncio.wait_for(process.popen.wait(), 15)
-            except TimeoutError:
-                process.popen.kill()
-                await process.popen.wait()
+            await reap(process.popen)
         self.processes.clear()
         await self.host.stop()
         if self._folder is not None:

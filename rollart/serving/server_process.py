@@ -151,17 +151,10 @@ class ServerProcess:
 
 
 def main() -> None:
-    spec: ProcessSpec = pickle.load(sys.stdin.buffer)
-    for path in reversed(spec.sys_path):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s endpoint[{spec.index}] %(name)s: %(message)s")
-    try:
-        import uvloop
+    from rollart.serving.children import child_runner
 
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:
-        runner = asyncio.Runner()
+    spec: ProcessSpec = pickle.load(sys.stdin.buffer)
+    runner = child_runner(spec.sys_path, spec.log_level, f"endpoint[{spec.index}]")
     with runner:
         runner.run(ServerProcess(spec).run())
 
